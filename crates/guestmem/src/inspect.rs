@@ -1,0 +1,262 @@
+//! What the kernel really did with a region: resident bytes, huge-page bytes, locked bytes,
+//! NUMA placement, read from `/proc/self/smaps` and `/proc/self/numa_maps`.
+//!
+//! Coverage is measured, never assumed: a region is only as fast as the huge pages the kernel
+//! actually gave it, and a stray guard page or a late THP advice silently costs some.
+
+use std::collections::BTreeMap;
+use std::io;
+
+use crate::map::Snapshot;
+use crate::region::Region;
+
+/// Why an inspection failed.
+#[derive(Debug, thiserror::Error)]
+pub enum InspectError {
+    /// A procfs file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The file.
+        path: &'static str,
+        /// The error.
+        source: io::Error,
+    },
+}
+
+/// The kernel's account of one region.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RegionUsage {
+    /// Guest address of the region.
+    pub guest_addr: u64,
+    /// Size of the region.
+    pub size: u64,
+    /// Bytes resident (smaps `Rss`, plus hugetlb pages, which smaps counts apart).
+    pub resident: u64,
+    /// Bytes mapped by huge pages: `AnonHugePages + ShmemPmdMapped + FilePmdMapped` plus
+    /// hugetlb pages.
+    pub huge: u64,
+    /// Bytes locked (smaps `Locked`).
+    pub locked: u64,
+    /// Bytes of the region that huge pages could cover: the span between its first and last
+    /// boundary of its huge-page size.
+    pub huge_span: u64,
+    /// Resident bytes per NUMA node (empty if numa_maps is unavailable).
+    pub numa: BTreeMap<u32, u64>,
+}
+
+impl RegionUsage {
+    /// `huge / huge_span`, as a fraction (0 when the span is empty).
+    pub fn huge_coverage(&self) -> f64 {
+        if self.huge_span == 0 {
+            0.0
+        } else {
+            self.huge as f64 / self.huge_span as f64
+        }
+    }
+}
+
+/// One VMA of smaps: its range and the fields guestmem reads, in bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Vma {
+    start: u64,
+    end: u64,
+    rss: u64,
+    huge: u64,
+    hugetlb: u64,
+    locked: u64,
+}
+
+fn parse_range(line: &str) -> Option<(u64, u64)> {
+    let range = line.split_whitespace().next()?;
+    let (a, b) = range.split_once('-')?;
+    Some((
+        u64::from_str_radix(a, 16).ok()?,
+        u64::from_str_radix(b, 16).ok()?,
+    ))
+}
+
+fn parse_smaps(text: &str) -> Vec<Vma> {
+    let mut out: Vec<Vma> = Vec::new();
+    for line in text.lines() {
+        if let Some((k, v)) = line.split_once(':') {
+            // Field lines are "Name:   123 kB"; VMA header lines start with a hex range and
+            // contain a ':' only inside the device field, which has no "kB".
+            let kb = v
+                .trim()
+                .strip_suffix("kB")
+                .and_then(|n| n.trim().parse::<u64>().ok());
+            if let (Some(kb), Some(vma)) = (kb, out.last_mut()) {
+                let bytes = kb * 1024;
+                match k {
+                    "Rss" => vma.rss = bytes,
+                    "AnonHugePages" | "ShmemPmdMapped" | "FilePmdMapped" => vma.huge += bytes,
+                    "Shared_Hugetlb" | "Private_Hugetlb" => vma.hugetlb += bytes,
+                    "Locked" => vma.locked = bytes,
+                    _ => {}
+                }
+                continue;
+            }
+        }
+        if let Some((start, end)) = parse_range(line) {
+            out.push(Vma {
+                start,
+                end,
+                ..Vma::default()
+            });
+        }
+    }
+    out
+}
+
+/// Per-node resident bytes of the numa_maps lines whose start lies in `start..end`.
+fn parse_numa_maps(text: &str, start: u64, end: u64) -> BTreeMap<u32, u64> {
+    let mut nodes = BTreeMap::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        let Some(addr) = words.next().and_then(|a| u64::from_str_radix(a, 16).ok()) else {
+            continue;
+        };
+        if addr < start || addr >= end {
+            continue;
+        }
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let page_kb = words
+            .iter()
+            .find_map(|w| w.strip_prefix("kernelpagesize_kB="))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(4);
+        for w in &words {
+            if let Some((n, pages)) = w.strip_prefix('N').and_then(|r| r.split_once('=')) {
+                if let (Ok(n), Ok(p)) = (n.parse::<u32>(), pages.parse::<u64>()) {
+                    *nodes.entry(n).or_insert(0) += p * page_kb * 1024;
+                }
+            }
+        }
+    }
+    nodes
+}
+
+fn read(path: &'static str) -> Result<String, InspectError> {
+    std::fs::read_to_string(path).map_err(|source| InspectError::Read { path, source })
+}
+
+fn usage_from(region: &Region, vmas: &[Vma], numa_text: Option<&str>) -> RegionUsage {
+    let start = region.host_addr() as u64;
+    let end = start + region.size();
+    let mut u = RegionUsage {
+        guest_addr: region.guest_addr().0,
+        size: region.size(),
+        ..RegionUsage::default()
+    };
+    for v in vmas.iter().filter(|v| v.start >= start && v.end <= end) {
+        u.resident += v.rss + v.hugetlb;
+        u.huge += v.huge + v.hugetlb;
+        u.locked += v.locked;
+    }
+    let a = region.huge_align();
+    let span_start = start.div_ceil(a) * a;
+    let span_end = end / a * a;
+    u.huge_span = span_end.saturating_sub(span_start);
+    if let Some(t) = numa_text {
+        u.numa = parse_numa_maps(t, start, end);
+    }
+    u
+}
+
+/// The kernel's account of every region of `snap`, from one read of smaps.
+pub fn inspect(snap: &Snapshot) -> Result<Vec<RegionUsage>, InspectError> {
+    let vmas = parse_smaps(&read("/proc/self/smaps")?);
+    let numa = read("/proc/self/numa_maps").ok();
+    Ok(snap
+        .regions()
+        .iter()
+        .map(|r| usage_from(r, &vmas, numa.as_deref()))
+        .collect())
+}
+
+/// The kernel's account of one region.
+pub fn inspect_region(region: &Region) -> Result<RegionUsage, InspectError> {
+    let vmas = parse_smaps(&read("/proc/self/smaps")?);
+    let numa = read("/proc/self/numa_maps").ok();
+    Ok(usage_from(region, &vmas, numa.as_deref()))
+}
+
+/// Process-wide memory figures from `/proc/self/status`, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ProcessMemory {
+    /// `VmRSS`.
+    pub rss: u64,
+    /// `VmLck`.
+    pub locked: u64,
+    /// `HugetlbPages`.
+    pub hugetlb: u64,
+}
+
+impl ProcessMemory {
+    /// Reads this process's figures.
+    pub fn read() -> Result<ProcessMemory, InspectError> {
+        let text = read("/proc/self/status")?;
+        let mut m = ProcessMemory::default();
+        for line in text.lines() {
+            let Some((k, v)) = line.split_once(':') else {
+                continue;
+            };
+            let Some(kb) = v
+                .trim()
+                .strip_suffix("kB")
+                .and_then(|n| n.trim().parse::<u64>().ok())
+            else {
+                continue;
+            };
+            match k {
+                "VmRSS" => m.rss = kb * 1024,
+                "VmLck" => m.locked = kb * 1024,
+                "HugetlbPages" => m.hugetlb = kb * 1024,
+                _ => {}
+            }
+        }
+        Ok(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMAPS: &str = "\
+7f0000000000-7f0000400000 rw-p 00000000 00:00 0 
+Size:               4096 kB
+Rss:                4096 kB
+AnonHugePages:      2048 kB
+ShmemPmdMapped:        0 kB
+Shared_Hugetlb:        0 kB
+Private_Hugetlb:       0 kB
+Locked:             1024 kB
+VmFlags: rd wr mr mw me ac hg
+7f0000400000-7f0000600000 rw-s 00000000 00:01 1234  /memfd:guestmem-huge (deleted)
+Rss:                   0 kB
+Shared_Hugetlb:     2048 kB
+Locked:                0 kB
+";
+
+    #[test]
+    fn parse_smaps_reads_fields_per_vma() {
+        let v = parse_smaps(SMAPS);
+        assert_eq!(v.len(), 2);
+        assert_eq!(v[0].start, 0x7f00_0000_0000);
+        assert_eq!(v[0].rss, 4 << 20);
+        assert_eq!(v[0].huge, 2 << 20);
+        assert_eq!(v[0].locked, 1 << 20);
+        assert_eq!(v[1].hugetlb, 2 << 20);
+    }
+
+    #[test]
+    fn parse_numa_maps_counts_pages_by_node_and_page_size() {
+        let text = "7f0000000000 bind:0 anon=3 dirty=3 N0=2 N1=1 kernelpagesize_kB=4\n\
+                    7f0000400000 default huge dirty=1 N0=1 kernelpagesize_kB=2048\n\
+                    7f1000000000 default anon=1 N0=1 kernelpagesize_kB=4\n";
+        let n = parse_numa_maps(text, 0x7f00_0000_0000, 0x7f00_0060_0000);
+        assert_eq!(n[&0], 2 * 4096 + (2 << 20));
+        assert_eq!(n[&1], 4096);
+    }
+}

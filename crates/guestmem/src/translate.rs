@@ -1,0 +1,314 @@
+//! Guest address -> host memory, per thread, with a cache of the last region used.
+//!
+//! Seed 004: a vCPU touches one memslot over and over, so KVM keeps each vCPU's last-used
+//! slot and checks it before binary-searching (2.8 s -> 0.3 s per dirty pass with 64 slots).
+//! A [`Translator`] is that cache for a userspace thread. It pins one [`Snapshot`], so every
+//! slice it hands out stays mapped while the translator lives; [`Translator::refresh`] moves
+//! it to the newest snapshot at a point where the thread holds no slice (a vCPU exit, a
+//! device worker's next request), much as KVM's vCPUs pick up new memslots between SRCU
+//! read sections.
+//!
+//! The cached entry is a (generation, index) pair. Before use it is checked against the
+//! pinned snapshot's generation and read with a bounds-checked `get`, so a stale or
+//! out-of-range index can only miss, never read past the region array; the review of seed
+//! 004 asked for exactly this clamp against speculative out-of-bounds loads.
+
+use std::cell::Cell;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use vm_memory::{GuestAddress, VolatileSlice};
+
+use crate::layout::Access;
+use crate::map::{GuestMap, Snapshot};
+use crate::region::Region;
+
+/// Why a guest range could not be translated.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TranslateError {
+    /// `addr + len` overflows u64.
+    #[error("guest range {addr:#x} + {len:#x} overflows u64")]
+    Overflow {
+        /// Start of the range.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// No region holds the address.
+    #[error("guest address {addr:#x} is not in any region")]
+    Unmapped {
+        /// The address.
+        addr: u64,
+    },
+    /// The range starts in a region but runs past its end.
+    #[error("guest range {addr:#x} + {len:#x} runs past the end of region {region_addr:#x}..{region_end:#x}")]
+    CrossesRegionEnd {
+        /// Start of the range.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// Start of the region holding `addr`.
+        region_addr: u64,
+        /// Its end (exclusive).
+        region_end: u64,
+    },
+    /// A write to a region the guest may only read.
+    #[error("guest range {addr:#x} + {len:#x} is in read-only region {region_addr:#x}")]
+    ReadOnly {
+        /// Start of the range.
+        addr: u64,
+        /// Its length.
+        len: u64,
+        /// Start of the region.
+        region_addr: u64,
+    },
+}
+
+#[derive(Clone, Copy)]
+struct LastUsed {
+    generation: u64,
+    index: usize,
+}
+
+/// A per-thread translator. Not `Sync`: give every thread its own (they are cheap).
+pub struct Translator {
+    map: GuestMap,
+    snap: Arc<Snapshot>,
+    last: Cell<LastUsed>,
+}
+
+impl std::fmt::Debug for Translator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Translator")
+            .field("generation", &self.snap.generation())
+            .field("regions", &self.snap.len())
+            .finish()
+    }
+}
+
+impl Clone for Translator {
+    fn clone(&self) -> Self {
+        Translator {
+            map: self.map.clone(),
+            snap: self.snap.clone(),
+            last: Cell::new(self.last.get()),
+        }
+    }
+}
+
+impl Translator {
+    pub(crate) fn new(map: GuestMap) -> Translator {
+        let snap = map.snapshot();
+        Translator {
+            map,
+            snap,
+            last: Cell::new(LastUsed {
+                generation: u64::MAX,
+                index: 0,
+            }),
+        }
+    }
+
+    /// Moves to the newest snapshot if the map changed; returns whether it did. One atomic
+    /// load when nothing changed.
+    pub fn refresh(&mut self) -> bool {
+        if self.map.shared.generation.load(Ordering::Acquire) == self.snap.generation() {
+            return false;
+        }
+        self.snap = self.map.snapshot();
+        true
+    }
+
+    /// The snapshot this translator reads.
+    pub fn snapshot(&self) -> &Snapshot {
+        &self.snap
+    }
+
+    /// The map this translator belongs to.
+    pub fn map(&self) -> &GuestMap {
+        &self.map
+    }
+
+    /// The index of the region holding `addr`: the cached one if it still holds it, else a
+    /// binary search whose answer is cached.
+    #[inline]
+    pub fn region_index(&self, addr: GuestAddress) -> Option<usize> {
+        let last = self.last.get();
+        let spans = self.snap.spans();
+        if last.generation == self.snap.generation() {
+            if let Some(s) = spans.get(last.index) {
+                if addr.0 >= s.start && addr.0 < s.end {
+                    return Some(last.index);
+                }
+            }
+        }
+        let index = self.snap.find_index(addr)?;
+        self.last.set(LastUsed {
+            generation: self.snap.generation(),
+            index,
+        });
+        Some(index)
+    }
+
+    /// The region holding `addr`.
+    #[inline]
+    pub fn find(&self, addr: GuestAddress) -> Option<&Arc<Region>> {
+        self.region_index(addr).map(|i| &self.snap.regions()[i])
+    }
+
+    /// Host address of `addr..addr+len`, which must lie in one region.
+    #[inline]
+    fn host_range(&self, addr: GuestAddress, len: usize) -> Result<(usize, usize), TranslateError> {
+        let len64 = len as u64;
+        let end = addr.0.checked_add(len64).ok_or(TranslateError::Overflow {
+            addr: addr.0,
+            len: len64,
+        })?;
+        let i = self
+            .region_index(addr)
+            .ok_or(TranslateError::Unmapped { addr: addr.0 })?;
+        let s = self.snap.spans()[i];
+        if end > s.end {
+            return Err(TranslateError::CrossesRegionEnd {
+                addr: addr.0,
+                len: len64,
+                region_addr: s.start,
+                region_end: s.end,
+            });
+        }
+        Ok((s.host + (addr.0 - s.start) as usize, i))
+    }
+
+    /// The host memory of `addr..addr+len` for reading. The range must lie in one region.
+    #[inline]
+    pub fn translate(
+        &self,
+        addr: GuestAddress,
+        len: usize,
+    ) -> Result<VolatileSlice<'_>, TranslateError> {
+        let (host, _) = self.host_range(addr, len)?;
+        // SAFETY: host..host+len lies in one region of `self.snap` (checked in host_range,
+        // without overflow); the snapshot holds the region's Arc, so the mapping outlives the
+        // returned slice, which borrows `self`.
+        Ok(unsafe { VolatileSlice::new(host as *mut u8, len) })
+    }
+
+    /// The host memory of `addr..addr+len` for writing: as [`Translator::translate`], and the
+    /// region must not be read-only to the guest.
+    #[inline]
+    pub fn translate_mut(
+        &self,
+        addr: GuestAddress,
+        len: usize,
+    ) -> Result<VolatileSlice<'_>, TranslateError> {
+        let (host, i) = self.host_range(addr, len)?;
+        let r = &self.snap.regions()[i];
+        if r.access() == Access::ReadOnly {
+            return Err(TranslateError::ReadOnly {
+                addr: addr.0,
+                len: len as u64,
+                region_addr: r.guest_addr().0,
+            });
+        }
+        // SAFETY: as in `translate`: the range was checked to lie in a region the pinned
+        // snapshot keeps mapped.
+        Ok(unsafe { VolatileSlice::new(host as *mut u8, len) })
+    }
+
+    /// Copies guest memory at `addr` into `buf`.
+    pub fn read(&self, addr: GuestAddress, buf: &mut [u8]) -> Result<(), TranslateError> {
+        self.translate(addr, buf.len())?.copy_to(buf);
+        Ok(())
+    }
+
+    /// Copies `buf` into guest memory at `addr`.
+    pub fn write(&self, addr: GuestAddress, buf: &[u8]) -> Result<(), TranslateError> {
+        self.translate_mut(addr, buf.len())?.copy_from(buf);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::RegionSpec;
+
+    fn map2() -> GuestMap {
+        GuestMap::from_specs(&[
+            RegionSpec::new(GuestAddress(0x1_0000), 0x1_0000),
+            RegionSpec::new(GuestAddress(0x4_0000), 0x2_0000),
+        ])
+        .unwrap()
+    }
+
+    #[test]
+    fn translate_hole_is_unmapped() {
+        let t = map2().translator();
+        assert_eq!(
+            t.translate(GuestAddress(0x2_0000), 1).unwrap_err(),
+            TranslateError::Unmapped { addr: 0x2_0000 }
+        );
+        assert!(t.translate(GuestAddress(0), 1).is_err());
+        assert!(t.translate(GuestAddress(0x6_0000), 1).is_err());
+    }
+
+    #[test]
+    fn translate_crossing_end_is_refused() {
+        let t = map2().translator();
+        let e = t.translate(GuestAddress(0x1_fff0), 0x20).unwrap_err();
+        assert!(matches!(
+            e,
+            TranslateError::CrossesRegionEnd {
+                region_end: 0x2_0000,
+                ..
+            }
+        ));
+        assert!(t.translate(GuestAddress(0x1_fff0), 0x10).is_ok());
+    }
+
+    #[test]
+    fn translate_wrapping_range_is_overflow() {
+        let t = map2().translator();
+        let e = t.translate(GuestAddress(u64::MAX - 4), 16).unwrap_err();
+        assert!(matches!(e, TranslateError::Overflow { .. }));
+    }
+
+    #[test]
+    fn write_read_only_region_is_refused() {
+        let map = GuestMap::from_specs(&[
+            RegionSpec::new(GuestAddress(0), 0x1000).with_access(Access::ReadOnly)
+        ])
+        .unwrap();
+        let t = map.translator();
+        assert!(matches!(
+            t.write(GuestAddress(0x10), &[1]).unwrap_err(),
+            TranslateError::ReadOnly { region_addr: 0, .. }
+        ));
+        let mut b = [9u8];
+        t.read(GuestAddress(0x10), &mut b).unwrap();
+        assert_eq!(b, [0]);
+    }
+
+    #[test]
+    fn write_lands_at_host_address_of_region() {
+        let map = map2();
+        let t = map.translator();
+        t.write(GuestAddress(0x4_1234), &[1, 2, 3]).unwrap();
+        let r = t.find(GuestAddress(0x4_0000)).unwrap();
+        // SAFETY: 0x1234 + 3 lies inside the 0x2_0000-byte region, which `t` keeps mapped.
+        let host = unsafe { std::slice::from_raw_parts(r.host_addr().add(0x1234), 3) };
+        assert_eq!(host, &[1, 2, 3]);
+    }
+
+    #[test]
+    fn refresh_sees_hot_added_region() {
+        let map = map2();
+        let mut t = map.translator();
+        map.add(&RegionSpec::new(GuestAddress(0x10_0000), 0x1000))
+            .unwrap();
+        assert!(t.translate(GuestAddress(0x10_0000), 1).is_err());
+        assert!(t.refresh());
+        assert!(!t.refresh());
+        assert!(t.translate(GuestAddress(0x10_0000), 1).is_ok());
+    }
+}
