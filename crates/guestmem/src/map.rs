@@ -243,8 +243,26 @@ impl GuestMap {
             addr,
             size: spec.size(),
         })?;
+        // Refuse early, before mapping anything; `insert` checks again under the lock.
+        self.check_fits(&self.snapshot(), addr, end)?;
+        let region = Arc::new(Region::map(spec)?);
+        self.insert(region.clone())?;
+        Ok(region)
+    }
+
+    /// Publishes a region mapped beforehand (hot-add), e.g. one the VMM has already loaded
+    /// or populated, so that no reader ever sees it half-prepared.
+    pub fn insert(&self, region: Arc<Region>) -> Result<(), MapError> {
         let _w = self.shared.writer.lock().unwrap_or_else(|e| e.into_inner());
         let cur = self.shared.current.load_full();
+        self.check_fits(&cur, region.guest_addr().0, region.guest_end())?;
+        let mut regions = cur.regions.to_vec();
+        regions.push(region);
+        self.publish(Snapshot::new(cur.generation + 1, regions));
+        Ok(())
+    }
+
+    fn check_fits(&self, cur: &Snapshot, addr: u64, end: u64) -> Result<(), MapError> {
         if cur.len() >= MAX_REGIONS {
             return Err(MapError::TooManyRegions {
                 addr,
@@ -259,11 +277,7 @@ impl GuestMap {
                 other_end: o.end,
             });
         }
-        let region = Arc::new(Region::map(spec)?);
-        let mut regions = cur.regions.to_vec();
-        regions.push(region.clone());
-        self.publish(Snapshot::new(cur.generation + 1, regions));
-        Ok(region)
+        Ok(())
     }
 
     /// Removes the region that starts at `addr` and publishes the map without it
