@@ -87,6 +87,17 @@ fn bench(c: &mut Criterion) {
                     }
                 })
             });
+            let snap = map.snapshot();
+            let mut k = 0usize;
+            g.bench_function(BenchmarkId::new("guestmem-nocache-find_region", n), |b| {
+                b.iter(|| {
+                    let batch = &batches[k % batches.len()];
+                    k += 1;
+                    for &a in batch {
+                        black_box(GuestMemoryBackend::find_region(&*snap, a).unwrap());
+                    }
+                })
+            });
             let mut k = 0usize;
             g.bench_function(BenchmarkId::new("vm-memory-get_slice", n), |b| {
                 b.iter(|| {
