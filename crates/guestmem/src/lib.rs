@@ -18,6 +18,7 @@ compile_error!("guestmem supports Linux only");
 pub mod inspect;
 pub mod layout;
 pub mod map;
+pub mod plan;
 pub mod region;
 pub mod sys;
 pub mod translate;

@@ -1,0 +1,360 @@
+//! Guest memory layouts as people write them: sizes like `512M` and `16G`, an even split
+//! into a handful of regions, or a layout file (JSON) that lists each region.
+//!
+//! Everything here is checked before any memory is mapped, so a bad layout costs nothing.
+
+use std::path::{Path, PathBuf};
+
+use vm_memory::GuestAddress;
+
+use crate::layout::{Access, Backing, Guard, HugePageSize, RegionSpec, Reserve, Thp};
+
+/// Why a layout was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// A size string could not be read.
+    #[error("size {0:?}: expected a number with an optional K, M, G or T suffix (e.g. 512M, 16G)")]
+    BadSize(String),
+    /// A backing name could not be read.
+    #[error("backing {0:?}: expected anon, memfd, hugetlb-2M, hugetlb-1G or file:PATH[@OFFSET]")]
+    BadBacking(String),
+    /// The region count is zero, or the size cannot be split into that many regions.
+    #[error("cannot split {size:#x} bytes into {count} regions of whole {granule:#x}-byte pages")]
+    BadSplit {
+        /// Total size.
+        size: u64,
+        /// Regions asked for.
+        count: u64,
+        /// The granule each region must be a multiple of.
+        granule: u64,
+    },
+    /// The layout file could not be read or parsed.
+    #[error("layout file {path}: {reason}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The layout needs more memory than the host has available.
+    #[error("layout needs {needed} bytes ({needed_gib:.2} GiB) but the host has {available} bytes ({available_gib:.2} GiB) available (MemAvailable)")]
+    NotEnoughMemory {
+        /// Bytes the layout needs.
+        needed: u64,
+        /// `needed` in GiB.
+        needed_gib: f64,
+        /// `MemAvailable`.
+        available: u64,
+        /// `available` in GiB.
+        available_gib: f64,
+    },
+}
+
+/// Parses a size as people write it: `4096`, `64K`, `512M`, `16G`, `1T` (binary units; an
+/// optional `i`/`iB`/`B` after the letter is accepted).
+pub fn parse_size(s: &str) -> Result<u64, PlanError> {
+    let bad = || PlanError::BadSize(s.to_string());
+    let t = s.trim();
+    let t = t
+        .strip_suffix("iB")
+        .or_else(|| t.strip_suffix('B'))
+        .or_else(|| t.strip_suffix('i'))
+        .unwrap_or(t);
+    let (num, shift) = match t.chars().last().ok_or_else(bad)? {
+        'k' | 'K' => (&t[..t.len() - 1], 10),
+        'm' | 'M' => (&t[..t.len() - 1], 20),
+        'g' | 'G' => (&t[..t.len() - 1], 30),
+        't' | 'T' => (&t[..t.len() - 1], 40),
+        _ => (t, 0),
+    };
+    let num = num.trim();
+    let v = if let Some(hex) = num.strip_prefix("0x") {
+        u64::from_str_radix(hex, 16).map_err(|_| bad())?
+    } else {
+        num.parse::<u64>().map_err(|_| bad())?
+    };
+    v.checked_mul(1u64 << shift).ok_or_else(bad)
+}
+
+/// Parses a backing name: `anon`, `memfd`, `hugetlb-2M`, `hugetlb-1G`, `file:PATH[@OFFSET]`.
+pub fn parse_backing(s: &str) -> Result<Backing, PlanError> {
+    Ok(match s {
+        "anon" | "anonymous" => Backing::Anonymous,
+        "memfd" | "shared" => Backing::Memfd,
+        "hugetlb" | "hugetlb-2M" | "hugetlb-2m" => Backing::Hugetlb(HugePageSize::Size2M),
+        "hugetlb-1G" | "hugetlb-1g" => Backing::Hugetlb(HugePageSize::Size1G),
+        _ => {
+            let rest = s
+                .strip_prefix("file:")
+                .ok_or_else(|| PlanError::BadBacking(s.into()))?;
+            let (path, offset) = match rest.rsplit_once('@') {
+                Some((p, o)) => (p, parse_size(o)?),
+                None => (rest, 0),
+            };
+            Backing::File {
+                path: path.into(),
+                offset,
+            }
+        }
+    })
+}
+
+/// Options shared by every region of an even layout.
+#[derive(Debug, Clone)]
+pub struct EvenLayout {
+    /// Total bytes.
+    pub size: u64,
+    /// Number of regions.
+    pub regions: u64,
+    /// Guest address of the first region.
+    pub base: GuestAddress,
+    /// Backing of every region.
+    pub backing: Backing,
+    /// THP advice.
+    pub thp: Thp,
+    /// Guard pages.
+    pub guard: Guard,
+}
+
+impl EvenLayout {
+    /// The region specs: `regions` back-to-back regions of (nearly) equal size, each a
+    /// multiple of the backing's huge-page size so every region can be fully huge; the last
+    /// region takes the remainder.
+    pub fn specs(&self) -> Result<Vec<RegionSpec>, PlanError> {
+        let probe = RegionSpec::new(self.base, 1).with_backing(self.backing.clone());
+        let granule = probe.huge_align().max(probe.page_size());
+        let bad = || PlanError::BadSplit {
+            size: self.size,
+            count: self.regions,
+            granule,
+        };
+        if self.regions == 0 || self.size % granule != 0 {
+            return Err(bad());
+        }
+        let units = self.size / granule;
+        if units < self.regions {
+            return Err(bad());
+        }
+        let per = units / self.regions;
+        let mut addr = self.base.0;
+        let mut out = Vec::new();
+        for i in 0..self.regions {
+            let n = if i + 1 == self.regions {
+                units - per * (self.regions - 1)
+            } else {
+                per
+            };
+            let size = n * granule;
+            let backing = match &self.backing {
+                // Consecutive regions of one file take consecutive slices of it.
+                Backing::File { path, offset } => Backing::File {
+                    path: path.clone(),
+                    offset: offset + (addr - self.base.0),
+                },
+                b => b.clone(),
+            };
+            out.push(
+                RegionSpec::new(GuestAddress(addr), size)
+                    .with_backing(backing)
+                    .with_thp(self.thp)
+                    .with_guard(self.guard),
+            );
+            addr = addr.checked_add(size).ok_or_else(bad)?;
+        }
+        Ok(out)
+    }
+}
+
+/// A size field of a layout file: a number of bytes or a string like `"512M"`.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(untagged)]
+enum SizeField {
+    Bytes(u64),
+    Text(String),
+}
+
+impl SizeField {
+    fn get(&self) -> Result<u64, PlanError> {
+        match self {
+            SizeField::Bytes(b) => Ok(*b),
+            SizeField::Text(t) => parse_size(t),
+        }
+    }
+}
+
+/// One region of a layout file.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RegionEntry {
+    addr: SizeField,
+    size: SizeField,
+    #[serde(default)]
+    backing: Option<String>,
+    #[serde(default)]
+    thp: Option<Thp>,
+    #[serde(default)]
+    guard: Option<Guard>,
+    #[serde(default)]
+    node: Option<u32>,
+    #[serde(default)]
+    access: Option<Access>,
+    #[serde(default)]
+    reserve: Option<Reserve>,
+}
+
+/// Reads a layout file: a JSON array of regions, each
+/// `{"addr": "4G", "size": "2G", "backing": "memfd", "thp": "huge", "guard": "on",
+/// "node": 0, "access": "read-write", "reserve": "reserve"}`, where only `addr` and `size`
+/// are required.
+pub fn read_layout_file(path: &Path) -> Result<Vec<RegionSpec>, PlanError> {
+    let err = |reason: String| PlanError::File {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
+    let entries: Vec<RegionEntry> = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
+    entries
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let ctx = |pe: PlanError| err(format!("region {i}: {pe}"));
+            let mut s = RegionSpec::new(
+                GuestAddress(e.addr.get().map_err(ctx)?),
+                e.size.get().map_err(ctx)?,
+            );
+            if let Some(b) = &e.backing {
+                s = s.with_backing(parse_backing(b).map_err(ctx)?);
+            }
+            if let Some(t) = e.thp {
+                s = s.with_thp(t);
+            }
+            if let Some(g) = e.guard {
+                s = s.with_guard(g);
+            }
+            if let Some(n) = e.node {
+                s = s.with_numa_node(n);
+            }
+            if let Some(a) = e.access {
+                s = s.with_access(a);
+            }
+            if let Some(r) = e.reserve {
+                s = s.with_reserve(r);
+            }
+            Ok(s)
+        })
+        .collect()
+}
+
+/// `MemAvailable` from `/proc/meminfo`, in bytes.
+pub fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+}
+
+/// Refuses a layout whose ordinary (non-hugetlb) memory exceeds `MemAvailable`: populating it
+/// would push the host into reclaim or the OOM killer. Hugetlb memory comes from its own
+/// pool, which mapping checks.
+pub fn check_fits_memory(specs: &[RegionSpec]) -> Result<(), PlanError> {
+    let needed: u64 = specs
+        .iter()
+        .filter(|s| !matches!(s.backing(), Backing::Hugetlb(_)))
+        .map(|s| s.size())
+        .sum();
+    let Some(available) = mem_available() else {
+        return Ok(());
+    };
+    if needed > available {
+        const GIB: f64 = (1u64 << 30) as f64;
+        return Err(PlanError::NotEnoughMemory {
+            needed,
+            needed_gib: needed as f64 / GIB,
+            available,
+            available_gib: available as f64 / GIB,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_size_reads_people_units() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("512M").unwrap(), 512 << 20);
+        assert_eq!(parse_size("16G").unwrap(), 16 << 30);
+        assert_eq!(parse_size("2GiB").unwrap(), 2 << 30);
+        assert_eq!(parse_size("64k").unwrap(), 64 << 10);
+        assert_eq!(parse_size("0x1000").unwrap(), 4096);
+        assert!(parse_size("").is_err());
+        assert!(parse_size("12X").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn even_layout_splits_on_huge_boundaries_and_covers_all() {
+        let l = EvenLayout {
+            size: 1 << 30,
+            regions: 3,
+            base: GuestAddress(0),
+            backing: Backing::Anonymous,
+            thp: Thp::Huge,
+            guard: Guard::On,
+        };
+        let specs = l.specs().unwrap();
+        assert_eq!(specs.len(), 3);
+        assert_eq!(specs.iter().map(|s| s.size()).sum::<u64>(), 1 << 30);
+        for w in specs.windows(2) {
+            assert_eq!(w[0].guest_end().unwrap(), w[1].guest_addr().0);
+        }
+        assert!(specs.iter().all(|s| s.size() % (2 << 20) == 0));
+    }
+
+    #[test]
+    fn even_layout_refuses_zero_regions_and_ragged_size() {
+        let mut l = EvenLayout {
+            size: 1 << 30,
+            regions: 0,
+            base: GuestAddress(0),
+            backing: Backing::Anonymous,
+            thp: Thp::Huge,
+            guard: Guard::On,
+        };
+        assert!(l.specs().is_err());
+        l.regions = 2;
+        l.size = (1 << 30) + 4096;
+        assert!(l.specs().unwrap_err().to_string().contains("0x200000"));
+    }
+
+    #[test]
+    fn layout_file_reads_regions_and_names_bad_one() {
+        let dir = std::env::temp_dir().join(format!("guestmem-layout-{}", std::process::id()));
+        std::fs::write(
+            &dir,
+            r#"[{"addr": 0, "size": "64M"}, {"addr": "4G", "size": 1048576, "backing": "memfd", "thp": "nohuge"}]"#,
+        )
+        .unwrap();
+        let specs = read_layout_file(&dir).unwrap();
+        assert_eq!(specs[1].guest_addr().0, 4 << 30);
+        assert_eq!(specs[1].backing(), &Backing::Memfd);
+        std::fs::write(&dir, r#"[{"addr": 0, "size": "64Q"}]"#).unwrap();
+        let e = read_layout_file(&dir).unwrap_err().to_string();
+        std::fs::remove_file(&dir).unwrap();
+        assert!(e.contains("region 0") && e.contains("64Q"), "{e}");
+    }
+
+    #[test]
+    fn check_fits_memory_refuses_more_than_available() {
+        let avail = mem_available().expect("MemAvailable");
+        let specs = [RegionSpec::new(GuestAddress(0), avail + (1 << 30))];
+        assert!(matches!(
+            check_fits_memory(&specs),
+            Err(PlanError::NotEnoughMemory { .. })
+        ));
+    }
+}
