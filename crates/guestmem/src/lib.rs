@@ -16,6 +16,7 @@
 compile_error!("guestmem supports Linux only");
 
 pub mod inspect;
+pub mod jobs;
 pub mod layout;
 pub mod map;
 pub mod region;
