@@ -19,8 +19,10 @@
 //! - **Load balancing.** Workers take the next chunk from a shared atomic cursor; the calling
 //!   thread works too.
 //! - **Start gate.** Every worker thread is created, and waiting, before any chunk starts:
-//!   creating a thread maps its stack, and `mmap` takes the address-space lock as a writer,
-//!   which would stall every worker faulting pages in under it as a reader (seed 001).
+//!   creating a thread maps its stack (and a starting Rust thread its signal stack), and
+//!   `mmap` takes the address-space lock as a writer, which would stall every worker faulting
+//!   pages in under it as a reader (seed 001). The gate opens when every created worker has
+//!   arrived at it; a thread that cannot be created just means one worker fewer.
 //! - **Fast paths.** The empty job returns at once; a job that needs one worker runs on the
 //!   calling thread with no thread created.
 //! - **Failure.** When a chunk fails, the other workers stop before their next chunk; the job
@@ -326,7 +328,7 @@ impl Job {
                         .name("guestmem-job".into())
                         .stack_size(WORKER_STACK_BYTES)
                         .spawn_scoped(s, move || {
-                            gate.wait();
+                            gate.arrive_and_wait();
                             shared.work(f)
                         });
                     // A thread we cannot create just means fewer workers.
@@ -336,7 +338,7 @@ impl Job {
                     }
                 }
                 stats.threads = handles.len() + 1;
-                gate.open();
+                gate.open_when_arrived(handles.len());
                 let mut done = shared.work(&f);
                 for h in handles {
                     match h.join() {
@@ -372,23 +374,41 @@ impl Job {
     }
 }
 
-/// Holds workers until every one has been created.
+/// Holds workers until every one has been created and has reached it: a barrier whose count
+/// is only known once thread creation is over (a creation may fail).
+///
+/// Waiting for arrival, not just creation, matters: a new Rust thread maps its signal stack
+/// when it starts, and that `mmap` must not land in the middle of other workers' faults.
 #[derive(Default)]
 struct StartGate {
-    open: Mutex<bool>,
+    state: Mutex<GateState>,
     cv: Condvar,
 }
 
+#[derive(Default)]
+struct GateState {
+    arrived: usize,
+    open: bool,
+}
+
 impl StartGate {
-    fn wait(&self) {
-        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
-        while !*open {
-            open = self.cv.wait(open).unwrap_or_else(PoisonError::into_inner);
+    /// Called by each worker: announces it is ready, then waits for the gate to open.
+    fn arrive_and_wait(&self) {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        st.arrived += 1;
+        self.cv.notify_all();
+        while !st.open {
+            st = self.cv.wait(st).unwrap_or_else(PoisonError::into_inner);
         }
     }
 
-    fn open(&self) {
-        *self.open.lock().unwrap_or_else(PoisonError::into_inner) = true;
+    /// Called by the creator: waits until `workers` have arrived, then lets them all go.
+    fn open_when_arrived(&self, workers: usize) {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        while st.arrived < workers {
+            st = self.cv.wait(st).unwrap_or_else(PoisonError::into_inner);
+        }
+        st.open = true;
         self.cv.notify_all();
     }
 }
@@ -672,6 +692,38 @@ mod tests {
             .unwrap();
         assert_eq!(s.threads, 3);
         assert!(ids.into_inner().unwrap().len() <= 3);
+    }
+
+    #[test]
+    fn run_numa_affine_moves_workers_and_restores_caller() {
+        let Some(node0) = node_cpus(0) else {
+            eprintln!("skipped: no NUMA node 0 in sysfs");
+            return;
+        };
+        let before = sys::sched_getaffinity().unwrap().cpus();
+        // Narrow the caller first, so a restore is visible.
+        sys::sched_setaffinity(&sys::CpuSet::from_cpus([before[0]])).unwrap();
+        let job = Job::over(vec![JobRange {
+            node: Some(0),
+            ..JobRange::new(0, 8 << 20)
+        }])
+        .unwrap()
+        .with_max_threads(2)
+        .with_min_chunk(1 << 20)
+        .with_numa(Numa::Affine);
+        let seen = Mutex::new(Vec::new());
+        job.run::<(), _>(|_| {
+            seen.lock()
+                .unwrap()
+                .push(sys::sched_getaffinity().unwrap().cpus());
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(sys::sched_getaffinity().unwrap().cpus(), vec![before[0]]);
+        sys::sched_setaffinity(&sys::CpuSet::from_cpus(before)).unwrap();
+        for cpus in seen.into_inner().unwrap() {
+            assert_eq!(cpus, node0.cpus());
+        }
     }
 
     #[test]

@@ -31,7 +31,9 @@
 //!
 //! Preconditions: populate is bring-up work. Nothing may write the regions while it runs (the
 //! touch fallback writes back bytes it read), and a failure discards the contents of every
-//! chunk that started, so populate fresh memory, before loading images into it.
+//! chunk that started, so populate fresh memory, before loading images into it; and with
+//! [`PinStrategy::UpFront`] it unlocks, on failure, whole regions even if they were locked
+//! before the call.
 //!
 //! [`populate`] is the mechanism and checks no limits; [`crate::limits::check`] does, and
 //! [`crate::bringup::bringup`] runs both.
