@@ -311,3 +311,16 @@ fn bringup_checks_populates_pins_and_reports() {
     let names: Vec<_> = r.phases.iter().map(|p| p.name).collect();
     assert_eq!(names, ["check", "lock", "populate", "verify"]);
 }
+
+#[test]
+fn populate_read_only_region_is_populated_anyway() {
+    let _s = serial();
+    // The guest may not write it, but the host mapping is writable (images are loaded into
+    // it), so it is populated like any other.
+    let map =
+        GuestMap::from_specs(&[spec(0, 8 * MIB).with_access(guestmem::Access::ReadOnly)]).unwrap();
+    for method in [Method::PopulateWrite, Method::Touch] {
+        populate(&map.snapshot(), &cfg(method, PinStrategy::None)).unwrap();
+        assert_eq!(inspect(&map.snapshot()).unwrap()[0].resident, 8 * MIB);
+    }
+}
