@@ -136,6 +136,7 @@ pub struct Region {
     thp: Thp,
     guard: Guard,
     access: Access,
+    reserve: Reserve,
     numa_node: Option<u32>,
     file: Option<FileOffset>,
     warnings: Vec<String>,
@@ -350,6 +351,7 @@ impl Region {
             thp: spec.thp,
             guard: spec.guard,
             access: spec.access,
+            reserve: spec.reserve,
             numa_node: spec.numa_node,
             file,
             warnings,
@@ -416,6 +418,13 @@ impl Region {
     /// Who may write the region.
     pub fn access(&self) -> Access {
         self.access
+    }
+
+    /// How hugetlb pages were reserved (meaningful for hugetlb backings only): a
+    /// [`Reserve::NoReserve`] region takes its pages when first touched, so populating it can
+    /// run the pool dry part-way.
+    pub fn reserve(&self) -> Reserve {
+        self.reserve
     }
 
     /// The NUMA node the region is bound to.

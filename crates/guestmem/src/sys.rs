@@ -233,6 +233,164 @@ pub fn punch_hole(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
     })
 }
 
+/// `madvise` advice that faults every page of a range in writable, as a write would, without
+/// writing (Linux 5.14). Its value is 23 on every Linux architecture.
+pub const MADV_POPULATE_WRITE: libc::c_int = libc::MADV_POPULATE_WRITE;
+
+/// `mlock2` flag: lock pages as they are faulted in, instead of faulting them all in now.
+pub const MLOCK_ONFAULT: libc::c_uint = libc::MLOCK_ONFAULT;
+
+/// The soft `RLIMIT_MEMLOCK` of this process in bytes, or `None` when it is unlimited.
+pub fn memlock_limit() -> io::Result<Option<u64>> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid, writable rlimit that outlives the call.
+    check(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) })?;
+    Ok(if lim.rlim_cur == libc::RLIM_INFINITY {
+        None
+    } else {
+        Some(lim.rlim_cur)
+    })
+}
+
+/// A set of CPUs, for [`sched_setaffinity`].
+#[derive(Clone, Copy)]
+pub struct CpuSet(libc::cpu_set_t);
+
+impl std::fmt::Debug for CpuSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.cpus()).finish()
+    }
+}
+
+impl CpuSet {
+    /// Most CPUs a set can name (`CPU_SETSIZE`).
+    pub const CAPACITY: usize = libc::CPU_SETSIZE as usize;
+
+    /// The set of `cpus`; CPUs at or above [`CpuSet::CAPACITY`] are left out.
+    pub fn from_cpus(cpus: impl IntoIterator<Item = usize>) -> CpuSet {
+        // SAFETY: cpu_set_t is a plain bit array; all zeroes is the empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for cpu in cpus.into_iter().filter(|&c| c < Self::CAPACITY) {
+            // SAFETY: CPU_SET writes only bit `cpu` of `set`; the filter above keeps `cpu`
+            // below CPU_SETSIZE, the number of bits in the set.
+            unsafe { libc::CPU_SET(cpu, &mut set) };
+        }
+        CpuSet(set)
+    }
+
+    /// The CPUs in the set.
+    pub fn cpus(&self) -> Vec<usize> {
+        (0..Self::CAPACITY)
+            // SAFETY: CPU_ISSET reads only bit `c` of the set; the range keeps `c` below
+            // CPU_SETSIZE, the number of bits in the set.
+            .filter(|&c| unsafe { libc::CPU_ISSET(c, &self.0) })
+            .collect()
+    }
+}
+
+/// The CPUs the calling thread may run on.
+pub fn sched_getaffinity() -> io::Result<CpuSet> {
+    let mut set = CpuSet::from_cpus([]);
+    // SAFETY: `set.0` is a valid, writable cpu_set_t of the size passed; pid 0 is this thread.
+    check(unsafe {
+        libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set.0)
+    })?;
+    Ok(set)
+}
+
+/// Restricts the calling thread to the CPUs in `set`.
+pub fn sched_setaffinity(set: &CpuSet) -> io::Result<()> {
+    // SAFETY: `set.0` is a valid cpu_set_t of the size passed; pid 0 is this thread, and
+    // affinity touches no memory.
+    check(unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set.0) })
+}
+
+/// This process's memory as a file (`/proc/self/mem`), for touching pages without risking a
+/// `SIGBUS`.
+///
+/// An access through this file is made by the kernel on the process's behalf (`access_remote_vm`):
+/// a fault that would raise `SIGBUS` on a CPU access (a hugetlb pool run dry under
+/// `MAP_NORESERVE`, a file truncated under its mapping) fails the `pread`/`pwrite` with `EIO`
+/// instead. That is the only reason guestmem uses it, and it needs no signal handler (Rust has
+/// no sound `sigsetjmp`/`siglongjmp`).
+#[derive(Debug)]
+pub struct ProcMem {
+    mem: std::fs::File,
+    pagemap: std::fs::File,
+}
+
+/// `/proc/self/pagemap` bit: the page is present in RAM.
+const PAGEMAP_PRESENT: u64 = 1 << 63;
+/// `/proc/self/pagemap` bit: the page is swapped out.
+const PAGEMAP_SWAPPED: u64 = 1 << 62;
+/// Bytes per `/proc/self/pagemap` entry (one per base page).
+const PAGEMAP_ENTRY_BYTES: usize = 8;
+
+impl ProcMem {
+    /// Opens `/proc/self/mem` (read-write) and `/proc/self/pagemap`.
+    pub fn open() -> io::Result<ProcMem> {
+        use std::fs::OpenOptions;
+        Ok(ProcMem {
+            mem: OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/proc/self/mem")?,
+            pagemap: std::fs::File::open("/proc/self/pagemap")?,
+        })
+    }
+
+    /// Reads the byte at `range.addr() + offset`, faulting its page in for reading.
+    pub fn read_byte(&self, range: MmapRange, offset: usize) -> io::Result<u8> {
+        use std::os::unix::fs::FileExt;
+        let at = range
+            .sub(offset, 1)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+        let mut b = [0u8; 1];
+        match self.mem.read_at(&mut b, at.addr() as u64)? {
+            1 => Ok(b[0]),
+            _ => Err(io::Error::from_raw_os_error(libc::EIO)),
+        }
+    }
+
+    /// Writes `byte` at `range.addr() + offset`, faulting its page in for writing.
+    ///
+    /// The caller must write back the byte that is there (or zero into a page never faulted
+    /// in, which reads as zero): then no reader can see a change, and the write only has the
+    /// kernel allocate the page. `MmapRange`'s contract makes the range the caller's to touch.
+    pub fn write_byte(&self, range: MmapRange, offset: usize, byte: u8) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let at = range
+            .sub(offset, 1)
+            .ok_or_else(|| io::Error::from_raw_os_error(libc::EINVAL))?;
+        match self.mem.write_at(&[byte], at.addr() as u64)? {
+            1 => Ok(()),
+            _ => Err(io::Error::from_raw_os_error(libc::EIO)),
+        }
+    }
+
+    /// For each base page of `range` (whose address must be base-page aligned), whether it has
+    /// ever been faulted in: present in RAM or swapped out. A private anonymous page that has
+    /// not reads as zero.
+    pub fn faulted_in(&self, range: MmapRange) -> io::Result<Vec<bool>> {
+        use std::os::unix::fs::FileExt;
+        let page = base_page_size() as usize;
+        let pages = range.len().div_ceil(page);
+        let mut buf = vec![0u8; pages * PAGEMAP_ENTRY_BYTES];
+        let at = (range.addr() / page * PAGEMAP_ENTRY_BYTES) as u64;
+        self.pagemap.read_exact_at(&mut buf, at)?;
+        Ok(buf
+            .chunks_exact(PAGEMAP_ENTRY_BYTES)
+            .map(|e| {
+                let v = u64::from_ne_bytes(e.try_into().expect("8-byte entry"));
+                v & (PAGEMAP_PRESENT | PAGEMAP_SWAPPED) != 0
+            })
+            .collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,375 @@
+//! Populate and pin every region of a map in one parallel job, transactionally.
+//!
+//! Choices, and why:
+//!
+//! - **One job for the whole map** ([`crate::jobs`]): regions of different sizes finish
+//!   together, and chunk edges sit on each region's huge-page boundaries, so no huge page is
+//!   faulted by two threads.
+//! - **[`Method::PopulateWrite`]** (default): one `madvise(MADV_POPULATE_WRITE)` per chunk; the
+//!   kernel faults the whole chunk in under one hold of the address-space lock (seed 001),
+//!   and reports failure (`EFAULT` when the hugetlb pool runs dry, `ENOMEM`) as an error.
+//! - **[`Method::Touch`]** (fallback for kernels before 5.14): one write per page, made through
+//!   `/proc/self/mem` ([`crate::sys::ProcMem`]) rather than by a CPU store. A CPU store to a
+//!   `MAP_NORESERVE` hugetlb page the pool cannot supply raises `SIGBUS`, and Rust has no sound
+//!   way to recover from it (no `sigsetjmp`/`siglongjmp`); the kernel's own access fails the
+//!   `pwrite` with `EIO` instead. Each page gets back the byte it holds (read first, as QEMU's
+//!   `*addr = *addr`), except a private anonymous page that `/proc/self/pagemap` shows was never
+//!   faulted in: it reads as zero, and reading it would map the (huge) zero page, which the
+//!   write would then split, losing the transparent huge page; it gets a zero written directly.
+//! - **Pinning** ([`PinStrategy`]): by default every non-hugetlb region is locked once,
+//!   whole, with `mlock2(MLOCK_ONFAULT)` before the workers start, so the kernel accounts
+//!   locked memory once per region and the faults that follow lock pages as they come (seed
+//!   000). [`PinStrategy::PerChunk`] is the naive way, kept for comparison: each worker
+//!   `mlock`s its chunk after populating it, taking the lock as a writer per chunk. Hugetlb
+//!   regions are never locked: their pages cannot be swapped and the kernel ignores `mlock`
+//!   on them.
+//! - **Transactional.** If any chunk fails, everything this call did is undone before it
+//!   returns: regions it locked are unlocked, and every chunk that started is released
+//!   (hole-punched in a memfd or hugetlb memfd, whose pages would otherwise outlive an
+//!   `MADV_DONTNEED`; `MADV_DONTNEED` for private memory and for files, whose data must not be
+//!   destroyed). The error names the region, the failing chunk (guest addresses) and the errno.
+//!
+//! Preconditions: populate is bring-up work. Nothing may write the regions while it runs (the
+//! touch fallback writes back bytes it read), and a failure discards the contents of every
+//! chunk that started, so populate fresh memory, before loading images into it; and with
+//! [`PinStrategy::UpFront`] it unlocks, on failure, whole regions even if they were locked
+//! before the call.
+//!
+//! [`populate`] is the mechanism and checks no limits; [`crate::limits::check`] does, and
+//! [`crate::bringup::bringup`] runs both.
+
+use std::io;
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::jobs::{Chunk, Job, JobError, JobRange, JobStats, Numa};
+use crate::layout::Backing;
+use crate::map::Snapshot;
+use crate::region::Region;
+use crate::sys::{self, MmapRange, ProcMem};
+
+/// Default smallest chunk worth a thread, in bytes. Creating a thread costs tens of
+/// microseconds; populating 64 MiB costs milliseconds even at the fastest published rates, so
+/// a thread per 64 MiB (QEMU's heuristic too) always pays for itself.
+pub const DEFAULT_MIN_CHUNK_BYTES: u64 = 64 << 20;
+
+/// Most threads used by default (QEMU and Cloud Hypervisor stop at 16 too); the caller may
+/// ask for more.
+pub const DEFAULT_MAX_THREADS: usize = 16;
+
+/// Bytes of a chunk whose `/proc/self/pagemap` entries the touch fallback reads at once.
+pub const TOUCH_PAGEMAP_BATCH_BYTES: usize = 2 << 20;
+
+/// How pages are faulted in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Method {
+    /// `madvise(MADV_POPULATE_WRITE)`, one call per chunk (the default; Linux 5.14+).
+    #[default]
+    PopulateWrite,
+    /// One write per page through `/proc/self/mem`: slower, but works on any kernel and turns
+    /// what would be a `SIGBUS` into an error.
+    Touch,
+}
+
+/// How memory is pinned (locked against swap).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PinStrategy {
+    /// Not pinned.
+    None,
+    /// `mlock2(MLOCK_ONFAULT)` on every whole region once, before workers populate (default).
+    #[default]
+    UpFront,
+    /// Each worker `mlock`s its own chunk after populating it (the naive way, for comparison).
+    PerChunk,
+}
+
+/// A progress callback: called after each chunk with the bytes done so far, from any worker.
+pub type Progress = Arc<dyn Fn(u64) + Send + Sync>;
+
+/// How to populate.
+#[derive(Clone)]
+pub struct PopulateConfig {
+    /// Most threads, the calling thread included (0 means 1).
+    pub threads: usize,
+    /// Smallest chunk worth a thread, in bytes.
+    pub min_chunk: u64,
+    /// How pages are faulted in.
+    pub method: Method,
+    /// How memory is pinned.
+    pub pin: PinStrategy,
+    /// Whether workers follow the regions' NUMA nodes.
+    pub numa: Numa,
+    /// Called after each chunk, if set.
+    pub progress: Option<Progress>,
+}
+
+impl std::fmt::Debug for PopulateConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PopulateConfig")
+            .field("threads", &self.threads)
+            .field("min_chunk", &self.min_chunk)
+            .field("method", &self.method)
+            .field("pin", &self.pin)
+            .field("numa", &self.numa)
+            .field("progress", &self.progress.is_some())
+            .finish()
+    }
+}
+
+/// This host's CPUs, at most [`DEFAULT_MAX_THREADS`].
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(DEFAULT_MAX_THREADS)
+}
+
+impl Default for PopulateConfig {
+    fn default() -> Self {
+        PopulateConfig {
+            threads: default_threads(),
+            min_chunk: DEFAULT_MIN_CHUNK_BYTES,
+            method: Method::default(),
+            pin: PinStrategy::default(),
+            numa: Numa::default(),
+            progress: None,
+        }
+    }
+}
+
+/// What a populate did.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct PopulateReport {
+    /// Regions populated.
+    pub regions: usize,
+    /// Bytes populated.
+    pub bytes: u64,
+    /// How the job ran: threads, chunk size, chunks.
+    pub job: JobStats,
+    /// Seconds spent locking regions up front (0 unless [`PinStrategy::UpFront`]).
+    pub lock_seconds: f64,
+    /// Seconds spent in the parallel job.
+    pub populate_seconds: f64,
+}
+
+/// Why populating failed. Whatever it had done was undone first, unless `undo_errors` says
+/// otherwise.
+#[derive(Debug, thiserror::Error)]
+pub enum PopulateError {
+    /// Locking a region up front failed; the regions locked before it were unlocked.
+    #[error("region at {region:#x}: mlock2(MLOCK_ONFAULT) failed: {source}")]
+    Lock {
+        /// Guest address of the region.
+        region: u64,
+        /// The errno.
+        source: io::Error,
+    },
+    /// A chunk failed; everything this populate did was undone.
+    #[error("region at {region:#x}: {op} of chunk at {chunk:#x} len {len:#x} failed: {source}{}",
+        if undo_errors.is_empty() { String::new() } else { format!(" (and undo failed: {})", undo_errors.join("; ")) })]
+    Chunk {
+        /// Guest address of the region.
+        region: u64,
+        /// Guest address of the failing chunk.
+        chunk: u64,
+        /// Length of the failing chunk.
+        len: u64,
+        /// The operation that failed.
+        op: &'static str,
+        /// The errno.
+        source: io::Error,
+        /// Steps of the undo that failed (empty when it all went back).
+        undo_errors: Vec<String>,
+    },
+    /// `/proc/self/mem` or `/proc/self/pagemap` could not be opened for the touch fallback.
+    #[error("opening /proc/self/mem for the touch fallback: {0}")]
+    ProcMem(io::Error),
+    /// The map's regions could not be made into a job.
+    #[error(transparent)]
+    Job(#[from] JobError),
+}
+
+/// What failed inside one chunk.
+#[derive(Debug)]
+struct ChunkError {
+    op: &'static str,
+    source: io::Error,
+}
+
+fn fail(op: &'static str) -> impl FnOnce(io::Error) -> ChunkError {
+    move |source| ChunkError { op, source }
+}
+
+/// The host range of `chunk` inside `region`.
+fn chunk_range(region: &Region, chunk: &Chunk) -> MmapRange {
+    let offset = (chunk.start - region.guest_addr().0) as usize;
+    region
+        .host_range()
+        .sub(offset, chunk.len as usize)
+        .expect("the job's chunks lie inside their regions")
+}
+
+/// Populates (and pins, per `cfg.pin`) every region of `snap` in one job. Checks no limits:
+/// see [`crate::limits::check`]. On failure, undoes everything it did before returning.
+pub fn populate(snap: &Snapshot, cfg: &PopulateConfig) -> Result<PopulateReport, PopulateError> {
+    let regions = snap.regions();
+    let ranges = regions
+        .iter()
+        .map(|r| JobRange {
+            start: r.guest_addr().0,
+            len: r.size(),
+            align: r.huge_align(),
+            node: r.numa_node(),
+        })
+        .collect();
+    let job = Job::over(ranges)?
+        .with_min_chunk(cfg.min_chunk)
+        .with_max_threads(cfg.threads)
+        .with_numa(cfg.numa);
+    let mem = match cfg.method {
+        Method::Touch => Some(ProcMem::open().map_err(PopulateError::ProcMem)?),
+        Method::PopulateWrite => None,
+    };
+
+    let t0 = Instant::now();
+    let locked = match cfg.pin {
+        PinStrategy::UpFront => lock_up_front(regions)?,
+        PinStrategy::None | PinStrategy::PerChunk => Vec::new(),
+    };
+    let lock_seconds = t0.elapsed().as_secs_f64();
+
+    let t1 = Instant::now();
+    let bytes_done = AtomicU64::new(0);
+    let result = job.run(|chunk: &Chunk| -> Result<(), ChunkError> {
+        let region = &regions[chunk.range];
+        let range = chunk_range(region, chunk);
+        match &mem {
+            Some(mem) => touch(mem, region, range)?,
+            None => sys::madvise(range, sys::MADV_POPULATE_WRITE)
+                .map_err(fail("madvise(MADV_POPULATE_WRITE)"))?,
+        }
+        if cfg.pin == PinStrategy::PerChunk && !region.is_hugetlb() {
+            sys::mlock2(range, 0).map_err(fail("mlock"))?;
+        }
+        let done = bytes_done.fetch_add(chunk.len, Ordering::Relaxed) + chunk.len;
+        if let Some(p) = &cfg.progress {
+            p(done);
+        }
+        Ok(())
+    });
+    let populate_seconds = t1.elapsed().as_secs_f64();
+
+    match result {
+        Ok(job) => Ok(PopulateReport {
+            regions: regions.len(),
+            bytes: snap.total_bytes(),
+            job,
+            lock_seconds,
+            populate_seconds,
+        }),
+        Err(failure) => {
+            let mut undo_errors = Vec::new();
+            for &i in &locked {
+                if let Err(e) = sys::munlock(regions[i].host_range()) {
+                    undo_errors.push(format!("munlock region {:#x}: {e}", guest(&regions[i])));
+                }
+            }
+            for chunk in failure.started() {
+                let region = &regions[chunk.range];
+                let range = chunk_range(region, &chunk);
+                if cfg.pin == PinStrategy::PerChunk && !region.is_hugetlb() {
+                    if let Err(e) = sys::munlock(range) {
+                        undo_errors.push(format!("munlock chunk {:#x}: {e}", chunk.start));
+                    }
+                }
+                if let Err(e) = release(region, &chunk, range) {
+                    undo_errors.push(format!("release chunk {:#x}: {e}", chunk.start));
+                }
+            }
+            Err(PopulateError::Chunk {
+                region: guest(&regions[failure.chunk.range]),
+                chunk: failure.chunk.start,
+                len: failure.chunk.len,
+                op: failure.error.op,
+                source: failure.error.source,
+                undo_errors,
+            })
+        }
+    }
+}
+
+fn guest(region: &Region) -> u64 {
+    region.guest_addr().0
+}
+
+/// Locks every non-hugetlb region with `MLOCK_ONFAULT`; on failure unlocks those it locked.
+/// Returns the indices of the regions locked.
+fn lock_up_front(regions: &[Arc<Region>]) -> Result<Vec<usize>, PopulateError> {
+    let mut locked: Vec<usize> = Vec::new();
+    for (i, r) in regions.iter().enumerate() {
+        if r.is_hugetlb() {
+            continue;
+        }
+        if let Err(source) = sys::mlock2(r.host_range(), sys::MLOCK_ONFAULT) {
+            for &j in locked.iter() {
+                // Best effort: we are already failing with the lock error.
+                let _ = sys::munlock(regions[j].host_range());
+            }
+            return Err(PopulateError::Lock {
+                region: guest(r),
+                source,
+            });
+        }
+        locked.push(i);
+    }
+    Ok(locked)
+}
+
+/// Frees the pages of `chunk` (host `range`) of `region`, so the memory it took is given back.
+fn release(region: &Region, chunk: &Chunk, range: MmapRange) -> io::Result<()> {
+    match (region.backing(), region.file_offset()) {
+        // A memfd's pages live in its page cache: only a hole punch frees them (it unmaps
+        // them too). Hugetlbfs rounds the hole inwards to its pages; chunk edges are on them.
+        (Backing::Memfd | Backing::Hugetlb(_), Some(fo)) => {
+            let offset = fo.start() + (chunk.start - guest(region));
+            sys::punch_hole(fo.file().as_fd(), offset, chunk.len)
+        }
+        // Private memory, and files whose data is not ours to destroy.
+        _ => sys::madvise(range, libc::MADV_DONTNEED),
+    }
+}
+
+/// Faults in every page of `range` of `region` by writing through `/proc/self/mem`.
+fn touch(mem: &ProcMem, region: &Region, range: MmapRange) -> Result<(), ChunkError> {
+    let page = region.page_size() as usize;
+    let base = sys::base_page_size() as usize;
+    let private_anon = matches!(region.backing(), Backing::Anonymous);
+    let mut off = 0;
+    while off < range.len() {
+        let batch = range
+            .sub(off, TOUCH_PAGEMAP_BATCH_BYTES.min(range.len() - off))
+            .expect("batch inside chunk");
+        let faulted = if private_anon {
+            mem.faulted_in(batch)
+                .map_err(fail("read /proc/self/pagemap"))?
+        } else {
+            Vec::new()
+        };
+        for p in (0..batch.len()).step_by(page) {
+            let never_faulted = private_anon && !faulted[p / base];
+            let byte = if never_faulted {
+                0
+            } else {
+                mem.read_byte(batch, p)
+                    .map_err(fail("read via /proc/self/mem"))?
+            };
+            mem.write_byte(batch, p, byte)
+                .map_err(fail("write via /proc/self/mem"))?;
+        }
+        off += batch.len();
+    }
+    Ok(())
+}

@@ -1,0 +1,326 @@
+//! Populate and pin against the real kernel: every backing, every method, every pin strategy,
+//! and a real mid-job failure (a hugetlb pool run dry) that must leave nothing behind.
+//!
+//! These tests read process-wide figures (VmRSS, VmLck, HugetlbPages) and change the
+//! machine-wide hugetlb pool, so they run one at a time ([`serial`]), and every pool change is
+//! undone by a guard, on every path.
+
+use std::sync::{Mutex, MutexGuard};
+
+use guestmem::inspect::{inspect, ProcessMemory};
+use guestmem::layout::{Backing, HugePageSize, RegionSpec, Reserve};
+use guestmem::limits::{self, LimitError};
+use guestmem::region::hugetlb_available;
+use guestmem::{
+    bringup, populate, BringupConfig, GuestAddress, GuestMap, Method, PinStrategy, PopulateConfig,
+    PopulateError, Verify,
+};
+
+const MIB: u64 = 1 << 20;
+const POOL_2M: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages";
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sets the 2 MiB pool so exactly `pages` pages are free, and puts it back on drop.
+struct PoolGuard {
+    old: u64,
+}
+
+impl PoolGuard {
+    /// `None` (with the reason printed) when the pool cannot be set up: not root, pages in
+    /// use by others, or the kernel could not allocate them.
+    fn with_available(pages: u64) -> Option<PoolGuard> {
+        let old: u64 = std::fs::read_to_string(POOL_2M).ok()?.trim().parse().ok()?;
+        let avail = hugetlb_available(HugePageSize::Size2M)?;
+        if avail > pages {
+            eprintln!("skipped: the 2 MiB pool already has {avail} free pages (> {pages})");
+            return None;
+        }
+        if let Err(e) = std::fs::write(POOL_2M, (old + pages - avail).to_string()) {
+            eprintln!("skipped: cannot grow the hugetlb pool ({e}); needs root");
+            return None;
+        }
+        let guard = PoolGuard { old };
+        match hugetlb_available(HugePageSize::Size2M) {
+            Some(n) if n == pages => Some(guard),
+            n => {
+                eprintln!("skipped: asked for {pages} free 2 MiB pages, pool has {n:?}");
+                None
+            }
+        }
+    }
+}
+
+impl Drop for PoolGuard {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::write(POOL_2M, self.old.to_string()) {
+            eprintln!("could not restore nr_hugepages to {}: {e}", self.old);
+        }
+    }
+}
+
+fn cfg(method: Method, pin: PinStrategy) -> PopulateConfig {
+    PopulateConfig {
+        threads: 2,
+        min_chunk: 2 * MIB,
+        method,
+        pin,
+        ..PopulateConfig::default()
+    }
+}
+
+fn spec(addr: u64, size: u64) -> RegionSpec {
+    RegionSpec::new(GuestAddress(addr), size)
+}
+
+/// Writes `byte` at `offset` of the map's region `i`.
+fn poke(map: &GuestMap, i: usize, offset: u64, byte: u8) {
+    let snap = map.snapshot();
+    let r = &snap.regions()[i];
+    assert!(offset < r.size());
+    // SAFETY: the region maps `size` writable bytes at host_addr, `offset` is inside, and no
+    // other thread uses the region during the test.
+    unsafe { r.host_addr().add(offset as usize).write_volatile(byte) };
+}
+
+fn peek(map: &GuestMap, i: usize, offset: u64) -> u8 {
+    let snap = map.snapshot();
+    let r = &snap.regions()[i];
+    assert!(offset < r.size());
+    // SAFETY: as in `poke`.
+    unsafe { r.host_addr().add(offset as usize).read_volatile() }
+}
+
+#[test]
+fn populate_anon_thp_64m_each_method_is_fully_huge() {
+    let _s = serial();
+    for method in [Method::PopulateWrite, Method::Touch] {
+        let map = GuestMap::from_specs(&[spec(0x1_0000_0000, 64 * MIB)]).unwrap();
+        poke(&map, 0, 5 * MIB + 123, 0xa5);
+        let report = populate(&map.snapshot(), &cfg(method, PinStrategy::None)).unwrap();
+        let u = &inspect(&map.snapshot()).unwrap()[0];
+        assert_eq!(u.resident, 64 * MIB, "{method:?}");
+        assert_eq!(u.huge_span, 64 * MIB);
+        assert_eq!(u.huge_coverage(), 1.0, "{method:?}: {u:?}");
+        assert_eq!(peek(&map, 0, 5 * MIB + 123), 0xa5, "{method:?} kept data");
+        assert_eq!((report.job.threads, report.bytes), (2, 64 * MIB));
+    }
+}
+
+#[test]
+fn populate_memfd_each_method_is_resident_and_keeps_data() {
+    let _s = serial();
+    for method in [Method::PopulateWrite, Method::Touch] {
+        let map = GuestMap::from_specs(&[spec(0, 32 * MIB).with_backing(Backing::Memfd)]).unwrap();
+        poke(&map, 0, 7 * MIB, 0x5a);
+        populate(&map.snapshot(), &cfg(method, PinStrategy::None)).unwrap();
+        let u = &inspect(&map.snapshot()).unwrap()[0];
+        assert_eq!(u.resident, 32 * MIB, "{method:?}");
+        assert_eq!(peek(&map, 0, 7 * MIB), 0x5a, "{method:?}");
+    }
+}
+
+#[test]
+fn populate_hugetlb_2m_each_method_takes_its_pages() {
+    let _s = serial();
+    for method in [Method::PopulateWrite, Method::Touch] {
+        let Some(_pool) = PoolGuard::with_available(8) else {
+            return;
+        };
+        let map = GuestMap::from_specs(&[spec(0, 16 * MIB)
+            .with_backing(Backing::Hugetlb(HugePageSize::Size2M))
+            .with_reserve(Reserve::NoReserve)])
+        .unwrap();
+        let before = ProcessMemory::read().unwrap();
+        populate(&map.snapshot(), &cfg(method, PinStrategy::UpFront)).unwrap();
+        let after = ProcessMemory::read().unwrap();
+        let u = &inspect(&map.snapshot()).unwrap()[0];
+        assert_eq!((u.resident, u.huge), (16 * MIB, 16 * MIB), "{method:?}");
+        assert_eq!(after.hugetlb - before.hugetlb, 16 * MIB);
+        assert_eq!(hugetlb_available(HugePageSize::Size2M), Some(0));
+        // Hugetlb is never locked: the kernel ignores mlock on it.
+        assert_eq!(after.locked, before.locked);
+        drop(map);
+    }
+}
+
+#[test]
+fn pin_each_strategy_locks_exactly_the_region_bytes() {
+    let _s = serial();
+    for pin in [PinStrategy::UpFront, PinStrategy::PerChunk] {
+        for method in [Method::PopulateWrite, Method::Touch] {
+            let before = ProcessMemory::read().unwrap();
+            let map = GuestMap::from_specs(&[
+                spec(0, 64 * MIB),
+                spec(0x4000_0000, 32 * MIB).with_backing(Backing::Memfd),
+            ])
+            .unwrap();
+            populate(&map.snapshot(), &cfg(method, pin)).unwrap();
+            let after = ProcessMemory::read().unwrap();
+            assert_eq!(after.locked - before.locked, 96 * MIB, "{pin:?} {method:?}");
+            for u in inspect(&map.snapshot()).unwrap() {
+                assert_eq!(
+                    (u.resident, u.locked),
+                    (u.size, u.size),
+                    "{pin:?} {method:?}"
+                );
+            }
+            drop(map);
+            assert_eq!(ProcessMemory::read().unwrap().locked, before.locked);
+        }
+    }
+}
+
+#[test]
+fn populate_hugetlb_pool_dry_fails_and_undoes_everything() {
+    let _s = serial();
+    for pin in [PinStrategy::UpFront, PinStrategy::PerChunk] {
+        for method in [Method::PopulateWrite, Method::Touch] {
+            let Some(_pool) = PoolGuard::with_available(4) else {
+                return;
+            };
+            // 32 MiB of anonymous memory that populates fine, and 16 MiB (8 pages) of
+            // hugetlb memory that only 4 pages can back: mmap succeeds with MAP_NORESERVE.
+            let huge_at = 0x4000_0000;
+            let map = GuestMap::from_specs(&[
+                spec(0, 32 * MIB),
+                spec(huge_at, 16 * MIB)
+                    .with_backing(Backing::Hugetlb(HugePageSize::Size2M))
+                    .with_reserve(Reserve::NoReserve),
+            ])
+            .unwrap();
+            let snap = map.snapshot();
+
+            // The check step sees it coming, with the numbers...
+            let e = limits::check(&snap, pin).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    LimitError::HugetlbPool {
+                        needed: 8,
+                        available: 4,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+
+            // ...and the mechanism, driven past it, fails part-way and undoes its work.
+            // The peak of what the job had populated, seen after each chunk it completed.
+            let before = ProcessMemory::read().unwrap();
+            let peak = std::sync::Arc::new(Mutex::new(ProcessMemory::default()));
+            let seen = peak.clone();
+            let c = PopulateConfig {
+                progress: Some(std::sync::Arc::new(move |_| {
+                    let now = ProcessMemory::read().unwrap();
+                    let mut p = seen.lock().unwrap();
+                    p.hugetlb = p.hugetlb.max(now.hugetlb);
+                    p.rss = p.rss.max(now.rss);
+                    p.locked = p.locked.max(now.locked);
+                })),
+                ..cfg(method, pin)
+            };
+            let e = populate(&snap, &c).unwrap_err();
+            let after = ProcessMemory::read().unwrap();
+            let want_errno = match method {
+                Method::PopulateWrite => libc::EFAULT,
+                Method::Touch => libc::EIO,
+            };
+            match &e {
+                PopulateError::Chunk {
+                    region,
+                    chunk,
+                    source,
+                    undo_errors,
+                    ..
+                } => {
+                    assert_eq!(*region, huge_at, "{e}");
+                    assert!((huge_at..huge_at + 16 * MIB).contains(chunk), "{e}");
+                    assert_eq!(source.raw_os_error(), Some(want_errno), "{e}");
+                    assert!(undo_errors.is_empty(), "{e}");
+                }
+                other => panic!("unexpected error {other}"),
+            }
+            for u in inspect(&snap).unwrap() {
+                assert_eq!((u.resident, u.locked), (0, 0), "{pin:?} {method:?}: {u:?}");
+            }
+            assert_eq!(after.locked, before.locked, "{pin:?} {method:?}");
+            assert_eq!(after.hugetlb, before.hugetlb, "{pin:?} {method:?}");
+            assert!(
+                after.rss.abs_diff(before.rss) < 4 * MIB,
+                "{pin:?} {method:?}: rss {} -> {}",
+                before.rss,
+                after.rss
+            );
+            assert_eq!(hugetlb_available(HugePageSize::Size2M), Some(4));
+            // The job did get part-way before the pool ran dry. (How far is a race: two
+            // chunks in flight may split the last pages and both fail.)
+            let peak = *peak.lock().unwrap();
+            assert!(peak.hugetlb > before.hugetlb, "{pin:?} {method:?}");
+            assert!(
+                peak.locked > before.locked,
+                "{pin:?} {method:?}: nothing was locked"
+            );
+            eprintln!(
+                "{pin:?} {method:?}: {e}\n  peak hugetlb +{} MiB, rss +{} MiB, VmLck +{} MiB; after undo: \
+                 rss {:+} KiB, VmLck {} -> {} KiB, HugetlbPages {} -> {} KiB, free pages 4",
+                (peak.hugetlb - before.hugetlb) / MIB,
+                peak.rss.saturating_sub(before.rss) / MIB,
+                (peak.locked - before.locked) / MIB,
+                (after.rss as i64 - before.rss as i64) / 1024,
+                before.locked / 1024,
+                after.locked / 1024,
+                before.hugetlb / 1024,
+                after.hugetlb / 1024,
+            );
+            drop(snap);
+            drop(map);
+        }
+    }
+}
+
+#[test]
+fn bringup_checks_populates_pins_and_reports() {
+    let _s = serial();
+    let before = ProcessMemory::read().unwrap();
+    let map = GuestMap::from_specs(&[spec(0, 64 * MIB), spec(0x1_0000_0000, 16 * MIB)]).unwrap();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let seen = done.clone();
+    let cfg = BringupConfig {
+        populate: PopulateConfig {
+            progress: Some(std::sync::Arc::new(move |b| {
+                seen.fetch_max(b, std::sync::atomic::Ordering::Relaxed);
+            })),
+            ..cfg(Method::PopulateWrite, PinStrategy::UpFront)
+        },
+        verify: Verify::On,
+    };
+    let r = bringup(&map.snapshot(), &cfg).unwrap();
+    assert_eq!((r.regions, r.bytes, r.threads), (2, 80 * MIB, 2));
+    assert_eq!(done.load(std::sync::atomic::Ordering::Relaxed), 80 * MIB);
+    assert_eq!(r.needs.memlock_bytes, before.locked + 80 * MIB);
+    assert!(r
+        .usage
+        .iter()
+        .all(|u| u.resident == u.size && u.locked == u.size));
+    assert_eq!(r.process.unwrap().locked - before.locked, 80 * MIB, "{r:?}");
+    let names: Vec<_> = r.phases.iter().map(|p| p.name).collect();
+    assert_eq!(names, ["check", "lock", "populate", "verify"]);
+}
+
+#[test]
+fn populate_read_only_region_is_populated_anyway() {
+    let _s = serial();
+    // The guest may not write it, but the host mapping is writable (images are loaded into
+    // it), so it is populated like any other.
+    let map =
+        GuestMap::from_specs(&[spec(0, 8 * MIB).with_access(guestmem::Access::ReadOnly)]).unwrap();
+    for method in [Method::PopulateWrite, Method::Touch] {
+        populate(&map.snapshot(), &cfg(method, PinStrategy::None)).unwrap();
+        assert_eq!(inspect(&map.snapshot()).unwrap()[0].resident, 8 * MIB);
+    }
+}
