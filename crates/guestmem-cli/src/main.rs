@@ -1,4 +1,44 @@
-//! The `guestmem` command: thin glue over the guestmem library.
-fn main() {
-    println!("guestmem {}", env!("CARGO_PKG_VERSION"));
+//! The `guestmem` command: parses flags, builds library objects, prints. All work is in the
+//! `guestmem` library.
+
+mod bringup;
+mod report;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Bring up, inspect and exercise guest memory the way a VMM would.
+#[derive(Parser)]
+#[command(name = "guestmem", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Map a guest memory layout, populate (and pin) it in parallel, verify and report.
+    Bringup(bringup::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Bringup(args) => bringup::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // A closed pipe (`guestmem ... | head`) is not an error worth reporting.
+            if e.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            {
+                return ExitCode::SUCCESS;
+            }
+            let _ = writeln!(std::io::stderr(), "guestmem: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }
