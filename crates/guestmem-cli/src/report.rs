@@ -26,7 +26,7 @@ pub fn bytes(b: u64) -> String {
 pub fn progress(
     total: u64,
     quiet: bool,
-) -> (Option<ProgressBar>, Option<Arc<dyn Fn(u64) + Send + Sync>>) {
+) -> (Option<ProgressBar>, Option<guestmem::populate::Progress>) {
     if quiet || !std::io::stderr().is_terminal() {
         return (None, None);
     }
