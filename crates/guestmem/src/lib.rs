@@ -15,7 +15,10 @@
 #[cfg(not(target_os = "linux"))]
 compile_error!("guestmem supports Linux only");
 
+pub mod dirty;
 pub mod inspect;
+#[cfg(feature = "kvm")]
+pub mod kvm;
 pub mod layout;
 pub mod map;
 pub mod region;
