@@ -1,5 +1,7 @@
 //! The guest and the host see each other's writes through the same memslots.
 
+#![cfg(feature = "kvm")]
+
 mod common;
 
 use guestmem::kvm::guest::{pattern, Partition, Workload, WorkloadConfig};

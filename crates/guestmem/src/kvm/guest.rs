@@ -290,31 +290,11 @@ impl Workload {
                 "{vcpus} vCPUs asked for, 1..={MAX_VCPUS} supported"
             )));
         }
-        for &(s, e) in slices.iter().flatten() {
-            if s >= e || s % PAGE_BYTES != 0 || e % PAGE_BYTES != 0 || e > GUEST_END_LIMIT {
-                return Err(KvmError::Config(format!(
-                    "range {s:#x}..{e:#x}: must be non-empty, page-aligned and end at most {GUEST_END_LIMIT:#x}"
-                )));
-            }
-        }
-        let t = map.translator();
-        t.write(GuestAddress(CODE_GPA), &WRITE_CODE)?;
-        t.write(GuestAddress(CODE_GPA + VERIFY_OFFSET), &VERIFY_CODE)?;
-        for (v, slice) in slices.iter().enumerate() {
-            if slice.len() > MAX_ENTRIES {
-                return Err(KvmError::Config(format!(
-                    "vCPU {v} walks {} ranges, at most {MAX_ENTRIES} fit its parameter page",
-                    slice.len()
-                )));
-            }
-            let mut block = Vec::with_capacity(4 + 8 * slice.len());
-            block.extend_from_slice(&(slice.len() as u32).to_le_bytes());
-            for &(s, e) in slice {
-                block.extend_from_slice(&(s as u32).to_le_bytes());
-                block.extend_from_slice(&(e as u32).to_le_bytes());
-            }
-            t.write(GuestAddress(params_gpa(v)), &block)?;
-        }
+        write_params(map, &slices)?;
+        map.translator()
+            .write(GuestAddress(CODE_GPA), &WRITE_CODE)?;
+        map.translator()
+            .write(GuestAddress(CODE_GPA + VERIFY_OFFSET), &VERIFY_CODE)?;
 
         let (reply_tx, reply_rx) = channel();
         let mut threads = Vec::with_capacity(vcpus);
@@ -343,6 +323,21 @@ impl Workload {
             replies: Mutex::new(reply_rx),
             slices,
         })
+    }
+
+    /// Gives the vCPUs new ranges (one list per vCPU, checked as in
+    /// [`Workload::start_with_slices`]); they are idle between commands, so this is safe.
+    pub fn set_slices(&mut self, map: &GuestMap, slices: Vec<Vec<Range>>) -> Result<(), KvmError> {
+        if slices.len() != self.threads.len() {
+            return Err(KvmError::Config(format!(
+                "{} slices given for {} vCPUs",
+                slices.len(),
+                self.threads.len()
+            )));
+        }
+        write_params(map, &slices)?;
+        self.slices = slices;
+        Ok(())
     }
 
     /// vCPUs running.
@@ -412,6 +407,35 @@ impl Drop for Workload {
             let _ = h.join();
         }
     }
+}
+
+/// Checks `slices` and writes each vCPU's parameter block.
+fn write_params(map: &GuestMap, slices: &[Vec<Range>]) -> Result<(), KvmError> {
+    for &(s, e) in slices.iter().flatten() {
+        if s >= e || s % PAGE_BYTES != 0 || e % PAGE_BYTES != 0 || e > GUEST_END_LIMIT {
+            return Err(KvmError::Config(format!(
+                    "range {s:#x}..{e:#x}: must be non-empty, page-aligned and end at most {GUEST_END_LIMIT:#x}"
+                )));
+        }
+    }
+    let t = map.translator();
+    for (v, slice) in slices.iter().enumerate() {
+        if slice.len() > MAX_ENTRIES {
+            return Err(KvmError::Config(format!(
+                "vCPU {v} walks {} ranges, at most {MAX_ENTRIES} fit its parameter page",
+                slice.len()
+            )));
+        }
+        let mut block = Vec::with_capacity(4 + 8 * slice.len());
+        block.extend_from_slice(&(slice.len() as u32).to_le_bytes());
+        for &(s, e) in slice {
+            block.extend_from_slice(&(s as u32).to_le_bytes());
+            block.extend_from_slice(&(e as u32).to_le_bytes());
+        }
+        t.write(GuestAddress(params_gpa(v)), &block)?;
+    }
+
+    Ok(())
 }
 
 fn params_gpa(v: usize) -> u64 {
