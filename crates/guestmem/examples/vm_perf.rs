@@ -1,9 +1,9 @@
 //! Runs `guestmem::kvm::perf` once and prints its report, then the JSON.
 //!
-//! `cargo run --release -p guestmem --example vm_perf -- [MiB] [vCPUs] [slots] [passes] [per-slot]`
-//! (defaults: 256 4 64 3, contiguous shares).
+//! `cargo run --release -p guestmem --example vm_perf -- [MiB] [vCPUs] [slots] [passes] [per-slot|contiguous] [long]`
+//! (defaults: 256 4 64 3 contiguous, 32-bit guest).
 
-use guestmem::kvm::guest::Partition;
+use guestmem::kvm::guest::{GuestMode, Partition};
 use guestmem::kvm::perf::{run, PerfConfig};
 
 fn main() {
@@ -22,6 +22,11 @@ fn main() {
             Partition::PerSlot
         } else {
             Partition::Contiguous
+        },
+        mode: if args.get(5).is_some_and(|a| a == "long") {
+            GuestMode::Long64
+        } else {
+            GuestMode::Protected32
         },
         ..PerfConfig::default()
     };

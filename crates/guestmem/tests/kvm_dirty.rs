@@ -7,7 +7,7 @@ mod common;
 use std::collections::BTreeSet;
 
 use guestmem::dirty::DirtyPages;
-use guestmem::kvm::guest::{Range, Workload};
+use guestmem::kvm::guest::{GuestMode, Range, Workload};
 use guestmem::GuestAddress;
 
 const VCPUS: usize = 4;
@@ -70,7 +70,13 @@ fn harvest_after_each_pass_holds_exactly_the_pages_written() {
         .collect();
     assert_eq!(data.len(), SLOTS);
 
-    let mut work = Workload::start_with_slices(&s.vm, &s.map, sparse_slices(&data, 0)).unwrap();
+    let mut work = Workload::start_with_slices(
+        &s.vm,
+        &s.map,
+        sparse_slices(&data, 0),
+        GuestMode::Protected32,
+    )
+    .unwrap();
     for (pass, salt) in [(1u32, 0u64), (2, 13), (3, 200)] {
         let slices = sparse_slices(&data, salt);
         let want = pages_of(&slices);
@@ -102,7 +108,7 @@ fn host_marks_and_guest_writes_meet_in_one_bitmap() {
         .map(|r| (r.guest_addr().0, r.guest_end()))
         .collect();
     let slices: Vec<Vec<Range>> = vec![vec![(data[0].0, data[0].0 + 3 * 4096)]];
-    let work = Workload::start_with_slices(&s.vm, &s.map, slices).unwrap();
+    let work = Workload::start_with_slices(&s.vm, &s.map, slices, GuestMode::Long64).unwrap();
     work.write_pass(1).unwrap();
     // A device model writes guest memory and tells the registry.
     let host_addr = data[2].0 + 70 * 4096 + 4000;

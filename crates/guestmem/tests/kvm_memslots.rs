@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use guestmem::kvm::guest::{pattern, Partition, Workload, WorkloadConfig};
+use guestmem::kvm::guest::{pattern, GuestMode, Partition, Workload, WorkloadConfig};
 use guestmem::kvm::{KvmError, KvmVm, MemslotConfig, Memslots, VmConfig};
 use guestmem::{Access, GuestAddress, GuestMap, RegionSpec};
 
@@ -23,6 +23,7 @@ fn hot_add_and_remove_while_vcpus_run_keeps_guest_passes_correct() {
     let config = WorkloadConfig {
         vcpus: 2,
         partition: Partition::PerSlot,
+        mode: GuestMode::Protected32,
     };
     let work = Workload::start(&s.vm, &s.map, &s.data, config).unwrap();
     let stop = AtomicBool::new(false);

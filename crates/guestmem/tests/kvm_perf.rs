@@ -4,7 +4,7 @@
 
 mod common;
 
-use guestmem::kvm::guest::Partition;
+use guestmem::kvm::guest::{GuestMode, Partition};
 use guestmem::kvm::perf::{run, PerfConfig};
 
 #[test]
@@ -40,8 +40,26 @@ fn perf_run_small_reports_every_pass_with_exact_dirty_pages() {
 fn perf_run_memory_beyond_32_bit_reach_is_refused() {
     let config = PerfConfig {
         memory_bytes: 8 << 30,
+        mode: GuestMode::Protected32,
         ..PerfConfig::default()
     };
     let e = run(&config).unwrap_err();
-    assert!(e.to_string().contains("32-bit"), "{e}");
+    assert!(e.to_string().contains("reaches below"), "{e}");
+}
+
+#[test]
+fn perf_run_long_mode_small_matches_written_pages() {
+    if !common::kvm_usable() {
+        return;
+    }
+    let config = PerfConfig {
+        memory_bytes: 32 << 20,
+        vcpus: 2,
+        slots: 4,
+        passes: 1,
+        mode: GuestMode::Long64,
+        ..PerfConfig::default()
+    };
+    let report = run(&config).unwrap();
+    assert_eq!(report.passes[0].dirty_pages, (32 << 20) / 4096);
 }

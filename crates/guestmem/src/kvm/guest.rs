@@ -1,120 +1,41 @@
-//! A guest workload: vCPU threads running a tiny hand-assembled program against the map.
+//! A guest workload: vCPU threads running the program of [`super::program`] against the map.
 //!
-//! # What this KVM accepts
-//!
-//! The machine's KVM is nested and paging-based. The guest runs in flat 32-bit protected
-//! mode with paging off: CR0 = PE | ET, CS/DS/ES/FS/GS/SS cached as flat 4 GiB segments
-//! through `KVM_SET_SREGS` (no GDT in guest memory is needed, as no segment is ever
-//! reloaded), EFER = 0. Guest-physical equals linear, so the guest reaches any address below
-//! 4 GiB. Long mode would need page tables in guest memory and was seen to end in a shutdown
-//! exit here, so no 64-bit path is kept; nothing in the workload needs more than 4 GiB.
-//!
-//! # The program
-//!
-//! Both routines read a parameter block at `ESI`: a `u32` entry count, then that many
-//! `{u32 start, u32 end}` page-aligned guest ranges (the vCPU's slice of each slot). `EBX`
-//! holds a tag. [`pattern`] is the value stored: `gpa + tag` (wrapping, 32-bit).
-//!
-//! Write routine, at [`CODE_GPA`] (assembled with `as --32`, Intel syntax):
-//! ```text
-//! 00 8b 0e          pass:  mov ecx, [esi]        ; entries
-//! 02 8d 7e 04              lea edi, [esi+4]      ; first entry
-//! 05 e3 19          entry: jecxz done
-//! 07 8b 07                 mov eax, [edi]        ; start
-//! 09 3b 47 04       page:  cmp eax, [edi+4]      ; end?
-//! 0c 73 0c                 jae next
-//! 0e 8d 14 18              lea edx, [eax+ebx]    ; pattern = gpa + tag
-//! 11 89 10                 mov [eax], edx        ; first dword of the page
-//! 13 05 00 10 00 00        add eax, 4096
-//! 18 eb ef                 jmp page
-//! 1a 83 c7 08       next:  add edi, 8
-//! 1d 49                    dec ecx
-//! 1e eb e5                 jmp entry
-//! 20 89 d8          done:  mov eax, ebx
-//! 22 e7 10                 out 0x10, eax         ; KVM_EXIT_IO: pass done, tag
-//! 24 43                    inc ebx               ; resumed: next pass, next tag
-//! 25 eb d9                 jmp pass
-//! ```
-//! Verify routine, at [`CODE_GPA`] + 0x40: the same walk, counting in `EBP` the dwords at
-//! page offsets 0 and 4092 that differ from `gpa + tag`, then `out 0x11, eax` with the count
-//! and `hlt`.
-//!
-//! The host sets `EIP`, `ESI` and `EBX` before every command, so a vCPU never depends on
-//! where the previous one stopped.
+//! The map holds a control region ([`control_spec`]: code, one parameter page per vCPU, and
+//! the long-mode page tables) and the data regions the vCPUs write. Each vCPU gets a list of
+//! ranges, its slice ([`partition`] or given explicitly); every command (a write pass, a
+//! verify) goes to all vCPUs at once and returns when all have reported through port I/O.
+//! The host sets `RIP`, `RSI` and `RBX` before every command, so a vCPU never depends on
+//! where the previous command left it (KVM completes a pending `out` only if `RIP` is where
+//! the exit left it).
 
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvm_bindings::{kvm_regs, kvm_segment};
+use kvm_bindings::kvm_regs;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vm_memory::GuestAddress;
 
+use super::program::{self, CODE_GPA, PAGE_TABLES_GPA, VERIFY_OFFSET};
+pub use super::program::{pattern, GuestMode, PORT_PASS_DONE, PORT_VERIFY_DONE};
 use super::{KvmError, KvmVm};
 use crate::layout::{Access, RegionSpec};
 use crate::map::GuestMap;
 use crate::region::Region;
 
-/// Guest address of the control region (code and parameter blocks).
+/// Guest address of the control region (code, parameter blocks, page tables).
 pub const CONTROL_GPA: u64 = 0;
 /// Size of the control region.
-pub const CONTROL_BYTES: u64 = 1 << 20;
-/// Guest address of the write routine; the verify routine is 0x40 bytes further.
-pub const CODE_GPA: u64 = 0x1000;
+pub const CONTROL_BYTES: u64 = 2 << 20;
 /// Guest address of vCPU 0's parameter block; vCPU `i`'s is `i` pages further.
 pub const PARAMS_GPA: u64 = 0x1_0000;
-/// Most vCPUs a workload runs (one parameter page each in the control region).
-pub const MAX_VCPUS: usize = ((CONTROL_BYTES - PARAMS_GPA) / PAGE_BYTES) as usize;
-/// Most ranges one vCPU's parameter block holds.
-pub const MAX_ENTRIES: usize = ((PAGE_BYTES - 4) / 8) as usize;
-/// Highest end (exclusive) of a range the 32-bit guest can walk.
-pub const GUEST_END_LIMIT: u64 = 0xffff_f000;
-/// The port the write routine reports a finished pass on.
-pub const PORT_PASS_DONE: u16 = 0x10;
-/// The port the verify routine reports its mismatch count on.
-pub const PORT_VERIFY_DONE: u16 = 0x11;
+/// Most vCPUs a workload runs (one parameter page each, below the page tables).
+pub const MAX_VCPUS: usize = ((PAGE_TABLES_GPA - PARAMS_GPA) / PAGE_BYTES) as usize;
+/// Most ranges one vCPU's parameter block holds (a `u64` count, then 16 bytes a range).
+pub const MAX_ENTRIES: usize = ((PAGE_BYTES - 8) / 16) as usize;
 
 const PAGE_BYTES: u64 = 4096;
-const VERIFY_OFFSET: u64 = 0x40;
-
-/// The write routine (see the module docs for the listing).
-const WRITE_CODE: [u8; 39] = [
-    0x8b, 0x0e, 0x8d, 0x7e, 0x04, 0xe3, 0x19, 0x8b, 0x07, 0x3b, 0x47, 0x04, 0x73, 0x0c, 0x8d, 0x14,
-    0x18, 0x89, 0x10, 0x05, 0x00, 0x10, 0x00, 0x00, 0xeb, 0xef, 0x83, 0xc7, 0x08, 0x49, 0xeb, 0xe5,
-    0x89, 0xd8, 0xe7, 0x10, 0x43, 0xeb, 0xd9,
-];
-
-/// The verify routine:
-/// ```text
-/// 00 8b 0e / 02 8d 7e 04   mov ecx, [esi] / lea edi, [esi+4]
-/// 05 31 ed                 xor ebp, ebp           ; mismatches
-/// 07 e3 25          entry: jecxz done
-/// 09 8b 07                 mov eax, [edi]
-/// 0b 3b 47 04       page:  cmp eax, [edi+4]
-/// 0e 73 18                 jae next
-/// 10 8d 14 18              lea edx, [eax+ebx]
-/// 13 39 10 / 74 01 / 45    cmp [eax], edx / je +1 / inc ebp
-/// 18 39 90 fc 0f 00 00     cmp [eax+4092], edx
-/// 1e 74 01 / 45            je +1 / inc ebp
-/// 21 05 00 10 00 00        add eax, 4096
-/// 26 eb e3                 jmp page
-/// 28 83 c7 08 / 49 / eb d9 next: add edi, 8 / dec ecx / jmp entry
-/// 2e 89 e8          done:  mov eax, ebp
-/// 30 e7 11 / f4 / eb cb    out 0x11, eax / hlt / jmp start
-/// ```
-const VERIFY_CODE: [u8; 53] = [
-    0x8b, 0x0e, 0x8d, 0x7e, 0x04, 0x31, 0xed, 0xe3, 0x25, 0x8b, 0x07, 0x3b, 0x47, 0x04, 0x73, 0x18,
-    0x8d, 0x14, 0x18, 0x39, 0x10, 0x74, 0x01, 0x45, 0x39, 0x90, 0xfc, 0x0f, 0x00, 0x00, 0x74, 0x01,
-    0x45, 0x05, 0x00, 0x10, 0x00, 0x00, 0xeb, 0xe3, 0x83, 0xc7, 0x08, 0x49, 0xeb, 0xd9, 0x89, 0xe8,
-    0xe7, 0x11, 0xf4, 0xeb, 0xcb,
-];
-
-/// The dword the guest writes at the start of page `gpa` for `tag` (and expects at offsets
-/// 0 and 4092 when verifying).
-pub fn pattern(gpa: u64, tag: u32) -> u32 {
-    (gpa as u32).wrapping_add(tag)
-}
 
 /// The control region's spec: code and parameter blocks, at [`CONTROL_GPA`].
 pub fn control_spec() -> RegionSpec {
@@ -207,6 +128,8 @@ pub struct WorkloadConfig {
     pub vcpus: usize,
     /// How they share the data regions.
     pub partition: Partition,
+    /// The CPU mode.
+    pub mode: GuestMode,
 }
 
 /// What one command returned from every vCPU.
@@ -235,6 +158,7 @@ pub struct Workload {
     threads: Vec<VcpuThread>,
     replies: Mutex<Receiver<Reply>>,
     slices: Vec<Vec<Range>>,
+    mode: GuestMode,
 }
 
 impl std::fmt::Debug for Workload {
@@ -263,26 +187,28 @@ impl Workload {
         }
         let mut ranges = Vec::with_capacity(data.len());
         for r in data {
-            if r.access() == Access::ReadOnly || r.guest_end() > GUEST_END_LIMIT {
+            if r.access() == Access::ReadOnly || r.guest_end() > config.mode.end_limit() {
                 return Err(KvmError::Config(format!(
-                    "region at {:#x}: the guest writes it, so it must be read-write and end below {GUEST_END_LIMIT:#x}",
-                    r.guest_addr().0
+                    "region at {:#x}: the guest writes it, so it must be read-write and end below {:#x}",
+                    r.guest_addr().0,
+                    config.mode.end_limit()
                 )));
             }
             ranges.push((r.guest_addr().0, r.guest_end()));
         }
         ranges.sort_unstable();
         let slices = partition(&ranges, config.vcpus, config.partition);
-        Workload::start_with_slices(vm, map, slices)
+        Workload::start_with_slices(vm, map, slices, config.mode)
     }
 
     /// As [`Workload::start`], with each vCPU's ranges given: `slices[v]` are the
     /// page-aligned, non-empty ranges vCPU `v` walks, in order, all below
-    /// [`GUEST_END_LIMIT`] and in read-write memory registered with `vm`.
+    /// [`GuestMode::end_limit`] and in read-write memory registered with `vm`.
     pub fn start_with_slices(
         vm: &Arc<KvmVm>,
         map: &GuestMap,
         slices: Vec<Vec<Range>>,
+        mode: GuestMode,
     ) -> Result<Workload, KvmError> {
         let vcpus = slices.len();
         if vcpus == 0 || vcpus > MAX_VCPUS {
@@ -290,11 +216,8 @@ impl Workload {
                 "{vcpus} vCPUs asked for, 1..={MAX_VCPUS} supported"
             )));
         }
-        write_params(map, &slices)?;
-        map.translator()
-            .write(GuestAddress(CODE_GPA), &WRITE_CODE)?;
-        map.translator()
-            .write(GuestAddress(CODE_GPA + VERIFY_OFFSET), &VERIFY_CODE)?;
+        write_params(map, &slices, mode)?;
+        program::load(map, mode)?;
 
         let (reply_tx, reply_rx) = channel();
         let mut threads = Vec::with_capacity(vcpus);
@@ -303,7 +226,7 @@ impl Workload {
                 .vm_fd()
                 .create_vcpu(v as u64)
                 .map_err(|e| KvmError::ioctl("KVM_CREATE_VCPU", e))?;
-            setup_flat_protected_mode(&vcpu)?;
+            program::setup_vcpu(&vcpu, mode)?;
             let (cmd_tx, cmd_rx) = channel();
             let replies = reply_tx.clone();
             let handle = std::thread::Builder::new()
@@ -322,6 +245,7 @@ impl Workload {
             threads,
             replies: Mutex::new(reply_rx),
             slices,
+            mode,
         })
     }
 
@@ -335,7 +259,7 @@ impl Workload {
                 self.threads.len()
             )));
         }
-        write_params(map, &slices)?;
+        write_params(map, &slices, self.mode)?;
         self.slices = slices;
         Ok(())
     }
@@ -410,12 +334,13 @@ impl Drop for Workload {
 }
 
 /// Checks `slices` and writes each vCPU's parameter block.
-fn write_params(map: &GuestMap, slices: &[Vec<Range>]) -> Result<(), KvmError> {
+fn write_params(map: &GuestMap, slices: &[Vec<Range>], mode: GuestMode) -> Result<(), KvmError> {
+    let limit = mode.end_limit();
     for &(s, e) in slices.iter().flatten() {
-        if s >= e || s % PAGE_BYTES != 0 || e % PAGE_BYTES != 0 || e > GUEST_END_LIMIT {
+        if s >= e || s % PAGE_BYTES != 0 || e % PAGE_BYTES != 0 || e > limit {
             return Err(KvmError::Config(format!(
-                    "range {s:#x}..{e:#x}: must be non-empty, page-aligned and end at most {GUEST_END_LIMIT:#x}"
-                )));
+                "range {s:#x}..{e:#x}: must be non-empty, page-aligned and end at most {limit:#x}"
+            )));
         }
     }
     let t = map.translator();
@@ -426,11 +351,11 @@ fn write_params(map: &GuestMap, slices: &[Vec<Range>]) -> Result<(), KvmError> {
                 slice.len()
             )));
         }
-        let mut block = Vec::with_capacity(4 + 8 * slice.len());
-        block.extend_from_slice(&(slice.len() as u32).to_le_bytes());
+        let mut block = Vec::with_capacity(8 + 16 * slice.len());
+        block.extend_from_slice(&(slice.len() as u64).to_le_bytes());
         for &(s, e) in slice {
-            block.extend_from_slice(&(s as u32).to_le_bytes());
-            block.extend_from_slice(&(e as u32).to_le_bytes());
+            block.extend_from_slice(&s.to_le_bytes());
+            block.extend_from_slice(&e.to_le_bytes());
         }
         t.write(GuestAddress(params_gpa(v)), &block)?;
     }
@@ -440,41 +365,6 @@ fn write_params(map: &GuestMap, slices: &[Vec<Range>]) -> Result<(), KvmError> {
 
 fn params_gpa(v: usize) -> u64 {
     PARAMS_GPA + v as u64 * PAGE_BYTES
-}
-
-/// Flat 32-bit protected mode, paging off: every segment base 0, limit 4 GiB.
-fn setup_flat_protected_mode(vcpu: &VcpuFd) -> Result<(), KvmError> {
-    let mut sregs = vcpu
-        .get_sregs()
-        .map_err(|e| KvmError::ioctl("KVM_GET_SREGS", e))?;
-    let code = kvm_segment {
-        base: 0,
-        limit: 0xffff_ffff,
-        selector: 0x08,
-        type_: 0xb, // execute/read, accessed
-        present: 1,
-        dpl: 0,
-        db: 1, // 32-bit
-        s: 1,
-        l: 0,
-        g: 1,
-        avl: 0,
-        unusable: 0,
-        padding: 0,
-    };
-    let data = kvm_segment {
-        selector: 0x10,
-        type_: 0x3, // read/write, accessed
-        ..code
-    };
-    sregs.cs = code;
-    (sregs.ds, sregs.es, sregs.fs, sregs.gs, sregs.ss) = (data, data, data, data, data);
-    // PE | ET; caches on (the reset value has CD and NW set), paging off.
-    sregs.cr0 = 0x11;
-    sregs.cr4 = 0;
-    sregs.efer = 0;
-    vcpu.set_sregs(&sregs)
-        .map_err(|e| KvmError::ioctl("KVM_SET_SREGS", e))
 }
 
 fn vcpu_loop(v: usize, mut vcpu: VcpuFd, cmds: Receiver<Cmd>, replies: Sender<Reply>) {

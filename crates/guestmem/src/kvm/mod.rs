@@ -7,16 +7,18 @@
 //!   is never unmapped while KVM still maps it.
 //! - [`dirty`]: `KVM_GET_DIRTY_LOG` and `KVM_CLEAR_DIRTY_LOG` into reused buffers, merged into
 //!   the word-level bitmaps of [`crate::dirty`].
-//! - [`guest`]: vCPU threads running a hand-assembled flat 32-bit protected-mode program.
+//! - [`program`]: the hand-assembled guest routines (32-bit and 64-bit) and the CPU state.
+//! - [`guest`]: vCPU threads running them against the map.
 //! - [`perf`]: the `guestmem vm` engine.
 //!
-//! What this machine's (nested) KVM accepts is recorded in [`guest`]: flat 32-bit protected
-//! mode without paging runs; long mode is not used.
+//! What this machine's nested KVM accepts is recorded in [`program`]: flat 32-bit protected
+//! mode without paging, and long mode once the guest has page tables.
 
 pub mod dirty;
 pub mod guest;
 pub mod memslots;
 pub mod perf;
+pub mod program;
 
 use std::path::{Path, PathBuf};
 
