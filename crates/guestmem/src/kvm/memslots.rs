@@ -255,7 +255,7 @@ impl Memslots {
             bitmap: Arc::new(bitmap),
         };
         let info = slot.info();
-        if let Err(e) = self.set_kvm_slot(&info, "set") {
+        if let Err(e) = self.set_kvm_slot(&info, SlotOp::Add) {
             self.free.push(id);
             return Err(e);
         }
@@ -280,23 +280,24 @@ impl Memslots {
 
     fn delete_kvm_slot(&self, info: &SlotInfo) -> Result<(), KvmError> {
         let gone = SlotInfo { size: 0, ..*info };
-        self.set_kvm_slot(&gone, "delete").map_err(|e| match e {
-            KvmError::Slot {
-                slot, op, source, ..
-            } => KvmError::Slot {
-                slot,
-                addr: info.guest_addr,
-                size: info.size,
-                host: info.host_addr,
-                op,
-                source,
-            },
-            other => other,
-        })
+        self.set_kvm_slot(&gone, SlotOp::Delete)
+            .map_err(|e| match e {
+                KvmError::Slot {
+                    slot, op, source, ..
+                } => KvmError::Slot {
+                    slot,
+                    addr: info.guest_addr,
+                    size: info.size,
+                    host: info.host_addr,
+                    op,
+                    source,
+                },
+                other => other,
+            })
     }
 
     /// One `KVM_SET_USER_MEMORY_REGION(2)`; `info.size == 0` deletes the slot.
-    fn set_kvm_slot(&self, info: &SlotInfo, what: &'static str) -> Result<(), KvmError> {
+    fn set_kvm_slot(&self, info: &SlotInfo, what: SlotOp) -> Result<(), KvmError> {
         let vm = self.vm.vm_fd();
         let (res, op) = if self.vm.caps().user_memory2 {
             let mr = kvm_userspace_memory_region2 {
@@ -311,10 +312,7 @@ impl Memslots {
             // registry holds for as long as the slot is registered (`Slot::region`, dropped
             // only after a successful delete); the map guarantees regions do not overlap, and
             // a deleted slot (size 0) names no memory.
-            (
-                unsafe { vm.set_user_memory_region2(mr) },
-                what_op(what, true),
-            )
+            (unsafe { vm.set_user_memory_region2(mr) }, what.name(true))
         } else {
             let mr = kvm_userspace_memory_region {
                 slot: info.slot,
@@ -324,10 +322,7 @@ impl Memslots {
                 userspace_addr: info.host_addr,
             };
             // SAFETY: as above: the region's Arc is held while the slot exists.
-            (
-                unsafe { vm.set_user_memory_region(mr) },
-                what_op(what, false),
-            )
+            (unsafe { vm.set_user_memory_region(mr) }, what.name(false))
         };
         res.map_err(|e| KvmError::Slot {
             slot: info.slot,
@@ -352,7 +347,7 @@ impl Memslots {
                 flags,
                 ..self.slots[i].info()
             };
-            self.set_kvm_slot(&info, "set flags")?;
+            self.set_kvm_slot(&info, SlotOp::Flags)?;
             self.slots[i].flags = flags;
         }
         Ok(())
@@ -424,14 +419,24 @@ impl Drop for Memslots {
     }
 }
 
-fn what_op(what: &'static str, v2: bool) -> &'static str {
-    match (what, v2) {
-        ("delete", true) => "KVM_SET_USER_MEMORY_REGION2 (delete)",
-        ("delete", false) => "KVM_SET_USER_MEMORY_REGION (delete)",
-        ("set flags", true) => "KVM_SET_USER_MEMORY_REGION2 (flags)",
-        ("set flags", false) => "KVM_SET_USER_MEMORY_REGION (flags)",
-        (_, true) => "KVM_SET_USER_MEMORY_REGION2",
-        (_, false) => "KVM_SET_USER_MEMORY_REGION",
+/// Which use of `KVM_SET_USER_MEMORY_REGION(2)`, for error messages.
+#[derive(Debug, Clone, Copy)]
+enum SlotOp {
+    Add,
+    Delete,
+    Flags,
+}
+
+impl SlotOp {
+    fn name(self, v2: bool) -> &'static str {
+        match (self, v2) {
+            (SlotOp::Add, true) => "KVM_SET_USER_MEMORY_REGION2",
+            (SlotOp::Add, false) => "KVM_SET_USER_MEMORY_REGION",
+            (SlotOp::Delete, true) => "KVM_SET_USER_MEMORY_REGION2 (delete)",
+            (SlotOp::Delete, false) => "KVM_SET_USER_MEMORY_REGION (delete)",
+            (SlotOp::Flags, true) => "KVM_SET_USER_MEMORY_REGION2 (flags)",
+            (SlotOp::Flags, false) => "KVM_SET_USER_MEMORY_REGION (flags)",
+        }
     }
 }
 
