@@ -19,8 +19,11 @@
 compile_error!("guestmem supports Linux only");
 
 pub mod bringup;
+pub mod dirty;
 pub mod inspect;
 pub mod jobs;
+#[cfg(feature = "kvm")]
+pub mod kvm;
 pub mod layout;
 pub mod limits;
 pub mod map;

@@ -1,0 +1,260 @@
+//! The guest map registered with KVM: memslots, dirty-log harvesting, a guest workload and
+//! a dirty-logging performance run modelled on KVM's `dirty_log_perf_test`.
+//!
+//! - [`KvmVm`]: `/dev/kvm` opened, one VM created, the capabilities that matter read once.
+//! - [`memslots::Memslots`]: every region of a [`crate::Snapshot`] as one memslot, kept in
+//!   sync with hot-add and hot-remove; it holds each registered region's `Arc`, so a region
+//!   is never unmapped while KVM still maps it.
+//! - [`dirty`]: `KVM_GET_DIRTY_LOG` and `KVM_CLEAR_DIRTY_LOG` into reused buffers, merged into
+//!   the word-level bitmaps of [`crate::dirty`].
+//! - [`program`]: the hand-assembled guest routines (32-bit and 64-bit) and the CPU state.
+//! - [`guest`]: vCPU threads running them against the map.
+//! - [`perf`]: the `guestmem vm` engine.
+//!
+//! What this machine's nested KVM accepts is recorded in [`program`]: flat 32-bit protected
+//! mode without paging, and long mode once the guest has page tables.
+
+pub mod dirty;
+pub mod guest;
+pub mod memslots;
+pub mod perf;
+pub mod program;
+
+use std::path::{Path, PathBuf};
+
+use kvm_bindings::{
+    kvm_enable_cap, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE,
+};
+use kvm_ioctls::{Cap, Kvm, VmFd};
+
+pub use memslots::{DirtyLogging, MemslotConfig, Memslots, SlotInfo, SyncReport};
+
+/// The default KVM device.
+pub const KVM_PATH: &str = "/dev/kvm";
+
+/// Why a KVM operation failed. Every variant about a slot names its region.
+#[derive(Debug, thiserror::Error)]
+pub enum KvmError {
+    /// The KVM device could not be opened (missing, or no permission).
+    #[error("cannot open {path}: {source} (is KVM loaded, and may this user open it?)")]
+    Open {
+        /// The device path.
+        path: PathBuf,
+        /// The errno.
+        source: std::io::Error,
+    },
+    /// A VM-wide or vCPU ioctl failed.
+    #[error("{op} failed: {source}")]
+    Ioctl {
+        /// The operation.
+        op: &'static str,
+        /// The errno.
+        source: std::io::Error,
+    },
+    /// Registering the snapshot would need more memslots than KVM offers.
+    #[error("{needed} memslots needed, KVM offers {limit} (KVM_CAP_NR_MEMSLOTS); first region left out at {addr:#x}")]
+    TooManySlots {
+        /// Slots the snapshot needs.
+        needed: usize,
+        /// KVM's limit.
+        limit: usize,
+        /// Guest address of the first region that does not fit.
+        addr: u64,
+    },
+    /// A region is read-only but KVM lacks `KVM_CAP_READONLY_MEM`.
+    #[error(
+        "region at {addr:#x}: read-only memslots need KVM_CAP_READONLY_MEM, which this KVM lacks"
+    )]
+    ReadOnlyUnsupported {
+        /// Guest address of the region.
+        addr: u64,
+    },
+    /// KVM refused a memslot.
+    #[error(
+        "region at {addr:#x} size {size:#x} (slot {slot}, host {host:#x}): {op} refused: {source}"
+    )]
+    Slot {
+        /// The slot number.
+        slot: u32,
+        /// Guest address of the region.
+        addr: u64,
+        /// Its size.
+        size: u64,
+        /// Its host address.
+        host: u64,
+        /// The ioctl.
+        op: &'static str,
+        /// The errno.
+        source: std::io::Error,
+    },
+    /// No registered slot holds this guest range.
+    #[error("guest range {addr:#x} + {len:#x} is not inside one registered memslot")]
+    NoSlot {
+        /// Start of the range.
+        addr: u64,
+        /// Its length.
+        len: u64,
+    },
+    /// A dirty bitmap refused an operation.
+    #[error(transparent)]
+    Dirty(#[from] crate::dirty::DirtyError),
+    /// A guest-memory access failed.
+    #[error(transparent)]
+    Translate(#[from] crate::translate::TranslateError),
+    /// The map refused a change.
+    #[error(transparent)]
+    Map(#[from] crate::map::MapError),
+    /// A vCPU stopped for a reason the workload does not expect.
+    #[error("vCPU {vcpu}: unexpected exit {exit}")]
+    UnexpectedExit {
+        /// The vCPU index.
+        vcpu: usize,
+        /// The exit, as text.
+        exit: String,
+    },
+    /// The workload's configuration cannot be run.
+    #[error("workload: {0}")]
+    Config(String),
+    /// A vCPU thread died or could not be started.
+    #[error("vCPU {vcpu}: thread failed: {what}")]
+    Thread {
+        /// The vCPU index.
+        vcpu: usize,
+        /// What happened.
+        what: String,
+    },
+}
+
+impl KvmError {
+    fn ioctl(op: &'static str, e: vmm_sys_util::errno::Error) -> KvmError {
+        KvmError::Ioctl {
+            op,
+            source: std::io::Error::from_raw_os_error(e.errno()),
+        }
+    }
+}
+
+/// The capabilities guestmem uses, read once when the VM is created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct KvmCaps {
+    /// `KVM_CAP_NR_MEMSLOTS`: user memslots per address space.
+    pub nr_memslots: usize,
+    /// `KVM_CAP_USER_MEMORY2`: `KVM_SET_USER_MEMORY_REGION2` is used.
+    pub user_memory2: bool,
+    /// `KVM_CAP_READONLY_MEM`.
+    pub readonly_mem: bool,
+    /// `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` reported and enabled: harvesting is
+    /// `KVM_GET_DIRTY_LOG` followed by `KVM_CLEAR_DIRTY_LOG`.
+    pub manual_protect: bool,
+    /// `KVM_CAP_DIRTY_LOG_RING` size in bytes (0: none). Reported only; not used.
+    pub dirty_ring_bytes: i32,
+    /// `KVM_CAP_NR_VCPUS`: the recommended vCPU count.
+    pub nr_vcpus: usize,
+    /// `KVM_CAP_MAX_VCPUS`.
+    pub max_vcpus: usize,
+}
+
+/// Whether to enable `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` when KVM offers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ManualProtect {
+    /// Enable it where reported (the default): clearing becomes a separate, timed step.
+    #[default]
+    Auto,
+    /// Never: `KVM_GET_DIRTY_LOG` clears and re-protects by itself.
+    Off,
+}
+
+/// How to open KVM and create the VM.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmConfig {
+    /// The KVM device ([`KVM_PATH`] by default).
+    pub kvm_path: PathBuf,
+    /// Manual dirty-log protection.
+    pub manual_protect: ManualProtect,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        VmConfig {
+            kvm_path: PathBuf::from(KVM_PATH),
+            manual_protect: ManualProtect::Auto,
+        }
+    }
+}
+
+/// An open KVM with one VM.
+#[derive(Debug)]
+pub struct KvmVm {
+    kvm: Kvm,
+    vm: VmFd,
+    caps: KvmCaps,
+}
+
+impl KvmVm {
+    /// Opens KVM at `config.kvm_path`, creates a VM and reads its capabilities.
+    pub fn open(config: &VmConfig) -> Result<KvmVm, KvmError> {
+        let kvm = open_kvm(&config.kvm_path)?;
+        let vm = kvm
+            .create_vm()
+            .map_err(|e| KvmError::ioctl("KVM_CREATE_VM", e))?;
+        let mut caps = KvmCaps {
+            nr_memslots: vm.check_extension_int(Cap::NrMemslots).max(0) as usize,
+            user_memory2: vm.check_extension(Cap::UserMemory2),
+            readonly_mem: vm.check_extension(Cap::ReadonlyMem),
+            manual_protect: false,
+            dirty_ring_bytes: vm.check_extension_int(Cap::DirtyLogRing),
+            nr_vcpus: kvm.get_nr_vcpus(),
+            max_vcpus: kvm.get_max_vcpus(),
+        };
+        let offered = vm.check_extension_raw(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2.into());
+        if config.manual_protect == ManualProtect::Auto
+            && offered & KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE as i32 != 0
+        {
+            // Without KVM_DIRTY_LOG_INITIALLY_SET: a slot's bitmap starts clean and its pages
+            // write-protected, so the first harvest reports exactly what was written.
+            let cap = kvm_enable_cap {
+                cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+                args: [u64::from(KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE), 0, 0, 0],
+                ..Default::default()
+            };
+            vm.enable_cap(&cap)
+                .map_err(|e| KvmError::ioctl("KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2)", e))?;
+            caps.manual_protect = true;
+        }
+        Ok(KvmVm { kvm, vm, caps })
+    }
+
+    /// The capabilities.
+    pub fn caps(&self) -> &KvmCaps {
+        &self.caps
+    }
+
+    /// The VM descriptor.
+    pub fn vm_fd(&self) -> &VmFd {
+        &self.vm
+    }
+
+    /// The system descriptor.
+    pub fn kvm(&self) -> &Kvm {
+        &self.kvm
+    }
+}
+
+fn open_kvm(path: &Path) -> Result<Kvm, KvmError> {
+    let open_err = |source| KvmError::Open {
+        path: path.to_path_buf(),
+        source,
+    };
+    let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| open_err(std::io::Error::from(std::io::ErrorKind::InvalidInput)))?;
+    Kvm::new_with_path(&cpath).map_err(|e| open_err(std::io::Error::from_raw_os_error(e.errno())))
+}
+
+/// Why KVM cannot be used here, or `None` if it can: for tests and callers that skip.
+pub fn unavailable_reason(path: &Path) -> Option<String> {
+    match open_kvm(path) {
+        Ok(_) => None,
+        Err(e) => Some(e.to_string()),
+    }
+}

@@ -1,0 +1,271 @@
+//! The `guestmem vm` engine: a dirty-logging run modelled on KVM's `dirty_log_perf_test`.
+//!
+//! One VM, `slots` data regions holding `memory_bytes` in all, `vcpus` threads. The vCPUs
+//! first touch all memory with dirty logging off ("populate memory time"); dirty logging is
+//! then enabled on every slot, and each pass has every vCPU write one dword per page of its
+//! share ("dirty memory time"), after which the host harvests every slot's log ("get dirty
+//! log time") and, with manual protection, re-protects ("clear dirty log time"). Each
+//! harvest is checked: KVM must report exactly the pages the guest wrote.
+//!
+//! Seed 004 measured this test with 64 vCPUs and 64 memslots; the per-vCPU last-used slot
+//! cut the dirty pass from 2.8 s to 0.3 s.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use vm_memory::GuestAddress;
+
+use super::guest::{self, GuestMode, Partition, Workload, WorkloadConfig};
+use super::memslots::{DirtyLogging, MemslotConfig, Memslots};
+use super::{KvmCaps, KvmError, KvmVm, VmConfig};
+use crate::dirty::DirtyPages;
+use crate::map::GuestMap;
+
+/// Guest address where the data regions start.
+pub const DATA_GPA: u64 = 1 << 30;
+
+/// What to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PerfConfig {
+    /// Guest data memory in bytes (a multiple of 2 MiB per slot).
+    pub memory_bytes: u64,
+    /// vCPUs.
+    pub vcpus: usize,
+    /// Data memslots.
+    pub slots: usize,
+    /// Dirty passes after the populate pass.
+    pub passes: usize,
+    /// How vCPUs share memory.
+    pub partition: Partition,
+    /// The guest's CPU mode: 32-bit reaches memory below 4 GiB, long mode below 64 GiB.
+    pub mode: GuestMode,
+    /// How to open KVM.
+    pub vm: VmConfig,
+}
+
+impl Default for PerfConfig {
+    fn default() -> Self {
+        PerfConfig {
+            memory_bytes: 256 << 20,
+            vcpus: 4,
+            slots: 64,
+            passes: 3,
+            partition: Partition::Contiguous,
+            mode: GuestMode::Protected32,
+            vm: VmConfig::default(),
+        }
+    }
+}
+
+/// One dirty pass.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct PassReport {
+    /// Iteration number as `dirty_log_perf_test` counts (populate is 1).
+    pub iteration: usize,
+    /// Time until every vCPU finished the pass, seconds.
+    pub dirty_memory_secs: f64,
+    /// Time in `KVM_GET_DIRTY_LOG` over all slots, seconds.
+    pub get_dirty_log_secs: f64,
+    /// Time in `KVM_CLEAR_DIRTY_LOG` over all slots, seconds.
+    pub clear_dirty_log_secs: f64,
+    /// Data pages KVM reported dirty (checked equal to the pages written).
+    pub dirty_pages: u64,
+}
+
+/// The result of a run.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct PerfReport {
+    /// Data memory, bytes.
+    pub memory_bytes: u64,
+    /// vCPUs.
+    pub vcpus: usize,
+    /// Data memslots (one more holds code and parameters).
+    pub slots: usize,
+    /// How vCPUs shared memory.
+    pub partition: Partition,
+    /// The guest's CPU mode.
+    pub mode: GuestMode,
+    /// What KVM offered.
+    pub caps: KvmCaps,
+    /// First touch of all memory, dirty logging off, seconds.
+    pub populate_memory_secs: f64,
+    /// Turning dirty logging on for every slot, seconds.
+    pub enable_dirty_logging_secs: f64,
+    /// Each dirty pass.
+    pub passes: Vec<PassReport>,
+    /// Mean dirty memory time, seconds.
+    pub avg_dirty_memory_secs: f64,
+    /// Mean get-dirty-log time, seconds.
+    pub avg_get_dirty_log_secs: f64,
+    /// Mean clear-dirty-log time, seconds.
+    pub avg_clear_dirty_log_secs: f64,
+    /// Turning dirty logging off again, seconds.
+    pub disable_dirty_logging_secs: f64,
+    /// Warnings from registering the slots.
+    pub warnings: Vec<String>,
+}
+
+/// Runs the test that `config` describes.
+pub fn run(config: &PerfConfig) -> Result<PerfReport, KvmError> {
+    let limit = config.mode.end_limit();
+    if DATA_GPA
+        .checked_add(config.memory_bytes)
+        .map_or(true, |end| end > limit)
+    {
+        return Err(KvmError::Config(format!(
+            "{:#x} bytes from {DATA_GPA:#x} asked for; a {:?} guest reaches below {limit:#x} only",
+            config.memory_bytes, config.mode
+        )));
+    }
+    let mut specs = guest::data_specs(GuestAddress(DATA_GPA), config.memory_bytes, config.slots)?;
+    specs.push(guest::control_spec());
+    let map = GuestMap::from_specs(&specs)?;
+    let vm = Arc::new(KvmVm::open(&config.vm)?);
+    let mut slots = Memslots::new(
+        vm.clone(),
+        MemslotConfig {
+            dirty_logging: DirtyLogging::Off,
+            max_slots: None,
+        },
+    );
+    let snap = map.snapshot();
+    let warnings = slots.sync(&snap)?.warnings;
+    let data: Vec<_> = snap
+        .regions()
+        .iter()
+        .filter(|r| r.guest_addr().0 >= DATA_GPA)
+        .cloned()
+        .collect();
+    let work = Workload::start(
+        &vm,
+        &map,
+        &data,
+        WorkloadConfig {
+            vcpus: config.vcpus,
+            partition: config.partition,
+            mode: config.mode,
+        },
+    )?;
+    let pages_written: u64 = (0..work.vcpus())
+        .flat_map(|v| work.slice(v).iter())
+        .map(|(s, e)| (e - s) / 4096)
+        .sum();
+
+    let populate = work.write_pass(1)?.elapsed;
+    let t = std::time::Instant::now();
+    slots.set_dirty_logging(DirtyLogging::On)?;
+    let enable = t.elapsed();
+
+    let mut passes = Vec::with_capacity(config.passes);
+    let mut words = Vec::new();
+    for i in 0..config.passes {
+        let iteration = i + 2;
+        let dirty = work.write_pass(iteration as u32)?.elapsed;
+        let h = slots.harvest()?;
+        // Count the data slots only: in long mode the control slot also logs the page-table
+        // pages whose accessed/dirty bits the CPU sets.
+        let mut dirty_pages = 0;
+        for r in &data {
+            if let Some(b) = slots.bitmap(r.guest_addr()) {
+                b.take(&mut words);
+                dirty_pages += DirtyPages::new(&words).count() as u64;
+            }
+        }
+        if dirty_pages != pages_written {
+            return Err(KvmError::Config(format!(
+                "iteration {iteration}: KVM reported {dirty_pages} dirty data pages, the guest wrote {pages_written}"
+            )));
+        }
+        passes.push(PassReport {
+            iteration,
+            dirty_memory_secs: dirty.as_secs_f64(),
+            get_dirty_log_secs: h.get.as_secs_f64(),
+            clear_dirty_log_secs: h.clear.as_secs_f64(),
+            dirty_pages,
+        });
+    }
+    let t = std::time::Instant::now();
+    slots.set_dirty_logging(DirtyLogging::Off)?;
+    let disable = t.elapsed();
+    drop(work);
+
+    let mean = |f: fn(&PassReport) -> f64| {
+        if passes.is_empty() {
+            0.0
+        } else {
+            passes.iter().map(f).sum::<f64>() / passes.len() as f64
+        }
+    };
+    Ok(PerfReport {
+        memory_bytes: config.memory_bytes,
+        vcpus: config.vcpus,
+        slots: config.slots,
+        partition: config.partition,
+        mode: config.mode,
+        caps: *vm.caps(),
+        populate_memory_secs: secs(populate),
+        enable_dirty_logging_secs: secs(enable),
+        avg_dirty_memory_secs: mean(|p| p.dirty_memory_secs),
+        avg_get_dirty_log_secs: mean(|p| p.get_dirty_log_secs),
+        avg_clear_dirty_log_secs: mean(|p| p.clear_dirty_log_secs),
+        passes,
+        disable_dirty_logging_secs: secs(disable),
+        warnings,
+    })
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+impl std::fmt::Display for PerfReport {
+    /// The report in `dirty_log_perf_test`'s words.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{} MiB, {} vCPUs, {} memslots, partition {:?}, mode {:?}, manual protect {}",
+            self.memory_bytes >> 20,
+            self.vcpus,
+            self.slots,
+            self.partition,
+            self.mode,
+            self.caps.manual_protect
+        )?;
+        writeln!(f, "Populate memory time: {:.6}s", self.populate_memory_secs)?;
+        writeln!(
+            f,
+            "Enabling dirty logging time: {:.6}s",
+            self.enable_dirty_logging_secs
+        )?;
+        for p in &self.passes {
+            writeln!(
+                f,
+                "Iteration {} dirty memory time: {:.6}s",
+                p.iteration, p.dirty_memory_secs
+            )?;
+            writeln!(
+                f,
+                "Iteration {} get dirty log time: {:.6}s",
+                p.iteration, p.get_dirty_log_secs
+            )?;
+            writeln!(
+                f,
+                "Iteration {} clear dirty log time: {:.6}s ({} pages)",
+                p.iteration, p.clear_dirty_log_secs, p.dirty_pages
+            )?;
+        }
+        writeln!(
+            f,
+            "Disabling dirty logging time: {:.6}s",
+            self.disable_dirty_logging_secs
+        )?;
+        writeln!(
+            f,
+            "Average over {} passes: dirty memory {:.6}s, get dirty log {:.6}s, clear dirty log {:.6}s",
+            self.passes.len(),
+            self.avg_dirty_memory_secs,
+            self.avg_get_dirty_log_secs,
+            self.avg_clear_dirty_log_secs
+        )
+    }
+}

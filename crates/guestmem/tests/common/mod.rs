@@ -1,0 +1,54 @@
+//! Shared set-up for the KVM tests: a map of a control region and data slots, registered.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use guestmem::kvm::guest::{control_spec, data_specs};
+use guestmem::kvm::{KvmVm, MemslotConfig, Memslots, VmConfig, KVM_PATH};
+use guestmem::{GuestAddress, GuestMap, Region};
+
+/// Where the tests' data slots start.
+pub const DATA_GPA: u64 = 1 << 30;
+
+/// Returns false (after printing why) when KVM cannot be used here.
+pub fn kvm_usable() -> bool {
+    match guestmem::kvm::unavailable_reason(std::path::Path::new(KVM_PATH)) {
+        None => true,
+        Some(why) => {
+            eprintln!("skipping: {why}");
+            false
+        }
+    }
+}
+
+/// A VM whose map holds the control region and `slots` data slots of `bytes` in all.
+pub struct Setup {
+    pub vm: Arc<KvmVm>,
+    pub map: GuestMap,
+    pub slots: Memslots,
+    pub data: Vec<Arc<Region>>,
+}
+
+pub fn setup(bytes: u64, slots: usize) -> Setup {
+    let mut specs = data_specs(GuestAddress(DATA_GPA), bytes, slots).unwrap();
+    specs.push(control_spec());
+    let map = GuestMap::from_specs(&specs).unwrap();
+    let vm = Arc::new(KvmVm::open(&VmConfig::default()).unwrap());
+    let mut memslots = Memslots::new(vm.clone(), MemslotConfig::default());
+    let report = memslots.sync(&map.snapshot()).unwrap();
+    assert_eq!(report.added.len(), slots + 1);
+    assert!(report.warnings.is_empty(), "{:?}", report.warnings);
+    let data = map
+        .snapshot()
+        .regions()
+        .iter()
+        .filter(|r| r.guest_addr().0 >= DATA_GPA)
+        .cloned()
+        .collect();
+    Setup {
+        vm,
+        map,
+        slots: memslots,
+        data,
+    }
+}
