@@ -3,6 +3,7 @@
 
 mod bringup;
 mod report;
+mod vm;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -21,12 +22,16 @@ struct Cli {
 enum Command {
     /// Map a guest memory layout, populate (and pin) it in parallel, verify and report.
     Bringup(bringup::Args),
+    /// Run vCPUs against the map as KVM memslots and time dirty-log passes, like KVM's
+    /// dirty_log_perf_test.
+    Vm(vm::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bringup(args) => bringup::run(args),
+        Command::Vm(args) => vm::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
