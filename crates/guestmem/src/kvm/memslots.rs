@@ -308,10 +308,9 @@ impl Memslots {
                 userspace_addr: info.host_addr,
                 ..Default::default()
             };
-            // SAFETY: host_addr..host_addr+size is the mapping of a region whose Arc this
-            // registry holds for as long as the slot is registered (`Slot::region`, dropped
-            // only after a successful delete); the map guarantees regions do not overlap, and
-            // a deleted slot (size 0) names no memory.
+            // SAFETY: host_addr..+size maps a region whose Arc this registry holds while the
+            // slot exists (`Slot::region`, dropped only after a successful delete); regions
+            // never overlap (the map checks), and a deleted slot (size 0) names no memory.
             (unsafe { vm.set_user_memory_region2(mr) }, what.name(true))
         } else {
             let mr = kvm_userspace_memory_region {
