@@ -139,6 +139,45 @@ impl Snapshot {
     }
 }
 
+/// Refuses a set of specs whose reserved hugetlb regions need more pages of one size than
+/// its pool has free, naming the first region that does not fit. `Region::map` checks each
+/// region alone; without this, a later region would fail inside `mmap` with a bare ENOMEM.
+fn check_hugetlb_pools(specs: &[RegionSpec]) -> Result<(), RegionError> {
+    use crate::layout::{Backing, Reserve};
+    let mut needed: Vec<(crate::layout::HugePageSize, u64)> = Vec::new();
+    for s in specs {
+        let Backing::Hugetlb(size) = *s.backing() else {
+            continue;
+        };
+        if s.reserve != Reserve::Reserve {
+            continue;
+        }
+        let Some(available) = crate::region::hugetlb_available(size) else {
+            continue; // Region::map reports the missing pool.
+        };
+        let total = match needed.iter_mut().find(|(h, _)| *h == size) {
+            Some((_, n)) => {
+                *n += s.size() / size.bytes();
+                *n
+            }
+            None => {
+                needed.push((size, s.size() / size.bytes()));
+                s.size() / size.bytes()
+            }
+        };
+        if total > available {
+            return Err(RegionError::HugetlbPoolTooSmall {
+                addr: s.guest_addr().0,
+                size,
+                needed: total,
+                available,
+                dir: size.sysfs_dir(),
+            });
+        }
+    }
+    Ok(())
+}
+
 pub(crate) struct Shared {
     pub(crate) current: ArcSwap<Snapshot>,
     /// Mirrors `current.generation`, so a translator can learn it is stale with one load.
@@ -206,6 +245,7 @@ impl GuestMap {
                 });
             }
         }
+        check_hugetlb_pools(specs)?;
         let regions = specs
             .iter()
             .map(|s| Region::map(s).map(Arc::new))

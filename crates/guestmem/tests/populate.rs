@@ -324,3 +324,28 @@ fn populate_read_only_region_is_populated_anyway() {
         assert_eq!(inspect(&map.snapshot()).unwrap()[0].resident, 8 * MIB);
     }
 }
+
+#[test]
+fn from_specs_hugetlb_regions_beyond_pool_refused_naming_first_that_does_not_fit() {
+    let _s = serial();
+    let Some(_pool) = PoolGuard::with_available(4) else {
+        return;
+    };
+    let huge = |addr: u64| {
+        RegionSpec::new(GuestAddress(addr), 4 * MIB)
+            .with_backing(Backing::Hugetlb(HugePageSize::Size2M))
+    };
+    let before = ProcessMemory::read().unwrap();
+    // Two regions of 2 pages fit a pool of 4 free pages; the third does not.
+    let e = GuestMap::from_specs(&[huge(0), huge(0x100_0000), huge(0x200_0000)]).unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("0x2000000") && msg.contains("needs 6") && msg.contains("has 4"),
+        "{msg}"
+    );
+    assert_eq!(hugetlb_available(HugePageSize::Size2M), Some(4));
+    assert_eq!(ProcessMemory::read().unwrap().hugetlb, before.hugetlb);
+    // The two that fit map fine.
+    let map = GuestMap::from_specs(&[huge(0), huge(0x100_0000)]).unwrap();
+    assert_eq!(map.snapshot().len(), 2);
+}
