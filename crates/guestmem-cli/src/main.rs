@@ -2,6 +2,7 @@
 //! `guestmem` library.
 
 mod bringup;
+mod lab;
 mod report;
 
 use std::io::Write;
@@ -21,12 +22,15 @@ struct Cli {
 enum Command {
     /// Map a guest memory layout, populate (and pin) it in parallel, verify and report.
     Bringup(bringup::Args),
+    /// Run a lab scenario beside the peers; write a run folder and print its table.
+    Lab(lab::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bringup(args) => bringup::run(args),
+        Command::Lab(args) => lab::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
