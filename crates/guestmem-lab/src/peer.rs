@@ -4,7 +4,7 @@
 //! [`crate::peer_qemu`], [`crate::peer_ch`].
 
 use std::io;
-use std::sync::{Condvar, Mutex, PoisonError};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 
 use guestmem::inspect::HostRange;
 use guestmem::layout::THP_BYTES;
@@ -92,33 +92,59 @@ impl Drop for PeerMapping {
 /// Whether populate threads wait for each other before the first fault.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Start {
-    /// Every thread is created before any faults (QEMU's `threads_created_flag`).
-    AllCreated,
-    /// Each thread starts faulting as soon as it runs.
+    /// No thread faults until every thread is running and waiting (QEMU's
+    /// `threads_created_flag`). In C, a created pthread maps nothing more; a Rust thread maps
+    /// its signal stack as it starts, an `mmap` that would queue behind a sibling's populate
+    /// holding the address-space lock. So "created" is taken to mean "arrived at the gate",
+    /// which is what QEMU's threads are once `qemu_thread_create` returns.
+    AllArrived,
+    /// Each thread starts faulting as soon as it runs (Cloud Hypervisor, itself in Rust).
     AsCreated,
 }
 
-/// A start gate: threads wait until it opens (`true`: work) or is called off (`false`).
+type GateState = (usize, Option<bool>);
+
+/// A start gate: threads arrive and wait until it opens (`true`: work) or is called off.
 #[derive(Default)]
 struct Gate {
-    state: Mutex<Option<bool>>,
-    opened: Condvar,
+    /// Threads arrived, and the decision once made.
+    state: Mutex<GateState>,
+    changed: Condvar,
 }
 
 impl Gate {
-    fn set(&self, go: bool) {
-        *self.state.lock().unwrap_or_else(PoisonError::into_inner) = Some(go);
-        self.opened.notify_all();
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn wait(&self) -> bool {
-        let mut s = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        loop {
-            if let Some(go) = *s {
-                return go;
-            }
-            s = self.opened.wait(s).unwrap_or_else(PoisonError::into_inner);
-        }
+    fn wait_while<'a>(
+        &self,
+        g: MutexGuard<'a, GateState>,
+        cond: impl FnMut(&mut GateState) -> bool,
+    ) -> MutexGuard<'a, GateState> {
+        self.changed
+            .wait_while(g, cond)
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A worker: arrive, then wait for the decision.
+    fn arrive_and_wait(&self) -> bool {
+        let mut g = self.lock();
+        g.0 += 1;
+        self.changed.notify_all();
+        let g = self.wait_while(g, |s| s.1.is_none());
+        g.1 == Some(true)
+    }
+
+    /// The caller: wait for `n` arrivals, then open.
+    fn open_when_arrived(&self, n: usize) {
+        drop(self.wait_while(self.lock(), |s| s.0 < n));
+        self.decide(true);
+    }
+
+    fn decide(&self, go: bool) {
+        self.lock().1 = Some(go);
+        self.changed.notify_all();
     }
 }
 
@@ -142,7 +168,7 @@ pub(crate) fn populate_parts(
             let spawned = std::thread::Builder::new()
                 .name(format!("{peer}-populate"))
                 .spawn_scoped(s, move || {
-                    if start == Start::AllCreated && !gate.wait() {
+                    if start == Start::AllArrived && !gate.arrive_and_wait() {
                         return Ok(());
                     }
                     sys::madvise(part, sys::MADV_POPULATE_WRITE).map_err(|e| (part, e))
@@ -151,12 +177,15 @@ pub(crate) fn populate_parts(
                 Ok(h) => handles.push(h),
                 Err(source) => {
                     // Call the run off: the threads already created return without work.
-                    gate.set(false);
+                    gate.decide(false);
                     return Err(PeerError::Spawn { peer, source });
                 }
             }
         }
-        gate.set(true);
+        match start {
+            Start::AllArrived => gate.open_when_arrived(handles.len()),
+            Start::AsCreated => gate.decide(true),
+        }
         Ok(handles
             .into_iter()
             .map(|h| {

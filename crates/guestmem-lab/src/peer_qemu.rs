@@ -9,7 +9,8 @@
 //!   `pages % threads` threads one more; the edges are not rounded to huge pages. No load
 //!   balancing.
 //! - Each thread gives `MADV_POPULATE_WRITE` on its part; threads wait until all are created
-//!   (QEMU's `threads_created_flag`); the calling thread only waits.
+//!   (QEMU's `threads_created_flag`; see [`Start::AllArrived`] for why a Rust reproduction
+//!   waits for them to arrive); the calling thread only waits.
 
 use guestmem::layout::THP_BYTES;
 use guestmem::sys::{self, MmapRange};
@@ -118,7 +119,7 @@ pub fn bring_up(sizes: &[u64], cpus: usize) -> Result<PeerRun, PeerError> {
             source,
         })?;
         let threads = threads_for(size, cpus);
-        populate_parts(NAME, &m, &split(len, threads), Start::AllCreated)?;
+        populate_parts(NAME, &m, &split(len, threads), Start::AllArrived)?;
         run.mappings.push(m);
         run.threads.push(threads);
     }
