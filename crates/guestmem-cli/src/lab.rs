@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::{Args as ClapArgs, Subcommand, ValueEnum};
 use guestmem::plan::parse_size;
 use guestmem_lab::populate::{
-    run_populate, write_run, LayoutKind, PopulateLabConfig, DEFAULT_ROUNDS, DEFAULT_SETTLE,
+    run_populate, write_run, LayoutKind, Order, PopulateLabConfig, DEFAULT_ROUNDS, DEFAULT_SETTLE,
     DEFAULT_WARMUP_ROUNDS,
 };
 
@@ -39,6 +39,14 @@ enum LayoutArg {
     Both,
 }
 
+#[derive(Clone, Copy, ValueEnum)]
+enum OrderArg {
+    /// Each round starts one variant later (A B C, B C A, ...).
+    Rotate,
+    /// The same order every round (A B C, A B C, ...).
+    Fixed,
+}
+
 /// Flags of `guestmem lab populate`.
 #[derive(ClapArgs)]
 pub struct PopulateArgs {
@@ -57,6 +65,9 @@ pub struct PopulateArgs {
     /// Pause after each variant unmaps, in milliseconds.
     #[arg(long, default_value_t = DEFAULT_SETTLE.as_millis() as u64)]
     settle_ms: u64,
+    /// Order of the variants within a round.
+    #[arg(long, value_enum, default_value = "rotate")]
+    order: OrderArg,
     /// Threads of the guestmem-N variants [default: all CPUs, at most 16].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
@@ -87,6 +98,10 @@ fn populate(a: PopulateArgs) -> Result<()> {
             LayoutArg::Both => vec![LayoutKind::Single, LayoutKind::Unequal],
         },
         settle: Duration::from_millis(a.settle_ms),
+        order: match a.order {
+            OrderArg::Rotate => Order::Rotate,
+            OrderArg::Fixed => Order::Fixed,
+        },
         command: std::env::args().collect::<Vec<_>>().join(" "),
         ..PopulateLabConfig::default()
     };

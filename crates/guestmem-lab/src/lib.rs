@@ -19,6 +19,6 @@ pub mod run;
 
 pub use peer::PeerError;
 pub use populate::{
-    run_populate, write_run, LayoutKind, PopulateLabConfig, PopulateLabError, PopulateResult,
+    run_populate, write_run, LayoutKind, Order, PopulateLabConfig, PopulateLabError, PopulateResult,
 };
 pub use run::{RunInfo, Summary};

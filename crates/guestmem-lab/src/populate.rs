@@ -10,8 +10,8 @@
 //!
 //! **Protocol.** The host of this machine backs memory lazily and reclaims what a process
 //! frees a second or so later, so: `warmup` rounds first (recorded, not summarised), then
-//! `rounds` rounds in which every variant runs once, in the same order (A B C A B C ...), each
-//! on fresh memory that is unmapped afterwards, followed by a pause ([`DEFAULT_SETTLE`]) so
+//! `rounds` rounds in which every variant runs once ([`Order::Rotate`] by default: A B C,
+//! B C A, ...; [`Order::Fixed`]: A B C, A B C, ...), each on fresh memory that is unmapped afterwards, followed by a pause ([`DEFAULT_SETTLE`]) so
 //! the host's free page reporting settles before the next variant.
 
 use std::path::{Path, PathBuf};
@@ -117,6 +117,20 @@ impl LayoutKind {
     }
 }
 
+/// The order variants run in within a round.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Order {
+    /// The same order every round: A B C, A B C, ...
+    Fixed,
+    /// Each round starts one variant later: A B C, B C A, C A B, ... so no variant always
+    /// follows the same one, or sits at the same time after the previous one's free (the
+    /// default: on this machine, when a variant runs relative to the host reclaiming the
+    /// memory the previous one freed decides much of its time).
+    #[default]
+    Rotate,
+}
+
 /// How to run the scenario.
 #[derive(Debug, Clone)]
 pub struct PopulateLabConfig {
@@ -130,6 +144,8 @@ pub struct PopulateLabConfig {
     pub layouts: Vec<LayoutKind>,
     /// Pause after each variant unmaps.
     pub settle: Duration,
+    /// The order of variants within a round.
+    pub order: Order,
     /// N, the threads of the multi-threaded guestmem variants (default: all CPUs, at most 16).
     pub threads: usize,
     /// The command line to record.
@@ -144,6 +160,7 @@ impl Default for PopulateLabConfig {
             warmup: DEFAULT_WARMUP_ROUNDS,
             layouts: vec![LayoutKind::Single, LayoutKind::Unequal],
             settle: DEFAULT_SETTLE,
+            order: Order::default(),
             threads: default_threads(),
             command: String::new(),
         }
@@ -193,6 +210,8 @@ impl Variant {
 pub struct Sample {
     /// Round number, warm-ups first.
     pub round: usize,
+    /// Position within its round (0 first).
+    pub position: usize,
     /// Whether this was a warm-up round (not summarised).
     pub warmup: bool,
     /// Timed seconds: map + advice + populate (see the module docs).
@@ -271,6 +290,8 @@ pub struct Settings {
     pub warmup: usize,
     /// Pause after each variant, in seconds.
     pub settle_seconds: f64,
+    /// The order of variants within a round.
+    pub order: Order,
     /// N of guestmem-N.
     pub threads: usize,
     /// `/sys/kernel/mm/transparent_hugepage/enabled`.
@@ -299,6 +320,7 @@ fn measure(variant: Variant, sizes: &[u64]) -> Result<Sample, PopulateLabError> 
     let size: u64 = sizes.iter().sum();
     let sample = |seconds, phase, u: RegionUsage, mappings, aligned, threads| Sample {
         round: 0,
+        position: 0,
         warmup: false,
         seconds,
         populate_phase_seconds: phase,
@@ -416,9 +438,14 @@ pub fn run_populate(cfg: &PopulateLabConfig) -> Result<PopulateResult, PopulateL
         let sizes = layout.sizes(cfg.size)?;
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); variants.len()];
         for round in 0..cfg.warmup + cfg.rounds {
-            for (i, &v) in variants.iter().enumerate() {
-                let mut s = measure(v, &sizes)?;
+            for k in 0..variants.len() {
+                let i = match cfg.order {
+                    Order::Fixed => k,
+                    Order::Rotate => (k + round) % variants.len(),
+                };
+                let mut s = measure(variants[i], &sizes)?;
                 s.round = round;
+                s.position = k;
                 s.warmup = round < cfg.warmup;
                 samples[i].push(s);
                 std::thread::sleep(cfg.settle);
@@ -435,6 +462,7 @@ pub fn run_populate(cfg: &PopulateLabConfig) -> Result<PopulateResult, PopulateL
             rounds: cfg.rounds,
             warmup: cfg.warmup,
             settle_seconds: cfg.settle.as_secs_f64(),
+            order: cfg.order,
             threads: n,
             thp_mode: thp_mode(),
         },
@@ -519,7 +547,7 @@ impl PopulateResult {
         md.push_str("# populate (seeds 000/001)\n\n");
         md.push_str(&format!(
             "`{}` | commit {}{} | {} | {} ({} CPUs) | THP {} | {} warm-up + {} rounds, \
-             interleaved, {:.1} s settle\n\n",
+             interleaved ({:?} order), {:.1} s settle\n\n",
             r.command,
             r.git_commit.as_deref().unwrap_or("unknown"),
             if r.git_dirty == Some(true) {
@@ -533,6 +561,7 @@ impl PopulateResult {
             self.settings.thp_mode,
             self.settings.warmup,
             self.settings.rounds,
+            self.settings.order,
             self.settings.settle_seconds,
         ));
         md.push_str(&format!("Timed: {}.\n", self.timed));

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use guestmem_lab::populate::{run_populate, write_run, LayoutKind, PopulateLabConfig};
+use guestmem_lab::populate::{run_populate, write_run, LayoutKind, Order, PopulateLabConfig};
 
 const TINY_BYTES: u64 = 64 << 20;
 const VARIANTS: [&str; 5] = [
@@ -21,6 +21,7 @@ fn tiny() -> PopulateLabConfig {
         warmup: 0,
         layouts: vec![LayoutKind::Single, LayoutKind::Unequal],
         settle: Duration::ZERO,
+        order: Order::Rotate,
         threads: 2,
         command: "test".into(),
     }
