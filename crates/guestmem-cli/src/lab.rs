@@ -8,9 +8,10 @@ use anyhow::{Context, Result};
 use clap::{Args as ClapArgs, Subcommand, ValueEnum};
 use guestmem::plan::parse_size;
 use guestmem_lab::populate::{
-    run_populate, write_run, LayoutKind, Order, PopulateLabConfig, DEFAULT_ROUNDS, DEFAULT_SETTLE,
+    run_populate, LayoutKind, Order, PopulateLabConfig, DEFAULT_ROUNDS, DEFAULT_SETTLE,
     DEFAULT_WARMUP_ROUNDS,
 };
+use guestmem_lab::report::write_run;
 
 /// Where run folders go unless `--out` says otherwise.
 const DEFAULT_OUT_DIR: &str = "lab-results";

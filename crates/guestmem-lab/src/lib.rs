@@ -3,6 +3,7 @@
 //!
 //! - [`populate`]: seeds 000/001, bringing up fresh guest memory (map, THP advice, populate)
 //!   with guestmem on 1 and N threads, pinned and not, against [`peer_qemu`] and [`peer_ch`].
+//! - [`report`]: the Markdown report and the run folder (`result.json`, `report.md`).
 //! - [`run`]: what every scenario records about the machine and the command, the run folder,
 //!   and the statistics (median, minimum, maximum) every result is quoted with.
 //!
@@ -15,10 +16,12 @@ pub mod peer;
 pub mod peer_ch;
 pub mod peer_qemu;
 pub mod populate;
+pub mod report;
 pub mod run;
 
 pub use peer::PeerError;
 pub use populate::{
-    run_populate, write_run, LayoutKind, Order, PopulateLabConfig, PopulateLabError, PopulateResult,
+    run_populate, LayoutKind, Order, PopulateLabConfig, PopulateLabError, PopulateResult,
 };
+pub use report::write_run;
 pub use run::{RunInfo, Summary};

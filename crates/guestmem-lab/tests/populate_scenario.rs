@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use guestmem_lab::populate::{run_populate, write_run, LayoutKind, Order, PopulateLabConfig};
+use guestmem_lab::populate::{run_populate, LayoutKind, Order, PopulateLabConfig};
+use guestmem_lab::report::write_run;
 
 const TINY_BYTES: u64 = 64 << 20;
 const VARIANTS: [&str; 5] = [
