@@ -4,7 +4,7 @@
 //! **What is timed**, per variant and round: from just before the first `mmap` until the last
 //! region is populated, and for the Cloud Hypervisor peer until its late THP advice returns:
 //! mapping, THP advice, thread creation and populate. guestmem's time is
-//! [`GuestMap::from_specs`] plus [`bringup`] with [`Verify::Off`] (its limit check included);
+//! [`GuestMap::from_specs`] plus [`bringup()`] with [`Verify::Off`] (its limit check included);
 //! its own populate phase is recorded beside it. Inspecting (smaps) and unmapping are not
 //! timed.
 //!
@@ -413,7 +413,7 @@ fn thp_mode() -> String {
         .unwrap_or_else(|_| "unknown".into())
 }
 
-/// Runs the scenario and returns its result; writes nothing (see [`write_run`]).
+/// Runs the scenario and returns its result; writes nothing (see [`crate::report::write_run`]).
 pub fn run_populate(cfg: &PopulateLabConfig) -> Result<PopulateResult, PopulateLabError> {
     let n = cfg.threads.max(1);
     let variants = [
