@@ -2,6 +2,7 @@
 //! `guestmem` library.
 
 mod bringup;
+mod lab;
 mod report;
 mod vm;
 
@@ -25,6 +26,8 @@ enum Command {
     /// Run vCPUs against the map as KVM memslots and time dirty-log passes, like KVM's
     /// dirty_log_perf_test.
     Vm(vm::Args),
+    /// Run a lab scenario beside the peers; write a run folder and print its table.
+    Lab(lab::Args),
 }
 
 fn main() -> ExitCode {
@@ -32,6 +35,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bringup(args) => bringup::run(args),
         Command::Vm(args) => vm::run(args),
+        Command::Lab(args) => lab::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -141,11 +141,33 @@ fn read(path: &'static str) -> Result<String, InspectError> {
 }
 
 fn usage_from(region: &Region, vmas: &[Vma], numa_text: Option<&str>) -> RegionUsage {
-    let start = region.host_addr() as u64;
-    let end = start + region.size();
+    let host = HostRange {
+        start: region.host_addr() as u64,
+        len: region.size(),
+        huge_align: region.huge_align(),
+    };
+    let mut u = usage_of(host, vmas, numa_text);
+    u.guest_addr = region.guest_addr().0;
+    u
+}
+
+/// A host address range mapped by someone other than a [`Region`] (a peer VMM's way of
+/// mapping, reproduced in the lab), to inspect with [`inspect_host_range`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostRange {
+    /// First host address; smaps VMAs wholly inside `start..start+len` are counted.
+    pub start: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// The huge-page size whose aligned span is reported as `huge_span` (a power of two).
+    pub huge_align: u64,
+}
+
+fn usage_of(host: HostRange, vmas: &[Vma], numa_text: Option<&str>) -> RegionUsage {
+    let start = host.start;
+    let end = start.saturating_add(host.len);
     let mut u = RegionUsage {
-        guest_addr: region.guest_addr().0,
-        size: region.size(),
+        size: host.len,
         ..RegionUsage::default()
     };
     for v in vmas.iter().filter(|v| v.start >= start && v.end <= end) {
@@ -153,7 +175,7 @@ fn usage_from(region: &Region, vmas: &[Vma], numa_text: Option<&str>) -> RegionU
         u.huge += v.huge + v.hugetlb;
         u.locked += v.locked;
     }
-    let a = region.huge_align();
+    let a = host.huge_align.max(1);
     let span_start = start.div_ceil(a) * a;
     let span_end = end / a * a;
     u.huge_span = span_end.saturating_sub(span_start);
@@ -179,6 +201,47 @@ pub fn inspect_region(region: &Region) -> Result<RegionUsage, InspectError> {
     let vmas = parse_smaps(&read("/proc/self/smaps")?);
     let numa = read("/proc/self/numa_maps").ok();
     Ok(usage_from(region, &vmas, numa.as_deref()))
+}
+
+/// The kernel's account of host ranges that are not [`Region`]s, added together (its
+/// `guest_addr` is 0): the lab uses it to measure peers that map memory their own way.
+///
+/// Plain adjacent anonymous mappings may be merged by the kernel into one VMA, and smaps
+/// cannot split a VMA's figures; so the ranges are first joined where they touch, and a VMA
+/// is counted when it lies wholly inside one joined span. A VMA the kernel merged with a
+/// mapping outside the ranges is not counted, which shows as `resident < size`.
+/// `huge_span` is the sum of each range's own aligned span.
+pub fn inspect_host_ranges(ranges: &[HostRange]) -> Result<RegionUsage, InspectError> {
+    let vmas = parse_smaps(&read("/proc/self/smaps")?);
+    let mut sorted: Vec<(u64, u64)> = ranges
+        .iter()
+        .map(|r| (r.start, r.start.saturating_add(r.len)))
+        .collect();
+    sorted.sort_unstable();
+    let mut spans: Vec<(u64, u64)> = Vec::new();
+    for (s, e) in sorted {
+        match spans.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => spans.push((s, e)),
+        }
+    }
+    let mut total = RegionUsage::default();
+    for (s, e) in spans {
+        let joined = HostRange {
+            start: s,
+            len: e - s,
+            huge_align: 1,
+        };
+        let u = usage_of(joined, &vmas, None);
+        total.resident += u.resident;
+        total.huge += u.huge;
+        total.locked += u.locked;
+    }
+    for r in ranges {
+        total.size += r.len;
+        total.huge_span += usage_of(*r, &[], None).huge_span;
+    }
+    Ok(total)
 }
 
 /// Process-wide memory figures from `/proc/self/status`, in bytes.

@@ -1,0 +1,27 @@
+//! The guestmem lab: each seed's experiment as a scenario that runs guestmem beside the peers
+//! it is measured against, on this machine, and writes what it measured as JSON and Markdown.
+//!
+//! - [`populate`]: seeds 000/001, bringing up fresh guest memory (map, THP advice, populate)
+//!   with guestmem on 1 and N threads, pinned and not, against [`peer_qemu`] and [`peer_ch`].
+//! - [`report`]: the Markdown report and the run folder (`result.json`, `report.md`).
+//! - [`run`]: what every scenario records about the machine and the command, the run folder,
+//!   and the statistics (median, minimum, maximum) every result is quoted with.
+//!
+//! Peers are reproduced from the behaviour `DESIGN.md` ("Peers") documents, each in its own
+//! module, never tuned to lose. Timings on a VM whose host backs memory lazily are noisy, so
+//! scenarios warm up, interleave variants round by round and report spreads and ratios.
+#![deny(missing_docs)]
+
+pub mod peer;
+pub mod peer_ch;
+pub mod peer_qemu;
+pub mod populate;
+pub mod report;
+pub mod run;
+
+pub use peer::PeerError;
+pub use populate::{
+    run_populate, LayoutKind, Order, PopulateLabConfig, PopulateLabError, PopulateResult,
+};
+pub use report::write_run;
+pub use run::{RunInfo, Summary};

@@ -1,0 +1,533 @@
+//! The populate scenario (seeds 000 and 001): how fast fresh guest memory comes up, and how
+//! much of it the kernel backs with huge pages, for guestmem and the peers.
+//!
+//! **What is timed**, per variant and round: from just before the first `mmap` until the last
+//! region is populated, and for the Cloud Hypervisor peer until its late THP advice returns:
+//! mapping, THP advice, thread creation and populate. guestmem's time is
+//! [`GuestMap::from_specs`] plus [`bringup()`] with [`Verify::Off`] (its limit check included);
+//! its own populate phase is recorded beside it. Inspecting (smaps) and unmapping are not
+//! timed.
+//!
+//! **Protocol.** The host of this machine backs memory lazily and reclaims what a process
+//! frees a second or so later, so: `warmup` rounds first (recorded, not summarised), then
+//! `rounds` rounds in which every variant runs once ([`Order::Rotate`] by default: A B C,
+//! B C A, ...; [`Order::Fixed`]: A B C, A B C, ...), each on fresh memory that is unmapped afterwards, followed by a pause ([`DEFAULT_SETTLE`]) so
+//! the host's free page reporting settles before the next variant.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use guestmem::inspect::{self, InspectError, RegionUsage};
+use guestmem::layout::THP_BYTES;
+use guestmem::populate::default_threads;
+use guestmem::{
+    bringup, BringupConfig, BringupError, GuestAddress, GuestMap, MapError, PinStrategy,
+    PopulateConfig, RegionSpec, Verify,
+};
+
+use crate::peer::{PeerError, PeerRun};
+use crate::run::{RunInfo, Summary};
+use crate::{peer_ch, peer_qemu};
+
+/// Default total guest memory of a layout, in bytes.
+pub const DEFAULT_SIZE_BYTES: u64 = 4 << 30;
+/// Default measured rounds.
+pub const DEFAULT_ROUNDS: usize = 5;
+/// Default warm-up rounds.
+pub const DEFAULT_WARMUP_ROUNDS: usize = 1;
+/// Default pause after each variant unmaps, so the host's free page reporting settles.
+pub const DEFAULT_SETTLE: Duration = Duration::from_millis(1000);
+/// Bytes per decimal gigabyte (rates are quoted in GB/s, as published populate rates are).
+pub const BYTES_PER_GB: f64 = 1e9;
+/// The `unequal` layout's regions, as fractions of the total: 1/2, 1/4, 1/8, 1/16, 1/16
+/// (2G + 1G + 512M + 256M + 256M of 4 GiB).
+pub const UNEQUAL_SHARES_LOG2: [u32; 5] = [1, 2, 3, 4, 4];
+
+/// Why the scenario failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PopulateLabError {
+    /// The size cannot be laid out as asked.
+    #[error("layout {layout}: size {size:#x} must be a non-zero multiple of {granule:#x} bytes")]
+    BadSize {
+        /// The layout.
+        layout: &'static str,
+        /// The size asked for.
+        size: u64,
+        /// What it must be a multiple of.
+        granule: u64,
+    },
+    /// guestmem could not map the layout.
+    #[error("guestmem map: {0}")]
+    Map(#[from] MapError),
+    /// guestmem could not bring it up.
+    #[error("guestmem bringup: {0}")]
+    Bringup(#[from] BringupError),
+    /// A peer failed.
+    #[error(transparent)]
+    Peer(#[from] PeerError),
+    /// smaps could not be read.
+    #[error(transparent)]
+    Inspect(#[from] InspectError),
+    /// The run folder or a result file could not be written.
+    #[error("writing {path}: {source}")]
+    Write {
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+/// A layout of the scenario.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LayoutKind {
+    /// One region of the whole size.
+    Single,
+    /// Several unequal regions ([`UNEQUAL_SHARES_LOG2`]) summing to the size.
+    Unequal,
+}
+
+impl LayoutKind {
+    /// The name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayoutKind::Single => "single",
+            LayoutKind::Unequal => "unequal",
+        }
+    }
+
+    /// Region sizes for a total of `size` bytes; each a whole number of 2 MiB pages.
+    pub fn sizes(self, size: u64) -> Result<Vec<u64>, PopulateLabError> {
+        let granule = match self {
+            LayoutKind::Single => THP_BYTES,
+            LayoutKind::Unequal => THP_BYTES << UNEQUAL_SHARES_LOG2.iter().max().unwrap_or(&0),
+        };
+        if size == 0 || size % granule != 0 {
+            return Err(PopulateLabError::BadSize {
+                layout: self.name(),
+                size,
+                granule,
+            });
+        }
+        Ok(match self {
+            LayoutKind::Single => vec![size],
+            LayoutKind::Unequal => UNEQUAL_SHARES_LOG2.iter().map(|s| size >> s).collect(),
+        })
+    }
+}
+
+/// The order variants run in within a round.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Order {
+    /// The same order every round: A B C, A B C, ...
+    Fixed,
+    /// Each round starts one variant later: A B C, B C A, C A B, ... so no variant always
+    /// follows the same one, or sits at the same time after the previous one's free (the
+    /// default: on this machine, when a variant runs relative to the host reclaiming the
+    /// memory the previous one freed decides much of its time).
+    #[default]
+    Rotate,
+}
+
+/// How to run the scenario.
+#[derive(Debug, Clone)]
+pub struct PopulateLabConfig {
+    /// Total bytes of each layout.
+    pub size: u64,
+    /// Measured rounds.
+    pub rounds: usize,
+    /// Warm-up rounds (recorded, not summarised).
+    pub warmup: usize,
+    /// Layouts, run one after another.
+    pub layouts: Vec<LayoutKind>,
+    /// Pause after each variant unmaps.
+    pub settle: Duration,
+    /// The order of variants within a round.
+    pub order: Order,
+    /// N, the threads of the multi-threaded guestmem variants (default: all CPUs, at most 16).
+    pub threads: usize,
+    /// The command line to record.
+    pub command: String,
+}
+
+impl Default for PopulateLabConfig {
+    fn default() -> Self {
+        PopulateLabConfig {
+            size: DEFAULT_SIZE_BYTES,
+            rounds: DEFAULT_ROUNDS,
+            warmup: DEFAULT_WARMUP_ROUNDS,
+            layouts: vec![LayoutKind::Single, LayoutKind::Unequal],
+            settle: DEFAULT_SETTLE,
+            order: Order::default(),
+            threads: default_threads(),
+            command: String::new(),
+        }
+    }
+}
+
+/// One way of bringing memory up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    Guestmem { threads: usize, pin: PinStrategy },
+    Qemu,
+    Ch,
+}
+
+impl Variant {
+    fn name(self, n: usize) -> String {
+        match self {
+            Variant::Guestmem {
+                pin: PinStrategy::None,
+                threads,
+            } => format!("guestmem-{threads}"),
+            Variant::Guestmem { threads, .. } if threads == n => "guestmem-pin".into(),
+            Variant::Guestmem { threads, .. } => format!("guestmem-pin-{threads}"),
+            Variant::Qemu => peer_qemu::NAME.into(),
+            Variant::Ch => peer_ch::NAME.into(),
+        }
+    }
+
+    fn describe(self) -> String {
+        match self {
+            Variant::Guestmem { threads, pin } => format!(
+                "GuestMap::from_specs (2 MiB congruent, guards, MADV_HUGEPAGE) + bringup, \
+                 {threads} thread(s), one job over all regions, pin {pin:?}"
+            ),
+            Variant::Qemu => "qemu_prealloc_mem: per region, 2 MiB-aligned mmap, MADV_HUGEPAGE, \
+                 min(CPUs,16,size/64MiB) threads on a static 4 KiB split, MADV_POPULATE_WRITE"
+                .into(),
+            Variant::Ch => "create_ram_region_raw: per region, plain mmap, min(16,size/4GiB) \
+                 threads, MADV_POPULATE_WRITE, MADV_HUGEPAGE after prefault"
+                .into(),
+        }
+    }
+}
+
+/// One run of one variant.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Sample {
+    /// Round number, warm-ups first.
+    pub round: usize,
+    /// Position within its round (0 first).
+    pub position: usize,
+    /// Whether this was a warm-up round (not summarised).
+    pub warmup: bool,
+    /// Timed seconds: map + advice + populate (see the module docs).
+    pub seconds: f64,
+    /// guestmem only: its own lock + populate phases.
+    pub populate_phase_seconds: Option<f64>,
+    /// Bytes brought up.
+    pub size: u64,
+    /// Bytes resident afterwards (smaps).
+    pub resident: u64,
+    /// Bytes mapped by huge pages afterwards.
+    pub huge: u64,
+    /// Bytes that huge pages could cover (each mapping's 2 MiB-aligned span).
+    pub huge_span: u64,
+    /// Bytes locked.
+    pub locked: u64,
+    /// Mappings (regions) brought up.
+    pub mappings: usize,
+    /// Of them, those whose host start is 2 MiB aligned.
+    pub thp_aligned_mappings: usize,
+    /// Populate threads per region (guestmem: threads of its one job).
+    pub threads: Vec<usize>,
+}
+
+impl Sample {
+    /// `huge / huge_span`.
+    pub fn huge_coverage(&self) -> f64 {
+        if self.huge_span == 0 {
+            0.0
+        } else {
+            self.huge as f64 / self.huge_span as f64
+        }
+    }
+}
+
+/// One variant's results on one layout.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct VariantResult {
+    /// Name in reports.
+    pub name: String,
+    /// What it does.
+    pub description: String,
+    /// Every run, warm-ups included.
+    pub samples: Vec<Sample>,
+    /// Timed seconds of the measured rounds.
+    pub seconds: Summary,
+    /// Layout bytes / median seconds, in GB/s.
+    pub gbps_at_median: f64,
+    /// Median seconds / guestmem-N's median seconds (above 1: slower than guestmem-N).
+    pub time_vs_guestmem_n: f64,
+    /// Median huge-page coverage of the aligned span over the measured rounds.
+    pub huge_coverage_median: f64,
+}
+
+/// One layout's results.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LayoutResult {
+    /// The layout.
+    pub layout: LayoutKind,
+    /// Its region sizes in bytes.
+    pub region_sizes: Vec<u64>,
+    /// The variants, in run order.
+    pub variants: Vec<VariantResult>,
+    /// guestmem-N's rate over guestmem-1's, from medians (ideal: N).
+    pub guestmem_scaling: f64,
+}
+
+/// Settings a result was measured with.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Settings {
+    /// Total bytes per layout.
+    pub size: u64,
+    /// Measured rounds.
+    pub rounds: usize,
+    /// Warm-up rounds.
+    pub warmup: usize,
+    /// Pause after each variant, in seconds.
+    pub settle_seconds: f64,
+    /// The order of variants within a round.
+    pub order: Order,
+    /// N of guestmem-N.
+    pub threads: usize,
+    /// `/sys/kernel/mm/transparent_hugepage/enabled`.
+    pub thp_mode: String,
+}
+
+/// The scenario's whole result, as written to `result.json`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PopulateResult {
+    /// `populate`.
+    pub scenario: String,
+    /// The seeds it reproduces.
+    pub seeds: Vec<String>,
+    /// Machine and command.
+    pub run: RunInfo,
+    /// Settings.
+    pub settings: Settings,
+    /// What the timed seconds cover.
+    pub timed: String,
+    /// One entry per layout.
+    pub layouts: Vec<LayoutResult>,
+}
+
+/// Brings `sizes` up once with `variant` and measures it; memory is unmapped on return.
+fn measure(variant: Variant, sizes: &[u64]) -> Result<Sample, PopulateLabError> {
+    let size: u64 = sizes.iter().sum();
+    let sample = |seconds, phase, u: RegionUsage, mappings, aligned, threads| Sample {
+        round: 0,
+        position: 0,
+        warmup: false,
+        seconds,
+        populate_phase_seconds: phase,
+        size,
+        resident: u.resident,
+        huge: u.huge,
+        huge_span: u.huge_span,
+        locked: u.locked,
+        mappings,
+        thp_aligned_mappings: aligned,
+        threads,
+    };
+    match variant {
+        Variant::Guestmem { threads, pin } => {
+            let mut specs = Vec::with_capacity(sizes.len());
+            let mut at = 0u64;
+            for &s in sizes {
+                specs.push(RegionSpec::new(GuestAddress(at), s));
+                at += s;
+            }
+            let cfg = BringupConfig {
+                populate: PopulateConfig {
+                    threads,
+                    pin,
+                    ..PopulateConfig::default()
+                },
+                verify: Verify::Off,
+            };
+            let t = Instant::now();
+            let map = GuestMap::from_specs(&specs)?;
+            let snap = map.snapshot();
+            let report = bringup(&snap, &cfg)?;
+            let seconds = t.elapsed().as_secs_f64();
+            let usage = inspect::inspect(&snap)?;
+            let aligned = snap
+                .regions()
+                .iter()
+                .filter(|r| r.host_addr() as u64 % THP_BYTES == 0)
+                .count();
+            let phase = report.seconds("lock") + report.seconds("populate");
+            Ok(sample(
+                seconds,
+                Some(phase),
+                sum(&usage),
+                usage.len(),
+                aligned,
+                vec![report.threads],
+            ))
+        }
+        Variant::Qemu | Variant::Ch => {
+            let t = Instant::now();
+            let run: PeerRun = match variant {
+                Variant::Qemu => peer_qemu::bring_up(sizes, available_cpus())?,
+                _ => peer_ch::bring_up(sizes)?,
+            };
+            let seconds = t.elapsed().as_secs_f64();
+            let ranges: Vec<_> = run.mappings.iter().map(|m| m.host_range()).collect();
+            let usage = inspect::inspect_host_ranges(&ranges)?;
+            let aligned = run.mappings.iter().filter(|m| m.is_thp_aligned()).count();
+            Ok(sample(
+                seconds,
+                None,
+                usage,
+                run.mappings.len(),
+                aligned,
+                run.threads.clone(),
+            ))
+        }
+    }
+}
+
+fn available_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn sum(usage: &[RegionUsage]) -> RegionUsage {
+    usage.iter().fold(RegionUsage::default(), |mut a, u| {
+        a.size += u.size;
+        a.resident += u.resident;
+        a.huge += u.huge;
+        a.huge_span += u.huge_span;
+        a.locked += u.locked;
+        a
+    })
+}
+
+fn thp_mode() -> String {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// Runs the scenario and returns its result; writes nothing (see [`crate::report::write_run`]).
+pub fn run_populate(cfg: &PopulateLabConfig) -> Result<PopulateResult, PopulateLabError> {
+    let n = cfg.threads.max(1);
+    let variants = [
+        Variant::Guestmem {
+            threads: 1,
+            pin: PinStrategy::None,
+        },
+        Variant::Guestmem {
+            threads: n,
+            pin: PinStrategy::None,
+        },
+        Variant::Guestmem {
+            threads: n,
+            pin: PinStrategy::UpFront,
+        },
+        Variant::Qemu,
+        Variant::Ch,
+    ];
+    let run = RunInfo::collect(cfg.command.clone());
+    let mut layouts = Vec::new();
+    for &layout in &cfg.layouts {
+        let sizes = layout.sizes(cfg.size)?;
+        let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); variants.len()];
+        for round in 0..cfg.warmup + cfg.rounds {
+            for k in 0..variants.len() {
+                let i = match cfg.order {
+                    Order::Fixed => k,
+                    Order::Rotate => (k + round) % variants.len(),
+                };
+                let mut s = measure(variants[i], &sizes)?;
+                s.round = round;
+                s.position = k;
+                s.warmup = round < cfg.warmup;
+                samples[i].push(s);
+                std::thread::sleep(cfg.settle);
+            }
+        }
+        layouts.push(summarise(layout, sizes, &variants, samples, n));
+    }
+    Ok(PopulateResult {
+        scenario: "populate".into(),
+        seeds: vec!["000".into(), "001".into()],
+        run,
+        settings: Settings {
+            size: cfg.size,
+            rounds: cfg.rounds,
+            warmup: cfg.warmup,
+            settle_seconds: cfg.settle.as_secs_f64(),
+            order: cfg.order,
+            threads: n,
+            thp_mode: thp_mode(),
+        },
+        timed:
+            "wall seconds from before the first mmap until the last region is populated \
+                (and, for ch-style, THP-advised): map + THP advice + thread start + populate; \
+                guestmem = GuestMap::from_specs + bringup(Verify::Off); inspect and unmap not timed"
+                .into(),
+        layouts,
+    })
+}
+
+fn summarise(
+    layout: LayoutKind,
+    sizes: Vec<u64>,
+    variants: &[Variant],
+    samples: Vec<Vec<Sample>>,
+    n: usize,
+) -> LayoutResult {
+    let size: u64 = sizes.iter().sum();
+    let mut out: Vec<VariantResult> = variants
+        .iter()
+        .zip(samples)
+        .map(|(v, samples)| {
+            let measured: Vec<&Sample> = samples.iter().filter(|s| !s.warmup).collect();
+            let secs: Vec<f64> = measured.iter().map(|s| s.seconds).collect();
+            let cov: Vec<f64> = measured.iter().map(|s| s.huge_coverage()).collect();
+            let seconds = Summary::of(&secs);
+            VariantResult {
+                name: v.name(n),
+                description: v.describe(),
+                gbps_at_median: rate(size, seconds.median),
+                time_vs_guestmem_n: 0.0,
+                huge_coverage_median: Summary::of(&cov).median,
+                seconds,
+                samples,
+            }
+        })
+        .collect();
+    // Variant 1 is guestmem-N, variant 0 guestmem-1 (see `run_populate`).
+    let base = out[1].seconds.median;
+    for v in &mut out {
+        v.time_vs_guestmem_n = if base > 0.0 {
+            v.seconds.median / base
+        } else {
+            0.0
+        };
+    }
+    let scaling = if out[1].seconds.median > 0.0 {
+        out[0].seconds.median / out[1].seconds.median
+    } else {
+        0.0
+    };
+    LayoutResult {
+        layout,
+        region_sizes: sizes,
+        variants: out,
+        guestmem_scaling: scaling,
+    }
+}
+
+fn rate(bytes: u64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        bytes as f64 / seconds / BYTES_PER_GB
+    } else {
+        0.0
+    }
+}

@@ -1,0 +1,105 @@
+//! How a populate result is shown: the Markdown report, and the run folder holding it beside
+//! the JSON.
+
+use std::path::{Path, PathBuf};
+
+use crate::populate::{PopulateLabError, PopulateResult};
+use crate::run::run_folder;
+
+fn gib(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
+        b => format!("{}M", b >> 20),
+    }
+}
+
+impl PopulateResult {
+    /// The result as a Markdown report: settings, then one table per layout.
+    pub fn markdown(&self) -> String {
+        let mut md = String::new();
+        let r = &self.run;
+        md.push_str("# populate (seeds 000/001)\n\n");
+        md.push_str(&format!(
+            "`{}` | commit {}{} | {} | {} ({} CPUs) | THP {} | {} warm-up + {} rounds, \
+             interleaved ({:?} order), {:.1} s settle\n\n",
+            r.command,
+            r.git_commit.as_deref().unwrap_or("unknown"),
+            if r.git_dirty == Some(true) {
+                " (dirty)"
+            } else {
+                ""
+            },
+            r.kernel,
+            r.cpu_model,
+            r.cpus,
+            self.settings.thp_mode,
+            self.settings.warmup,
+            self.settings.rounds,
+            self.settings.order,
+            self.settings.settle_seconds,
+        ));
+        md.push_str(&format!("Timed: {}.\n", self.timed));
+        for l in &self.layouts {
+            let sizes: Vec<String> = l.region_sizes.iter().map(|&s| gib(s)).collect();
+            md.push_str(&format!(
+                "\n## {} ({})\n\n| variant | threads | median s | min s | max s | max/min \
+                 | GB/s @median | time / guestmem-{n} | huge coverage | 2M-aligned maps |\n\
+                 |---|---|---|---|---|---|---|---|---|---|\n",
+                l.layout.name(),
+                sizes.join(" + "),
+                n = self.settings.threads,
+            ));
+            for v in &l.variants {
+                let last = v.samples.last();
+                let threads = last.map_or(String::new(), |s| {
+                    s.threads
+                        .iter()
+                        .map(|t| t.to_string())
+                        .collect::<Vec<_>>()
+                        .join("+")
+                });
+                let aligned = last.map_or(String::new(), |s| {
+                    format!("{}/{}", s.thp_aligned_mappings, s.mappings)
+                });
+                md.push_str(&format!(
+                    "| {} | {} | {:.3} | {:.3} | {:.3} | {:.2} | {:.1} | {:.2} | {:.1}% | {} |\n",
+                    v.name,
+                    threads,
+                    v.seconds.median,
+                    v.seconds.min,
+                    v.seconds.max,
+                    if v.seconds.min > 0.0 {
+                        v.seconds.max / v.seconds.min
+                    } else {
+                        0.0
+                    },
+                    v.gbps_at_median,
+                    v.time_vs_guestmem_n,
+                    v.huge_coverage_median * 100.0,
+                    aligned,
+                ));
+            }
+            md.push_str(&format!(
+                "\nguestmem scaling, {} threads vs 1 (rate ratio of medians): {:.2}x\n",
+                self.settings.threads, l.guestmem_scaling
+            ));
+        }
+        md
+    }
+}
+
+/// Writes `result.json` and `report.md` into a new `<base>/<timestamp>-populate/` folder and
+/// returns the folder.
+pub fn write_run(result: &PopulateResult, base: &Path) -> Result<PathBuf, PopulateLabError> {
+    let werr = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| PopulateLabError::Write { path, source }
+    };
+    let dir = run_folder(base, &result.run, "populate").map_err(werr(base))?;
+    let json = serde_json::to_string_pretty(result).expect("the result serialises");
+    let p = dir.join("result.json");
+    std::fs::write(&p, json + "\n").map_err(werr(&p))?;
+    let p = dir.join("report.md");
+    std::fs::write(&p, result.markdown()).map_err(werr(&p))?;
+    Ok(dir)
+}

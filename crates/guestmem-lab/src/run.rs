@@ -1,0 +1,183 @@
+//! What every lab run records (command, commit, kernel, CPU), where it is written, and how
+//! samples are summarised.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Seconds per day, for turning the Unix clock into a UTC date.
+const SECONDS_PER_DAY: u64 = 86_400;
+
+/// The machine and command a result came from.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RunInfo {
+    /// The command line, as given.
+    pub command: String,
+    /// `git rev-parse HEAD` in the current directory, if git answered.
+    pub git_commit: Option<String>,
+    /// Whether `git status --porcelain` listed changes (None without git).
+    pub git_dirty: Option<bool>,
+    /// `uname -srm`-like: kernel name, release and machine.
+    pub kernel: String,
+    /// `model name` from `/proc/cpuinfo`.
+    pub cpu_model: String,
+    /// CPUs this process may run on.
+    pub cpus: usize,
+    /// When the run started, UTC, `YYYYMMDDTHHMMSSZ`.
+    pub started_utc: String,
+}
+
+impl RunInfo {
+    /// Collects the run's facts now; `command` is the command line to record.
+    pub fn collect(command: String) -> RunInfo {
+        let git = |args: &[&str]| {
+            Command::new("git")
+                .args(args)
+                .output()
+                .ok()
+                .filter(|o| o.status.success())
+                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        };
+        RunInfo {
+            command,
+            git_commit: git(&["rev-parse", "HEAD"]),
+            git_dirty: git(&["status", "--porcelain", "--untracked-files=no"])
+                .map(|s| !s.is_empty()),
+            kernel: kernel(),
+            cpu_model: cpu_model(),
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            started_utc: utc_timestamp(SystemTime::now()),
+        }
+    }
+}
+
+fn kernel() -> String {
+    // SAFETY: `utsname` is plain data; all zeroes is a valid value for uname to overwrite.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: `u` is a valid, writable utsname that outlives the call.
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return "unknown".into();
+    }
+    let field = |f: &[libc::c_char]| {
+        let bytes: Vec<u8> = f
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8)
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    };
+    format!(
+        "{} {} {}",
+        field(&u.sysname),
+        field(&u.release),
+        field(&u.machine)
+    )
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// `t` as `YYYYMMDDTHHMMSSZ` (UTC), from the civil-from-days algorithm (H. Hinnant).
+pub fn utc_timestamp(t: SystemTime) -> String {
+    let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / SECONDS_PER_DAY, secs % SECONDS_PER_DAY);
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}{month:02}{day:02}T{:02}{:02}{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+/// Creates `<base>/<started_utc>-<scenario>/` (with a numeric suffix if it exists already).
+pub fn run_folder(base: &Path, info: &RunInfo, scenario: &str) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(base)?;
+    for n in 0u32.. {
+        let name = match n {
+            0 => format!("{}-{scenario}", info.started_utc),
+            _ => format!("{}-{scenario}-{n}", info.started_utc),
+        };
+        let dir = base.join(name);
+        match std::fs::create_dir(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    unreachable!("u32 ran out of suffixes")
+}
+
+/// Median, minimum and maximum of a set of samples.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Summary {
+    /// Number of samples.
+    pub n: usize,
+    /// Median (the mean of the middle two for an even count).
+    pub median: f64,
+    /// Smallest sample.
+    pub min: f64,
+    /// Largest sample.
+    pub max: f64,
+}
+
+impl Summary {
+    /// Summarises `samples` (all zero when empty).
+    pub fn of(samples: &[f64]) -> Summary {
+        let mut v = samples.to_vec();
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        if n == 0 {
+            return Summary::default();
+        }
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        Summary {
+            n,
+            median,
+            min: v[0],
+            max: v[n - 1],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn utc_timestamp_known_dates_match() {
+        assert_eq!(utc_timestamp(UNIX_EPOCH), "19700101T000000Z");
+        let t = UNIX_EPOCH + Duration::from_secs(1_709_210_096); // 2024-02-29 12:34:56
+        assert_eq!(utc_timestamp(t), "20240229T123456Z");
+    }
+
+    #[test]
+    fn summary_even_and_odd_counts_give_true_median() {
+        assert_eq!(Summary::of(&[3.0, 1.0, 2.0]).median, 2.0);
+        let s = Summary::of(&[4.0, 1.0, 2.0, 3.0]);
+        assert_eq!((s.median, s.min, s.max, s.n), (2.5, 1.0, 4.0, 4));
+        assert_eq!(Summary::of(&[]).n, 0);
+    }
+}
