@@ -42,6 +42,8 @@ enum LayoutArg {
 
 #[derive(Clone, Copy, ValueEnum)]
 enum OrderArg {
+    /// A new fixed-seed shuffle each round, so predecessors vary.
+    Shuffle,
     /// Each round starts one variant later (A B C, B C A, ...).
     Rotate,
     /// The same order every round (A B C, A B C, ...).
@@ -67,7 +69,7 @@ pub struct PopulateArgs {
     #[arg(long, default_value_t = DEFAULT_SETTLE.as_millis() as u64)]
     settle_ms: u64,
     /// Order of the variants within a round.
-    #[arg(long, value_enum, default_value = "rotate")]
+    #[arg(long, value_enum, default_value = "shuffle")]
     order: OrderArg,
     /// Threads of the guestmem-N variants [default: all CPUs, at most 16].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
@@ -100,6 +102,7 @@ fn populate(a: PopulateArgs) -> Result<()> {
         },
         settle: Duration::from_millis(a.settle_ms),
         order: match a.order {
+            OrderArg::Shuffle => Order::Shuffle,
             OrderArg::Rotate => Order::Rotate,
             OrderArg::Fixed => Order::Fixed,
         },

@@ -8,11 +8,19 @@
 //! its own populate phase is recorded beside it. Inspecting (smaps) and unmapping are not
 //! timed.
 //!
-//! **Protocol.** The host of this machine backs memory lazily and reclaims what a process
-//! frees a second or so later, so: `warmup` rounds first (recorded, not summarised), then
-//! `rounds` rounds in which every variant runs once ([`Order::Rotate`] by default: A B C,
-//! B C A, ...; [`Order::Fixed`]: A B C, A B C, ...), each on fresh memory that is unmapped afterwards, followed by a pause ([`DEFAULT_SETTLE`]) so
-//! the host's free page reporting settles before the next variant.
+//! **Protocol.** `warmup` rounds first (recorded, not summarised), then `rounds` rounds in
+//! which every variant runs once (in a new shuffled order each round by default, see
+//! [`Order`]), each on fresh memory that is unmapped afterwards,
+//! followed by an optional pause (`settle`).
+//!
+//! The pause defaults to none ([`DEFAULT_SETTLE`]). The project machine is a VM whose host
+//! takes back memory about two seconds after the guest frees it (free page reporting), and a
+//! first touch of reclaimed memory costs the host several times a normal fault. Measured
+//! here (4 GiB, 5 rounds): with no pause every variant ran steadily (guestmem-2 0.259-0.288 s
+//! on one region); with 3 s every variant was 2-3x slower and two threads barely helped,
+//! since the host's own faults became the limit; with 1 s, rounds flipped between the two
+//! regimes and medians of identical code moved by 40%. No pause compares the userspace
+//! code, which is what the lab is for; `--settle-ms 3000` shows the reclaimed-host regime.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -32,11 +40,11 @@ use crate::{peer_ch, peer_qemu};
 /// Default total guest memory of a layout, in bytes.
 pub const DEFAULT_SIZE_BYTES: u64 = 4 << 30;
 /// Default measured rounds.
-pub const DEFAULT_ROUNDS: usize = 5;
+pub const DEFAULT_ROUNDS: usize = 9;
 /// Default warm-up rounds.
 pub const DEFAULT_WARMUP_ROUNDS: usize = 1;
-/// Default pause after each variant unmaps, so the host's free page reporting settles.
-pub const DEFAULT_SETTLE: Duration = Duration::from_millis(1000);
+/// Default pause after each variant unmaps: none (see the module docs for why).
+pub const DEFAULT_SETTLE: Duration = Duration::from_millis(0);
 /// Bytes per decimal gigabyte (rates are quoted in GB/s, as published populate rates are).
 pub const BYTES_PER_GB: f64 = 1e9;
 /// The `unequal` layout's regions, as fractions of the total: 1/2, 1/4, 1/8, 1/16, 1/16
@@ -124,11 +132,37 @@ pub enum Order {
     /// The same order every round: A B C, A B C, ...
     Fixed,
     /// Each round starts one variant later: A B C, B C A, C A B, ... so no variant always
-    /// follows the same one, or sits at the same time after the previous one's free (the
-    /// default: on this machine, when a variant runs relative to the host reclaiming the
-    /// memory the previous one freed decides much of its time).
-    #[default]
+    /// sits at the same position; each still follows the same predecessor.
     Rotate,
+    /// A new order each round, from a fixed-seed shuffle, so each variant follows different
+    /// predecessors and sits at different times after their frees (the default: on this
+    /// machine, what the variant before freed, and when, decides much of a variant's time).
+    #[default]
+    Shuffle,
+}
+
+/// Seed of [`Order::Shuffle`], fixed so a run's order can be reproduced.
+pub const SHUFFLE_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// The order of `n` variants in `round` under `order`.
+pub fn round_order(order: Order, n: usize, round: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    match order {
+        Order::Fixed => {}
+        Order::Rotate => v.rotate_left(round % n.max(1)),
+        Order::Shuffle => {
+            // xorshift64*, seeded per round; Fisher-Yates.
+            let mut x = SHUFFLE_SEED ^ (round as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d);
+            for i in (1..n).rev() {
+                x ^= x >> 12;
+                x ^= x << 25;
+                x ^= x >> 27;
+                let j = (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % (i + 1);
+                v.swap(i, j);
+            }
+        }
+    }
+    v
 }
 
 /// How to run the scenario.
@@ -438,11 +472,10 @@ pub fn run_populate(cfg: &PopulateLabConfig) -> Result<PopulateResult, PopulateL
         let sizes = layout.sizes(cfg.size)?;
         let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); variants.len()];
         for round in 0..cfg.warmup + cfg.rounds {
-            for k in 0..variants.len() {
-                let i = match cfg.order {
-                    Order::Fixed => k,
-                    Order::Rotate => (k + round) % variants.len(),
-                };
+            for (k, i) in round_order(cfg.order, variants.len(), round)
+                .into_iter()
+                .enumerate()
+            {
                 let mut s = measure(variants[i], &sizes)?;
                 s.round = round;
                 s.position = k;
@@ -529,5 +562,28 @@ fn rate(bytes: u64, seconds: f64) -> f64 {
         bytes as f64 / seconds / BYTES_PER_GB
     } else {
         0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_order_is_a_permutation_and_shuffle_varies_predecessors() {
+        let mut preds = std::collections::HashSet::new();
+        for round in 0..9 {
+            for order in [Order::Fixed, Order::Rotate, Order::Shuffle] {
+                let mut v = round_order(order, 5, round);
+                if order == Order::Shuffle {
+                    let p = v.iter().position(|&x| x == 1).unwrap();
+                    preds.insert(if p == 0 { None } else { Some(v[p - 1]) });
+                }
+                v.sort_unstable();
+                assert_eq!(v, vec![0, 1, 2, 3, 4]);
+            }
+        }
+        assert!(preds.len() >= 3, "variant 1 followed only {preds:?}");
+        assert_eq!(round_order(Order::Rotate, 3, 1), vec![1, 2, 0]);
     }
 }
