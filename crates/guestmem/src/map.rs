@@ -67,6 +67,8 @@ pub(crate) struct Span {
 #[derive(Debug)]
 pub struct Snapshot {
     generation: u64,
+    /// Region starts alone, 8 bytes each, for the binary search: 8 per cache line.
+    starts: Box<[u64]>,
     spans: Box<[Span]>,
     regions: Box<[Arc<Region>]>,
 }
@@ -82,8 +84,10 @@ impl Snapshot {
                 host: r.host_addr() as usize,
             })
             .collect();
+        let starts = regions.iter().map(|r| r.guest_addr().0).collect();
         Snapshot {
             generation,
+            starts,
             spans,
             regions: regions.into_boxed_slice(),
         }
@@ -121,11 +125,11 @@ impl Snapshot {
     /// The index of the region holding `addr`, by binary search.
     #[inline]
     pub fn find_index(&self, addr: GuestAddress) -> Option<usize> {
-        let i = self.spans.partition_point(|s| s.end <= addr.0);
-        match self.spans.get(i) {
-            Some(s) if s.start <= addr.0 => Some(i),
-            _ => None,
-        }
+        let i = self
+            .starts
+            .partition_point(|&s| s <= addr.0)
+            .checked_sub(1)?;
+        (addr.0 < self.spans[i].end).then_some(i)
     }
 
     /// The region holding `addr`, by binary search.

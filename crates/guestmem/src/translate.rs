@@ -20,7 +20,7 @@ use std::sync::Arc;
 use vm_memory::{GuestAddress, VolatileSlice};
 
 use crate::layout::Access;
-use crate::map::{GuestMap, Snapshot};
+use crate::map::{GuestMap, Snapshot, Span};
 use crate::region::Region;
 
 /// Why a guest range could not be translated.
@@ -75,12 +75,16 @@ const BYPASS_PROBE_ONE_IN_PAGES: u64 = 128;
 struct LastUsed {
     generation: u64,
     index: usize,
+    /// A copy of the region's span, so a hit reads only this translator's own memory.
+    span: Span,
 }
 
 /// A per-thread translator. Not `Sync`: give every thread its own (they are cheap).
 pub struct Translator {
     map: GuestMap,
     snap: Arc<Snapshot>,
+    /// `snap.generation()`, kept beside the cache so validating it needs no pointer chase.
+    generation: u64,
     last: Cell<LastUsed>,
     miss_streak: Cell<u32>,
 }
@@ -99,6 +103,7 @@ impl Clone for Translator {
         Translator {
             map: self.map.clone(),
             snap: self.snap.clone(),
+            generation: self.generation,
             last: Cell::new(self.last.get()),
             miss_streak: Cell::new(self.miss_streak.get()),
         }
@@ -110,10 +115,16 @@ impl Translator {
         let snap = map.snapshot();
         Translator {
             map,
+            generation: snap.generation(),
             snap,
             last: Cell::new(LastUsed {
                 generation: u64::MAX,
                 index: 0,
+                span: Span {
+                    start: 0,
+                    end: 0,
+                    host: 0,
+                },
             }),
             miss_streak: Cell::new(0),
         }
@@ -126,6 +137,7 @@ impl Translator {
             return false;
         }
         self.snap = self.map.snapshot();
+        self.generation = self.snap.generation();
         true
     }
 
@@ -150,61 +162,76 @@ impl Translator {
     /// [`BYPASS_PROBE_ONE_IN_PAGES`] still try it; the first hit turns it back on.
     #[inline]
     pub fn region_index(&self, addr: GuestAddress) -> Option<usize> {
+        self.lookup(addr.0).map(|(i, _)| i)
+    }
+
+    #[inline]
+    fn lookup(&self, addr: u64) -> Option<(usize, Span)> {
         let streak = self.miss_streak.get();
-        if streak >= MISS_STREAK_TO_BYPASS && (addr.0 >> 12) % BYPASS_PROBE_ONE_IN_PAGES != 0 {
-            return self.snap.find_index(addr);
+        if streak >= MISS_STREAK_TO_BYPASS && (addr >> 12) % BYPASS_PROBE_ONE_IN_PAGES != 0 {
+            let i = self.snap.find_index(GuestAddress(addr))?;
+            return Some((i, self.snap.spans()[i]));
         }
         let last = self.last.get();
-        let spans = self.snap.spans();
-        if last.generation == self.snap.generation() {
-            if let Some(s) = spans.get(last.index) {
-                // One unsigned compare: addr in start..end.
-                if addr.0.wrapping_sub(s.start) < s.end - s.start {
-                    if streak != 0 {
-                        self.miss_streak.set(0);
-                    }
-                    return Some(last.index);
-                }
+        // The entry counts only if it was filled from the snapshot this translator pins;
+        // then one unsigned compare tells whether `addr` lies in start..end.
+        if last.generation == self.generation
+            && addr.wrapping_sub(last.span.start) < last.span.end - last.span.start
+        {
+            if streak != 0 {
+                self.miss_streak.set(0);
             }
+            return Some((last.index, last.span));
         }
-        let index = self.snap.find_index(addr)?;
+        let index = self.snap.find_index(GuestAddress(addr))?;
+        let span = self.snap.spans()[index];
         self.last.set(LastUsed {
-            generation: self.snap.generation(),
+            generation: self.generation,
             index,
+            span,
         });
         if streak < MISS_STREAK_TO_BYPASS {
             self.miss_streak.set(streak + 1);
         }
-        Some(index)
+        Some((index, span))
     }
 
     /// The region holding `addr`.
     #[inline]
     pub fn find(&self, addr: GuestAddress) -> Option<&Arc<Region>> {
-        self.region_index(addr).map(|i| &self.snap.regions()[i])
+        // `get` clamps the index to the region count: a cached index is only ever used
+        // through a bounds check (seed 004's review asked for this against speculation).
+        self.region_index(addr)
+            .and_then(|i| self.snap.regions().get(i))
     }
 
-    /// Host address of `addr..addr+len`, which must lie in one region.
+    /// Host address of `addr..addr+len`, which must lie in one region, and the region's index.
     #[inline]
     fn host_range(&self, addr: GuestAddress, len: usize) -> Result<(usize, usize), TranslateError> {
         let len64 = len as u64;
-        let end = addr.0.checked_add(len64).ok_or(TranslateError::Overflow {
-            addr: addr.0,
-            len: len64,
-        })?;
-        let i = self
-            .region_index(addr)
-            .ok_or(TranslateError::Unmapped { addr: addr.0 })?;
-        let s = self.snap.spans()[i];
-        if end > s.end {
-            return Err(TranslateError::CrossesRegionEnd {
-                addr: addr.0,
-                len: len64,
+        match self.lookup(addr.0) {
+            Some((i, s)) if len64 <= s.end - addr.0 => {
+                Ok((s.host + (addr.0 - s.start) as usize, i))
+            }
+            found => Err(self.miss_error(addr.0, len64, found.map(|(_, s)| s))),
+        }
+    }
+
+    /// The error for a failed translation, in the order overflow, hole, region end.
+    #[cold]
+    fn miss_error(&self, addr: u64, len: u64, span: Option<Span>) -> TranslateError {
+        if addr.checked_add(len).is_none() {
+            return TranslateError::Overflow { addr, len };
+        }
+        match span {
+            None => TranslateError::Unmapped { addr },
+            Some(s) => TranslateError::CrossesRegionEnd {
+                addr,
+                len,
                 region_addr: s.start,
                 region_end: s.end,
-            });
+            },
         }
-        Ok((s.host + (addr.0 - s.start) as usize, i))
     }
 
     /// The host memory of `addr..addr+len` for reading. The range must lie in one region.
