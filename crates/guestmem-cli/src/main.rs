@@ -2,6 +2,7 @@
 //! `guestmem` library.
 
 mod bringup;
+mod inspect;
 mod lab;
 mod report;
 mod vm;
@@ -26,8 +27,27 @@ enum Command {
     /// Run vCPUs against the map as KVM memslots and time dirty-log passes, like KVM's
     /// dirty_log_perf_test.
     Vm(vm::Args),
+    /// Show what the kernel gave a running process's large mappings (a VMM's guest memory).
+    Inspect(inspect::Args),
     /// Run a lab scenario beside the peers; write a run folder and print its table.
     Lab(lab::Args),
+}
+
+/// The error and its causes, each cause only if the text so far does not already say it
+/// (library errors name their errno in their own message).
+fn message(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if text.contains(&c) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&c);
+    }
+    text
 }
 
 fn main() -> ExitCode {
@@ -35,6 +55,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bringup(args) => bringup::run(args),
         Command::Vm(args) => vm::run(args),
+        Command::Inspect(args) => inspect::run(args),
         Command::Lab(args) => lab::run(args),
     };
     match result {
@@ -46,7 +67,7 @@ fn main() -> ExitCode {
             {
                 return ExitCode::SUCCESS;
             }
-            let _ = writeln!(std::io::stderr(), "guestmem: error: {e:#}");
+            let _ = writeln!(std::io::stderr(), "guestmem: error: {}", message(&e));
             ExitCode::FAILURE
         }
     }

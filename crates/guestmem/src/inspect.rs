@@ -13,6 +13,14 @@ use crate::region::Region;
 /// Why an inspection failed.
 #[derive(Debug, thiserror::Error)]
 pub enum InspectError {
+    /// A procfs file of another process could not be read.
+    #[error("reading {path}: {source} (does the process exist, and may this user read it?)")]
+    ReadPath {
+        /// The file.
+        path: String,
+        /// The error.
+        source: io::Error,
+    },
     /// A procfs file could not be read.
     #[error("reading {path}: {source}")]
     Read {
@@ -64,6 +72,10 @@ struct Vma {
     huge: u64,
     hugetlb: u64,
     locked: u64,
+    /// `KernelPageSize`, in bytes.
+    page: u64,
+    /// The pathname field of the header (empty for anonymous memory).
+    name: String,
 }
 
 fn parse_range(line: &str) -> Option<(u64, u64)> {
@@ -92,15 +104,24 @@ fn parse_smaps(text: &str) -> Vec<Vma> {
                     "AnonHugePages" | "ShmemPmdMapped" | "FilePmdMapped" => vma.huge += bytes,
                     "Shared_Hugetlb" | "Private_Hugetlb" => vma.hugetlb += bytes,
                     "Locked" => vma.locked = bytes,
+                    "KernelPageSize" => vma.page = bytes,
                     _ => {}
                 }
                 continue;
             }
         }
         if let Some((start, end)) = parse_range(line) {
+            // "start-end perms offset dev inode [pathname]": the name is what follows the
+            // fifth field, and may contain spaces.
+            let name = line
+                .split_whitespace()
+                .skip(5)
+                .collect::<Vec<_>>()
+                .join(" ");
             out.push(Vma {
                 start,
                 end,
+                name,
                 ..Vma::default()
             });
         }
@@ -244,6 +265,70 @@ pub fn inspect_host_ranges(ranges: &[HostRange]) -> Result<RegionUsage, InspectE
     Ok(total)
 }
 
+/// One large mapping of a process, as an operator inspects a running VMM's guest memory.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MappingUsage {
+    /// First host address.
+    pub start: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// What smaps names it (a path, `/memfd:...`, or empty for anonymous memory).
+    pub name: String,
+    /// The kernel's page size for it (`KernelPageSize`): 4 KiB, or the hugetlb size.
+    pub page_size: u64,
+    /// Resident bytes (hugetlb included).
+    pub resident: u64,
+    /// Bytes in huge pages (THP or hugetlb).
+    pub huge: u64,
+    /// Bytes locked.
+    pub locked: u64,
+    /// Bytes between the mapping's first and last 2 MiB boundary, where THP could map.
+    pub huge_span: u64,
+    /// `start` modulo 2 MiB: nonzero means KVM and THP can only use huge pages if the guest
+    /// address shares that offset.
+    pub offset_2m: u64,
+}
+
+/// The mappings of process `pid` (this process if `None`) of at least `min_bytes`, with the
+/// kernel's account of each: how a person checks what a running VMM got.
+pub fn inspect_process(
+    pid: Option<u32>,
+    min_bytes: u64,
+) -> Result<Vec<MappingUsage>, InspectError> {
+    let path = match pid {
+        Some(p) => format!("/proc/{p}/smaps"),
+        None => "/proc/self/smaps".to_string(),
+    };
+    let text = std::fs::read_to_string(&path).map_err(|source| InspectError::ReadPath {
+        path: path.clone(),
+        source,
+    })?;
+    Ok(mappings_from(&parse_smaps(&text), min_bytes))
+}
+
+fn mappings_from(vmas: &[Vma], min_bytes: u64) -> Vec<MappingUsage> {
+    vmas.iter()
+        .filter(|v| v.end - v.start >= min_bytes)
+        .map(|v| {
+            let a = THP_ALIGN_BYTES;
+            MappingUsage {
+                start: v.start,
+                size: v.end - v.start,
+                name: v.name.clone(),
+                page_size: v.page,
+                resident: v.rss + v.hugetlb,
+                huge: v.huge + v.hugetlb,
+                locked: v.locked,
+                huge_span: (v.end / a * a).saturating_sub(v.start.div_ceil(a) * a),
+                offset_2m: v.start % a,
+            }
+        })
+        .collect()
+}
+
+/// The THP size on x86_64, for the spans of mappings not made by guestmem.
+const THP_ALIGN_BYTES: u64 = 2 << 20;
+
 /// Process-wide memory figures from `/proc/self/status`, in bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ProcessMemory {
@@ -301,6 +386,24 @@ Rss:                   0 kB
 Shared_Hugetlb:     2048 kB
 Locked:                0 kB
 ";
+
+    #[test]
+    fn mappings_report_names_spans_and_misalignment() {
+        let v = parse_smaps(SMAPS);
+        assert_eq!(v[1].name, "/memfd:guestmem-huge (deleted)");
+        assert_eq!(v[0].name, "");
+        let m = mappings_from(&v, 3 << 20);
+        assert_eq!(m.len(), 1, "the 2 MiB mapping is below the minimum");
+        assert_eq!(m[0].huge_span, 4 << 20);
+        assert_eq!(m[0].offset_2m, 0);
+        assert_eq!(m[0].huge, 2 << 20);
+    }
+
+    #[test]
+    fn inspect_process_of_missing_pid_names_the_file() {
+        let e = inspect_process(Some(u32::MAX), 0).unwrap_err().to_string();
+        assert!(e.contains(&format!("/proc/{}/smaps", u32::MAX)), "{e}");
+    }
 
     #[test]
     fn parse_smaps_reads_fields_per_vma() {

@@ -60,6 +60,15 @@ impl HugePageSize {
     }
 }
 
+impl std::fmt::Display for HugePageSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            HugePageSize::Size2M => "2 MiB",
+            HugePageSize::Size1G => "1 GiB",
+        })
+    }
+}
+
 /// What backs a region's memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backing {

@@ -39,7 +39,7 @@ pub enum LimitError {
         limit: u64,
     },
     /// A hugetlb pool holds fewer free pages than the `MAP_NORESERVE` regions need.
-    #[error("populating needs {needed} free {size:?} hugetlb pages, pool has {available} (raise {dir}/nr_hugepages)")]
+    #[error("populating needs {needed} free {size} hugetlb pages, pool has {available} (raise {dir}/nr_hugepages)")]
     HugetlbPool {
         /// The page size.
         size: HugePageSize,
@@ -51,7 +51,7 @@ pub enum LimitError {
         dir: String,
     },
     /// The pool for a page size does not exist on this kernel.
-    #[error("this kernel has no {0:?} hugetlb pool")]
+    #[error("this kernel has no {0} hugetlb pool")]
     NoHugetlbPool(HugePageSize),
     /// A limit could not be read.
     #[error("reading {what}: {source}")]

@@ -51,7 +51,7 @@ pub enum RegionError {
         size: u64,
     },
     /// The kernel has no hugetlb pool of this page size.
-    #[error("region at {addr:#x}: this kernel has no {size:?} hugetlb pages ({dir} missing)")]
+    #[error("region at {addr:#x}: this kernel has no {size} hugetlb pages ({dir} missing)")]
     HugetlbUnsupported {
         /// Guest address of the region.
         addr: u64,
@@ -61,7 +61,7 @@ pub enum RegionError {
         dir: String,
     },
     /// Too few free hugetlb pages for the region.
-    #[error("region at {addr:#x}: needs {needed} free {size:?} hugetlb pages, pool has {available} (raise {dir}/nr_hugepages)")]
+    #[error("region at {addr:#x}: needs {needed} free {size} hugetlb pages, pool has {available} (raise {dir}/nr_hugepages)")]
     HugetlbPoolTooSmall {
         /// Guest address of the region.
         addr: u64,

@@ -250,3 +250,24 @@ fn translator_errors_name_the_address() {
         0x10_0000
     );
 }
+
+#[test]
+fn inspect_process_sees_a_populated_region_as_the_kernel_maps_it() {
+    if !thp_available() {
+        println!("skip: THP is disabled on this kernel");
+        return;
+    }
+    let map =
+        GuestMap::from_specs(&[RegionSpec::new(GuestAddress(0x8000_0000), 32 * MIB)]).unwrap();
+    let r = map.snapshot().regions()[0].clone();
+    populate(&r);
+    let all = guestmem::inspect::inspect_process(None, 16 * MIB).unwrap();
+    let m = all
+        .iter()
+        .find(|m| m.start == r.host_addr() as u64)
+        .expect("the region's mapping is listed");
+    assert_eq!(m.size, 32 * MIB);
+    assert_eq!(m.offset_2m, 0);
+    assert_eq!(m.resident, 32 * MIB);
+    assert_eq!(m.huge, m.huge_span);
+}
