@@ -310,7 +310,7 @@ fn mappings_from(vmas: &[Vma], min_bytes: u64) -> Vec<MappingUsage> {
     vmas.iter()
         .filter(|v| v.end - v.start >= min_bytes)
         .map(|v| {
-            let a = THP_ALIGN_BYTES;
+            let a = crate::layout::THP_BYTES;
             MappingUsage {
                 start: v.start,
                 size: v.end - v.start,
@@ -325,9 +325,6 @@ fn mappings_from(vmas: &[Vma], min_bytes: u64) -> Vec<MappingUsage> {
         })
         .collect()
 }
-
-/// The THP size on x86_64, for the spans of mappings not made by guestmem.
-const THP_ALIGN_BYTES: u64 = 2 << 20;
 
 /// Process-wide memory figures from `/proc/self/status`, in bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
