@@ -3,6 +3,8 @@
 //!
 //! - [`populate`]: seeds 000/001, bringing up fresh guest memory (map, THP advice, populate)
 //!   with guestmem on 1 and N threads, pinned and not, against [`peer_qemu`] and [`peer_ch`].
+//! - [`guards`]: seed 003, huge-page coverage of a region with guestmem's guards (outside the
+//!   aligned span), without guards, with a TCG-style guard page inside, and unaligned.
 //! - [`report`]: the Markdown report and the run folder (`result.json`, `report.md`).
 //! - [`run`]: what every scenario records about the machine and the command, the run folder,
 //!   and the statistics (median, minimum, maximum) every result is quoted with.
@@ -12,6 +14,8 @@
 //! scenarios warm up, interleave variants round by round and report spreads and ratios.
 #![deny(missing_docs)]
 
+pub mod error;
+pub mod guards;
 pub mod peer;
 pub mod peer_ch;
 pub mod peer_qemu;
@@ -19,9 +23,11 @@ pub mod populate;
 pub mod report;
 pub mod run;
 
+pub use error::LabError;
+pub use guards::{run_guards, GuardsLabConfig, GuardsResult};
 pub use peer::PeerError;
 pub use populate::{
     run_populate, LayoutKind, Order, PopulateLabConfig, PopulateLabError, PopulateResult,
 };
-pub use report::write_run;
+pub use report::{write_run, LabReport};
 pub use run::{RunInfo, Summary};
