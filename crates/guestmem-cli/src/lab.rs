@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Args as ClapArgs, Subcommand, ValueEnum};
 use guestmem::plan::parse_size;
+use guestmem_lab::faults::{run_faults, FaultsLabConfig};
 use guestmem_lab::guards::{run_guards, GuardsLabConfig};
 use guestmem_lab::populate::{
     run_populate, LayoutKind, Order, PopulateLabConfig, DEFAULT_ROUNDS, DEFAULT_SETTLE,
@@ -33,6 +34,9 @@ enum Scenario {
     /// Seed 003: huge-page coverage and populate time of one region laid out by guestmem
     /// (with and without guards), TCG-style (a guard page inside) and unaligned.
     Guards(GuardsArgs),
+    /// Seed 002: 4 KiB page faults from 1..=CPUs threads, in one VMA or one per thread, and
+    /// MADV_POPULATE_WRITE per share; time, faults/s, scaling.
+    Faults(FaultsArgs),
 }
 
 /// The protocol flags every scenario after `populate` shares.
@@ -71,6 +75,19 @@ impl From<OrderArg> for RunOrder {
             OrderArg::Fixed => RunOrder::Fixed,
         }
     }
+}
+
+/// Flags of `guestmem lab faults`.
+#[derive(ClapArgs)]
+pub struct FaultsArgs {
+    /// Total memory faulted per run, split evenly among the threads.
+    #[arg(long, default_value = "1G", value_parser = size)]
+    size: u64,
+    /// Thread counts, comma-separated [default: 1 up to the CPUs].
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=1024))]
+    threads: Vec<u32>,
+    #[command(flatten)]
+    protocol: ProtocolArgs,
 }
 
 /// Flags of `guestmem lab guards`.
@@ -152,6 +169,19 @@ pub fn run(args: Args) -> Result<()> {
                 command: command_line(),
             };
             emit(&run_guards(&cfg).context("lab guards")?, &a.protocol.out)
+        }
+        Scenario::Faults(a) => {
+            let d = FaultsLabConfig::default();
+            let cfg = FaultsLabConfig {
+                size: a.size,
+                threads: match a.threads.is_empty() {
+                    true => d.threads,
+                    false => a.threads.iter().map(|&t| t as usize).collect(),
+                },
+                protocol: a.protocol.protocol(d.protocol),
+                command: command_line(),
+            };
+            emit(&run_faults(&cfg).context("lab faults")?, &a.protocol.out)
         }
     }
 }

@@ -5,6 +5,7 @@
 //!   with guestmem on 1 and N threads, pinned and not, against [`peer_qemu`] and [`peer_ch`].
 //! - [`guards`]: seed 003, huge-page coverage of a region with guestmem's guards (outside the
 //!   aligned span), without guards, with a TCG-style guard page inside, and unaligned.
+//! - [`faults`]: seed 002, page-fault scaling over threads with one VMA or one per thread.
 //! - [`report`]: the Markdown report and the run folder (`result.json`, `report.md`).
 //! - [`run`]: what every scenario records about the machine and the command, the run folder,
 //!   and the statistics (median, minimum, maximum) every result is quoted with.
@@ -15,6 +16,7 @@
 #![deny(missing_docs)]
 
 pub mod error;
+pub mod faults;
 pub mod guards;
 pub mod peer;
 pub mod peer_ch;
@@ -22,8 +24,10 @@ pub mod peer_qemu;
 pub mod populate;
 pub mod report;
 pub mod run;
+mod workers;
 
 pub use error::LabError;
+pub use faults::{run_faults, FaultsLabConfig, FaultsResult};
 pub use guards::{run_guards, GuardsLabConfig, GuardsResult};
 pub use peer::PeerError;
 pub use populate::{

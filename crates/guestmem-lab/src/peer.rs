@@ -106,7 +106,7 @@ type GateState = (usize, Option<bool>);
 
 /// A start gate: threads arrive and wait until it opens (`true`: work) or is called off.
 #[derive(Default)]
-struct Gate {
+pub(crate) struct Gate {
     /// Threads arrived, and the decision once made.
     state: Mutex<GateState>,
     changed: Condvar,
@@ -128,7 +128,7 @@ impl Gate {
     }
 
     /// A worker: arrive, then wait for the decision.
-    fn arrive_and_wait(&self) -> bool {
+    pub(crate) fn arrive_and_wait(&self) -> bool {
         let mut g = self.lock();
         g.0 += 1;
         self.changed.notify_all();
@@ -137,12 +137,12 @@ impl Gate {
     }
 
     /// The caller: wait for `n` arrivals, then open.
-    fn open_when_arrived(&self, n: usize) {
+    pub(crate) fn open_when_arrived(&self, n: usize) {
         drop(self.wait_while(self.lock(), |s| s.0 < n));
         self.decide(true);
     }
 
-    fn decide(&self, go: bool) {
+    pub(crate) fn decide(&self, go: bool) {
         self.lock().1 = Some(go);
         self.changed.notify_all();
     }
