@@ -15,6 +15,7 @@ use guestmem_lab::populate::{
 };
 use guestmem_lab::report::{write_run, LabReport};
 use guestmem_lab::run::{Order as RunOrder, Protocol};
+use guestmem_lab::translate::{run_translate, TranslateLabConfig};
 
 /// Where run folders go unless `--out` says otherwise.
 const DEFAULT_OUT_DIR: &str = "lab-results";
@@ -37,6 +38,9 @@ enum Scenario {
     /// Seed 002: 4 KiB page faults from 1..=CPUs threads, in one VMA or one per thread, and
     /// MADV_POPULATE_WRITE per share; time, faults/s, scaling.
     Faults(FaultsArgs),
+    /// Seed 004: lookups from several threads, each in its own regions: per-thread guestmem
+    /// translators against a shared snapshot and vm-memory's find_region.
+    Translate(TranslateArgs),
 }
 
 /// The protocol flags every scenario after `populate` shares.
@@ -88,6 +92,30 @@ pub struct FaultsArgs {
     threads: Vec<u32>,
     #[command(flatten)]
     protocol: ProtocolArgs,
+}
+
+/// Flags of `guestmem lab translate`.
+#[derive(ClapArgs)]
+pub struct TranslateArgs {
+    /// Region counts, comma-separated [default: 1,8,64,512].
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=32764))]
+    regions: Vec<u32>,
+    /// Thread counts, comma-separated [default: 1 and the CPUs].
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=1024))]
+    threads: Vec<u32>,
+    /// Lookups per thread per run (a multiple of 1024).
+    #[arg(long, default_value_t = guestmem_lab::translate::DEFAULT_LOOKUPS_PER_THREAD)]
+    lookups: usize,
+    #[command(flatten)]
+    protocol: ProtocolArgs,
+}
+
+/// `given` as usizes, or `default` when none were given.
+fn counts_or(given: &[u32], default: Vec<usize>) -> Vec<usize> {
+    match given.is_empty() {
+        true => default,
+        false => given.iter().map(|&n| n as usize).collect(),
+    }
 }
 
 /// Flags of `guestmem lab guards`.
@@ -174,14 +202,25 @@ pub fn run(args: Args) -> Result<()> {
             let d = FaultsLabConfig::default();
             let cfg = FaultsLabConfig {
                 size: a.size,
-                threads: match a.threads.is_empty() {
-                    true => d.threads,
-                    false => a.threads.iter().map(|&t| t as usize).collect(),
-                },
+                threads: counts_or(&a.threads, d.threads),
                 protocol: a.protocol.protocol(d.protocol),
                 command: command_line(),
             };
             emit(&run_faults(&cfg).context("lab faults")?, &a.protocol.out)
+        }
+        Scenario::Translate(a) => {
+            let d = TranslateLabConfig::default();
+            let cfg = TranslateLabConfig {
+                region_counts: counts_or(&a.regions, d.region_counts),
+                threads: counts_or(&a.threads, d.threads),
+                lookups_per_thread: a.lookups,
+                protocol: a.protocol.protocol(d.protocol),
+                command: command_line(),
+            };
+            emit(
+                &run_translate(&cfg).context("lab translate")?,
+                &a.protocol.out,
+            )
         }
     }
 }

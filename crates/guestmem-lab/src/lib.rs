@@ -6,6 +6,8 @@
 //! - [`guards`]: seed 003, huge-page coverage of a region with guestmem's guards (outside the
 //!   aligned span), without guards, with a TCG-style guard page inside, and unaligned.
 //! - [`faults`]: seed 002, page-fault scaling over threads with one VMA or one per thread.
+//! - [`translate`]: seed 004, multi-threaded lookups: per-thread cached translators against
+//!   a shared binary search (guestmem's snapshot, vm-memory's `find_region`).
 //! - [`report`]: the Markdown report and the run folder (`result.json`, `report.md`).
 //! - [`run`]: what every scenario records about the machine and the command, the run folder,
 //!   and the statistics (median, minimum, maximum) every result is quoted with.
@@ -24,6 +26,7 @@ pub mod peer_qemu;
 pub mod populate;
 pub mod report;
 pub mod run;
+pub mod translate;
 mod workers;
 
 pub use error::LabError;
@@ -35,3 +38,4 @@ pub use populate::{
 };
 pub use report::{write_run, LabReport};
 pub use run::{RunInfo, Summary};
+pub use translate::{run_translate, TranslateLabConfig, TranslateResult};
