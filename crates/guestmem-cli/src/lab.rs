@@ -7,11 +7,15 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Args as ClapArgs, Subcommand, ValueEnum};
 use guestmem::plan::parse_size;
+use guestmem_lab::faults::{run_faults, FaultsLabConfig};
+use guestmem_lab::guards::{run_guards, GuardsLabConfig};
 use guestmem_lab::populate::{
     run_populate, LayoutKind, Order, PopulateLabConfig, DEFAULT_ROUNDS, DEFAULT_SETTLE,
     DEFAULT_WARMUP_ROUNDS,
 };
-use guestmem_lab::report::write_run;
+use guestmem_lab::report::{write_run, LabReport};
+use guestmem_lab::run::{Order as RunOrder, Protocol};
+use guestmem_lab::translate::{run_translate, TranslateLabConfig};
 
 /// Where run folders go unless `--out` says otherwise.
 const DEFAULT_OUT_DIR: &str = "lab-results";
@@ -28,6 +32,103 @@ enum Scenario {
     /// Seeds 000/001: bring up fresh memory with guestmem (1 and N threads, pinned) and the
     /// qemu-style and ch-style peers, interleaved; time and huge-page coverage.
     Populate(PopulateArgs),
+    /// Seed 003: huge-page coverage and populate time of one region laid out by guestmem
+    /// (with and without guards), TCG-style (a guard page inside) and unaligned.
+    Guards(GuardsArgs),
+    /// Seed 002: 4 KiB page faults from 1..=CPUs threads, in one VMA or one per thread, and
+    /// MADV_POPULATE_WRITE per share; time, faults/s, scaling.
+    Faults(FaultsArgs),
+    /// Seed 004: lookups from several threads, each in its own regions: per-thread guestmem
+    /// translators against a shared snapshot and vm-memory's find_region.
+    Translate(TranslateArgs),
+}
+
+/// The protocol flags every scenario after `populate` shares.
+#[derive(ClapArgs)]
+struct ProtocolArgs {
+    /// Measured rounds [default: the scenario's].
+    #[arg(long)]
+    rounds: Option<usize>,
+    /// Warm-up rounds, recorded, not summarised [default: the scenario's].
+    #[arg(long)]
+    warmup: Option<usize>,
+    /// Order of the variants within a round.
+    #[arg(long, value_enum, default_value = "shuffle")]
+    order: OrderArg,
+    /// Folder the run folder is created in.
+    #[arg(long, default_value = DEFAULT_OUT_DIR)]
+    out: PathBuf,
+}
+
+impl ProtocolArgs {
+    /// The protocol asked for, the scenario's `defaults` where a flag was not given.
+    fn protocol(&self, defaults: Protocol) -> Protocol {
+        Protocol {
+            warmup: self.warmup.unwrap_or(defaults.warmup),
+            rounds: self.rounds.unwrap_or(defaults.rounds),
+            order: self.order.into(),
+        }
+    }
+}
+
+impl From<OrderArg> for RunOrder {
+    fn from(o: OrderArg) -> RunOrder {
+        match o {
+            OrderArg::Shuffle => RunOrder::Shuffle,
+            OrderArg::Rotate => RunOrder::Rotate,
+            OrderArg::Fixed => RunOrder::Fixed,
+        }
+    }
+}
+
+/// Flags of `guestmem lab faults`.
+#[derive(ClapArgs)]
+pub struct FaultsArgs {
+    /// Total memory faulted per run, split evenly among the threads.
+    #[arg(long, default_value = "1G", value_parser = size)]
+    size: u64,
+    /// Thread counts, comma-separated [default: 1 up to the CPUs].
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=1024))]
+    threads: Vec<u32>,
+    #[command(flatten)]
+    protocol: ProtocolArgs,
+}
+
+/// Flags of `guestmem lab translate`.
+#[derive(ClapArgs)]
+pub struct TranslateArgs {
+    /// Region counts, comma-separated [default: 1,8,64,512].
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=32764))]
+    regions: Vec<u32>,
+    /// Thread counts, comma-separated [default: 1 and the CPUs].
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=1024))]
+    threads: Vec<u32>,
+    /// Lookups per thread per run (a multiple of 1024).
+    #[arg(long, default_value_t = guestmem_lab::translate::DEFAULT_LOOKUPS_PER_THREAD)]
+    lookups: usize,
+    #[command(flatten)]
+    protocol: ProtocolArgs,
+}
+
+/// `given` as usizes, or `default` when none were given.
+fn counts_or(given: &[u32], default: Vec<usize>) -> Vec<usize> {
+    match given.is_empty() {
+        true => default,
+        false => given.iter().map(|&n| n as usize).collect(),
+    }
+}
+
+/// Flags of `guestmem lab guards`.
+#[derive(ClapArgs)]
+pub struct GuardsArgs {
+    /// Region size (a multiple of 2 MiB, at least 4 MiB).
+    #[arg(long, default_value = "64M", value_parser = size)]
+    size: u64,
+    /// How far past a 2 MiB boundary the unaligned peer starts, in bytes.
+    #[arg(long, default_value_t = guestmem_lab::guards::DEFAULT_UNALIGNED_SHIFT_BYTES)]
+    unaligned_shift: usize,
+    #[command(flatten)]
+    protocol: ProtocolArgs,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -87,7 +188,54 @@ fn size(s: &str) -> Result<u64, String> {
 pub fn run(args: Args) -> Result<()> {
     match args.scenario {
         Scenario::Populate(a) => populate(a),
+        Scenario::Guards(a) => {
+            let d = GuardsLabConfig::default();
+            let cfg = GuardsLabConfig {
+                size: a.size,
+                protocol: a.protocol.protocol(d.protocol),
+                unaligned_shift: a.unaligned_shift,
+                command: command_line(),
+            };
+            emit(&run_guards(&cfg).context("lab guards")?, &a.protocol.out)
+        }
+        Scenario::Faults(a) => {
+            let d = FaultsLabConfig::default();
+            let cfg = FaultsLabConfig {
+                size: a.size,
+                threads: counts_or(&a.threads, d.threads),
+                protocol: a.protocol.protocol(d.protocol),
+                command: command_line(),
+            };
+            emit(&run_faults(&cfg).context("lab faults")?, &a.protocol.out)
+        }
+        Scenario::Translate(a) => {
+            let d = TranslateLabConfig::default();
+            let cfg = TranslateLabConfig {
+                region_counts: counts_or(&a.regions, d.region_counts),
+                threads: counts_or(&a.threads, d.threads),
+                lookups_per_thread: a.lookups,
+                protocol: a.protocol.protocol(d.protocol),
+                command: command_line(),
+            };
+            emit(
+                &run_translate(&cfg).context("lab translate")?,
+                &a.protocol.out,
+            )
+        }
     }
+}
+
+fn command_line() -> String {
+    std::env::args().collect::<Vec<_>>().join(" ")
+}
+
+/// Writes the run folder and prints the report.
+fn emit(result: &impl LabReport, out_dir: &std::path::Path) -> Result<()> {
+    let dir = write_run(result, out_dir)?;
+    let mut out = std::io::stdout().lock();
+    write!(out, "{}", result.markdown())?;
+    writeln!(out, "\nwritten to {}", dir.display())?;
+    Ok(())
 }
 
 fn populate(a: PopulateArgs) -> Result<()> {
@@ -106,16 +254,11 @@ fn populate(a: PopulateArgs) -> Result<()> {
             OrderArg::Rotate => Order::Rotate,
             OrderArg::Fixed => Order::Fixed,
         },
-        command: std::env::args().collect::<Vec<_>>().join(" "),
+        command: command_line(),
         ..PopulateLabConfig::default()
     };
     if let Some(t) = a.threads {
         cfg.threads = t as usize;
     }
-    let result = run_populate(&cfg).context("lab populate")?;
-    let dir = write_run(&result, &a.out)?;
-    let mut out = std::io::stdout().lock();
-    write!(out, "{}", result.markdown())?;
-    writeln!(out, "\nwritten to {}", dir.display())?;
-    Ok(())
+    emit(&run_populate(&cfg).context("lab populate")?, &a.out)
 }

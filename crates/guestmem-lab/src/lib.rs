@@ -3,6 +3,11 @@
 //!
 //! - [`populate`]: seeds 000/001, bringing up fresh guest memory (map, THP advice, populate)
 //!   with guestmem on 1 and N threads, pinned and not, against [`peer_qemu`] and [`peer_ch`].
+//! - [`guards`]: seed 003, huge-page coverage of a region with guestmem's guards (outside the
+//!   aligned span), without guards, with a TCG-style guard page inside, and unaligned.
+//! - [`faults`]: seed 002, page-fault scaling over threads with one VMA or one per thread.
+//! - [`translate`]: seed 004, multi-threaded lookups: per-thread cached translators against
+//!   a shared binary search (guestmem's snapshot, vm-memory's `find_region`).
 //! - [`report`]: the Markdown report and the run folder (`result.json`, `report.md`).
 //! - [`run`]: what every scenario records about the machine and the command, the run folder,
 //!   and the statistics (median, minimum, maximum) every result is quoted with.
@@ -12,16 +17,25 @@
 //! scenarios warm up, interleave variants round by round and report spreads and ratios.
 #![deny(missing_docs)]
 
+pub mod error;
+pub mod faults;
+pub mod guards;
 pub mod peer;
 pub mod peer_ch;
 pub mod peer_qemu;
 pub mod populate;
 pub mod report;
 pub mod run;
+pub mod translate;
+mod workers;
 
+pub use error::LabError;
+pub use faults::{run_faults, FaultsLabConfig, FaultsResult};
+pub use guards::{run_guards, GuardsLabConfig, GuardsResult};
 pub use peer::PeerError;
 pub use populate::{
     run_populate, LayoutKind, Order, PopulateLabConfig, PopulateLabError, PopulateResult,
 };
-pub use report::write_run;
+pub use report::{write_run, LabReport};
 pub use run::{RunInfo, Summary};
+pub use translate::{run_translate, TranslateLabConfig, TranslateResult};

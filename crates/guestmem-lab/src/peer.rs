@@ -106,7 +106,7 @@ type GateState = (usize, Option<bool>);
 
 /// A start gate: threads arrive and wait until it opens (`true`: work) or is called off.
 #[derive(Default)]
-struct Gate {
+pub(crate) struct Gate {
     /// Threads arrived, and the decision once made.
     state: Mutex<GateState>,
     changed: Condvar,
@@ -128,7 +128,7 @@ impl Gate {
     }
 
     /// A worker: arrive, then wait for the decision.
-    fn arrive_and_wait(&self) -> bool {
+    pub(crate) fn arrive_and_wait(&self) -> bool {
         let mut g = self.lock();
         g.0 += 1;
         self.changed.notify_all();
@@ -137,12 +137,12 @@ impl Gate {
     }
 
     /// The caller: wait for `n` arrivals, then open.
-    fn open_when_arrived(&self, n: usize) {
+    pub(crate) fn open_when_arrived(&self, n: usize) {
         drop(self.wait_while(self.lock(), |s| s.0 < n));
         self.decide(true);
     }
 
-    fn decide(&self, go: bool) {
+    pub(crate) fn decide(&self, go: bool) {
         self.lock().1 = Some(go);
         self.changed.notify_all();
     }
@@ -218,4 +218,120 @@ pub struct PeerRun {
     pub mappings: Vec<PeerMapping>,
     /// Populate threads per region.
     pub threads: Vec<usize>,
+}
+
+/// A read-write private anonymous mapping placed at a chosen distance past a 2 MiB boundary,
+/// inside a `PROT_NONE` reservation that stays around it: the reservation's `PROT_NONE`
+/// neighbours keep the kernel from merging it with any other mapping, so smaps shows its
+/// VMAs alone. The whole reservation is unmapped on drop.
+#[derive(Debug)]
+pub struct PlacedMapping {
+    reservation: MmapRange,
+    range: MmapRange,
+}
+
+impl PlacedMapping {
+    /// Maps `len` bytes starting `past_thp` bytes after a 2 MiB boundary (0: 2 MiB aligned;
+    /// `past_thp` must be a multiple of the base page and below 2 MiB).
+    pub fn map(
+        peer: &'static str,
+        len: usize,
+        past_thp: usize,
+    ) -> Result<PlacedMapping, PeerError> {
+        let thp = THP_BYTES as usize;
+        let page = sys::base_page_size() as usize;
+        let sys_err = |op, addr, len, source| PeerError::Sys {
+            peer,
+            op,
+            addr,
+            len,
+            source,
+        };
+        let size_err = || PeerError::Size {
+            peer,
+            size: len as u64,
+        };
+        if past_thp >= thp || past_thp % page != 0 {
+            return Err(size_err());
+        }
+        // One page below for a neighbour, up to 2 MiB to reach a boundary, `past_thp`, the
+        // mapping, and at least one page above it.
+        let res_len = len
+            .checked_add(past_thp)
+            .and_then(|n| n.checked_add(2 * thp))
+            .ok_or_else(size_err)?;
+        let reservation = sys::reserve(res_len).map_err(|e| sys_err("mmap", 0, res_len, e))?;
+        let mut placed = PlacedMapping {
+            reservation,
+            range: reservation,
+        };
+        let boundary = (reservation.addr() + page).next_multiple_of(thp);
+        let offset = boundary - reservation.addr() + past_thp;
+        placed.range = reservation
+            .sub(offset, len)
+            .expect("the reservation holds the boundary, the offset and the mapping");
+        sys::map_fixed(
+            placed.range,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            None,
+            0,
+        )
+        .map_err(|e| sys_err("mmap(MAP_FIXED)", placed.range.addr(), len, e))?;
+        Ok(placed)
+    }
+
+    /// The mapped range (the reservation around it excluded).
+    pub fn range(&self) -> MmapRange {
+        self.range
+    }
+
+    /// The mapped range, for [`guestmem::inspect::inspect_host_ranges`].
+    pub fn host_range(&self) -> HostRange {
+        HostRange {
+            start: self.range.addr() as u64,
+            len: self.range.len() as u64,
+            huge_align: THP_BYTES,
+        }
+    }
+
+    /// Makes `offset..offset+len` of the mapping `PROT_NONE`, as a guard page.
+    pub fn protect_none(
+        &self,
+        peer: &'static str,
+        offset: usize,
+        len: usize,
+    ) -> Result<(), PeerError> {
+        let part = self.range.sub(offset, len).ok_or(PeerError::Size {
+            peer,
+            size: (offset as u64).saturating_add(len as u64),
+        })?;
+        // SAFETY: `part` lies inside this mapping (checked by `sub` just above), which this
+        // PlacedMapping owns and which no Rust reference borrows: its users only ever write
+        // it through raw pointers or syscalls, so removing access cannot invalidate a borrow.
+        let ret = unsafe {
+            libc::mprotect(
+                part.addr() as *mut libc::c_void,
+                part.len(),
+                libc::PROT_NONE,
+            )
+        };
+        if ret != 0 {
+            return Err(PeerError::Sys {
+                peer,
+                op: "mprotect(PROT_NONE)",
+                addr: part.addr(),
+                len: part.len(),
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PlacedMapping {
+    fn drop(&mut self) {
+        // Best effort: a failed munmap of our own reservation only leaks address space.
+        let _ = sys::munmap(self.reservation);
+    }
 }

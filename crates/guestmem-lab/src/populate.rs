@@ -34,7 +34,8 @@ use guestmem::{
 };
 
 use crate::peer::{PeerError, PeerRun};
-use crate::run::{RunInfo, Summary};
+pub use crate::run::{round_order, Order, SHUFFLE_SEED};
+use crate::run::{thp_mode, RunInfo, Summary};
 use crate::{peer_ch, peer_qemu};
 
 /// Default total guest memory of a layout, in bytes.
@@ -123,46 +124,6 @@ impl LayoutKind {
             LayoutKind::Unequal => UNEQUAL_SHARES_LOG2.iter().map(|s| size >> s).collect(),
         })
     }
-}
-
-/// The order variants run in within a round.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Order {
-    /// The same order every round: A B C, A B C, ...
-    Fixed,
-    /// Each round starts one variant later: A B C, B C A, C A B, ... so no variant always
-    /// sits at the same position; each still follows the same predecessor.
-    Rotate,
-    /// A new order each round, from a fixed-seed shuffle, so each variant follows different
-    /// predecessors and sits at different times after their frees (the default: on this
-    /// machine, what the variant before freed, and when, decides much of a variant's time).
-    #[default]
-    Shuffle,
-}
-
-/// Seed of [`Order::Shuffle`], fixed so a run's order can be reproduced.
-pub const SHUFFLE_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
-
-/// The order of `n` variants in `round` under `order`.
-pub fn round_order(order: Order, n: usize, round: usize) -> Vec<usize> {
-    let mut v: Vec<usize> = (0..n).collect();
-    match order {
-        Order::Fixed => {}
-        Order::Rotate => v.rotate_left(round % n.max(1)),
-        Order::Shuffle => {
-            // xorshift64*, seeded per round; Fisher-Yates.
-            let mut x = SHUFFLE_SEED ^ (round as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d);
-            for i in (1..n).rev() {
-                x ^= x >> 12;
-                x ^= x << 25;
-                x ^= x >> 27;
-                let j = (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % (i + 1);
-                v.swap(i, j);
-            }
-        }
-    }
-    v
 }
 
 /// How to run the scenario.
@@ -441,12 +402,6 @@ fn sum(usage: &[RegionUsage]) -> RegionUsage {
     })
 }
 
-fn thp_mode() -> String {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
-}
-
 /// Runs the scenario and returns its result; writes nothing (see [`crate::report::write_run`]).
 pub fn run_populate(cfg: &PopulateLabConfig) -> Result<PopulateResult, PopulateLabError> {
     let n = cfg.threads.max(1);
@@ -562,28 +517,5 @@ fn rate(bytes: u64, seconds: f64) -> f64 {
         bytes as f64 / seconds / BYTES_PER_GB
     } else {
         0.0
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn round_order_is_a_permutation_and_shuffle_varies_predecessors() {
-        let mut preds = std::collections::HashSet::new();
-        for round in 0..9 {
-            for order in [Order::Fixed, Order::Rotate, Order::Shuffle] {
-                let mut v = round_order(order, 5, round);
-                if order == Order::Shuffle {
-                    let p = v.iter().position(|&x| x == 1).unwrap();
-                    preds.insert(if p == 0 { None } else { Some(v[p - 1]) });
-                }
-                v.sort_unstable();
-                assert_eq!(v, vec![0, 1, 2, 3, 4]);
-            }
-        }
-        assert!(preds.len() >= 3, "variant 1 followed only {preds:?}");
-        assert_eq!(round_order(Order::Rotate, 3, 1), vec![1, 2, 0]);
     }
 }

@@ -1,10 +1,50 @@
-//! How a populate result is shown: the Markdown report, and the run folder holding it beside
-//! the JSON.
+//! How a result is shown: the Markdown report, and the run folder holding it beside the JSON.
+//! Every scenario's result implements [`LabReport`]; [`write_run`] and [`header`] are shared,
+//! so every report carries the same metadata (command, commit, kernel, CPU, THP, protocol).
 
 use std::path::{Path, PathBuf};
 
-use crate::populate::{PopulateLabError, PopulateResult};
-use crate::run::run_folder;
+use crate::error::LabError;
+use crate::populate::PopulateResult;
+use crate::run::{run_folder, Protocol, RunInfo};
+
+/// A scenario's whole result: what [`write_run`] writes.
+pub trait LabReport: serde::Serialize {
+    /// The scenario's name: the run folder's suffix and the CLI subcommand.
+    fn scenario(&self) -> &str;
+    /// The machine and command it came from.
+    fn run_info(&self) -> &RunInfo;
+    /// The Markdown report.
+    fn markdown(&self) -> String;
+}
+
+/// The report's first lines: a title, then one line of metadata (command, commit, kernel,
+/// CPU, THP mode, protocol), then `settings`.
+pub fn header(title: &str, run: &RunInfo, thp_mode: &str, p: &Protocol, settings: &str) -> String {
+    format!(
+        "# {title}\n\n`{}` | commit {}{} | {} | {} ({} CPUs) | THP {} | {} warm-up + {} rounds, \
+         interleaved ({:?} order)\n\n{settings}\n",
+        run.command,
+        run.git_commit.as_deref().unwrap_or("unknown"),
+        if run.git_dirty == Some(true) {
+            " (dirty)"
+        } else {
+            ""
+        },
+        run.kernel,
+        run.cpu_model,
+        run.cpus,
+        thp_mode,
+        p.warmup,
+        p.rounds,
+        p.order,
+    )
+}
+
+/// Bytes as MiB with one decimal (tables quote coverage in MiB).
+pub fn mib(b: u64) -> String {
+    format!("{:.1}", b as f64 / f64::from(1u32 << 20))
+}
 
 fn gib(b: u64) -> String {
     match b {
@@ -88,14 +128,28 @@ impl PopulateResult {
     }
 }
 
-/// Writes `result.json` and `report.md` into a new `<base>/<timestamp>-populate/` folder and
-/// returns the folder.
-pub fn write_run(result: &PopulateResult, base: &Path) -> Result<PathBuf, PopulateLabError> {
+impl LabReport for PopulateResult {
+    fn scenario(&self) -> &str {
+        &self.scenario
+    }
+
+    fn run_info(&self) -> &RunInfo {
+        &self.run
+    }
+
+    fn markdown(&self) -> String {
+        PopulateResult::markdown(self)
+    }
+}
+
+/// Writes `result.json` and `report.md` into a new `<base>/<timestamp>-<scenario>/` folder
+/// and returns the folder.
+pub fn write_run<R: LabReport>(result: &R, base: &Path) -> Result<PathBuf, LabError> {
     let werr = |path: &Path| {
         let path = path.to_path_buf();
-        move |source| PopulateLabError::Write { path, source }
+        move |source| LabError::Write { path, source }
     };
-    let dir = run_folder(base, &result.run, "populate").map_err(werr(base))?;
+    let dir = run_folder(base, result.run_info(), result.scenario()).map_err(werr(base))?;
     let json = serde_json::to_string_pretty(result).expect("the result serialises");
     let p = dir.join("result.json");
     std::fs::write(&p, json + "\n").map_err(werr(&p))?;

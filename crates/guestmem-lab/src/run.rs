@@ -161,6 +161,140 @@ impl Summary {
     }
 }
 
+/// The order variants run in within a round.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Order {
+    /// The same order every round: A B C, A B C, ...
+    Fixed,
+    /// Each round starts one variant later: A B C, B C A, C A B, ... so no variant always
+    /// sits at the same position; each still follows the same predecessor.
+    Rotate,
+    /// A new order each round, from a fixed-seed shuffle, so each variant follows different
+    /// predecessors and sits at different times after their frees (the default: on this
+    /// machine, what the variant before freed, and when, decides much of a variant's time).
+    #[default]
+    Shuffle,
+}
+
+/// Seed of [`Order::Shuffle`], fixed so a run's order can be reproduced.
+pub const SHUFFLE_SEED: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// The order of `n` variants in `round` under `order`.
+pub fn round_order(order: Order, n: usize, round: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..n).collect();
+    match order {
+        Order::Fixed => {}
+        Order::Rotate => v.rotate_left(round % n.max(1)),
+        Order::Shuffle => {
+            // xorshift64*, seeded per round; Fisher-Yates.
+            let mut x = SHUFFLE_SEED ^ (round as u64 + 1).wrapping_mul(0x2545_f491_4f6c_dd1d);
+            for i in (1..n).rev() {
+                x ^= x >> 12;
+                x ^= x << 25;
+                x ^= x >> 27;
+                let j = (x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % (i + 1);
+                v.swap(i, j);
+            }
+        }
+    }
+    v
+}
+
+/// `/sys/kernel/mm/transparent_hugepage/enabled`, as the kernel shows it.
+pub fn thp_mode() -> String {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// The protocol every scenario follows: warm-up rounds (recorded, not summarised), then
+/// measured rounds in which every variant runs once, in the order [`round_order`] gives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Protocol {
+    /// Warm-up rounds.
+    pub warmup: usize,
+    /// Measured rounds.
+    pub rounds: usize,
+    /// The order of variants within a round.
+    pub order: Order,
+}
+
+/// Where a sample sat in the protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Position {
+    /// Round number, warm-ups first.
+    pub round: usize,
+    /// Position within its round (0 first).
+    pub position: usize,
+    /// Whether this was a warm-up round (not summarised).
+    pub warmup: bool,
+}
+
+/// One measurement and where it sat.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Sampled<T> {
+    /// Where it sat in the protocol.
+    #[serde(flatten)]
+    pub at: Position,
+    /// What was measured.
+    #[serde(flatten)]
+    pub sample: T,
+}
+
+impl Protocol {
+    /// Runs `measure(variant)` for every variant of `variants`, round by round; returns each
+    /// variant's samples, warm-ups included, in run order.
+    pub fn run<T, E>(
+        &self,
+        variants: usize,
+        mut measure: impl FnMut(usize) -> Result<T, E>,
+    ) -> Result<Vec<Vec<Sampled<T>>>, E> {
+        let mut out: Vec<Vec<Sampled<T>>> = (0..variants).map(|_| Vec::new()).collect();
+        for round in 0..self.warmup + self.rounds {
+            for (position, i) in round_order(self.order, variants, round)
+                .into_iter()
+                .enumerate()
+            {
+                let sample = measure(i)?;
+                out[i].push(Sampled {
+                    at: Position {
+                        round,
+                        position,
+                        warmup: round < self.warmup,
+                    },
+                    sample,
+                });
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The summary of `f` over the measured (not warm-up) samples.
+pub fn summarise<T>(samples: &[Sampled<T>], f: impl Fn(&T) -> f64) -> Summary {
+    let v: Vec<f64> = samples
+        .iter()
+        .filter(|s| !s.at.warmup)
+        .map(|s| f(&s.sample))
+        .collect();
+    Summary::of(&v)
+}
+
+/// `a / b`, or 0 when `b` is 0 (a ratio of medians in a report).
+pub fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+/// CPUs this process may run on.
+pub fn available_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,5 +313,23 @@ mod tests {
         let s = Summary::of(&[4.0, 1.0, 2.0, 3.0]);
         assert_eq!((s.median, s.min, s.max, s.n), (2.5, 1.0, 4.0, 4));
         assert_eq!(Summary::of(&[]).n, 0);
+    }
+
+    #[test]
+    fn round_order_is_a_permutation_and_shuffle_varies_predecessors() {
+        let mut preds = std::collections::HashSet::new();
+        for round in 0..9 {
+            for order in [Order::Fixed, Order::Rotate, Order::Shuffle] {
+                let mut v = round_order(order, 5, round);
+                if order == Order::Shuffle {
+                    let p = v.iter().position(|&x| x == 1).unwrap();
+                    preds.insert(if p == 0 { None } else { Some(v[p - 1]) });
+                }
+                v.sort_unstable();
+                assert_eq!(v, vec![0, 1, 2, 3, 4]);
+            }
+        }
+        assert!(preds.len() >= 3, "variant 1 followed only {preds:?}");
+        assert_eq!(round_order(Order::Rotate, 3, 1), vec![1, 2, 0]);
     }
 }

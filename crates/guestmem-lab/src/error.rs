@@ -1,0 +1,65 @@
+//! The error every scenario after `populate` returns: one enum, each variant naming what
+//! failed and where.
+
+use std::io;
+use std::path::PathBuf;
+
+use guestmem::inspect::InspectError;
+use guestmem::MapError;
+
+use crate::peer::PeerError;
+
+/// Why a lab scenario failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LabError {
+    /// The configuration cannot be run as given.
+    #[error("{scenario}: {reason}")]
+    Config {
+        /// The scenario.
+        scenario: &'static str,
+        /// What is wrong with the configuration.
+        reason: String,
+    },
+    /// guestmem could not map a layout.
+    #[error("guestmem map: {0}")]
+    Map(#[from] MapError),
+    /// A peer's way of mapping failed.
+    #[error(transparent)]
+    Peer(#[from] PeerError),
+    /// smaps could not be read.
+    #[error(transparent)]
+    Inspect(#[from] InspectError),
+    /// A syscall the scenario makes itself failed.
+    #[error("{scenario}: {op} of {len:#x} bytes at host {addr:#x} failed: {source}")]
+    Sys {
+        /// The scenario.
+        scenario: &'static str,
+        /// The call.
+        op: &'static str,
+        /// Host address of the range.
+        addr: usize,
+        /// Length of the range.
+        len: usize,
+        /// The errno.
+        source: io::Error,
+    },
+    /// A worker thread could not be created.
+    #[error("{scenario}: creating a worker thread: {source}")]
+    Spawn {
+        /// The scenario.
+        scenario: &'static str,
+        /// The error.
+        source: io::Error,
+    },
+    /// vm-memory refused the regions (its error types differ per call, so it is kept as text).
+    #[error("vm-memory: {0}")]
+    VmMemory(String),
+    /// The run folder or a result file could not be written.
+    #[error("writing {path}: {source}")]
+    Write {
+        /// The path.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+}
