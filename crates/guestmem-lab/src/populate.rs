@@ -22,7 +22,6 @@
 //! regimes and medians of identical code moved by 40%. No pause compares the userspace
 //! code, which is what the lab is for; `--settle-ms 3000` shows the reclaimed-host regime.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use guestmem::inspect::{self, InspectError, RegionUsage};
@@ -77,14 +76,6 @@ pub enum PopulateLabError {
     /// smaps could not be read.
     #[error(transparent)]
     Inspect(#[from] InspectError),
-    /// The run folder or a result file could not be written.
-    #[error("writing {path}: {source}")]
-    Write {
-        /// The path.
-        path: PathBuf,
-        /// The error.
-        source: std::io::Error,
-    },
 }
 
 /// A layout of the scenario.

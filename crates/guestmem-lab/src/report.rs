@@ -57,26 +57,20 @@ impl PopulateResult {
     /// The result as a Markdown report: settings, then one table per layout.
     pub fn markdown(&self) -> String {
         let mut md = String::new();
-        let r = &self.run;
-        md.push_str("# populate (seeds 000/001)\n\n");
-        md.push_str(&format!(
-            "`{}` | commit {}{} | {} | {} ({} CPUs) | THP {} | {} warm-up + {} rounds, \
-             interleaved ({:?} order), {:.1} s settle\n\n",
-            r.command,
-            r.git_commit.as_deref().unwrap_or("unknown"),
-            if r.git_dirty == Some(true) {
-                " (dirty)"
-            } else {
-                ""
-            },
-            r.kernel,
-            r.cpu_model,
-            r.cpus,
-            self.settings.thp_mode,
-            self.settings.warmup,
-            self.settings.rounds,
-            self.settings.order,
-            self.settings.settle_seconds,
+        let protocol = Protocol {
+            warmup: self.settings.warmup,
+            rounds: self.settings.rounds,
+            order: self.settings.order,
+        };
+        md.push_str(&header(
+            "populate (seeds 000/001)",
+            &self.run,
+            &self.settings.thp_mode,
+            &protocol,
+            &format!(
+                "{:.1} s settle between variants.",
+                self.settings.settle_seconds
+            ),
         ));
         md.push_str(&format!("Timed: {}.\n", self.timed));
         for l in &self.layouts {
