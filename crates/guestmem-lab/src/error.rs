@@ -62,4 +62,12 @@ pub enum LabError {
         /// The error.
         source: io::Error,
     },
+    /// The plot could not be drawn.
+    #[error("plotting {path}: {reason}")]
+    Plot {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
 }

@@ -24,6 +24,7 @@ use guestmem::sys::{self, MmapRange};
 
 use crate::error::LabError;
 use crate::peer::{PeerError, PlacedMapping};
+use crate::plot::{Bar, BarGroup};
 use crate::report::{header, mib, LabReport};
 use crate::run::{
     available_cpus, ratio, summarise, thp_mode, Order, Protocol, RunInfo, Sampled, Summary,
@@ -398,5 +399,18 @@ impl LabReport for FaultsResult {
             ));
         }
         md
+    }
+
+    fn bars(&self) -> (&'static str, Vec<BarGroup>) {
+        let bars = self
+            .variants
+            .iter()
+            .map(|v| Bar::of(&v.name, &v.seconds))
+            .collect();
+        let title = format!("{} MiB of 4 KiB faults", self.settings.size >> 20);
+        (
+            "seconds (bar: median, line: min to max)",
+            vec![BarGroup { title, bars }],
+        )
     }
 }

@@ -28,6 +28,7 @@ use guestmem::{Guard, GuestAddress, GuestMap, RegionSpec};
 
 use crate::error::LabError;
 use crate::peer::{PeerError, PlacedMapping};
+use crate::plot::{Bar, BarGroup};
 use crate::report::{header, mib, LabReport};
 use crate::run::{ratio, summarise, thp_mode, Order, Protocol, RunInfo, Sampled, Summary};
 
@@ -376,5 +377,18 @@ impl LabReport for GuardsResult {
             ));
         }
         md
+    }
+
+    fn bars(&self) -> (&'static str, Vec<BarGroup>) {
+        let bars = self
+            .variants
+            .iter()
+            .map(|v| Bar::of(&v.name, &v.coverage_of_region))
+            .collect();
+        let title = "huge-page coverage of the region".to_string();
+        (
+            "fraction of the region in huge pages",
+            vec![BarGroup { title, bars }],
+        )
     }
 }

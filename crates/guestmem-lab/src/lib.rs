@@ -23,6 +23,7 @@ pub mod guards;
 pub mod peer;
 pub mod peer_ch;
 pub mod peer_qemu;
+pub mod plot;
 pub mod populate;
 pub mod report;
 pub mod run;

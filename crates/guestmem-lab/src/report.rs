@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::LabError;
+use crate::plot::{write_svg, Bar, BarGroup};
 use crate::populate::PopulateResult;
 use crate::run::{run_folder, Protocol, RunInfo};
 
@@ -16,6 +17,10 @@ pub trait LabReport: serde::Serialize {
     fn run_info(&self) -> &RunInfo;
     /// The Markdown report.
     fn markdown(&self) -> String;
+    /// What the plot shows: its axis unit and bar groups (none: no plot is drawn).
+    fn bars(&self) -> (&'static str, Vec<BarGroup>) {
+        ("", Vec::new())
+    }
 }
 
 /// The report's first lines: a title, then one line of metadata (command, commit, kernel,
@@ -134,6 +139,35 @@ impl LabReport for PopulateResult {
     fn markdown(&self) -> String {
         PopulateResult::markdown(self)
     }
+
+    fn bars(&self) -> (&'static str, Vec<BarGroup>) {
+        let groups = self
+            .layouts
+            .iter()
+            .map(|l| BarGroup {
+                title: format!(
+                    "{} ({})",
+                    l.layout.name(),
+                    l.region_sizes
+                        .iter()
+                        .map(|&s| gib(s))
+                        .collect::<Vec<_>>()
+                        .join(" + ")
+                ),
+                bars: l
+                    .variants
+                    .iter()
+                    .map(|v| Bar {
+                        label: v.name.clone(),
+                        median: v.seconds.median,
+                        min: v.seconds.min,
+                        max: v.seconds.max,
+                    })
+                    .collect(),
+            })
+            .collect();
+        ("seconds (bar: median, line: min to max)", groups)
+    }
 }
 
 /// Writes `result.json` and `report.md` into a new `<base>/<timestamp>-<scenario>/` folder
@@ -149,5 +183,9 @@ pub fn write_run<R: LabReport>(result: &R, base: &Path) -> Result<PathBuf, LabEr
     std::fs::write(&p, json + "\n").map_err(werr(&p))?;
     let p = dir.join("report.md");
     std::fs::write(&p, result.markdown()).map_err(werr(&p))?;
+    let (unit, groups) = result.bars();
+    if !groups.is_empty() {
+        write_svg(&dir.join("plot.svg"), result.scenario(), unit, &groups)?;
+    }
     Ok(dir)
 }

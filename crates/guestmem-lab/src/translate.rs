@@ -27,6 +27,7 @@ use guestmem::vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion
 use guestmem::{Guard, GuestAddress, GuestMap, RegionSpec, Thp};
 
 use crate::error::LabError;
+use crate::plot::{Bar, BarGroup};
 use crate::report::{header, LabReport};
 use crate::run::{available_cpus, ratio, summarise, Order, Protocol, RunInfo, Sampled, Summary};
 use crate::workers::timed;
@@ -441,5 +442,24 @@ impl LabReport for TranslateResult {
             }
         }
         md
+    }
+
+    fn bars(&self) -> (&'static str, Vec<BarGroup>) {
+        let groups = self
+            .region_counts
+            .iter()
+            .map(|r| BarGroup {
+                title: format!("{} regions", r.regions),
+                bars: r
+                    .variants
+                    .iter()
+                    .map(|v| Bar::of(&v.name, &v.ns_per_lookup))
+                    .collect(),
+            })
+            .collect();
+        (
+            "ns per lookup per thread (bar: median, line: min to max)",
+            groups,
+        )
     }
 }

@@ -93,6 +93,8 @@ fn faults_tiny_writes_json_and_markdown_run_folder() {
     for key in ["seconds", "faults_per_sec_at_median", "scaling_vs_1_thread"] {
         assert!(v.get(key).is_some(), "variant.{key}");
     }
+    let svg = std::fs::read_to_string(dir.join("plot.svg")).expect("plot written");
+    assert!(svg.starts_with("<svg"));
     let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
     assert_eq!(md, result.markdown());
     assert!(md.contains("| vma-per-thread-touch-2 | 2 | 2 |"));

@@ -100,6 +100,8 @@ fn guards_tiny_writes_json_and_markdown_run_folder() {
         assert!(v.get(key).is_some(), "variant.{key}");
     }
     assert!(v["samples"][0].get("round").is_some(), "position flattened");
+    let svg = std::fs::read_to_string(dir.join("plot.svg")).expect("plot written");
+    assert!(svg.starts_with("<svg"));
     let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
     assert_eq!(md, result.markdown());
     for name in VARIANTS {

@@ -85,6 +85,8 @@ fn translate_tiny_writes_json_and_markdown_run_folder() {
     for key in ["ns_per_lookup", "lookups_per_sec", "speedup_vs_vm_memory"] {
         assert!(v.get(key).is_some(), "variant.{key}");
     }
+    let svg = std::fs::read_to_string(dir.join("plot.svg")).expect("plot written");
+    assert!(svg.starts_with("<svg"));
     let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
     assert_eq!(md, result.markdown());
     assert!(md.contains("## 4 region(s)"));
