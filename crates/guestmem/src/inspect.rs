@@ -1,6 +1,10 @@
 //! What the kernel really did with a region: resident bytes, huge-page bytes, locked bytes,
 //! NUMA placement, read from `/proc/self/smaps` and `/proc/self/numa_maps`.
 //!
+//! A region's figures are the sum of the smaps VMAs that lie wholly inside it. Guards keep a
+//! region's VMA apart from its neighbours; a region mapped without guards can be merged by the
+//! kernel with an adjacent mapping of identical flags, and its figures then read as zero.
+//!
 //! Coverage is measured, never assumed: a region is only as fast as the huge pages the kernel
 //! actually gave it, and a stray guard page or a late THP advice silently costs some.
 

@@ -10,6 +10,15 @@ use guestmem::{
     Backing, Guard, GuestAddress, GuestMap, MapError, RegionSpec, Thp, TranslateError, MAX_REGIONS,
 };
 
+/// Tests here read smaps per VMA. A region without guards may merge with a neighbouring
+/// mapping another test makes at the same time, which hides its figures: they run one at a
+/// time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 const MIB: u64 = 1 << 20;
 
 fn host_bytes(r: &guestmem::Region, off: u64, len: usize) -> Vec<u8> {
@@ -27,6 +36,7 @@ fn thp_available() -> bool {
 
 #[test]
 fn every_backing_reads_and_writes_through_translator_and_bytes() {
+    let _serial = serial();
     let file = std::env::temp_dir().join(format!("guestmem-core-{}", std::process::id()));
     std::fs::write(&file, vec![0u8; 3 * MIB as usize]).unwrap();
     let specs = [
@@ -79,6 +89,7 @@ fn every_backing_reads_and_writes_through_translator_and_bytes() {
 
 #[test]
 fn from_specs_beyond_limit_is_refused_before_mapping() {
+    let _serial = serial();
     let specs: Vec<RegionSpec> = (0..=MAX_REGIONS as u64)
         .map(|i| RegionSpec::new(GuestAddress(i << 12), 4096))
         .collect();
@@ -91,6 +102,7 @@ fn from_specs_beyond_limit_is_refused_before_mapping() {
 
 #[test]
 fn failed_from_specs_leaves_nothing_mapped() {
+    let _serial = serial();
     // A size no other test uses, so its VMA can be told apart while tests run in parallel.
     const ODD_SIZE: u64 = 6 * MIB + 3 * 4096;
     let vmas_of_odd_size = || {
@@ -125,6 +137,7 @@ fn populate(r: &guestmem::Region) {
 
 #[test]
 fn thp_region_populated_is_fully_huge_with_and_without_guards() {
+    let _serial = serial();
     if !thp_available() {
         println!("skip: THP is disabled on this kernel (transparent_hugepage/enabled = never)");
         return;
@@ -149,6 +162,7 @@ fn thp_region_populated_is_fully_huge_with_and_without_guards() {
 
 #[test]
 fn thp_region_without_advice_gets_no_huge_pages_in_madvise_mode() {
+    let _serial = serial();
     let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap();
     if !mode.contains("[madvise]") {
         println!("skip: THP mode is not madvise ({})", mode.trim());
@@ -167,6 +181,7 @@ fn thp_region_without_advice_gets_no_huge_pages_in_madvise_mode() {
 
 #[test]
 fn translator_threads_never_see_wrong_region_during_hot_add_remove() {
+    let _serial = serial();
     const READERS: usize = 2;
     const REGION: u64 = 64 * 1024;
     const SLOTS: u64 = 16;
@@ -243,6 +258,7 @@ fn translator_threads_never_see_wrong_region_during_hot_add_remove() {
 
 #[test]
 fn translator_errors_name_the_address() {
+    let _serial = serial();
     let map = GuestMap::from_specs(&[RegionSpec::new(GuestAddress(0x10_0000), 0x1000)]).unwrap();
     let t = map.translator();
     let e = t.translate(GuestAddress(0x20_0000), 4).unwrap_err();
@@ -261,6 +277,7 @@ fn translator_errors_name_the_address() {
 
 #[test]
 fn inspect_process_sees_a_populated_region_as_the_kernel_maps_it() {
+    let _serial = serial();
     if !thp_available() {
         println!("skip: THP is disabled on this kernel");
         return;
