@@ -139,6 +139,10 @@ enum LayoutArg {
     Unequal,
     /// Both, one after the other.
     Both,
+    /// Regions of 64 MiB each (a VM of memory DIMMs).
+    Dimms,
+    /// Single, unequal and dimms, one after the other.
+    All,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -164,7 +168,7 @@ pub struct PopulateArgs {
     #[arg(long, default_value_t = DEFAULT_WARMUP_ROUNDS)]
     warmup: usize,
     /// Layouts to run.
-    #[arg(long, value_enum, default_value = "both")]
+    #[arg(long, value_enum, default_value = "all")]
     layout: LayoutArg,
     /// Pause after each variant unmaps, in milliseconds.
     #[arg(long, default_value_t = DEFAULT_SETTLE.as_millis() as u64)]
@@ -247,6 +251,8 @@ fn populate(a: PopulateArgs) -> Result<()> {
             LayoutArg::Single => vec![LayoutKind::Single],
             LayoutArg::Unequal => vec![LayoutKind::Unequal],
             LayoutArg::Both => vec![LayoutKind::Single, LayoutKind::Unequal],
+            LayoutArg::Dimms => vec![LayoutKind::Dimms],
+            LayoutArg::All => vec![LayoutKind::Single, LayoutKind::Unequal, LayoutKind::Dimms],
         },
         settle: Duration::from_millis(a.settle_ms),
         order: match a.order {

@@ -40,7 +40,7 @@ use crate::{peer_ch, peer_qemu};
 /// Default total guest memory of a layout, in bytes.
 pub const DEFAULT_SIZE_BYTES: u64 = 4 << 30;
 /// Default measured rounds.
-pub const DEFAULT_ROUNDS: usize = 9;
+pub const DEFAULT_ROUNDS: usize = 15;
 /// Default warm-up rounds.
 pub const DEFAULT_WARMUP_ROUNDS: usize = 1;
 /// Default pause after each variant unmaps: none (see the module docs for why).
@@ -86,7 +86,14 @@ pub enum LayoutKind {
     Single,
     /// Several unequal regions ([`UNEQUAL_SHARES_LOG2`]) summing to the size.
     Unequal,
+    /// Many small regions of [`DIMM_BYTES`] each, as a VM built from hot-pluggable memory
+    /// DIMMs is: QEMU preallocates each DIMM on its own, and with min(CPUs, 16, size / 64 MiB)
+    /// threads a 64 MiB DIMM gets one thread.
+    Dimms,
 }
+
+/// Size of one region of [`LayoutKind::Dimms`].
+pub const DIMM_BYTES: u64 = 64 << 20;
 
 impl LayoutKind {
     /// The name in reports.
@@ -94,6 +101,7 @@ impl LayoutKind {
         match self {
             LayoutKind::Single => "single",
             LayoutKind::Unequal => "unequal",
+            LayoutKind::Dimms => "dimms",
         }
     }
 
@@ -102,6 +110,7 @@ impl LayoutKind {
         let granule = match self {
             LayoutKind::Single => THP_BYTES,
             LayoutKind::Unequal => THP_BYTES << UNEQUAL_SHARES_LOG2.iter().max().unwrap_or(&0),
+            LayoutKind::Dimms => DIMM_BYTES,
         };
         if size == 0 || size % granule != 0 {
             return Err(PopulateLabError::BadSize {
@@ -113,6 +122,7 @@ impl LayoutKind {
         Ok(match self {
             LayoutKind::Single => vec![size],
             LayoutKind::Unequal => UNEQUAL_SHARES_LOG2.iter().map(|s| size >> s).collect(),
+            LayoutKind::Dimms => vec![DIMM_BYTES; (size / DIMM_BYTES) as usize],
         })
     }
 }
@@ -144,7 +154,7 @@ impl Default for PopulateLabConfig {
             size: DEFAULT_SIZE_BYTES,
             rounds: DEFAULT_ROUNDS,
             warmup: DEFAULT_WARMUP_ROUNDS,
-            layouts: vec![LayoutKind::Single, LayoutKind::Unequal],
+            layouts: vec![LayoutKind::Single, LayoutKind::Unequal, LayoutKind::Dimms],
             settle: DEFAULT_SETTLE,
             order: Order::default(),
             threads: default_threads(),

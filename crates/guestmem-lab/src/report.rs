@@ -51,6 +51,27 @@ pub fn mib(b: u64) -> String {
     format!("{:.1}", b as f64 / f64::from(1u32 << 20))
 }
 
+/// Region sizes as `2G + 1G + 3 x 64M`: runs of equal sizes are counted, not repeated.
+fn sizes_label(sizes: &[u64]) -> String {
+    runs_label(sizes, " + ", gib)
+}
+
+/// `items` joined by `sep`, each run of equal items written once as `N x item`.
+fn runs_label<T: PartialEq + Copy>(items: &[T], sep: &str, show: impl Fn(T) -> String) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < items.len() {
+        let run = items[i..].iter().take_while(|&&x| x == items[i]).count();
+        parts.push(if run > 1 {
+            format!("{run} x {}", show(items[i]))
+        } else {
+            show(items[i])
+        });
+        i += run;
+    }
+    parts.join(sep)
+}
+
 fn gib(b: u64) -> String {
     match b {
         b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
@@ -79,23 +100,18 @@ impl PopulateResult {
         ));
         md.push_str(&format!("Timed: {}.\n", self.timed));
         for l in &self.layouts {
-            let sizes: Vec<String> = l.region_sizes.iter().map(|&s| gib(s)).collect();
             md.push_str(&format!(
                 "\n## {} ({})\n\n| variant | threads | median s | min s | max s | max/min \
                  | GB/s @median | time / guestmem-{n} | huge coverage | 2M-aligned maps |\n\
                  |---|---|---|---|---|---|---|---|---|---|\n",
                 l.layout.name(),
-                sizes.join(" + "),
+                sizes_label(&l.region_sizes),
                 n = self.settings.threads,
             ));
             for v in &l.variants {
                 let last = v.samples.last();
                 let threads = last.map_or(String::new(), |s| {
-                    s.threads
-                        .iter()
-                        .map(|t| t.to_string())
-                        .collect::<Vec<_>>()
-                        .join("+")
+                    runs_label(&s.threads, "+", |t| t.to_string())
                 });
                 let aligned = last.map_or(String::new(), |s| {
                     format!("{}/{}", s.thp_aligned_mappings, s.mappings)
@@ -145,15 +161,7 @@ impl LabReport for PopulateResult {
             .layouts
             .iter()
             .map(|l| BarGroup {
-                title: format!(
-                    "{} ({})",
-                    l.layout.name(),
-                    l.region_sizes
-                        .iter()
-                        .map(|&s| gib(s))
-                        .collect::<Vec<_>>()
-                        .join(" + ")
-                ),
+                title: format!("{} ({})", l.layout.name(), sizes_label(&l.region_sizes)),
                 bars: l
                     .variants
                     .iter()
@@ -188,4 +196,17 @@ pub fn write_run<R: LabReport>(result: &R, base: &Path) -> Result<PathBuf, LabEr
         write_svg(&dir.join("plot.svg"), result.scenario(), unit, &groups)?;
     }
     Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_label_counts_runs() {
+        assert_eq!(
+            sizes_label(&[2 << 30, 1 << 30, 64 << 20, 64 << 20, 64 << 20]),
+            "2G + 1G + 3 x 64M"
+        );
+    }
 }

@@ -108,7 +108,7 @@ fn populate_tiny_writes_json_and_markdown_run_folder() {
     let svg = std::fs::read_to_string(dir.join("plot.svg")).expect("plot written");
     assert!(svg.starts_with("<svg"));
     let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
-    assert!(md.contains("## unequal (32M + 16M + 8M + 4M + 4M)"));
+    assert!(md.contains("## unequal (32M + 16M + 8M + 2 x 4M)"), "{md}");
     assert!(md.contains("| variant | threads | median s |"));
     for name in VARIANTS {
         assert!(md.contains(&format!("| {name} |")), "{name} row");
