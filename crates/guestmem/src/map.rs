@@ -54,13 +54,16 @@ pub enum MapError {
     Region(#[from] RegionError),
 }
 
-/// The part of a region that lookups read: 24 bytes, kept densely in a snapshot.
+/// The part of a region that translation reads, kept densely in a snapshot (and copied into
+/// each translator's cache), so a lookup never follows a region's `Arc`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Span {
     pub(crate) start: u64,
     /// Exclusive end; never overflows (regions that would are refused).
     pub(crate) end: u64,
     pub(crate) host: usize,
+    /// Whether the guest may only read it.
+    pub(crate) read_only: bool,
 }
 
 /// An immutable view of the map at one generation.
@@ -82,6 +85,7 @@ impl Snapshot {
                 start: r.guest_addr().0,
                 end: r.guest_end(),
                 host: r.host_addr() as usize,
+                read_only: r.access() == crate::layout::Access::ReadOnly,
             })
             .collect();
         let starts = regions.iter().map(|r| r.guest_addr().0).collect();

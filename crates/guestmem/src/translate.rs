@@ -19,7 +19,6 @@ use std::sync::Arc;
 
 use vm_memory::{GuestAddress, VolatileSlice};
 
-use crate::layout::Access;
 use crate::map::{GuestMap, Snapshot, Span};
 use crate::region::Region;
 
@@ -124,6 +123,7 @@ impl Translator {
                     start: 0,
                     end: 0,
                     host: 0,
+                    read_only: false,
                 },
             }),
             miss_streak: Cell::new(0),
@@ -205,13 +205,13 @@ impl Translator {
             .and_then(|i| self.snap.regions().get(i))
     }
 
-    /// Host address of `addr..addr+len`, which must lie in one region, and the region's index.
+    /// Host address of `addr..addr+len`, which must lie in one region, and the region's span.
     #[inline]
-    fn host_range(&self, addr: GuestAddress, len: usize) -> Result<(usize, usize), TranslateError> {
+    fn host_range(&self, addr: GuestAddress, len: usize) -> Result<(usize, Span), TranslateError> {
         let len64 = len as u64;
         match self.lookup(addr.0) {
-            Some((i, s)) if len64 <= s.end - addr.0 => {
-                Ok((s.host + (addr.0 - s.start) as usize, i))
+            Some((_, s)) if len64 <= s.end - addr.0 => {
+                Ok((s.host + (addr.0 - s.start) as usize, s))
             }
             found => Err(self.miss_error(addr.0, len64, found.map(|(_, s)| s))),
         }
@@ -256,13 +256,12 @@ impl Translator {
         addr: GuestAddress,
         len: usize,
     ) -> Result<VolatileSlice<'_>, TranslateError> {
-        let (host, i) = self.host_range(addr, len)?;
-        let r = &self.snap.regions()[i];
-        if r.access() == Access::ReadOnly {
+        let (host, span) = self.host_range(addr, len)?;
+        if span.read_only {
             return Err(TranslateError::ReadOnly {
                 addr: addr.0,
                 len: len as u64,
-                region_addr: r.guest_addr().0,
+                region_addr: span.start,
             });
         }
         // SAFETY: as in `translate`: the range was checked to lie in a region the pinned
@@ -286,7 +285,7 @@ impl Translator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::RegionSpec;
+    use crate::layout::{Access, RegionSpec};
 
     fn map2() -> GuestMap {
         GuestMap::from_specs(&[
