@@ -46,6 +46,22 @@ pub enum PeerError {
     },
 }
 
+/// `madvise(advice)` on `range`, an error naming `peer`, the call `op` and the range.
+pub fn advise(
+    peer: &'static str,
+    range: MmapRange,
+    advice: libc::c_int,
+    op: &'static str,
+) -> Result<(), PeerError> {
+    sys::madvise(range, advice).map_err(|source| PeerError::Sys {
+        peer,
+        op,
+        addr: range.addr(),
+        len: range.len(),
+        source,
+    })
+}
+
 /// A read-write private anonymous mapping a peer made; unmapped when dropped.
 #[derive(Debug)]
 pub struct PeerMapping {

@@ -12,7 +12,7 @@
 
 use guestmem::sys::{self, MmapRange};
 
-use crate::peer::{len_of, populate_parts, PeerError, PeerMapping, PeerRun, Start};
+use crate::peer::{advise, len_of, populate_parts, PeerError, PeerMapping, PeerRun, Start};
 
 /// The peer's name in reports.
 pub const NAME: &str = "ch-style";
@@ -84,13 +84,12 @@ pub fn bring_up(sizes: &[u64]) -> Result<PeerRun, PeerError> {
         let m = map_plain(len)?;
         let threads = threads_for(size);
         populate_parts(NAME, &m, &split(len, threads), Start::AsCreated)?;
-        sys::madvise(m.range(), libc::MADV_HUGEPAGE).map_err(|source| PeerError::Sys {
-            peer: NAME,
-            op: "madvise(MADV_HUGEPAGE)",
-            addr: m.range().addr(),
-            len,
-            source,
-        })?;
+        advise(
+            NAME,
+            m.range(),
+            libc::MADV_HUGEPAGE,
+            "madvise(MADV_HUGEPAGE)",
+        )?;
         run.mappings.push(m);
         run.threads.push(threads);
     }

@@ -15,7 +15,7 @@
 use guestmem::layout::THP_BYTES;
 use guestmem::sys::{self, MmapRange};
 
-use crate::peer::{len_of, populate_parts, PeerError, PeerMapping, PeerRun, Start};
+use crate::peer::{advise, len_of, populate_parts, PeerError, PeerMapping, PeerRun, Start};
 
 /// The peer's name in reports.
 pub const NAME: &str = "qemu-style";
@@ -111,13 +111,12 @@ pub fn bring_up(sizes: &[u64], cpus: usize) -> Result<PeerRun, PeerError> {
     for &size in sizes {
         let len = len_of(NAME, size)?;
         let m = map_aligned(len)?;
-        sys::madvise(m.range(), libc::MADV_HUGEPAGE).map_err(|source| PeerError::Sys {
-            peer: NAME,
-            op: "madvise(MADV_HUGEPAGE)",
-            addr: m.range().addr(),
-            len,
-            source,
-        })?;
+        advise(
+            NAME,
+            m.range(),
+            libc::MADV_HUGEPAGE,
+            "madvise(MADV_HUGEPAGE)",
+        )?;
         let threads = threads_for(size, cpus);
         populate_parts(NAME, &m, &split(len, threads), Start::AllArrived)?;
         run.mappings.push(m);
