@@ -7,6 +7,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::{Args as ClapArgs, ValueEnum};
 use guestmem::bringup::{bringup, BringupConfig, BringupReport, Verify};
+use guestmem::host::{Host, HostError};
 use guestmem::jobs::Numa;
 use guestmem::limits::{self, LimitError};
 use guestmem::plan::{self, EvenLayout};
@@ -94,18 +95,20 @@ fn parse_size(s: &str) -> Result<u64, String> {
     plan::parse_size(s).map_err(|e| e.to_string())
 }
 
-fn default_size(regions: u64) -> u64 {
-    let quarter = plan::mem_available().map_or(DEFAULT_SIZE_BYTES, |a| a / 4);
+fn default_size(regions: u64, host: &Host) -> u64 {
+    let quarter = host.mem_available.map_or(DEFAULT_SIZE_BYTES, |a| a / 4);
     let unit = regions.max(1) * TWO_MIB;
     (DEFAULT_SIZE_BYTES.min(quarter) / unit * unit).max(unit)
 }
 
-fn specs(args: &Args) -> Result<Vec<RegionSpec>> {
+fn specs(args: &Args, host: &Host) -> Result<Vec<RegionSpec>> {
     if let Some(path) = &args.layout {
         return Ok(plan::read_layout_file(path)?);
     }
     let layout = EvenLayout {
-        size: args.size.unwrap_or_else(|| default_size(args.regions)),
+        size: args
+            .size
+            .unwrap_or_else(|| default_size(args.regions, host)),
         regions: args.regions,
         base: GuestAddress(0),
         backing: plan::parse_backing(&args.backing)?,
@@ -142,9 +145,10 @@ struct Output<'a> {
 
 /// Runs `guestmem bringup`.
 pub fn run(args: Args) -> Result<()> {
-    let specs = specs(&args)?;
+    let host = Host::read();
+    let specs = specs(&args, &host)?;
     // Everything that can be refused is refused before any memory is mapped.
-    plan::check_fits_memory(&specs)?;
+    plan::check_layout(&specs, &host)?;
     let t = Instant::now();
     let map = GuestMap::from_specs(&specs).context("mapping the layout")?;
     let map_seconds = t.elapsed().as_secs_f64();
@@ -157,7 +161,7 @@ pub fn run(args: Args) -> Result<()> {
         Pin::PerChunk => PinStrategy::PerChunk,
         Pin::Auto => match limits::check(&snap, PinStrategy::UpFront) {
             Ok(_) => PinStrategy::UpFront,
-            Err(e @ LimitError::Memlock { .. }) => {
+            Err(LimitError::Host(e @ HostError::Memlock { .. })) => {
                 pin_note = Some(format!("not pinned: {e}"));
                 PinStrategy::None
             }
@@ -218,8 +222,7 @@ pub fn run(args: Args) -> Result<()> {
     };
     let mut stdout = std::io::stdout().lock();
     if args.json {
-        serde_json::to_writer_pretty(&mut stdout, &out)?;
-        writeln!(stdout)?;
+        crate::report::write_json(&mut stdout, &out)?;
     } else {
         print_human(&mut stdout, &out)?;
     }

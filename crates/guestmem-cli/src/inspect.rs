@@ -33,8 +33,7 @@ pub fn run(args: Args) -> Result<()> {
     let maps = inspect_process(Some(args.pid), args.min_size)?;
     let mut out = std::io::stdout().lock();
     if args.json {
-        serde_json::to_writer_pretty(&mut out, &maps)?;
-        writeln!(out)?;
+        crate::report::write_json(&mut out, &maps)?;
         return Ok(());
     }
     writeln!(

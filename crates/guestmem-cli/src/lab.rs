@@ -9,12 +9,9 @@ use clap::{Args as ClapArgs, Subcommand, ValueEnum};
 use guestmem::plan::parse_size;
 use guestmem_lab::faults::{run_faults, FaultsLabConfig};
 use guestmem_lab::guards::{run_guards, GuardsLabConfig};
-use guestmem_lab::populate::{
-    run_populate, LayoutKind, Order, PopulateLabConfig, DEFAULT_ROUNDS, DEFAULT_SETTLE,
-    DEFAULT_WARMUP_ROUNDS,
-};
-use guestmem_lab::report::{write_run, LabReport};
-use guestmem_lab::run::{Order as RunOrder, Protocol};
+use guestmem_lab::populate::{run_populate, LayoutKind, PopulateLabConfig, DEFAULT_SETTLE};
+use guestmem_lab::report::{write_run, LabReport, LabResult};
+use guestmem_lab::run::{prepare_out, Order as RunOrder, Protocol};
 use guestmem_lab::translate::{run_translate, TranslateLabConfig};
 
 /// Where run folders go unless `--out` says otherwise.
@@ -43,12 +40,12 @@ enum Scenario {
     Translate(TranslateArgs),
 }
 
-/// The protocol flags every scenario after `populate` shares.
+/// The protocol flags every scenario shares.
 #[derive(ClapArgs)]
 struct ProtocolArgs {
-    /// Measured rounds [default: the scenario's].
-    #[arg(long)]
-    rounds: Option<usize>,
+    /// Measured rounds, at least 1 [default: the scenario's].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: Option<u32>,
     /// Warm-up rounds, recorded, not summarised [default: the scenario's].
     #[arg(long)]
     warmup: Option<usize>,
@@ -65,7 +62,7 @@ impl ProtocolArgs {
     fn protocol(&self, defaults: Protocol) -> Protocol {
         Protocol {
             warmup: self.warmup.unwrap_or(defaults.warmup),
-            rounds: self.rounds.unwrap_or(defaults.rounds),
+            rounds: self.rounds.map_or(defaults.rounds, |r| r as usize),
             order: self.order.into(),
         }
     }
@@ -161,27 +158,17 @@ pub struct PopulateArgs {
     /// Total guest memory of each layout (e.g. 4G).
     #[arg(long, default_value = "4G", value_parser = size)]
     size: u64,
-    /// Measured rounds.
-    #[arg(long, default_value_t = DEFAULT_ROUNDS)]
-    rounds: usize,
-    /// Warm-up rounds (recorded, not summarised).
-    #[arg(long, default_value_t = DEFAULT_WARMUP_ROUNDS)]
-    warmup: usize,
     /// Layouts to run.
     #[arg(long, value_enum, default_value = "all")]
     layout: LayoutArg,
     /// Pause after each variant unmaps, in milliseconds.
     #[arg(long, default_value_t = DEFAULT_SETTLE.as_millis() as u64)]
     settle_ms: u64,
-    /// Order of the variants within a round.
-    #[arg(long, value_enum, default_value = "shuffle")]
-    order: OrderArg,
     /// Threads of the guestmem-N variants [default: all CPUs, at most 16].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
-    /// Folder the run folder is created in.
-    #[arg(long, default_value = DEFAULT_OUT_DIR)]
-    out: PathBuf,
+    #[command(flatten)]
+    protocol: ProtocolArgs,
 }
 
 fn size(s: &str) -> Result<u64, String> {
@@ -190,6 +177,14 @@ fn size(s: &str) -> Result<u64, String> {
 
 /// Runs `guestmem lab ...`.
 pub fn run(args: Args) -> Result<()> {
+    // The output folder is checked (and made) before anything is measured.
+    let out = match &args.scenario {
+        Scenario::Populate(a) => &a.protocol.out,
+        Scenario::Guards(a) => &a.protocol.out,
+        Scenario::Faults(a) => &a.protocol.out,
+        Scenario::Translate(a) => &a.protocol.out,
+    };
+    prepare_out(out).with_context(|| format!("--out {}", out.display()))?;
     match args.scenario {
         Scenario::Populate(a) => populate(a),
         Scenario::Guards(a) => {
@@ -234,7 +229,12 @@ fn command_line() -> String {
 }
 
 /// Writes the run folder and prints the report.
-fn emit(result: &impl LabReport, out_dir: &std::path::Path) -> Result<()> {
+fn emit<S, B>(result: &LabResult<S, B>, out_dir: &std::path::Path) -> Result<()>
+where
+    S: serde::Serialize,
+    B: serde::Serialize,
+    LabResult<S, B>: LabReport,
+{
     let dir = write_run(result, out_dir)?;
     let mut out = std::io::stdout().lock();
     write!(out, "{}", result.markdown())?;
@@ -243,10 +243,10 @@ fn emit(result: &impl LabReport, out_dir: &std::path::Path) -> Result<()> {
 }
 
 fn populate(a: PopulateArgs) -> Result<()> {
+    let d = PopulateLabConfig::default();
     let mut cfg = PopulateLabConfig {
         size: a.size,
-        rounds: a.rounds,
-        warmup: a.warmup,
+        protocol: a.protocol.protocol(d.protocol),
         layouts: match a.layout {
             LayoutArg::Single => vec![LayoutKind::Single],
             LayoutArg::Unequal => vec![LayoutKind::Unequal],
@@ -255,16 +255,14 @@ fn populate(a: PopulateArgs) -> Result<()> {
             LayoutArg::All => vec![LayoutKind::Single, LayoutKind::Unequal, LayoutKind::Dimms],
         },
         settle: Duration::from_millis(a.settle_ms),
-        order: match a.order {
-            OrderArg::Shuffle => Order::Shuffle,
-            OrderArg::Rotate => Order::Rotate,
-            OrderArg::Fixed => Order::Fixed,
-        },
         command: command_line(),
-        ..PopulateLabConfig::default()
+        ..d
     };
     if let Some(t) = a.threads {
         cfg.threads = t as usize;
     }
-    emit(&run_populate(&cfg).context("lab populate")?, &a.out)
+    emit(
+        &run_populate(&cfg).context("lab populate")?,
+        &a.protocol.out,
+    )
 }

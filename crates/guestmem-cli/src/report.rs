@@ -21,6 +21,20 @@ pub fn bytes(b: u64) -> String {
     format!("{b} B")
 }
 
+/// Writes `value` as pretty JSON and a newline. Serialised first, then written: a closed pipe
+/// (`guestmem ... --json | head -c 10`) then comes back as an `io::Error` of kind
+/// `BrokenPipe`, which `main` ends quietly with exit 0, rather than wrapped in a
+/// `serde_json::Error` it would not recognise.
+pub fn write_json(
+    w: &mut impl std::io::Write,
+    value: &impl serde::Serialize,
+) -> anyhow::Result<()> {
+    let mut text = serde_json::to_string_pretty(value)?;
+    text.push('\n');
+    w.write_all(text.as_bytes())?;
+    Ok(())
+}
+
 /// A progress bar over `total` bytes on stderr when it is a terminal, else nothing: the
 /// returned callback is then `None` and output stays clean for pipes and logs.
 pub fn progress(

@@ -4,9 +4,9 @@ use std::io::Write;
 
 use anyhow::Result;
 use clap::{Args as ClapArgs, ValueEnum};
-use guestmem::kvm::guest::{GuestMode, Partition};
-use guestmem::kvm::perf::{run as run_perf, PerfConfig};
 use guestmem::plan;
+use guestmem_lab::vm::guest::{GuestMode, Partition};
+use guestmem_lab::vm::perf::{run as run_perf, PerfConfig};
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Mode {
@@ -74,8 +74,7 @@ pub fn run(args: Args) -> Result<()> {
     let report = run_perf(&config)?;
     let mut out = std::io::stdout().lock();
     if args.json {
-        serde_json::to_writer_pretty(&mut out, &report)?;
-        writeln!(out)?;
+        crate::report::write_json(&mut out, &report)?;
     } else {
         write!(out, "{report}")?;
     }

@@ -1,11 +1,10 @@
-//! The error every scenario after `populate` returns: one enum, each variant naming what
-//! failed and where.
+//! The error every scenario returns: one enum, each variant naming what failed and where.
 
 use std::io;
 use std::path::PathBuf;
 
 use guestmem::inspect::InspectError;
-use guestmem::MapError;
+use guestmem::{BringupError, MapError, PopulateError};
 
 use crate::peer::PeerError;
 
@@ -23,24 +22,26 @@ pub enum LabError {
     /// guestmem could not map a layout.
     #[error("guestmem map: {0}")]
     Map(#[from] MapError),
+    /// guestmem could not populate a map.
+    #[error("guestmem populate: {0}")]
+    Populate(#[from] PopulateError),
+    /// guestmem could not bring a map up.
+    #[error("guestmem bringup: {0}")]
+    Bringup(#[from] BringupError),
     /// A peer's way of mapping failed.
     #[error(transparent)]
     Peer(#[from] PeerError),
     /// smaps could not be read.
     #[error(transparent)]
     Inspect(#[from] InspectError),
-    /// A syscall the scenario makes itself failed.
-    #[error("{scenario}: {op} of {len:#x} bytes at host {addr:#x} failed: {source}")]
-    Sys {
+    /// A procfs file the scenario reads could not be read.
+    #[error("{scenario}: reading {what}: {source}")]
+    Read {
         /// The scenario.
         scenario: &'static str,
-        /// The call.
-        op: &'static str,
-        /// Host address of the range.
-        addr: usize,
-        /// Length of the range.
-        len: usize,
-        /// The errno.
+        /// The file.
+        what: &'static str,
+        /// The error.
         source: io::Error,
     },
     /// A worker thread could not be created.

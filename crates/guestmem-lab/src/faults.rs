@@ -14,18 +14,16 @@
 //!
 //! **What is timed**: from the first worker's start to the last worker's end; workers are
 //! created and wait at a gate first (see [`crate::workers`]). Mapping, advice, inspection
-//! and unmapping are not timed. Minor faults are counted with `getrusage(RUSAGE_SELF)`
+//! and unmapping are not timed. Minor faults are counted from `/proc/self/stat` (`minflt`)
 //! around the timed part; VMAs are counted in `/proc/self/maps` afterwards.
 
-use std::io;
-
 use guestmem::inspect;
-use guestmem::sys::{self, MmapRange};
+use guestmem::mmap::{Advice, Mapping};
 
 use crate::error::LabError;
-use crate::peer::{PeerError, PlacedMapping};
+use crate::peer::{self, mmap_err, placed};
 use crate::plot::{Bar, BarGroup};
-use crate::report::{header, mib, LabReport};
+use crate::report::{header, mib, LabReport, LabResult};
 use crate::run::{
     available_cpus, ratio, summarise, thp_mode, Order, Protocol, RunInfo, Sampled, Summary,
 };
@@ -150,42 +148,43 @@ pub struct FaultsSettings {
     pub thp_mode: String,
 }
 
-/// The scenario's whole result, as written to `result.json`.
+/// What the scenario found.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct FaultsResult {
-    /// `faults`.
-    pub scenario: String,
-    /// The seeds it reproduces.
-    pub seeds: Vec<String>,
-    /// Machine and command.
-    pub run: RunInfo,
-    /// Settings.
-    pub settings: FaultsSettings,
-    /// What the timed seconds cover.
-    pub timed: String,
+pub struct FaultsFindings {
     /// Every kind at every thread count, kinds first.
     pub variants: Vec<FaultsVariant>,
 }
 
+/// The scenario's whole result, as written to `result.json`.
+pub type FaultsResult = LabResult<FaultsSettings, FaultsFindings>;
+
+/// Minor faults of this process so far (`minflt`, the 10th field of `/proc/self/stat`).
 fn minor_faults() -> u64 {
-    // SAFETY: `rusage` is plain data; all zeroes is a valid value for getrusage to overwrite.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: `u` is a valid, writable rusage that outlives the call.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
-        return 0;
-    }
-    u.ru_minflt as u64
+    std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|t| parse_minflt(&t))
+        .unwrap_or(0)
 }
 
-/// VMAs in `/proc/self/maps` lying wholly inside one of `ranges`.
-fn count_vmas(ranges: &[MmapRange]) -> Result<usize, LabError> {
-    let text = std::fs::read_to_string("/proc/self/maps").map_err(|source| LabError::Sys {
+/// `minflt` of a `/proc/<pid>/stat` text: the fields after the command name (which is in
+/// parentheses and may hold spaces) start with the state, field 3; `minflt` is field 10.
+fn parse_minflt(stat: &str) -> Option<u64> {
+    let after_comm = &stat[stat.rfind(')')? + 1..];
+    after_comm.split_whitespace().nth(7)?.parse().ok()
+}
+
+/// VMAs in `/proc/self/maps` lying wholly inside the memory of one of `mappings` (their
+/// `PROT_NONE` surroundings left out).
+fn count_vmas(mappings: &[Mapping]) -> Result<usize, LabError> {
+    let text = std::fs::read_to_string("/proc/self/maps").map_err(|source| LabError::Read {
         scenario: SCENARIO,
-        op: "read /proc/self/maps",
-        addr: 0,
-        len: 0,
+        what: "/proc/self/maps",
         source,
     })?;
+    let owned: Vec<(usize, usize)> = mappings
+        .iter()
+        .map(|m| (m.as_ptr() as usize, m.len()))
+        .collect();
     Ok(text
         .lines()
         .filter_map(|l| {
@@ -195,84 +194,65 @@ fn count_vmas(ranges: &[MmapRange]) -> Result<usize, LabError> {
                 usize::from_str_radix(b, 16).ok()?,
             ))
         })
-        .filter(|&(s, e)| {
-            ranges
-                .iter()
-                .any(|r| s >= r.addr() && e <= r.addr() + r.len())
-        })
+        .filter(|&(s, e)| owned.iter().any(|&(a, len)| s >= a && e <= a + len))
         .count())
 }
 
-/// Writes one byte in every page of `range`: one write fault per page.
-fn touch(range: MmapRange, page: usize) {
-    let base = range.addr() as *mut u8;
-    for off in (0..range.len()).step_by(page) {
-        // SAFETY: `off < range.len()`, and `range` is part of a read-write mapping that the
-        // caller's PlacedMapping owns and keeps mapped until every worker has returned; no
-        // Rust reference to it exists, so a volatile write through a raw pointer is sound.
+/// Writes one byte in every page of `offset..offset+len` of `m`: one write fault per page.
+fn touch(m: &Mapping, offset: usize, len: usize, page: usize) {
+    assert!(offset + len <= m.len(), "the share lies inside its mapping");
+    let base = m.as_ptr();
+    for off in (offset..offset + len).step_by(page) {
+        // SAFETY: `off < offset + len <= m.len()` (asserted above), so the byte lies in the
+        // mapping's body, which stays mapped read-write while `m` lives (every worker returns
+        // before the caller drops it); no Rust reference to it exists, so a volatile write
+        // through a raw pointer is sound.
         unsafe { base.add(off).write_volatile(1) };
     }
 }
 
 /// Maps, then faults in `size` bytes with `threads` threads as `kind` says; unmapped on return.
 fn measure(kind: FaultKind, threads: usize, size: usize) -> Result<FaultsSample, LabError> {
-    let page = sys::base_page_size() as usize;
+    let page = guestmem::base_page_size() as usize;
     let share = size / threads;
-    let mappings: Vec<PlacedMapping> = match kind {
+    let mappings: Vec<Mapping> = match kind {
         FaultKind::VmaPerThreadTouch => (0..threads)
-            .map(|_| PlacedMapping::map(SCENARIO, share, 0))
+            .map(|_| placed(SCENARIO, share, share, 0))
             .collect::<Result<_, _>>()?,
-        _ => vec![PlacedMapping::map(SCENARIO, size, 0)?],
+        _ => vec![placed(SCENARIO, size, size, 0)?],
     };
     for m in &mappings {
-        sys::madvise(m.range(), libc::MADV_NOHUGEPAGE).map_err(|source| PeerError::Sys {
-            peer: SCENARIO,
-            op: "madvise(MADV_NOHUGEPAGE)",
-            addr: m.range().addr(),
-            len: m.range().len(),
-            source,
-        })?;
+        peer::advise(SCENARIO, m, Advice::NoHugePage)?;
     }
-    let parts: Vec<MmapRange> = (0..threads)
-        .map(|i| match kind {
-            FaultKind::VmaPerThreadTouch => mappings[i].range(),
-            _ => mappings[0]
-                .range()
-                .sub(i * share, share)
-                .expect("share inside"),
-        })
-        .collect();
+    // Worker i's share: (mapping, offset).
+    let part = |i: usize| match kind {
+        FaultKind::VmaPerThreadTouch => (&mappings[i], 0),
+        _ => (&mappings[0], i * share),
+    };
     let before = minor_faults();
-    let (seconds, times) = timed(SCENARIO, threads, |i| -> io::Result<()> {
+    let (seconds, times) = timed(SCENARIO, threads, |i| {
+        let (m, offset) = part(i);
         match kind {
-            FaultKind::OneVmaPopulate => sys::madvise(parts[i], sys::MADV_POPULATE_WRITE),
+            FaultKind::OneVmaPopulate => m.advise(offset, share, Advice::PopulateWrite),
             _ => {
-                touch(parts[i], page);
+                touch(m, offset, share, page);
                 Ok(())
             }
         }
     })?;
     let minor = minor_faults().saturating_sub(before);
-    for (w, part) in times.iter().zip(&parts) {
-        if let Err(e) = &w.value {
-            return Err(LabError::Sys {
-                scenario: SCENARIO,
-                op: "madvise(MADV_POPULATE_WRITE)",
-                addr: part.addr(),
-                len: part.len(),
-                source: io::Error::new(e.kind(), e.to_string()),
-            });
-        }
+    let thread_seconds: Vec<f64> = times.iter().map(|w| w.seconds).collect();
+    for w in times {
+        w.value.map_err(mmap_err(SCENARIO))?;
     }
-    let ranges: Vec<_> = mappings.iter().map(|m| m.host_range()).collect();
+    let ranges: Vec<_> = mappings.iter().map(peer::host_range).collect();
     let usage = inspect::inspect_host_ranges(&ranges)?;
-    let all: Vec<MmapRange> = mappings.iter().map(|m| m.range()).collect();
     Ok(FaultsSample {
         seconds,
-        thread_seconds: times.iter().map(|w| w.seconds).collect(),
+        thread_seconds,
         pages: (share * threads / page) as u64,
         minor_faults: minor,
-        vmas: count_vmas(&all)?,
+        vmas: count_vmas(&mappings)?,
         resident: usage.resident,
         huge: usage.huge,
     })
@@ -280,7 +260,8 @@ fn measure(kind: FaultKind, threads: usize, size: usize) -> Result<FaultsSample,
 
 /// Runs the scenario and returns its result; writes nothing (see [`crate::report::write_run`]).
 pub fn run_faults(cfg: &FaultsLabConfig) -> Result<FaultsResult, LabError> {
-    let page = sys::base_page_size();
+    cfg.protocol.validate(SCENARIO)?;
+    let page = guestmem::base_page_size();
     let bad = |reason: String| LabError::Config {
         scenario: SCENARIO,
         reason,
@@ -334,7 +315,7 @@ pub fn run_faults(cfg: &FaultsLabConfig) -> Result<FaultsResult, LabError> {
             v.scaling_vs_1_thread = ratio(base, v.seconds.median);
         }
     }
-    Ok(FaultsResult {
+    Ok(LabResult {
         scenario: SCENARIO.into(),
         seeds: vec!["002".into()],
         run,
@@ -347,19 +328,11 @@ pub fn run_faults(cfg: &FaultsLabConfig) -> Result<FaultsResult, LabError> {
         timed: "first worker start to last worker end; workers created and waiting at a gate \
                 before; mapping (MADV_NOHUGEPAGE), inspection and unmapping not timed"
             .into(),
-        variants: out,
+        body: FaultsFindings { variants: out },
     })
 }
 
 impl LabReport for FaultsResult {
-    fn scenario(&self) -> &str {
-        &self.scenario
-    }
-
-    fn run_info(&self) -> &RunInfo {
-        &self.run
-    }
-
     fn markdown(&self) -> String {
         let s = &self.settings;
         let mut md = header(
@@ -371,7 +344,7 @@ impl LabReport for FaultsResult {
                 "{} MiB per run in 4 KiB pages ({} faults), split evenly among the threads; \
                  MADV_NOHUGEPAGE. Timed: {}.\n",
                 mib(s.size),
-                s.size / sys::base_page_size(),
+                s.size / guestmem::base_page_size(),
                 self.timed
             ),
         );
@@ -380,7 +353,7 @@ impl LabReport for FaultsResult {
              | M faults/s @median | scaling vs 1 thread | minor faults counted | resident MiB \
              | huge MiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
-        for v in &self.variants {
+        for v in &self.body.variants {
             let last = v.samples.last().map(|s| &s.sample);
             md.push_str(&format!(
                 "| {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} | {:.2}x | {} | {} | {} |\n",
@@ -403,6 +376,7 @@ impl LabReport for FaultsResult {
 
     fn bars(&self) -> (&'static str, Vec<BarGroup>) {
         let bars = self
+            .body
             .variants
             .iter()
             .map(|v| Bar::of(&v.name, &v.seconds))
@@ -412,5 +386,17 @@ impl LabReport for FaultsResult {
             "seconds (bar: median, line: min to max)",
             vec![BarGroup { title, bars }],
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_minflt_reads_field_ten_past_a_command_with_spaces() {
+        let stat = "4242 (my (odd) cmd) R 1 4242 4242 0 -1 4194560 1234 0 5 0 7 3";
+        assert_eq!(parse_minflt(stat), Some(1234));
+        assert!(minor_faults() > 0);
     }
 }

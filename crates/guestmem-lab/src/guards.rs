@@ -8,14 +8,17 @@
 //! - `guestmem-guards`: [`GuestMap::from_specs`] with the default spec: guard pages on,
 //!   outside the region.
 //! - `guestmem-noguard`: the same with [`Guard::Off`].
-//! - `tcg-style`: one 2 MiB-aligned mapping whose last 4 KiB page inside the region is made
-//!   `PROT_NONE` with `mprotect`, as QEMU's TCG did with its code regions; the rest of the
-//!   region is populated.
+//! - `tcg-style`: a 2 MiB-aligned region whose last 4 KiB page is `PROT_NONE`, as QEMU's TCG
+//!   made it with `mprotect` on its code regions: here the region's memory is mapped one page
+//!   short inside a `PROT_NONE` reservation, which leaves the kernel the same two VMAs (the
+//!   memory, then a `PROT_NONE` page inside the last 2 MiB) without an `mprotect` on memory a
+//!   mapping owns; the rest of the region is populated.
 //! - `unaligned`: one mapping that starts 4 KiB past a 2 MiB boundary, as a plain `mmap` may
 //!   place it; a huge page needs a whole aligned 2 MiB inside one VMA, so the first and last
 //!   partial 2 MiB cannot have one.
 //!
-//! **What is timed**: the `MADV_POPULATE_WRITE` call only. Coverage is read from smaps
+//! **What is timed**: the `MADV_POPULATE_WRITE` call only (for guestmem, its own
+//! [`guestmem::populate`] on one thread, which makes that one call over the region). Coverage is read from smaps
 //! (`AnonHugePages`) after populate, as bytes, as a share of the region and as a share of the
 //! region's own 2 MiB-aligned span (the most huge pages could cover).
 
@@ -23,13 +26,13 @@ use std::time::Instant;
 
 use guestmem::inspect::{self, RegionUsage};
 use guestmem::layout::THP_BYTES;
-use guestmem::sys::{self, MmapRange};
-use guestmem::{Guard, GuestAddress, GuestMap, RegionSpec};
+use guestmem::mmap::{Advice, Mapping};
+use guestmem::{Guard, GuestAddress, GuestMap, PinStrategy, PopulateConfig, RegionSpec};
 
 use crate::error::LabError;
-use crate::peer::{PeerError, PlacedMapping};
+use crate::peer::{self, mmap_err, placed};
 use crate::plot::{Bar, BarGroup};
-use crate::report::{header, mib, LabReport};
+use crate::report::{header, mib, LabReport, LabResult};
 use crate::run::{ratio, summarise, thp_mode, Order, Protocol, RunInfo, Sampled, Summary};
 
 /// The scenario's name.
@@ -179,43 +182,22 @@ pub struct GuardsSettings {
     pub thp_defrag: String,
 }
 
-/// The scenario's whole result, as written to `result.json`.
+/// What the scenario found.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct GuardsResult {
-    /// `guards`.
-    pub scenario: String,
-    /// The seeds it reproduces.
-    pub seeds: Vec<String>,
-    /// Machine and command.
-    pub run: RunInfo,
-    /// Settings.
-    pub settings: GuardsSettings,
-    /// What the timed seconds cover.
-    pub timed: String,
+pub struct GuardsFindings {
     /// The variants, in [`VARIANTS`] order.
     pub variants: Vec<GuardsVariant>,
 }
 
-fn populate(range: MmapRange) -> Result<f64, LabError> {
-    let t = Instant::now();
-    sys::madvise(range, sys::MADV_POPULATE_WRITE).map_err(|source| LabError::Sys {
-        scenario: SCENARIO,
-        op: "madvise(MADV_POPULATE_WRITE)",
-        addr: range.addr(),
-        len: range.len(),
-        source,
-    })?;
-    Ok(t.elapsed().as_secs_f64())
-}
+/// The scenario's whole result, as written to `result.json`.
+pub type GuardsResult = LabResult<GuardsSettings, GuardsFindings>;
 
-fn advise_huge(peer: &'static str, m: &PlacedMapping) -> Result<(), PeerError> {
-    sys::madvise(m.range(), libc::MADV_HUGEPAGE).map_err(|source| PeerError::Sys {
-        peer,
-        op: "madvise(MADV_HUGEPAGE)",
-        addr: m.range().addr(),
-        len: m.range().len(),
-        source,
-    })
+/// One `MADV_POPULATE_WRITE` over the whole of `m`, timed.
+fn populate(m: &Mapping) -> Result<f64, LabError> {
+    let t = Instant::now();
+    m.advise(0, m.len(), Advice::PopulateWrite)
+        .map_err(mmap_err(SCENARIO))?;
+    Ok(t.elapsed().as_secs_f64())
 }
 
 /// Maps, advises and populates the region once with `variant`; unmapped on return.
@@ -237,10 +219,23 @@ fn measure(variant: Variant, cfg: &GuardsLabConfig) -> Result<GuardsSample, LabE
             let spec = RegionSpec::new(GuestAddress(0), cfg.size).with_guard(guard);
             let map = GuestMap::from_specs(&[spec])?;
             let snap = map.snapshot();
-            let range = snap.regions()[0].host_range();
-            let seconds = populate(range)?;
+            // One thread, one chunk: a single MADV_POPULATE_WRITE over the region.
+            let one_call = PopulateConfig {
+                threads: 1,
+                min_chunk: cfg.size,
+                pin: PinStrategy::None,
+                ..PopulateConfig::default()
+            };
+            let t = Instant::now();
+            guestmem::populate(&snap, &one_call)?;
+            let seconds = t.elapsed().as_secs_f64();
             let usage = inspect::inspect(&snap)?.remove(0);
-            Ok(sample(seconds, range.addr(), len, usage))
+            Ok(sample(
+                seconds,
+                snap.regions()[0].host_addr() as usize,
+                len,
+                usage,
+            ))
         }
         Variant::Tcg | Variant::Unaligned => {
             let name = variant.name();
@@ -249,30 +244,25 @@ fn measure(variant: Variant, cfg: &GuardsLabConfig) -> Result<GuardsSample, LabE
             } else {
                 cfg.unaligned_shift
             };
-            let m = PlacedMapping::map(name, len, shift)?;
-            advise_huge(name, &m)?;
             let populated = if variant == Variant::Tcg {
-                m.protect_none(name, len - TCG_GUARD_BYTES, TCG_GUARD_BYTES)?;
                 len - TCG_GUARD_BYTES
             } else {
                 len
             };
-            let part = m.range().sub(0, populated).expect("inside the mapping");
-            let seconds = populate(part)?;
-            let usage = inspect::inspect_host_ranges(&[m.host_range()])?;
-            Ok(sample(seconds, m.range().addr(), populated, usage))
+            let m = placed(name, len, populated, shift)?;
+            peer::advise(name, &m, Advice::HugePage)?;
+            let seconds = populate(&m)?;
+            let mut region = peer::host_range(&m);
+            region.len = len as u64; // the region's span, its inside guard included
+            let usage = inspect::inspect_host_ranges(&[region])?;
+            Ok(sample(seconds, m.as_ptr() as usize, populated, usage))
         }
     }
 }
 
-fn read_trimmed(path: &str) -> String {
-    std::fs::read_to_string(path)
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
-}
-
 /// Runs the scenario and returns its result; writes nothing (see [`crate::report::write_run`]).
 pub fn run_guards(cfg: &GuardsLabConfig) -> Result<GuardsResult, LabError> {
+    cfg.protocol.validate(SCENARIO)?;
     if cfg.size < MIN_REGION_BYTES || cfg.size % THP_BYTES != 0 {
         return Err(LabError::Config {
             scenario: SCENARIO,
@@ -309,7 +299,7 @@ pub fn run_guards(cfg: &GuardsLabConfig) -> Result<GuardsResult, LabError> {
     for v in &mut variants {
         v.time_vs_guestmem = ratio(v.seconds.median, base);
     }
-    Ok(GuardsResult {
+    Ok(LabResult {
         scenario: SCENARIO.into(),
         seeds: vec!["003".into()],
         run,
@@ -318,24 +308,16 @@ pub fn run_guards(cfg: &GuardsLabConfig) -> Result<GuardsResult, LabError> {
             protocol: cfg.protocol,
             unaligned_shift: cfg.unaligned_shift,
             thp_mode: thp_mode(),
-            thp_defrag: read_trimmed("/sys/kernel/mm/transparent_hugepage/defrag"),
+            thp_defrag: guestmem::Host::read().thp_defrag,
         },
         timed: "one MADV_POPULATE_WRITE over the region (less an inside guard), one thread, \
                 after MADV_HUGEPAGE; mapping, inspecting and unmapping not timed"
             .into(),
-        variants,
+        body: GuardsFindings { variants },
     })
 }
 
 impl LabReport for GuardsResult {
-    fn scenario(&self) -> &str {
-        &self.scenario
-    }
-
-    fn run_info(&self) -> &RunInfo {
-        &self.run
-    }
-
     fn markdown(&self) -> String {
         let s = &self.settings;
         let mut md = header(
@@ -357,7 +339,7 @@ impl LabReport for GuardsResult {
              | populate median s | min s | max s | time / guestmem-guards |\n\
              |---|---|---|---|---|---|---|---|---|---|---|\n",
         );
-        for v in &self.variants {
+        for v in &self.body.variants {
             let last = v.samples.last().map(|s| &s.sample);
             md.push_str(&format!(
                 "| {} | {} | {} | {} | {:.1}% ({:.1}-{:.1}) | {:.1}% | {:.1} | {:.4} | {:.4} | {:.4} | {:.2} |\n",
@@ -381,6 +363,7 @@ impl LabReport for GuardsResult {
 
     fn bars(&self) -> (&'static str, Vec<BarGroup>) {
         let bars = self
+            .body
             .variants
             .iter()
             .map(|v| Bar::of(&v.name, &v.coverage_of_region))

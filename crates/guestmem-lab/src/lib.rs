@@ -8,9 +8,13 @@
 //! - [`faults`]: seed 002, page-fault scaling over threads with one VMA or one per thread.
 //! - [`translate`]: seed 004, multi-threaded lookups: per-thread cached translators against
 //!   a shared binary search (guestmem's snapshot, vm-memory's `find_region`).
-//! - [`report`]: the Markdown report and the run folder (`result.json`, `report.md`).
+//! - [`vm`]: the guest side of `guestmem vm`: a hand-assembled guest on KVM over guestmem's
+//!   memslots, and the `dirty_log_perf_test` engine.
+//! - [`report`]: the one result frame every scenario fills ([`LabResult`]), the Markdown
+//!   report and the run folder (`result.json`, `report.md`, `plot.svg`).
 //! - [`run`]: what every scenario records about the machine and the command, the run folder,
-//!   and the statistics (median, minimum, maximum) every result is quoted with.
+//!   the protocol every scenario measures with (warm-up, interleaved rounds) and the
+//!   statistics (median, minimum, maximum) every result is quoted with.
 //!
 //! Peers are reproduced from the behaviour `DESIGN.md` ("Peers") documents, each in its own
 //! module, never tuned to lose. Timings on a VM whose host backs memory lazily are noisy, so
@@ -28,15 +32,14 @@ pub mod populate;
 pub mod report;
 pub mod run;
 pub mod translate;
+pub mod vm;
 mod workers;
 
 pub use error::LabError;
 pub use faults::{run_faults, FaultsLabConfig, FaultsResult};
 pub use guards::{run_guards, GuardsLabConfig, GuardsResult};
 pub use peer::PeerError;
-pub use populate::{
-    run_populate, LayoutKind, Order, PopulateLabConfig, PopulateLabError, PopulateResult,
-};
-pub use report::{write_run, LabReport};
-pub use run::{RunInfo, Summary};
+pub use populate::{run_populate, LayoutKind, PopulateLabConfig, PopulateResult};
+pub use report::{write_run, LabReport, LabResult};
+pub use run::{Order, Protocol, RunInfo, Summary};
 pub use translate::{run_translate, TranslateLabConfig, TranslateResult};

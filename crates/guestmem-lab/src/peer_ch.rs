@@ -10,9 +10,10 @@
 //!   prefault faults base pages.
 //! - Regions are brought up one after another.
 
-use guestmem::sys::{self, MmapRange};
+use guestmem::mmap::{Advice, Mapping};
+use guestmem::workers::Start;
 
-use crate::peer::{advise, len_of, populate_parts, PeerError, PeerMapping, PeerRun, Start};
+use crate::peer::{advise, len_of, mmap_err, populate_parts, PeerError, PeerRun};
 
 /// The peer's name in reports.
 pub const NAME: &str = "ch-style";
@@ -32,7 +33,7 @@ pub fn threads_for(size: u64) -> usize {
 
 /// An even split of `len` bytes among `threads` in base pages; the last part takes the rest.
 pub fn split(len: usize, threads: usize) -> Vec<(usize, usize)> {
-    let page = sys::base_page_size() as usize;
+    let page = guestmem::base_page_size() as usize;
     let threads = threads.max(1);
     let per = len / page / threads * page;
     (0..threads)
@@ -46,31 +47,8 @@ pub fn split(len: usize, threads: usize) -> Vec<(usize, usize)> {
 }
 
 /// A plain read-write private anonymous mapping of `len` bytes wherever the kernel puts it.
-fn map_plain(len: usize) -> Result<PeerMapping, PeerError> {
-    // SAFETY: a fresh anonymous mapping at an address the kernel chooses cannot alias any
-    // memory this process uses; the result is checked against MAP_FAILED below.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(PeerError::Sys {
-            peer: NAME,
-            op: "mmap",
-            addr: 0,
-            len,
-            source: std::io::Error::last_os_error(),
-        });
-    }
-    // SAFETY: `p..p+len` is the mapping just made, owned by nothing else; the kernel returned
-    // it, so the end does not overflow. The PeerMapping becomes its only owner.
-    Ok(unsafe { PeerMapping::adopt(MmapRange::new(p as usize, len).expect("kernel range")) })
+fn map_plain(len: usize) -> Result<Mapping, PeerError> {
+    Mapping::anonymous(len).map_err(mmap_err(NAME))
 }
 
 /// Maps, prefaults and then advises each region of `sizes` in turn, as Cloud Hypervisor does.
@@ -84,12 +62,7 @@ pub fn bring_up(sizes: &[u64]) -> Result<PeerRun, PeerError> {
         let m = map_plain(len)?;
         let threads = threads_for(size);
         populate_parts(NAME, &m, &split(len, threads), Start::AsCreated)?;
-        advise(
-            NAME,
-            m.range(),
-            libc::MADV_HUGEPAGE,
-            "madvise(MADV_HUGEPAGE)",
-        )?;
+        advise(NAME, &m, Advice::HugePage)?;
         run.mappings.push(m);
         run.threads.push(threads);
     }

@@ -12,10 +12,11 @@
 //!   (QEMU's `threads_created_flag`; see [`Start::AllArrived`] for why a Rust reproduction
 //!   waits for them to arrive); the calling thread only waits.
 
-use guestmem::layout::THP_BYTES;
-use guestmem::sys::{self, MmapRange};
+use guestmem::layout::{Reserve, THP_BYTES};
+use guestmem::mmap::{Advice, MapSource, Mapping, Reservation};
+use guestmem::workers::Start;
 
-use crate::peer::{advise, len_of, populate_parts, PeerError, PeerMapping, PeerRun, Start};
+use crate::peer::{advise, len_of, mmap_err, populate_parts, PeerError, PeerRun};
 
 /// The peer's name in reports.
 pub const NAME: &str = "qemu-style";
@@ -57,49 +58,19 @@ pub fn split(len: usize, threads: usize) -> Vec<(usize, usize)> {
     parts
 }
 
-/// A read-write private anonymous mapping of `len` bytes starting on a 2 MiB boundary.
-fn map_aligned(len: usize) -> Result<PeerMapping, PeerError> {
+/// A read-write private anonymous mapping of `len` bytes starting on a 2 MiB boundary: a
+/// reservation with 2 MiB to spare, trimmed to the aligned range, the memory placed there.
+fn map_aligned(len: usize) -> Result<Mapping, PeerError> {
     let align = THP_BYTES as usize;
-    let err = |op, addr, source| PeerError::Sys {
-        peer: NAME,
-        op,
-        addr,
-        len,
-        source,
-    };
     let total = len.checked_add(align).ok_or(PeerError::Size {
         peer: NAME,
         size: len as u64,
     })?;
-    let res = sys::reserve(total).map_err(|e| err("mmap(PROT_NONE)", 0, e))?;
-    let start = res.addr().next_multiple_of(align);
-    let head = start - res.addr();
-    let body = res
-        .sub(head, len)
-        .expect("aligned body lies inside the reservation");
-    let tail = res
-        .sub(head + len, total - head - len)
-        .expect("tail lies inside the reservation");
-    let prot = libc::PROT_READ | libc::PROT_WRITE;
-    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
-    if let Err(e) = sys::map_fixed(body, prot, flags, None, 0) {
-        let _ = sys::munmap(res);
-        return Err(err("mmap(MAP_FIXED)", body.addr(), e));
-    }
-    // SAFETY: `res` came from `sys::reserve` above and is ours alone; its head and tail are
-    // sub-ranges of it that nothing else uses.
-    let (head, tail) = unsafe {
-        (
-            MmapRange::new(res.addr(), head).expect("head does not overflow"),
-            tail,
-        )
-    };
-    // Best effort: leftover reservation only wastes address space.
-    let _ = sys::munmap(head);
-    let _ = sys::munmap(tail);
-    // SAFETY: `body` is the mapping made above with MAP_FIXED inside our own reservation;
-    // nothing else owns it, and the returned PeerMapping is its only owner.
-    Ok(unsafe { PeerMapping::adopt(body) })
+    let res = Reservation::new(total).map_err(mmap_err(NAME))?;
+    let head = res.addr().next_multiple_of(align) - res.addr();
+    let res = res.trim(head, len).map_err(mmap_err(NAME))?;
+    res.place(0, len, MapSource::Anonymous, Reserve::Reserve)
+        .map_err(mmap_err(NAME))
 }
 
 /// Maps, advises and preallocates each region of `sizes` in turn, as QEMU does.
@@ -111,12 +82,7 @@ pub fn bring_up(sizes: &[u64], cpus: usize) -> Result<PeerRun, PeerError> {
     for &size in sizes {
         let len = len_of(NAME, size)?;
         let m = map_aligned(len)?;
-        advise(
-            NAME,
-            m.range(),
-            libc::MADV_HUGEPAGE,
-            "madvise(MADV_HUGEPAGE)",
-        )?;
+        advise(NAME, &m, Advice::HugePage)?;
         let threads = threads_for(size, cpus);
         populate_parts(NAME, &m, &split(len, threads), Start::AllArrived)?;
         run.mappings.push(m);

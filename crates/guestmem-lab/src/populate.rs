@@ -8,10 +8,10 @@
 //! its own populate phase is recorded beside it. Inspecting (smaps) and unmapping are not
 //! timed.
 //!
-//! **Protocol.** `warmup` rounds first (recorded, not summarised), then `rounds` rounds in
-//! which every variant runs once (in a new shuffled order each round by default, see
-//! [`Order`]), each on fresh memory that is unmapped afterwards,
-//! followed by an optional pause (`settle`).
+//! **Protocol.** The shared [`Protocol`]: `warmup` rounds first (recorded, not summarised),
+//! then `rounds` rounds in which every variant runs once (in a new shuffled order each round
+//! by default, see [`Order`]), each on fresh memory that is unmapped afterwards, followed by
+//! an optional pause (`settle`).
 //!
 //! The pause defaults to none ([`DEFAULT_SETTLE`]). The project machine is a VM whose host
 //! takes back memory about two seconds after the guest frees it (free page reporting), and a
@@ -24,17 +24,20 @@
 
 use std::time::{Duration, Instant};
 
-use guestmem::inspect::{self, InspectError, RegionUsage};
+use guestmem::inspect::{self, RegionUsage};
 use guestmem::layout::THP_BYTES;
 use guestmem::populate::default_threads;
 use guestmem::{
-    bringup, BringupConfig, BringupError, GuestAddress, GuestMap, MapError, PinStrategy,
-    PopulateConfig, RegionSpec, Verify,
+    bringup, BringupConfig, GuestAddress, GuestMap, PinStrategy, PopulateConfig, RegionSpec, Verify,
 };
 
-use crate::peer::{PeerError, PeerRun};
-pub use crate::run::{round_order, Order, SHUFFLE_SEED};
-use crate::run::{thp_mode, RunInfo, Summary};
+use crate::error::LabError;
+use crate::peer::{self, PeerRun};
+use crate::plot::{Bar, BarGroup};
+use crate::report::{header, runs_label, sizes_label, LabReport, LabResult};
+use crate::run::{
+    available_cpus, ratio, summarise, thp_mode, Order, Protocol, RunInfo, Sampled, Summary,
+};
 use crate::{peer_ch, peer_qemu};
 
 /// Default total guest memory of a layout, in bytes.
@@ -51,32 +54,8 @@ pub const BYTES_PER_GB: f64 = 1e9;
 /// (2G + 1G + 512M + 256M + 256M of 4 GiB).
 pub const UNEQUAL_SHARES_LOG2: [u32; 5] = [1, 2, 3, 4, 4];
 
-/// Why the scenario failed.
-#[derive(Debug, thiserror::Error)]
-pub enum PopulateLabError {
-    /// The size cannot be laid out as asked.
-    #[error("layout {layout}: size {size:#x} must be a non-zero multiple of {granule:#x} bytes")]
-    BadSize {
-        /// The layout.
-        layout: &'static str,
-        /// The size asked for.
-        size: u64,
-        /// What it must be a multiple of.
-        granule: u64,
-    },
-    /// guestmem could not map the layout.
-    #[error("guestmem map: {0}")]
-    Map(#[from] MapError),
-    /// guestmem could not bring it up.
-    #[error("guestmem bringup: {0}")]
-    Bringup(#[from] BringupError),
-    /// A peer failed.
-    #[error(transparent)]
-    Peer(#[from] PeerError),
-    /// smaps could not be read.
-    #[error(transparent)]
-    Inspect(#[from] InspectError),
-}
+/// The scenario's name.
+pub const SCENARIO: &str = "populate";
 
 /// A layout of the scenario.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -106,17 +85,19 @@ impl LayoutKind {
     }
 
     /// Region sizes for a total of `size` bytes; each a whole number of 2 MiB pages.
-    pub fn sizes(self, size: u64) -> Result<Vec<u64>, PopulateLabError> {
+    pub fn sizes(self, size: u64) -> Result<Vec<u64>, LabError> {
         let granule = match self {
             LayoutKind::Single => THP_BYTES,
             LayoutKind::Unequal => THP_BYTES << UNEQUAL_SHARES_LOG2.iter().max().unwrap_or(&0),
             LayoutKind::Dimms => DIMM_BYTES,
         };
         if size == 0 || size % granule != 0 {
-            return Err(PopulateLabError::BadSize {
-                layout: self.name(),
-                size,
-                granule,
+            return Err(LabError::Config {
+                scenario: SCENARIO,
+                reason: format!(
+                    "layout {}: size {size:#x} must be a non-zero multiple of {granule:#x} bytes",
+                    self.name()
+                ),
             });
         }
         Ok(match self {
@@ -132,16 +113,12 @@ impl LayoutKind {
 pub struct PopulateLabConfig {
     /// Total bytes of each layout.
     pub size: u64,
-    /// Measured rounds.
-    pub rounds: usize,
-    /// Warm-up rounds (recorded, not summarised).
-    pub warmup: usize,
+    /// Warm-up, rounds, order.
+    pub protocol: Protocol,
     /// Layouts, run one after another.
     pub layouts: Vec<LayoutKind>,
     /// Pause after each variant unmaps.
     pub settle: Duration,
-    /// The order of variants within a round.
-    pub order: Order,
     /// N, the threads of the multi-threaded guestmem variants (default: all CPUs, at most 16).
     pub threads: usize,
     /// The command line to record.
@@ -152,11 +129,13 @@ impl Default for PopulateLabConfig {
     fn default() -> Self {
         PopulateLabConfig {
             size: DEFAULT_SIZE_BYTES,
-            rounds: DEFAULT_ROUNDS,
-            warmup: DEFAULT_WARMUP_ROUNDS,
+            protocol: Protocol {
+                warmup: DEFAULT_WARMUP_ROUNDS,
+                rounds: DEFAULT_ROUNDS,
+                order: Order::default(),
+            },
             layouts: vec![LayoutKind::Single, LayoutKind::Unequal, LayoutKind::Dimms],
             settle: DEFAULT_SETTLE,
-            order: Order::default(),
             threads: default_threads(),
             command: String::new(),
         }
@@ -204,12 +183,6 @@ impl Variant {
 /// One run of one variant.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sample {
-    /// Round number, warm-ups first.
-    pub round: usize,
-    /// Position within its round (0 first).
-    pub position: usize,
-    /// Whether this was a warm-up round (not summarised).
-    pub warmup: bool,
     /// Timed seconds: map + advice + populate (see the module docs).
     pub seconds: f64,
     /// guestmem only: its own lock + populate phases.
@@ -251,7 +224,7 @@ pub struct VariantResult {
     /// What it does.
     pub description: String,
     /// Every run, warm-ups included.
-    pub samples: Vec<Sample>,
+    pub samples: Vec<Sampled<Sample>>,
     /// Timed seconds of the measured rounds.
     pub seconds: Summary,
     /// Layout bytes / median seconds, in GB/s.
@@ -280,44 +253,30 @@ pub struct LayoutResult {
 pub struct Settings {
     /// Total bytes per layout.
     pub size: u64,
-    /// Measured rounds.
-    pub rounds: usize,
-    /// Warm-up rounds.
-    pub warmup: usize,
+    /// Warm-up, rounds, order.
+    pub protocol: Protocol,
     /// Pause after each variant, in seconds.
     pub settle_seconds: f64,
-    /// The order of variants within a round.
-    pub order: Order,
     /// N of guestmem-N.
     pub threads: usize,
     /// `/sys/kernel/mm/transparent_hugepage/enabled`.
     pub thp_mode: String,
 }
 
-/// The scenario's whole result, as written to `result.json`.
+/// What the scenario found.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct PopulateResult {
-    /// `populate`.
-    pub scenario: String,
-    /// The seeds it reproduces.
-    pub seeds: Vec<String>,
-    /// Machine and command.
-    pub run: RunInfo,
-    /// Settings.
-    pub settings: Settings,
-    /// What the timed seconds cover.
-    pub timed: String,
+pub struct PopulateFindings {
     /// One entry per layout.
     pub layouts: Vec<LayoutResult>,
 }
 
+/// The scenario's whole result, as written to `result.json`.
+pub type PopulateResult = LabResult<Settings, PopulateFindings>;
+
 /// Brings `sizes` up once with `variant` and measures it; memory is unmapped on return.
-fn measure(variant: Variant, sizes: &[u64]) -> Result<Sample, PopulateLabError> {
+fn measure(variant: Variant, sizes: &[u64]) -> Result<Sample, LabError> {
     let size: u64 = sizes.iter().sum();
     let sample = |seconds, phase, u: RegionUsage, mappings, aligned, threads| Sample {
-        round: 0,
-        position: 0,
-        warmup: false,
         seconds,
         populate_phase_seconds: phase,
         size,
@@ -373,9 +332,13 @@ fn measure(variant: Variant, sizes: &[u64]) -> Result<Sample, PopulateLabError> 
                 _ => peer_ch::bring_up(sizes)?,
             };
             let seconds = t.elapsed().as_secs_f64();
-            let ranges: Vec<_> = run.mappings.iter().map(|m| m.host_range()).collect();
+            let ranges: Vec<_> = run.mappings.iter().map(peer::host_range).collect();
             let usage = inspect::inspect_host_ranges(&ranges)?;
-            let aligned = run.mappings.iter().filter(|m| m.is_thp_aligned()).count();
+            let aligned = run
+                .mappings
+                .iter()
+                .filter(|m| peer::is_thp_aligned(m))
+                .count();
             Ok(sample(
                 seconds,
                 None,
@@ -386,10 +349,6 @@ fn measure(variant: Variant, sizes: &[u64]) -> Result<Sample, PopulateLabError> 
             ))
         }
     }
-}
-
-fn available_cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 fn sum(usage: &[RegionUsage]) -> RegionUsage {
@@ -404,7 +363,8 @@ fn sum(usage: &[RegionUsage]) -> RegionUsage {
 }
 
 /// Runs the scenario and returns its result; writes nothing (see [`crate::report::write_run`]).
-pub fn run_populate(cfg: &PopulateLabConfig) -> Result<PopulateResult, PopulateLabError> {
+pub fn run_populate(cfg: &PopulateLabConfig) -> Result<PopulateResult, LabError> {
+    cfg.protocol.validate(SCENARIO)?;
     let n = cfg.threads.max(1);
     let variants = [
         Variant::Guestmem {
@@ -422,36 +382,30 @@ pub fn run_populate(cfg: &PopulateLabConfig) -> Result<PopulateResult, PopulateL
         Variant::Qemu,
         Variant::Ch,
     ];
+    // Every layout's sizes first, so a bad size is refused before anything is measured.
+    let sized: Vec<(LayoutKind, Vec<u64>)> = cfg
+        .layouts
+        .iter()
+        .map(|&l| Ok((l, l.sizes(cfg.size)?)))
+        .collect::<Result<_, LabError>>()?;
     let run = RunInfo::collect(cfg.command.clone());
     let mut layouts = Vec::new();
-    for &layout in &cfg.layouts {
-        let sizes = layout.sizes(cfg.size)?;
-        let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); variants.len()];
-        for round in 0..cfg.warmup + cfg.rounds {
-            for (k, i) in round_order(cfg.order, variants.len(), round)
-                .into_iter()
-                .enumerate()
-            {
-                let mut s = measure(variants[i], &sizes)?;
-                s.round = round;
-                s.position = k;
-                s.warmup = round < cfg.warmup;
-                samples[i].push(s);
-                std::thread::sleep(cfg.settle);
-            }
-        }
-        layouts.push(summarise(layout, sizes, &variants, samples, n));
+    for (layout, sizes) in sized {
+        let samples = cfg.protocol.run(variants.len(), |i| {
+            let sample = measure(variants[i], &sizes);
+            std::thread::sleep(cfg.settle);
+            sample
+        })?;
+        layouts.push(summarise_layout(layout, sizes, &variants, samples, n));
     }
-    Ok(PopulateResult {
-        scenario: "populate".into(),
+    Ok(LabResult {
+        scenario: SCENARIO.into(),
         seeds: vec!["000".into(), "001".into()],
         run,
         settings: Settings {
             size: cfg.size,
-            rounds: cfg.rounds,
-            warmup: cfg.warmup,
+            protocol: cfg.protocol,
             settle_seconds: cfg.settle.as_secs_f64(),
-            order: cfg.order,
             threads: n,
             thp_mode: thp_mode(),
         },
@@ -460,15 +414,15 @@ pub fn run_populate(cfg: &PopulateLabConfig) -> Result<PopulateResult, PopulateL
                 (and, for ch-style, THP-advised): map + THP advice + thread start + populate; \
                 guestmem = GuestMap::from_specs + bringup(Verify::Off); inspect and unmap not timed"
                 .into(),
-        layouts,
+        body: PopulateFindings { layouts },
     })
 }
 
-fn summarise(
+fn summarise_layout(
     layout: LayoutKind,
     sizes: Vec<u64>,
     variants: &[Variant],
-    samples: Vec<Vec<Sample>>,
+    samples: Vec<Vec<Sampled<Sample>>>,
     n: usize,
 ) -> LayoutResult {
     let size: u64 = sizes.iter().sum();
@@ -476,16 +430,13 @@ fn summarise(
         .iter()
         .zip(samples)
         .map(|(v, samples)| {
-            let measured: Vec<&Sample> = samples.iter().filter(|s| !s.warmup).collect();
-            let secs: Vec<f64> = measured.iter().map(|s| s.seconds).collect();
-            let cov: Vec<f64> = measured.iter().map(|s| s.huge_coverage()).collect();
-            let seconds = Summary::of(&secs);
+            let seconds = summarise(&samples, |s| s.seconds);
             VariantResult {
                 name: v.name(n),
                 description: v.describe(),
                 gbps_at_median: rate(size, seconds.median),
                 time_vs_guestmem_n: 0.0,
-                huge_coverage_median: Summary::of(&cov).median,
+                huge_coverage_median: summarise(&samples, Sample::huge_coverage).median,
                 seconds,
                 samples,
             }
@@ -494,17 +445,9 @@ fn summarise(
     // Variant 1 is guestmem-N, variant 0 guestmem-1 (see `run_populate`).
     let base = out[1].seconds.median;
     for v in &mut out {
-        v.time_vs_guestmem_n = if base > 0.0 {
-            v.seconds.median / base
-        } else {
-            0.0
-        };
+        v.time_vs_guestmem_n = ratio(v.seconds.median, base);
     }
-    let scaling = if out[1].seconds.median > 0.0 {
-        out[0].seconds.median / out[1].seconds.median
-    } else {
-        0.0
-    };
+    let scaling = ratio(out[0].seconds.median, out[1].seconds.median);
     LayoutResult {
         layout,
         region_sizes: sizes,
@@ -518,5 +461,80 @@ fn rate(bytes: u64, seconds: f64) -> f64 {
         bytes as f64 / seconds / BYTES_PER_GB
     } else {
         0.0
+    }
+}
+
+impl LabReport for PopulateResult {
+    fn markdown(&self) -> String {
+        let mut md = header(
+            "populate (seeds 000/001)",
+            &self.run,
+            &self.settings.thp_mode,
+            &self.settings.protocol,
+            &format!(
+                "{:.1} s settle between variants.",
+                self.settings.settle_seconds
+            ),
+        );
+        md.push_str(&format!("Timed: {}.\n", self.timed));
+        for l in &self.body.layouts {
+            md.push_str(&format!(
+                "\n## {} ({})\n\n| variant | threads | median s | min s | max s | max/min \
+                 | GB/s @median | time / guestmem-{n} | huge coverage | 2M-aligned maps |\n\
+                 |---|---|---|---|---|---|---|---|---|---|\n",
+                l.layout.name(),
+                sizes_label(&l.region_sizes),
+                n = self.settings.threads,
+            ));
+            for v in &l.variants {
+                let last = v.samples.last().map(|s| &s.sample);
+                let threads = last.map_or(String::new(), |s| {
+                    runs_label(&s.threads, "+", |t| t.to_string())
+                });
+                let aligned = last.map_or(String::new(), |s| {
+                    format!("{}/{}", s.thp_aligned_mappings, s.mappings)
+                });
+                md.push_str(&format!(
+                    "| {} | {} | {:.3} | {:.3} | {:.3} | {:.2} | {:.1} | {:.2} | {:.1}% | {} |\n",
+                    v.name,
+                    threads,
+                    v.seconds.median,
+                    v.seconds.min,
+                    v.seconds.max,
+                    ratio(v.seconds.max, v.seconds.min),
+                    v.gbps_at_median,
+                    v.time_vs_guestmem_n,
+                    v.huge_coverage_median * 100.0,
+                    aligned,
+                ));
+            }
+            md.push_str(&format!(
+                "\nguestmem scaling, {} threads vs 1 (rate ratio of medians): {:.2}x\n",
+                self.settings.threads, l.guestmem_scaling
+            ));
+        }
+        md
+    }
+
+    fn bars(&self) -> (&'static str, Vec<BarGroup>) {
+        let groups = self
+            .body
+            .layouts
+            .iter()
+            .map(|l| BarGroup {
+                title: format!("{} ({})", l.layout.name(), sizes_label(&l.region_sizes)),
+                bars: l
+                    .variants
+                    .iter()
+                    .map(|v| Bar {
+                        label: v.name.clone(),
+                        median: v.seconds.median,
+                        min: v.seconds.min,
+                        max: v.seconds.max,
+                    })
+                    .collect(),
+            })
+            .collect();
+        ("seconds (bar: median, line: min to max)", groups)
     }
 }

@@ -51,26 +51,18 @@ impl RunInfo {
     }
 }
 
+/// Kernel name, release and machine, as `uname -srm` prints them, from procfs.
 fn kernel() -> String {
-    // SAFETY: `utsname` is plain data; all zeroes is a valid value for uname to overwrite.
-    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
-    // SAFETY: `u` is a valid, writable utsname that outlives the call.
-    if unsafe { libc::uname(&mut u) } != 0 {
-        return "unknown".into();
-    }
-    let field = |f: &[libc::c_char]| {
-        let bytes: Vec<u8> = f
-            .iter()
-            .take_while(|&&c| c != 0)
-            .map(|&c| c as u8)
-            .collect();
-        String::from_utf8_lossy(&bytes).into_owned()
+    let read = |f: &str| {
+        std::fs::read_to_string(format!("/proc/sys/kernel/{f}"))
+            .map(|t| t.trim().to_string())
+            .unwrap_or_else(|_| "unknown".into())
     };
     format!(
         "{} {} {}",
-        field(&u.sysname),
-        field(&u.release),
-        field(&u.machine)
+        read("ostype"),
+        read("osrelease"),
+        std::env::consts::ARCH
     )
 }
 
@@ -107,9 +99,33 @@ pub fn utc_timestamp(t: SystemTime) -> String {
     )
 }
 
-/// Creates `<base>/<started_utc>-<scenario>/` (with a numeric suffix if it exists already).
+/// Makes sure `base` can hold run folders, before anything is measured: an existing folder
+/// is used as it is; a missing one is created, but only it, never its parents (a mistyped
+/// `/nonexistent/dir/x` is refused, not built).
+pub fn prepare_out(base: &Path) -> std::io::Result<()> {
+    match std::fs::metadata(base) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            "exists and is not a folder",
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::create_dir(base).map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => std::io::Error::new(
+                    e.kind(),
+                    "its parent folder does not exist (only the last folder of the path is created)",
+                ),
+                _ => e,
+            })
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Creates `<base>/<started_utc>-<scenario>/` (with a numeric suffix if it exists already);
+/// `base` itself is created if missing, its parents never (see [`prepare_out`]).
 pub fn run_folder(base: &Path, info: &RunInfo, scenario: &str) -> std::io::Result<PathBuf> {
-    std::fs::create_dir_all(base)?;
+    prepare_out(base)?;
     for n in 0u32.. {
         let name = match n {
             0 => format!("{}-{scenario}", info.started_utc),
@@ -201,11 +217,25 @@ pub fn round_order(order: Order, n: usize, round: usize) -> Vec<usize> {
     v
 }
 
-/// `/sys/kernel/mm/transparent_hugepage/enabled`, as the kernel shows it.
+/// `/sys/kernel/mm/transparent_hugepage/enabled`, as the kernel shows it (the whole line,
+/// as results have always recorded it), from the host's facts.
 pub fn thp_mode() -> String {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_else(|_| "unknown".into())
+    let mode = guestmem::Host::read().thp_mode;
+    const MODES: [&str; 3] = ["always", "madvise", "never"];
+    if !MODES.contains(&mode.as_str()) {
+        return mode; // "unknown": nothing to show around it
+    }
+    MODES
+        .iter()
+        .map(|m| {
+            if *m == mode {
+                format!("[{m}]")
+            } else {
+                m.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The protocol every scenario follows: warm-up rounds (recorded, not summarised), then
@@ -243,6 +273,17 @@ pub struct Sampled<T> {
 }
 
 impl Protocol {
+    /// Refuses a protocol that would measure nothing (no measured round), naming `scenario`.
+    pub fn validate(&self, scenario: &'static str) -> Result<(), crate::LabError> {
+        if self.rounds == 0 {
+            return Err(crate::LabError::Config {
+                scenario,
+                reason: "rounds must be at least 1: warm-up rounds are not summarised".into(),
+            });
+        }
+        Ok(())
+    }
+
     /// Runs `measure(variant)` for every variant of `variants`, round by round; returns each
     /// variant's samples, warm-ups included, in run order.
     pub fn run<T, E>(
@@ -299,6 +340,25 @@ pub fn available_cpus() -> usize {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn prepare_out_creates_the_folder_but_never_its_parents() {
+        let top = std::env::temp_dir().join(format!("guestmem-out-{}", std::process::id()));
+        let deep = top.join("a").join("b");
+        let e = prepare_out(&deep).unwrap_err();
+        assert!(
+            e.to_string().contains("parent folder does not exist"),
+            "{e}"
+        );
+        assert!(!top.exists(), "no parent was created");
+        prepare_out(&top).unwrap();
+        assert!(top.is_dir());
+        prepare_out(&top).unwrap(); // an existing folder is fine
+        let file = top.join("f");
+        std::fs::write(&file, b"").unwrap();
+        assert!(prepare_out(&file).is_err());
+        std::fs::remove_dir_all(&top).unwrap();
+    }
 
     #[test]
     fn utc_timestamp_known_dates_match() {

@@ -28,7 +28,7 @@ use guestmem::{Guard, GuestAddress, GuestMap, RegionSpec, Thp};
 
 use crate::error::LabError;
 use crate::plot::{Bar, BarGroup};
-use crate::report::{header, LabReport};
+use crate::report::{header, LabReport, LabResult};
 use crate::run::{available_cpus, ratio, summarise, Order, Protocol, RunInfo, Sampled, Summary};
 use crate::workers::timed;
 
@@ -173,22 +173,15 @@ pub struct TranslateSettings {
     pub protocol: Protocol,
 }
 
-/// The scenario's whole result, as written to `result.json`.
+/// What the scenario found.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct TranslateResult {
-    /// `translate`.
-    pub scenario: String,
-    /// The seeds it reproduces.
-    pub seeds: Vec<String>,
-    /// Machine and command.
-    pub run: RunInfo,
-    /// Settings.
-    pub settings: TranslateSettings,
-    /// What the timed seconds cover.
-    pub timed: String,
+pub struct TranslateFindings {
     /// One entry per region count.
     pub region_counts: Vec<RegionCountResult>,
 }
+
+/// The scenario's whole result, as written to `result.json`.
+pub type TranslateResult = LabResult<TranslateSettings, TranslateFindings>;
 
 /// The regions thread `t` of `threads` looks up in, of `n`.
 fn share(t: usize, threads: usize, n: usize) -> std::ops::Range<usize> {
@@ -325,6 +318,7 @@ fn measure(
 
 /// Runs the scenario and returns its result; writes nothing (see [`crate::report::write_run`]).
 pub fn run_translate(cfg: &TranslateLabConfig) -> Result<TranslateResult, LabError> {
+    cfg.protocol.validate(SCENARIO)?;
     let bad = |reason: String| LabError::Config {
         scenario: SCENARIO,
         reason,
@@ -380,7 +374,7 @@ pub fn run_translate(cfg: &TranslateLabConfig) -> Result<TranslateResult, LabErr
             variants: out,
         });
     }
-    Ok(TranslateResult {
+    Ok(LabResult {
         scenario: SCENARIO.into(),
         seeds: vec!["004".into()],
         run,
@@ -395,19 +389,11 @@ pub fn run_translate(cfg: &TranslateLabConfig) -> Result<TranslateResult, LabErr
                 thread end (aggregate lookups/s); threads wait at a gate before; maps built \
                 untimed"
             .into(),
-        region_counts,
+        body: TranslateFindings { region_counts },
     })
 }
 
 impl LabReport for TranslateResult {
-    fn scenario(&self) -> &str {
-        &self.scenario
-    }
-
-    fn run_info(&self) -> &RunInfo {
-        &self.run
-    }
-
     fn markdown(&self) -> String {
         let s = &self.settings;
         let mut md = header(
@@ -421,7 +407,7 @@ impl LabReport for TranslateResult {
                 s.lookups_per_thread, s.lookups_per_visit, self.timed
             ),
         );
-        for rc in &self.region_counts {
+        for rc in &self.body.region_counts {
             md.push_str(&format!(
                 "\n## {} region(s)\n\n| variant | threads | ns/lookup/thread median | min | max \
                  | aggregate M lookups/s @median | vm-memory ns / this ns |\n\
@@ -446,6 +432,7 @@ impl LabReport for TranslateResult {
 
     fn bars(&self) -> (&'static str, Vec<BarGroup>) {
         let groups = self
+            .body
             .region_counts
             .iter()
             .map(|r| BarGroup {

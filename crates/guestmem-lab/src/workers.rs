@@ -1,11 +1,13 @@
 //! Timed parallel work for the scenarios that measure threads against each other (`faults`,
-//! `translate`): every worker is created and waits at a gate before the clock starts, so no
-//! thread creation (stack `mmap`, an address-space lock writer) runs inside the timed part.
+//! `translate`), on the library's one worker helper ([`guestmem::workers::Crew`]): every
+//! worker is created and waits at its gate before the clock starts, so no thread creation
+//! (stack `mmap`, an address-space lock writer) runs inside the timed part.
 
 use std::time::Instant;
 
+use guestmem::workers::Crew;
+
 use crate::error::LabError;
-use crate::peer::Gate;
 
 /// What one worker did.
 #[derive(Debug, Clone, Copy)]
@@ -28,52 +30,25 @@ pub(crate) fn timed<T: Send>(
     threads: usize,
     work: impl Fn(usize) -> T + Sync,
 ) -> Result<(f64, Vec<WorkerTime<T>>), LabError> {
-    let gate = Gate::default();
-    std::thread::scope(|s| {
-        let mut handles = Vec::with_capacity(threads);
-        for i in 0..threads {
-            let (gate, work) = (&gate, &work);
-            let spawned = std::thread::Builder::new()
-                .name(format!("{scenario}-{i}"))
-                .spawn_scoped(s, move || {
-                    if !gate.arrive_and_wait() {
-                        return None;
-                    }
-                    let t = Instant::now();
-                    let value = work(i);
-                    let finished = Instant::now();
-                    Some(WorkerTime {
-                        seconds: (finished - t).as_secs_f64(),
-                        started: t,
-                        finished,
-                        value,
-                    })
-                });
-            match spawned {
-                Ok(h) => handles.push(h),
-                Err(source) => {
-                    // Call the run off: the workers already waiting return without work.
-                    gate.decide(false);
-                    return Err(LabError::Spawn { scenario, source });
-                }
+    let times = Crew::new(scenario)
+        .run(threads, |i| {
+            let started = Instant::now();
+            let value = work(i);
+            let finished = Instant::now();
+            WorkerTime {
+                seconds: (finished - started).as_secs_f64(),
+                started,
+                finished,
+                value,
             }
-        }
-        gate.open_when_arrived(handles.len());
-        let times: Vec<WorkerTime<T>> = handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|p| std::panic::resume_unwind(p))
-                    .expect("the gate opened")
-            })
-            .collect();
-        let wall = match (
-            times.iter().map(|w| w.started).min(),
-            times.iter().map(|w| w.finished).max(),
-        ) {
-            (Some(a), Some(b)) => b.saturating_duration_since(a).as_secs_f64(),
-            _ => 0.0,
-        };
-        Ok((wall, times))
-    })
+        })
+        .map_err(|source| LabError::Spawn { scenario, source })?;
+    let wall = match (
+        times.iter().map(|w| w.started).min(),
+        times.iter().map(|w| w.finished).max(),
+    ) {
+        (Some(a), Some(b)) => b.saturating_duration_since(a).as_secs_f64(),
+        _ => 0.0,
+    };
+    Ok((wall, times))
 }

@@ -31,7 +31,12 @@ fn faults_tiny_every_page_faulted_in_small_pages_with_expected_vmas() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let result = run_faults(&tiny()).expect("scenario runs");
 
-    let names: Vec<&str> = result.variants.iter().map(|v| v.name.as_str()).collect();
+    let names: Vec<&str> = result
+        .body
+        .variants
+        .iter()
+        .map(|v| v.name.as_str())
+        .collect();
     assert_eq!(
         names,
         [
@@ -43,7 +48,7 @@ fn faults_tiny_every_page_faulted_in_small_pages_with_expected_vmas() {
             "one-vma-populate-2",
         ]
     );
-    for v in &result.variants {
+    for v in &result.body.variants {
         let s = &v.samples[0].sample;
         assert_eq!(s.pages, TINY_BYTES / PAGE_BYTES, "{}", v.name);
         assert_eq!(s.resident, TINY_BYTES, "{}: every page resident", v.name);
@@ -64,7 +69,7 @@ fn faults_tiny_every_page_faulted_in_small_pages_with_expected_vmas() {
             );
         }
     }
-    assert_eq!(result.variants[0].scaling_vs_1_thread, 1.0);
+    assert_eq!(result.body.variants[0].scaling_vs_1_thread, 1.0);
 }
 
 #[test]

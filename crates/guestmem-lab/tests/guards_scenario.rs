@@ -42,9 +42,14 @@ fn guards_tiny_guestmem_covers_its_span_and_tcg_guard_costs_a_huge_page() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let result = run_guards(&tiny()).expect("scenario runs");
 
-    let names: Vec<&str> = result.variants.iter().map(|v| v.name.as_str()).collect();
+    let names: Vec<&str> = result
+        .body
+        .variants
+        .iter()
+        .map(|v| v.name.as_str())
+        .collect();
     assert_eq!(names, VARIANTS);
-    for v in &result.variants {
+    for v in &result.body.variants {
         assert_eq!(v.samples.len(), 1, "{}", v.name);
         let s = &v.samples[0].sample;
         assert_eq!(
@@ -54,7 +59,7 @@ fn guards_tiny_guestmem_covers_its_span_and_tcg_guard_costs_a_huge_page() {
         );
         assert!(s.huge <= s.huge_span, "{}", v.name);
     }
-    let sample = |i: usize| &result.variants[i].samples[0].sample;
+    let sample = |i: usize| &result.body.variants[i].samples[0].sample;
     for i in [0, 1] {
         assert_eq!(sample(i).host_offset_in_thp, 0, "guestmem is congruent");
         assert_eq!(sample(i).huge_span, TINY_BYTES);

@@ -3,8 +3,9 @@
 
 use std::time::Duration;
 
-use guestmem_lab::populate::{run_populate, LayoutKind, Order, PopulateLabConfig};
+use guestmem_lab::populate::{run_populate, LayoutKind, PopulateLabConfig};
 use guestmem_lab::report::write_run;
+use guestmem_lab::run::{Order, Protocol};
 
 /// The tests of this file map plain anonymous memory, which the kernel may merge with a
 /// neighbouring mapping of a test running at the same time and so hide from the per-VMA
@@ -23,11 +24,13 @@ const VARIANTS: [&str; 5] = [
 fn tiny() -> PopulateLabConfig {
     PopulateLabConfig {
         size: TINY_BYTES,
-        rounds: 1,
-        warmup: 0,
+        protocol: Protocol {
+            warmup: 0,
+            rounds: 1,
+            order: Order::Rotate,
+        },
         layouts: vec![LayoutKind::Single, LayoutKind::Unequal],
         settle: Duration::ZERO,
-        order: Order::Rotate,
         threads: 2,
         command: "test".into(),
     }
@@ -38,15 +41,15 @@ fn populate_tiny_every_variant_populates_every_byte() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let result = run_populate(&tiny()).expect("scenario runs");
 
-    assert_eq!(result.layouts.len(), 2);
-    for layout in &result.layouts {
+    assert_eq!(result.body.layouts.len(), 2);
+    for layout in &result.body.layouts {
         assert_eq!(layout.region_sizes.iter().sum::<u64>(), TINY_BYTES);
         let names: Vec<&str> = layout.variants.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(names, VARIANTS);
         for v in &layout.variants {
             assert_eq!(v.samples.len(), 1, "{}", v.name);
             assert_eq!(v.seconds.n, 1, "{}", v.name);
-            let s = &v.samples[0];
+            let s = &v.samples[0].sample;
             assert_eq!(s.size, TINY_BYTES, "{}", v.name);
             assert_eq!(s.resident, TINY_BYTES, "{} on {:?}", v.name, layout.layout);
             assert_eq!(s.mappings, layout.region_sizes.len(), "{}", v.name);
@@ -56,10 +59,10 @@ fn populate_tiny_every_variant_populates_every_byte() {
                 v.name
             );
         }
-        let pin = &layout.variants[2].samples[0];
+        let pin = &layout.variants[2].samples[0].sample;
         assert_eq!(pin.locked, TINY_BYTES, "guestmem-pin locks every byte");
         // guestmem keeps every region congruent: its whole span is 2 MiB pages' to take.
-        assert_eq!(layout.variants[1].samples[0].huge_span, TINY_BYTES);
+        assert_eq!(layout.variants[1].samples[0].sample.huge_span, TINY_BYTES);
     }
 }
 
@@ -114,4 +117,17 @@ fn populate_tiny_writes_json_and_markdown_run_folder() {
         assert!(md.contains(&format!("| {name} |")), "{name} row");
     }
     std::fs::remove_dir_all(&base).unwrap();
+}
+
+#[test]
+fn populate_zero_rounds_is_refused_before_measuring() {
+    let cfg = PopulateLabConfig {
+        protocol: Protocol {
+            rounds: 0,
+            ..tiny().protocol
+        },
+        ..tiny()
+    };
+    let e = run_populate(&cfg).unwrap_err().to_string();
+    assert!(e.contains("populate") && e.contains("round"), "{e}");
 }

@@ -30,9 +30,14 @@ fn translate_tiny_every_kind_and_thread_count_runs_with_right_answers() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let result = run_translate(&tiny()).expect("every lookup found its region");
 
-    let counts: Vec<usize> = result.region_counts.iter().map(|r| r.regions).collect();
+    let counts: Vec<usize> = result
+        .body
+        .region_counts
+        .iter()
+        .map(|r| r.regions)
+        .collect();
     assert_eq!(counts, [1, 3, 8]);
-    for rc in &result.region_counts {
+    for rc in &result.body.region_counts {
         let names: Vec<&str> = rc.variants.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(
             names,

@@ -5,8 +5,9 @@
 
 use std::time::Instant;
 
+use crate::host::Needs;
 use crate::inspect::{self, InspectError, ProcessMemory, RegionUsage};
-use crate::limits::{self, LimitError, Needs};
+use crate::limits::{self, LimitError};
 use crate::map::Snapshot;
 use crate::populate::{self, Method, PinStrategy, PopulateConfig, PopulateError};
 

@@ -133,29 +133,48 @@ fn parse_smaps(text: &str) -> Vec<Vma> {
     out
 }
 
-/// Per-node resident bytes of the numa_maps lines whose start lies in `start..end`.
-fn parse_numa_maps(text: &str, start: u64, end: u64) -> BTreeMap<u32, u64> {
+/// One numa_maps line: where it starts and its resident bytes per node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct NumaLine {
+    start: u64,
+    nodes: Vec<(u32, u64)>,
+}
+
+/// Every line of a numa_maps text, sorted by start address.
+fn parse_numa_maps(text: &str) -> Vec<NumaLine> {
+    let mut out: Vec<NumaLine> = text
+        .lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            let start = u64::from_str_radix(words.next()?, 16).ok()?;
+            let words: Vec<&str> = words.collect();
+            let page_kb = words
+                .iter()
+                .find_map(|w| w.strip_prefix("kernelpagesize_kB="))
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(4);
+            let nodes = words
+                .iter()
+                .filter_map(|w| {
+                    let (n, pages) = w.strip_prefix('N')?.split_once('=')?;
+                    Some((n.parse().ok()?, pages.parse::<u64>().ok()? * page_kb * 1024))
+                })
+                .collect();
+            Some(NumaLine { start, nodes })
+        })
+        .collect();
+    out.sort_by_key(|l| l.start);
+    out
+}
+
+/// Per-node resident bytes of the lines whose start lies in `start..end`: a binary search
+/// for the first, then a walk.
+fn numa_in(lines: &[NumaLine], start: u64, end: u64) -> BTreeMap<u32, u64> {
+    let first = lines.partition_point(|l| l.start < start);
     let mut nodes = BTreeMap::new();
-    for line in text.lines() {
-        let mut words = line.split_whitespace();
-        let Some(addr) = words.next().and_then(|a| u64::from_str_radix(a, 16).ok()) else {
-            continue;
-        };
-        if addr < start || addr >= end {
-            continue;
-        }
-        let words: Vec<&str> = line.split_whitespace().collect();
-        let page_kb = words
-            .iter()
-            .find_map(|w| w.strip_prefix("kernelpagesize_kB="))
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(4);
-        for w in &words {
-            if let Some((n, pages)) = w.strip_prefix('N').and_then(|r| r.split_once('=')) {
-                if let (Ok(n), Ok(p)) = (n.parse::<u32>(), pages.parse::<u64>()) {
-                    *nodes.entry(n).or_insert(0) += p * page_kb * 1024;
-                }
-            }
+    for l in lines[first..].iter().take_while(|l| l.start < end) {
+        for &(n, bytes) in &l.nodes {
+            *nodes.entry(n).or_insert(0) += bytes;
         }
     }
     nodes
@@ -165,13 +184,13 @@ fn read(path: &'static str) -> Result<String, InspectError> {
     std::fs::read_to_string(path).map_err(|source| InspectError::Read { path, source })
 }
 
-fn usage_from(region: &Region, vmas: &[Vma], numa_text: Option<&str>) -> RegionUsage {
+fn usage_from(region: &Region, vmas: &[Vma], numa: Option<&[NumaLine]>) -> RegionUsage {
     let host = HostRange {
         start: region.host_addr() as u64,
         len: region.size(),
         huge_align: region.huge_align(),
     };
-    let mut u = usage_of(host, vmas, numa_text);
+    let mut u = usage_of(host, vmas, numa);
     u.guest_addr = region.guest_addr().0;
     u
 }
@@ -188,14 +207,18 @@ pub struct HostRange {
     pub huge_align: u64,
 }
 
-fn usage_of(host: HostRange, vmas: &[Vma], numa_text: Option<&str>) -> RegionUsage {
+/// The figures of the VMAs wholly inside `host`. `vmas` is in address order (as smaps lists
+/// them) and non-overlapping, so the first is found by binary search and the walk stops at the
+/// first VMA that ends past the range: inspecting R regions costs O(R log V), not O(R V).
+fn usage_of(host: HostRange, vmas: &[Vma], numa: Option<&[NumaLine]>) -> RegionUsage {
     let start = host.start;
     let end = start.saturating_add(host.len);
     let mut u = RegionUsage {
         size: host.len,
         ..RegionUsage::default()
     };
-    for v in vmas.iter().filter(|v| v.start >= start && v.end <= end) {
+    let first = vmas.partition_point(|v| v.start < start);
+    for v in vmas[first..].iter().take_while(|v| v.end <= end) {
         u.resident += v.rss + v.hugetlb;
         u.huge += v.huge + v.hugetlb;
         u.locked += v.locked;
@@ -204,16 +227,17 @@ fn usage_of(host: HostRange, vmas: &[Vma], numa_text: Option<&str>) -> RegionUsa
     let span_start = start.div_ceil(a) * a;
     let span_end = end / a * a;
     u.huge_span = span_end.saturating_sub(span_start);
-    if let Some(t) = numa_text {
-        u.numa = parse_numa_maps(t, start, end);
+    if let Some(lines) = numa {
+        u.numa = numa_in(lines, start, end);
     }
     u
 }
 
-/// The kernel's account of every region of `snap`, from one read of smaps.
+/// The kernel's account of every region of `snap`, from one read of smaps and one of
+/// numa_maps: linear in the number of regions (each found by binary search).
 pub fn inspect(snap: &Snapshot) -> Result<Vec<RegionUsage>, InspectError> {
-    let vmas = parse_smaps(&read("/proc/self/smaps")?);
-    let numa = read("/proc/self/numa_maps").ok();
+    let vmas = read_vmas()?;
+    let numa = read_numa();
     Ok(snap
         .regions()
         .iter()
@@ -223,9 +247,22 @@ pub fn inspect(snap: &Snapshot) -> Result<Vec<RegionUsage>, InspectError> {
 
 /// The kernel's account of one region.
 pub fn inspect_region(region: &Region) -> Result<RegionUsage, InspectError> {
-    let vmas = parse_smaps(&read("/proc/self/smaps")?);
-    let numa = read("/proc/self/numa_maps").ok();
-    Ok(usage_from(region, &vmas, numa.as_deref()))
+    Ok(usage_from(region, &read_vmas()?, read_numa().as_deref()))
+}
+
+/// This process's VMAs from smaps, in address order.
+fn read_vmas() -> Result<Vec<Vma>, InspectError> {
+    let mut vmas = parse_smaps(&read("/proc/self/smaps")?);
+    // smaps lists VMAs in address order already; sorting a sorted list is one pass.
+    vmas.sort_by_key(|v| v.start);
+    Ok(vmas)
+}
+
+/// This process's numa_maps lines, if the kernel has NUMA support.
+fn read_numa() -> Option<Vec<NumaLine>> {
+    read("/proc/self/numa_maps")
+        .ok()
+        .map(|t| parse_numa_maps(&t))
 }
 
 /// The kernel's account of host ranges that are not [`Region`]s, added together (its
@@ -237,7 +274,7 @@ pub fn inspect_region(region: &Region) -> Result<RegionUsage, InspectError> {
 /// mapping outside the ranges is not counted, which shows as `resident < size`.
 /// `huge_span` is the sum of each range's own aligned span.
 pub fn inspect_host_ranges(ranges: &[HostRange]) -> Result<RegionUsage, InspectError> {
-    let vmas = parse_smaps(&read("/proc/self/smaps")?);
+    let vmas = read_vmas()?;
     let mut sorted: Vec<(u64, u64)> = ranges
         .iter()
         .map(|r| (r.start, r.start.saturating_add(r.len)))
@@ -407,6 +444,34 @@ Locked:                0 kB
     }
 
     #[test]
+    fn usage_of_counts_only_vmas_wholly_inside() {
+        let vma = |start: u64, end: u64| Vma {
+            start,
+            end,
+            rss: end - start,
+            ..Vma::default()
+        };
+        let vmas = [
+            vma(0, 0x1000),
+            vma(0x1000, 0x3000),
+            vma(0x3000, 0x4000),
+            vma(0x4000, 0x9000),
+        ];
+        let range = HostRange {
+            start: 0x1000,
+            len: 0x3000,
+            huge_align: 1,
+        };
+        assert_eq!(usage_of(range, &vmas, None).resident, 0x3000);
+        let straddling = HostRange {
+            start: 0x2000,
+            len: 0x4000,
+            huge_align: 1,
+        };
+        assert_eq!(usage_of(straddling, &vmas, None).resident, 0x1000);
+    }
+
+    #[test]
     fn parse_smaps_reads_fields_per_vma() {
         let v = parse_smaps(SMAPS);
         assert_eq!(v.len(), 2);
@@ -422,7 +487,7 @@ Locked:                0 kB
         let text = "7f0000000000 bind:0 anon=3 dirty=3 N0=2 N1=1 kernelpagesize_kB=4\n\
                     7f0000400000 default huge dirty=1 N0=1 kernelpagesize_kB=2048\n\
                     7f1000000000 default anon=1 N0=1 kernelpagesize_kB=4\n";
-        let n = parse_numa_maps(text, 0x7f00_0000_0000, 0x7f00_0060_0000);
+        let n = numa_in(&parse_numa_maps(text), 0x7f00_0000_0000, 0x7f00_0060_0000);
         assert_eq!(n[&0], 2 * 4096 + (2 << 20));
         assert_eq!(n[&1], 4096);
     }

@@ -18,11 +18,9 @@
 //!   unaligned. A chunk never spans two ranges.
 //! - **Load balancing.** Workers take the next chunk from a shared atomic cursor; the calling
 //!   thread works too.
-//! - **Start gate.** Every worker thread is created, and waiting, before any chunk starts:
-//!   creating a thread maps its stack (and a starting Rust thread its signal stack), and
-//!   `mmap` takes the address-space lock as a writer, which would stall every worker faulting
-//!   pages in under it as a reader (seed 001). The gate opens when every created worker has
-//!   arrived at it; a thread that cannot be created just means one worker fewer.
+//! - **Start gate.** Every worker thread is created, and waiting, before any chunk starts
+//!   ([`crate::workers`], seed 001); a thread that cannot be created just means one worker
+//!   fewer.
 //! - **Fast paths.** The empty job returns at once; a job that needs one worker runs on the
 //!   calling thread with no thread created.
 //! - **Failure.** When a chunk fails, the other workers stop before their next chunk; the job
@@ -33,9 +31,11 @@
 //!   This is a hint: a failure to move is ignored.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 
+use crate::host::NumaNode;
 use crate::sys;
+use crate::workers::{Caller, Crew, Shortfall};
 
 /// Chunks per worker thread: more than one, so threads that finish early take more.
 pub const CHUNKS_PER_THREAD: u64 = 4;
@@ -314,41 +314,23 @@ impl Job {
             Numa::Affine => sys::sched_getaffinity().ok(),
             Numa::Ignore => None,
         };
-        let mut done = if plan.threads <= 1 {
-            // One worker: cut to the chase, on this thread.
-            stats.threads = 1;
-            shared.work(&f)
-        } else {
-            let gate = StartGate::default();
-            std::thread::scope(|s| {
-                let mut handles = Vec::with_capacity(plan.threads - 1);
-                for _ in 1..plan.threads {
-                    let (shared, f, gate) = (&shared, &f, &gate);
-                    let h = std::thread::Builder::new()
-                        .name("guestmem-job".into())
-                        .stack_size(WORKER_STACK_BYTES)
-                        .spawn_scoped(s, move || {
-                            gate.arrive_and_wait();
-                            shared.work(f)
-                        });
-                    // A thread we cannot create just means fewer workers.
-                    match h {
-                        Ok(h) => handles.push(h),
-                        Err(_) => break,
-                    }
-                }
-                stats.threads = handles.len() + 1;
-                gate.open_when_arrived(handles.len());
-                let mut done = shared.work(&f);
-                for h in handles {
-                    match h.join() {
-                        Ok(d) => done.merge(d),
-                        Err(panic) => std::panic::resume_unwind(panic),
-                    }
-                }
-                done
-            })
+        let nodes = match self.numa {
+            Numa::Affine => crate::host::numa_nodes(),
+            Numa::Ignore => Vec::new(),
         };
+        let crew = Crew::new("guestmem-job")
+            .with_stack_bytes(WORKER_STACK_BYTES)
+            .with_caller(Caller::Works)
+            .with_shortfall(Shortfall::RunWithFewer);
+        // With RunWithFewer a failed creation only means fewer workers, never an error.
+        let per_worker = crew
+            .run(plan.threads, |_| shared.work(&f, &nodes))
+            .unwrap_or_default();
+        stats.threads = per_worker.len().max(1);
+        let mut done = Done::default();
+        for d in per_worker {
+            done.merge(d);
+        }
         if let Some(set) = saved_affinity {
             // Best effort, like the moves themselves.
             let _ = sys::sched_setaffinity(&set);
@@ -371,45 +353,6 @@ impl Job {
                 })
             }
         }
-    }
-}
-
-/// Holds workers until every one has been created and has reached it: a barrier whose count
-/// is only known once thread creation is over (a creation may fail).
-///
-/// Waiting for arrival, not just creation, matters: a new Rust thread maps its signal stack
-/// when it starts, and that `mmap` must not land in the middle of other workers' faults.
-#[derive(Default)]
-struct StartGate {
-    state: Mutex<GateState>,
-    cv: Condvar,
-}
-
-#[derive(Default)]
-struct GateState {
-    arrived: usize,
-    open: bool,
-}
-
-impl StartGate {
-    /// Called by each worker: announces it is ready, then waits for the gate to open.
-    fn arrive_and_wait(&self) {
-        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        st.arrived += 1;
-        self.cv.notify_all();
-        while !st.open {
-            st = self.cv.wait(st).unwrap_or_else(PoisonError::into_inner);
-        }
-    }
-
-    /// Called by the creator: waits until `workers` have arrived, then lets them all go.
-    fn open_when_arrived(&self, workers: usize) {
-        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        while st.arrived < workers {
-            st = self.cv.wait(st).unwrap_or_else(PoisonError::into_inner);
-        }
-        st.open = true;
-        self.cv.notify_all();
     }
 }
 
@@ -438,7 +381,7 @@ struct Shared<'a, E> {
 }
 
 impl<E> Shared<'_, E> {
-    fn work<F: Fn(&Chunk) -> Result<(), E>>(&self, f: &F) -> Done {
+    fn work<F: Fn(&Chunk) -> Result<(), E>>(&self, f: &F, nodes: &[NumaNode]) -> Done {
         let mut done = Done::default();
         let mut node: Option<u32> = None;
         loop {
@@ -453,7 +396,7 @@ impl<E> Shared<'_, E> {
                 let want = self.ranges[chunk.range].node;
                 if want.is_some() && want != node {
                     node = want;
-                    if let Some(cpus) = want.and_then(node_cpus) {
+                    if let Some(cpus) = want.and_then(|n| node_cpus(nodes, n)) {
                         // A hint: the chunk is correct on any CPU.
                         let _ = sys::sched_setaffinity(&cpus);
                     }
@@ -475,24 +418,10 @@ impl<E> Shared<'_, E> {
     }
 }
 
-/// The CPUs of NUMA node `node`, from sysfs.
-fn node_cpus(node: u32) -> Option<sys::CpuSet> {
-    let text =
-        std::fs::read_to_string(format!("/sys/devices/system/node/node{node}/cpulist")).ok()?;
-    let cpus = parse_cpulist(&text)?;
-    (!cpus.is_empty()).then(|| sys::CpuSet::from_cpus(cpus))
-}
-
-/// Parses a kernel CPU list such as `0-3,8,10-11`.
-fn parse_cpulist(text: &str) -> Option<Vec<usize>> {
-    let mut cpus = Vec::new();
-    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => cpus.extend(a.parse::<usize>().ok()?..=b.parse::<usize>().ok()?),
-            None => cpus.push(part.parse().ok()?),
-        }
-    }
-    Some(cpus)
+/// The CPUs of NUMA node `node` as a set, if it has any.
+fn node_cpus(nodes: &[NumaNode], node: u32) -> Option<sys::CpuSet> {
+    let n = nodes.iter().find(|n| n.id == node)?;
+    (!n.cpus.is_empty()).then(|| sys::CpuSet::from_cpus(n.cpus.iter().copied()))
 }
 
 #[cfg(test)]
@@ -696,7 +625,7 @@ mod tests {
 
     #[test]
     fn run_numa_affine_moves_workers_and_restores_caller() {
-        let Some(node0) = node_cpus(0) else {
+        let Some(node0) = node_cpus(&crate::host::numa_nodes(), 0) else {
             eprintln!("skipped: no NUMA node 0 in sysfs");
             return;
         };
@@ -730,12 +659,5 @@ mod tests {
     fn over_overflowing_range_is_refused() {
         let e = Job::over(vec![JobRange::new(u64::MAX, 2)]).unwrap_err();
         assert!(matches!(e, JobError::RangeOverflow { index: 0, .. }), "{e}");
-    }
-
-    #[test]
-    fn parse_cpulist_reads_ranges_and_singles() {
-        assert_eq!(parse_cpulist("0-2,5,7-8\n"), Some(vec![0, 1, 2, 5, 7, 8]));
-        assert_eq!(parse_cpulist("\n"), Some(vec![]));
-        assert_eq!(parse_cpulist("x"), None);
     }
 }

@@ -1,18 +1,114 @@
 //! guestmem: a guest-memory engine for virtual machine monitors.
 //!
+//! - [`host`]: every fact read from the host once, and what a set of regions needs from it.
+//! - [`mmap`]: owned reservations and mappings; the only place a range is unmapped, remapped
+//!   or advised, each call checked against its owner first.
 //! - [`layout`]: where each region goes in the host address space, huge-page congruent, with
-//!   guard pages outside its aligned span.
-//! - [`region`]: one mapped region, all-or-nothing.
+//!   guard pages outside its aligned span; [`region`] maps one, all-or-nothing.
 //! - [`map`]: the guest physical map as immutable, generation-numbered snapshots (RCU).
 //! - [`translate`]: per-thread guest-to-host translation with a last-used-region cache.
-//! - [`jobs`]: the one job splitter for parallel work, after padata.
-//! - [`populate`]: populate and pin every region of a map in one job, transactionally;
+//! - [`jobs`]: the one job splitter for parallel work, after padata, on [`workers`] started
+//!   behind one gate.
+//! - [`populate`]: populate and pin any regions of a map in one job, transactionally;
 //!   [`limits`] checks the request first and [`bringup`] runs both and reports.
+//! - [`dirty`]: word-level atomic dirty bitmaps; [`kvm`]: memslots and dirty-log harvesting.
 //! - [`inspect`]: what the kernel really did (smaps, numa_maps, status).
-//! - `vm-memory` compatibility: [`map::Snapshot`] and [`translate::Translator`] implement
-//!   `GuestMemoryBackend`, [`map::GuestMap`] implements `GuestAddressSpace`.
+//! - vm-memory: [`map::Snapshot`] and [`translate::Translator`] implement
+//!   `GuestMemoryBackend`, [`map::GuestMap`] implements `GuestAddressSpace` (in the private
+//!   module `vm_memory_impl`).
 //!
 //! Linux only: every part is built on Linux memory syscalls.
+//!
+//! # What safe code cannot do
+//!
+//! Raw syscalls on address ranges are not public API: no safe function takes a raw address
+//! or a `Copy` range and unmaps, remaps or advises it. Each `compile_fail` example below has a
+//! twin that compiles and differs only in the line the comment names, so each fails for the
+//! reason given (the error codes are checked where rustdoc checks them, on nightly).
+//!
+//! ```
+//! let map = guestmem::GuestMap::from_specs(&[guestmem::RegionSpec::new(
+//!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
+//! let snap = map.snapshot();
+//! let region = &snap.regions()[0];
+//! let _host: *mut u8 = region.host_addr(); // a raw pointer: using it needs `unsafe`
+//! ```
+//!
+//! ```compile_fail,E0603
+//! let map = guestmem::GuestMap::from_specs(&[guestmem::RegionSpec::new(
+//!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
+//! let snap = map.snapshot();
+//! let region = &snap.regions()[0];
+//! guestmem::sys::base_page_size(); // `sys` is private: no safe munmap or madvise to reach
+//! ```
+//!
+//! ```compile_fail,E0599
+//! let map = guestmem::GuestMap::from_specs(&[guestmem::RegionSpec::new(
+//!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
+//! let snap = map.snapshot();
+//! let region = &snap.regions()[0];
+//! let _range = region.host_range(); // no `Copy` range of a region's memory is handed out
+//! ```
+//!
+//! An owned mapping is neither `Copy` nor `Clone`, and what it hands out borrows it:
+//!
+//! ```
+//! use guestmem::vm_memory::Bytes;
+//! let m = guestmem::mmap::Mapping::anonymous(4096).unwrap();
+//! let slice = m.slice(0, 4096).unwrap();
+//! slice.write_obj(1u8, 0).unwrap();
+//! drop(m);
+//! ```
+//!
+//! ```compile_fail,E0599
+//! let m = guestmem::mmap::Mapping::anonymous(4096).unwrap();
+//! let twin = m.clone(); // one owner unmaps it, once
+//! ```
+//!
+//! ```compile_fail,E0505
+//! use guestmem::vm_memory::Bytes;
+//! let m = guestmem::mmap::Mapping::anonymous(4096).unwrap();
+//! let slice = m.slice(0, 4096).unwrap();
+//! drop(m); // unmapped on drop: the slice may not outlive it
+//! slice.write_obj(1u8, 0).unwrap();
+//! ```
+//!
+//! Guest memory handed to device code borrows the snapshot or translator that keeps its
+//! region mapped:
+//!
+//! ```
+//! use guestmem::vm_memory::{Bytes, GuestMemoryBackend};
+//! let map = guestmem::GuestMap::from_specs(&[guestmem::RegionSpec::new(
+//!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
+//! let snap = map.snapshot();
+//! let slice = snap.get_slice(guestmem::GuestAddress(0), 16).unwrap();
+//! slice.write_obj(1u8, 0).unwrap();
+//! drop(snap);
+//! let t = map.translator();
+//! let slice = t.translate(guestmem::GuestAddress(0), 16).unwrap();
+//! slice.write_obj(1u8, 0).unwrap();
+//! drop(t);
+//! ```
+//!
+//! ```compile_fail,E0505
+//! use guestmem::vm_memory::{Bytes, GuestMemoryBackend};
+//! let map = guestmem::GuestMap::from_specs(&[guestmem::RegionSpec::new(
+//!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
+//! let snap = map.snapshot();
+//! let slice = snap.get_slice(guestmem::GuestAddress(0), 16).unwrap();
+//! drop(snap); // the snapshot keeps the region mapped: the slice may not outlive it
+//! slice.write_obj(1u8, 0).unwrap();
+//! ```
+//!
+//! ```compile_fail,E0505
+//! use guestmem::vm_memory::Bytes;
+//! let map = guestmem::GuestMap::from_specs(&[guestmem::RegionSpec::new(
+//!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
+//! let t = map.translator();
+//! let slice = t.translate(guestmem::GuestAddress(0), 16).unwrap();
+//! drop(t); // the translator pins the snapshot: the slice may not outlive it
+//! slice.write_obj(1u8, 0).unwrap();
+//! ```
 #![deny(missing_docs)]
 
 #[cfg(not(target_os = "linux"))]
@@ -20,6 +116,7 @@ compile_error!("guestmem supports Linux only");
 
 pub mod bringup;
 pub mod dirty;
+pub mod host;
 pub mod inspect;
 pub mod jobs;
 #[cfg(feature = "kvm")]
@@ -27,14 +124,17 @@ pub mod kvm;
 pub mod layout;
 pub mod limits;
 pub mod map;
+pub mod mmap;
 pub mod plan;
 pub mod populate;
 pub mod region;
-pub mod sys;
+mod sys;
 pub mod translate;
-mod vmm;
+mod vm_memory_impl;
+pub mod workers;
 
 pub use bringup::{bringup, BringupConfig, BringupError, BringupReport, Verify};
+pub use host::{Host, HostError};
 pub use jobs::{Chunk, Job, JobRange, Numa};
 pub use layout::{Access, Backing, Guard, HugePageSize, RegionSpec, Reserve, Thp, MAX_REGIONS};
 pub use map::{GuestMap, MapError, Snapshot};
@@ -43,3 +143,8 @@ pub use region::{Region, RegionError};
 pub use translate::{TranslateError, Translator};
 pub use vm_memory;
 pub use vm_memory::GuestAddress;
+
+/// The base page size of this host, in bytes.
+pub fn base_page_size() -> u64 {
+    sys::base_page_size()
+}

@@ -16,9 +16,9 @@ use std::sync::{Arc, Mutex};
 use arc_swap::ArcSwap;
 use vm_memory::GuestAddress;
 
+use crate::host::{Demand, Host, HostError, Stage};
 use crate::layout::{RegionSpec, MAX_REGIONS};
 use crate::region::{Region, RegionError};
-use crate::translate::Translator;
 
 /// Why the map refused a change. Nothing is mapped or published when one is returned.
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +52,9 @@ pub enum MapError {
     /// The region itself could not be mapped.
     #[error(transparent)]
     Region(#[from] RegionError),
+    /// The host cannot give what the regions need together (hugetlb pool, mappings).
+    #[error(transparent)]
+    Host(#[from] HostError),
 }
 
 /// The part of a region that translation reads, kept densely in a snapshot (and copied into
@@ -147,45 +150,6 @@ impl Snapshot {
     }
 }
 
-/// Refuses a set of specs whose reserved hugetlb regions need more pages of one size than
-/// its pool has free, naming the first region that does not fit. `Region::map` checks each
-/// region alone; without this, a later region would fail inside `mmap` with a bare ENOMEM.
-fn check_hugetlb_pools(specs: &[RegionSpec]) -> Result<(), RegionError> {
-    use crate::layout::{Backing, Reserve};
-    let mut needed: Vec<(crate::layout::HugePageSize, u64)> = Vec::new();
-    for s in specs {
-        let Backing::Hugetlb(size) = *s.backing() else {
-            continue;
-        };
-        if s.reserve != Reserve::Reserve {
-            continue;
-        }
-        let Some(available) = crate::region::hugetlb_available(size) else {
-            continue; // Region::map reports the missing pool.
-        };
-        let total = match needed.iter_mut().find(|(h, _)| *h == size) {
-            Some((_, n)) => {
-                *n += s.size() / size.bytes();
-                *n
-            }
-            None => {
-                needed.push((size, s.size() / size.bytes()));
-                s.size() / size.bytes()
-            }
-        };
-        if total > available {
-            return Err(RegionError::HugetlbPoolTooSmall {
-                addr: s.guest_addr().0,
-                size,
-                needed: total,
-                available,
-                dir: size.sysfs_dir(),
-            });
-        }
-    }
-    Ok(())
-}
-
 pub(crate) struct Shared {
     pub(crate) current: ArcSwap<Snapshot>,
     /// Mirrors `current.generation`, so a translator can learn it is stale with one load.
@@ -253,10 +217,14 @@ impl GuestMap {
                 });
             }
         }
-        check_hugetlb_pools(specs)?;
+        // What the regions need together (a pool each region alone would fit, the mapping
+        // count), from one read of the host's facts; each region is then mapped on them.
+        let host = Host::read();
+        let demands: Vec<Demand> = specs.iter().map(Demand::of_spec).collect();
+        host.check(&demands, Stage::Map)?;
         let regions = specs
             .iter()
-            .map(|s| Region::map(s).map(Arc::new))
+            .map(|s| Region::map_on(s, &host).map(Arc::new))
             .collect::<Result<Vec<_>, _>>()?;
         let map = GuestMap::new();
         map.publish(Snapshot::new(1, regions));
@@ -268,14 +236,9 @@ impl GuestMap {
         self.shared.current.load_full()
     }
 
-    /// The current generation.
+    /// The current generation: one atomic load.
     pub fn generation(&self) -> u64 {
         self.shared.generation.load(Ordering::Acquire)
-    }
-
-    /// A translator for one thread (a vCPU or a device worker).
-    pub fn translator(&self) -> Translator {
-        Translator::new(self.clone())
     }
 
     fn publish(&self, snap: Snapshot) {

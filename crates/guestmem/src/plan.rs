@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use vm_memory::GuestAddress;
 
+use crate::host::{Demand, Host, HostError, Needs, Stage};
 use crate::layout::{Access, Backing, Guard, HugePageSize, RegionSpec, Reserve, Thp};
 
 /// Why a layout was refused.
@@ -15,6 +16,9 @@ pub enum PlanError {
     /// A size string could not be read.
     #[error("size {0:?}: expected a number with an optional K, M, G or T suffix (e.g. 512M, 16G)")]
     BadSize(String),
+    /// A size string is a number, but too large for 64 bits.
+    #[error("size {0:?}: too large (the largest is 16 EiB - 1 byte, 0xffffffffffffffff)")]
+    SizeOverflow(String),
     /// A backing name could not be read.
     #[error("backing {0:?}: expected anon, memfd, hugetlb-2M, hugetlb-1G or file:PATH[@OFFSET]")]
     BadBacking(String),
@@ -36,18 +40,6 @@ pub enum PlanError {
         /// What went wrong.
         reason: String,
     },
-    /// The layout needs more memory than the host has available.
-    #[error("layout needs {needed} bytes ({needed_gib:.2} GiB) but the host has {available} bytes ({available_gib:.2} GiB) available (MemAvailable)")]
-    NotEnoughMemory {
-        /// Bytes the layout needs.
-        needed: u64,
-        /// `needed` in GiB.
-        needed_gib: f64,
-        /// `MemAvailable`.
-        available: u64,
-        /// `available` in GiB.
-        available_gib: f64,
-    },
 }
 
 /// Parses a size as people write it: `4096`, `64K`, `512M`, `16G`, `1T` (binary units; an
@@ -68,12 +60,16 @@ pub fn parse_size(s: &str) -> Result<u64, PlanError> {
         _ => (t, 0),
     };
     let num = num.trim();
-    let v = if let Some(hex) = num.strip_prefix("0x") {
-        u64::from_str_radix(hex, 16).map_err(|_| bad())?
-    } else {
-        num.parse::<u64>().map_err(|_| bad())?
+    let too_large = || PlanError::SizeOverflow(s.to_string());
+    let parsed = match num.strip_prefix("0x") {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => num.parse::<u64>(),
     };
-    v.checked_mul(1u64 << shift).ok_or_else(bad)
+    let v = parsed.map_err(|e| match e.kind() {
+        std::num::IntErrorKind::PosOverflow => too_large(),
+        _ => bad(),
+    })?;
+    v.checked_mul(1u64 << shift).ok_or_else(too_large)
 }
 
 /// Parses a backing name: `anon`, `memfd`, `hugetlb-2M`, `hugetlb-1G`, `file:PATH[@OFFSET]`.
@@ -213,6 +209,9 @@ pub fn read_layout_file(path: &Path) -> Result<Vec<RegionSpec>, PlanError> {
     };
     let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
     let entries: Vec<RegionEntry> = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
+    if entries.is_empty() {
+        return Err(err("the layout lists no regions".into()));
+    }
     entries
         .into_iter()
         .enumerate()
@@ -245,38 +244,24 @@ pub fn read_layout_file(path: &Path) -> Result<Vec<RegionSpec>, PlanError> {
         .collect()
 }
 
-/// `MemAvailable` from `/proc/meminfo`, in bytes.
-pub fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.trim().strip_suffix("kB"))
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024)
-}
-
-/// Refuses a layout whose ordinary (non-hugetlb) memory exceeds `MemAvailable`: populating it
-/// would push the host into reclaim or the OOM killer. Hugetlb memory comes from its own
-/// pool, which mapping checks.
-pub fn check_fits_memory(specs: &[RegionSpec]) -> Result<(), PlanError> {
-    let needed: u64 = specs
-        .iter()
-        .filter(|s| !matches!(s.backing(), Backing::Hugetlb(_)))
-        .map(|s| s.size())
-        .sum();
-    let Some(available) = mem_available() else {
-        return Ok(());
-    };
-    if needed > available {
-        const GIB: f64 = (1u64 << 30) as f64;
-        return Err(PlanError::NotEnoughMemory {
-            needed,
-            needed_gib: needed as f64 / GIB,
-            available,
-            available_gib: available as f64 / GIB,
-        });
-    }
-    Ok(())
+/// Checks a layout against the host before anything is mapped: what mapping it takes
+/// (hugetlb pools for reserved regions, NUMA nodes, mappings) and what populating it fresh
+/// takes (memory against `MemAvailable` and the memory cgroup, pools for `MAP_NORESERVE`
+/// regions). Pinning is checked once the map exists ([`crate::limits::check`]), since what is
+/// already locked is only known then.
+pub fn check_layout(specs: &[RegionSpec], host: &Host) -> Result<Needs, HostError> {
+    let demands: Vec<Demand> = specs.iter().map(Demand::of_spec).collect();
+    let mapped = host.check(&demands, Stage::Map)?;
+    let populated = host.check(&demands, Stage::Populate { pin: false })?;
+    Ok(Needs {
+        mappings: mapped.mappings,
+        pools: mapped
+            .pools
+            .into_iter()
+            .chain(populated.pools.iter().cloned())
+            .collect(),
+        ..populated
+    })
 }
 
 #[cfg(test)]
@@ -293,7 +278,20 @@ mod tests {
         assert_eq!(parse_size("0x1000").unwrap(), 4096);
         assert!(parse_size("").is_err());
         assert!(parse_size("12X").is_err());
-        assert!(parse_size("99999999999T").is_err());
+        assert!(matches!(
+            parse_size("99999999999T"),
+            Err(PlanError::SizeOverflow(_))
+        ));
+        assert!(matches!(
+            parse_size("99999999999G"),
+            Err(PlanError::SizeOverflow(_))
+        ));
+        assert!(matches!(
+            parse_size("99999999999999999999"),
+            Err(PlanError::SizeOverflow(_))
+        ));
+        let e = parse_size("99999999999G").unwrap_err().to_string();
+        assert!(e.contains("too large"), "{e}");
     }
 
     #[test]
@@ -349,12 +347,22 @@ mod tests {
     }
 
     #[test]
-    fn check_fits_memory_refuses_more_than_available() {
-        let avail = mem_available().expect("MemAvailable");
+    fn layout_file_with_no_regions_is_refused() {
+        let path = std::env::temp_dir().join(format!("guestmem-empty-{}", std::process::id()));
+        std::fs::write(&path, "[]").unwrap();
+        let e = read_layout_file(&path).unwrap_err().to_string();
+        std::fs::remove_file(&path).unwrap();
+        assert!(e.contains("no regions"), "{e}");
+    }
+
+    #[test]
+    fn check_layout_refuses_more_than_available() {
+        let host = Host::read();
+        let avail = host.mem_available.expect("MemAvailable");
         let specs = [RegionSpec::new(GuestAddress(0), avail + (1 << 30))];
         assert!(matches!(
-            check_fits_memory(&specs),
-            Err(PlanError::NotEnoughMemory { .. })
+            check_layout(&specs, &host),
+            Err(HostError::Memory { needed, available }) if needed == avail + (1 << 30) && available == avail
         ));
     }
 }

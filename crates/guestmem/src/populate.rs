@@ -44,11 +44,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::host::Host;
 use crate::jobs::{Chunk, Job, JobError, JobRange, JobStats, Numa};
 use crate::layout::Backing;
 use crate::map::Snapshot;
+use crate::mmap::{Advice, Lock, MmapError};
 use crate::region::Region;
-use crate::sys::{self, MmapRange, ProcMem};
+use crate::sys::{self, ProcMem};
 
 /// Default smallest chunk worth a thread, in bytes. Creating a thread costs tens of
 /// microseconds; populating 64 MiB costs milliseconds even at the fastest published rates, so
@@ -168,7 +170,8 @@ pub enum PopulateError {
         source: io::Error,
     },
     /// A chunk failed; everything this populate did was undone.
-    #[error("region at {region:#x}: {op} of chunk at {chunk:#x} len {len:#x} failed: {source}{}",
+    #[error("region at {region:#x}: {op} of chunk at {chunk:#x} len {len:#x} failed: {source}{}{}",
+        cause.as_ref().map_or(String::new(), |c| format!(": {c}")),
         if undo_errors.is_empty() { String::new() } else { format!(" (and undo failed: {})", undo_errors.join("; ")) })]
     Chunk {
         /// Guest address of the region.
@@ -181,6 +184,9 @@ pub enum PopulateError {
         op: &'static str,
         /// The errno.
         source: io::Error,
+        /// What the errno means here, when guestmem can tell: a hugetlb pool or hugetlb
+        /// cgroup run dry, a backing file truncated under the region.
+        cause: Option<String>,
         /// Steps of the undo that failed (empty when it all went back).
         undo_errors: Vec<String>,
     },
@@ -203,13 +209,53 @@ fn fail(op: &'static str) -> impl FnOnce(io::Error) -> ChunkError {
     move |source| ChunkError { op, source }
 }
 
-/// The host range of `chunk` inside `region`.
-fn chunk_range(region: &Region, chunk: &Chunk) -> MmapRange {
-    let offset = (chunk.start - region.guest_addr().0) as usize;
-    region
-        .host_range()
-        .sub(offset, chunk.len as usize)
-        .expect("the job's chunks lie inside their regions")
+impl From<MmapError> for ChunkError {
+    fn from(e: MmapError) -> Self {
+        ChunkError {
+            op: e.op(),
+            source: e.into_io(),
+        }
+    }
+}
+
+/// `(offset, len)` of `chunk` inside `region`'s mapping. The job's chunks lie inside their
+/// regions; the mapping checks again on every call.
+fn chunk_range(region: &Region, chunk: &Chunk) -> (usize, usize) {
+    (
+        (chunk.start - region.guest_addr().0) as usize,
+        chunk.len as usize,
+    )
+}
+
+/// What a failed chunk's errno means for its region, when it can be told: a hugetlb region
+/// whose pool (or hugetlb cgroup) ran dry, or a file truncated under its region. `EFAULT`
+/// (`MADV_POPULATE_WRITE`), `EIO` (the touch fallback) and `ENOMEM` are how the kernel says
+/// a page could not be had.
+fn cause(region: &Region, source: &io::Error) -> Option<String> {
+    let errno = source.raw_os_error()?;
+    if !matches!(errno, libc::EFAULT | libc::EIO | libc::ENOMEM) {
+        return None;
+    }
+    if let Backing::Hugetlb(size) = region.backing() {
+        let host = Host::read();
+        let dir = size.sysfs_dir();
+        return Some(match host.pool(*size) {
+            Some(p) if p.available() == 0 => format!(
+                "the {size} hugetlb pool ran dry ({} pages, {} free, {} reserved; raise {dir}/nr_hugepages)",
+                p.total, p.free, p.reserved
+            ),
+            Some(p) => format!(
+                "no {size} hugetlb page could be had although the pool has {} free; a hugetlb cgroup limit (hugetlb.{}.limit_in_bytes) may have been reached",
+                p.available(),
+                match size {
+                    crate::layout::HugePageSize::Size2M => "2MB",
+                    crate::layout::HugePageSize::Size1G => "1GB",
+                }
+            ),
+            None => format!("the {size} hugetlb pool is gone ({dir})"),
+        });
+    }
+    region.check_backing().err().map(|e| e.to_string())
 }
 
 /// Populates (and pins, per `cfg.pin`) every region of `snap` in one job. Checks no limits:
@@ -245,14 +291,14 @@ pub fn populate(snap: &Snapshot, cfg: &PopulateConfig) -> Result<PopulateReport,
     let bytes_done = AtomicU64::new(0);
     let result = job.run(|chunk: &Chunk| -> Result<(), ChunkError> {
         let region = &regions[chunk.range];
-        let range = chunk_range(region, chunk);
+        let (offset, len) = chunk_range(region, chunk);
+        let mapping = region.mapping();
         match &mem {
-            Some(mem) => touch(mem, region, range)?,
-            None => sys::madvise(range, sys::MADV_POPULATE_WRITE)
-                .map_err(fail("madvise(MADV_POPULATE_WRITE)"))?,
+            Some(mem) => touch(mem, region, offset, len)?,
+            None => mapping.advise(offset, len, Advice::PopulateWrite)?,
         }
         if cfg.pin == PinStrategy::PerChunk && !region.is_hugetlb() {
-            sys::mlock2(range, 0).map_err(fail("mlock"))?;
+            mapping.lock(offset, len, Lock::Now)?;
         }
         let done = bytes_done.fetch_add(chunk.len, Ordering::Relaxed) + chunk.len;
         if let Some(p) = &cfg.progress {
@@ -271,29 +317,34 @@ pub fn populate(snap: &Snapshot, cfg: &PopulateConfig) -> Result<PopulateReport,
             populate_seconds,
         }),
         Err(failure) => {
+            // Read what the errno means before the undo gives pages back to their pool.
+            let failed = &regions[failure.chunk.range];
+            let cause = cause(failed, &failure.error.source);
             let mut undo_errors = Vec::new();
             for &i in &locked {
-                if let Err(e) = sys::munlock(regions[i].host_range()) {
+                let m = regions[i].mapping();
+                if let Err(e) = m.unlock(0, m.len()) {
                     undo_errors.push(format!("munlock region {:#x}: {e}", guest(&regions[i])));
                 }
             }
             for chunk in failure.started() {
                 let region = &regions[chunk.range];
-                let range = chunk_range(region, &chunk);
+                let (offset, len) = chunk_range(region, &chunk);
                 if cfg.pin == PinStrategy::PerChunk && !region.is_hugetlb() {
-                    if let Err(e) = sys::munlock(range) {
+                    if let Err(e) = region.mapping().unlock(offset, len) {
                         undo_errors.push(format!("munlock chunk {:#x}: {e}", chunk.start));
                     }
                 }
-                if let Err(e) = release(region, &chunk, range) {
+                if let Err(e) = release(region, &chunk) {
                     undo_errors.push(format!("release chunk {:#x}: {e}", chunk.start));
                 }
             }
             Err(PopulateError::Chunk {
-                region: guest(&regions[failure.chunk.range]),
+                region: guest(failed),
                 chunk: failure.chunk.start,
                 len: failure.chunk.len,
                 op: failure.error.op,
+                cause,
                 source: failure.error.source,
                 undo_errors,
             })
@@ -313,14 +364,16 @@ fn lock_up_front(regions: &[Arc<Region>]) -> Result<Vec<usize>, PopulateError> {
         if r.is_hugetlb() {
             continue;
         }
-        if let Err(source) = sys::mlock2(r.host_range(), sys::MLOCK_ONFAULT) {
+        let m = r.mapping();
+        if let Err(e) = m.lock(0, m.len(), Lock::OnFault) {
             for &j in locked.iter() {
                 // Best effort: we are already failing with the lock error.
-                let _ = sys::munlock(regions[j].host_range());
+                let m = regions[j].mapping();
+                let _ = m.unlock(0, m.len());
             }
             return Err(PopulateError::Lock {
                 region: guest(r),
-                source,
+                source: e.into_io(),
             });
         }
         locked.push(i);
@@ -328,8 +381,8 @@ fn lock_up_front(regions: &[Arc<Region>]) -> Result<Vec<usize>, PopulateError> {
     Ok(locked)
 }
 
-/// Frees the pages of `chunk` (host `range`) of `region`, so the memory it took is given back.
-fn release(region: &Region, chunk: &Chunk, range: MmapRange) -> io::Result<()> {
+/// Frees the pages of `chunk` of `region`, so the memory it took is given back.
+fn release(region: &Region, chunk: &Chunk) -> io::Result<()> {
     match (region.backing(), region.file_offset()) {
         // A memfd's pages live in its page cache: only a hole punch frees them (it unmaps
         // them too). Hugetlbfs rounds the hole inwards to its pages; chunk edges are on them.
@@ -338,38 +391,45 @@ fn release(region: &Region, chunk: &Chunk, range: MmapRange) -> io::Result<()> {
             sys::punch_hole(fo.file().as_fd(), offset, chunk.len)
         }
         // Private memory, and files whose data is not ours to destroy.
-        _ => sys::madvise(range, libc::MADV_DONTNEED),
+        _ => {
+            let (offset, len) = chunk_range(region, chunk);
+            region
+                .mapping()
+                .advise(offset, len, Advice::DontNeed)
+                .map_err(MmapError::into_io)
+        }
     }
 }
 
-/// Faults in every page of `range` of `region` by writing through `/proc/self/mem`.
-fn touch(mem: &ProcMem, region: &Region, range: MmapRange) -> Result<(), ChunkError> {
+/// Faults in every page of `offset..offset+len` of `region` by writing through
+/// `/proc/self/mem`.
+fn touch(mem: &ProcMem, region: &Region, offset: usize, len: usize) -> Result<(), ChunkError> {
+    let mapping = region.mapping();
     let page = region.page_size() as usize;
     let base = sys::base_page_size() as usize;
     let private_anon = matches!(region.backing(), Backing::Anonymous);
-    let mut off = 0;
-    while off < range.len() {
-        let batch = range
-            .sub(off, TOUCH_PAGEMAP_BATCH_BYTES.min(range.len() - off))
-            .expect("batch inside chunk");
+    let end = offset + len;
+    let mut at = offset;
+    while at < end {
+        let batch = TOUCH_PAGEMAP_BATCH_BYTES.min(end - at);
         let faulted = if private_anon {
-            mem.faulted_in(batch)
+            mem.faulted_in(mapping, at, batch)
                 .map_err(fail("read /proc/self/pagemap"))?
         } else {
             Vec::new()
         };
-        for p in (0..batch.len()).step_by(page) {
+        for p in (0..batch).step_by(page) {
             let never_faulted = private_anon && !faulted[p / base];
             let byte = if never_faulted {
                 0
             } else {
-                mem.read_byte(batch, p)
+                mem.read_byte(mapping, at + p)
                     .map_err(fail("read via /proc/self/mem"))?
             };
-            mem.write_byte(batch, p, byte)
+            mem.write_byte(mapping, at + p, byte)
                 .map_err(fail("write via /proc/self/mem"))?;
         }
-        off += batch.len();
+        at += batch;
     }
     Ok(())
 }

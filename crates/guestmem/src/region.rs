@@ -1,7 +1,23 @@
 //! A mapped region: host memory placed by [`crate::layout`], owned until the last handle goes.
 //!
-//! Mapping is all-or-nothing: any failure after the reservation unmaps it and closes the
-//! descriptor before the error is returned, so bad input leaves nothing behind.
+//! [`Region::map`] runs four named steps: check the spec against itself and the host
+//! ([`RegionSpec`] rules, then [`Host::check`] at [`Stage::Map`]), open the backing object,
+//! place the mapping inside a reservation so its host address is congruent to its guest
+//! address, and give the advice. Mapping is all-or-nothing: every step owns what it made
+//! ([`Reservation`], [`Mapping`], the backing `File`), so a failure drops them and bad input
+//! leaves nothing behind.
+//!
+//! **Backing files and `SIGBUS`.** A mapping of a file that shrinks under it raises `SIGBUS`
+//! on any access past the new end, which no Rust code can recover from. So:
+//! - memfds guestmem creates (memfd and hugetlb backings) are sealed against shrinking and
+//!   growing (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`) before they are mapped: nothing
+//!   holding the descriptor, this process or a vhost-user peer it was shared with, can change
+//!   their size, and `ftruncate` fails with `EPERM`;
+//! - a file the caller provides ([`Backing::File`]) is checked at map time to hold the whole
+//!   region. Its length stays the caller's responsibility: if anyone truncates it later,
+//!   touching the lost part through this region kills the process with `SIGBUS`, as it would
+//!   in any VMM. [`Region::check_backing`] re-checks the length on demand, and populate
+//!   names a short file instead of a bare `EFAULT`.
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
@@ -12,8 +28,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use vm_memory::{FileOffset, GuestAddress};
 
-use crate::layout::{Access, Backing, Guard, HugePageSize, Placement, RegionSpec, Reserve, Thp};
-use crate::sys::{self, MmapRange};
+use crate::host::{Demand, Host, HostError, Stage};
+use crate::layout::{Access, Backing, Guard, Placement, RegionSpec, Reserve, Thp};
+use crate::mmap::{Advice, MapSource, Mapping, MmapError, Reservation};
+use crate::sys;
 
 /// Why a region could not be mapped. Every variant names the region by its guest address.
 #[derive(Debug, thiserror::Error)]
@@ -34,11 +52,31 @@ pub enum RegionError {
         /// The page size they must be multiples of.
         page: u64,
     },
+    /// The backing file offset is not a multiple of the base page size.
+    #[error("region at {addr:#x}: file offset {offset:#x} is not a multiple of the {page:#x}-byte page size")]
+    UnalignedFileOffset {
+        /// Guest address of the region.
+        addr: u64,
+        /// The file offset asked for.
+        offset: u64,
+        /// The page size it must be a multiple of.
+        page: u64,
+    },
     /// The region's guest range runs past the end of the 64-bit address space.
     #[error("region at {addr:#x} size {size:#x}: guest range overflows u64")]
     Overflow {
         /// Guest address of the region.
         addr: u64,
+        /// Size of the region.
+        size: u64,
+    },
+    /// The region's file range (offset + size) runs past the largest file offset.
+    #[error("region at {addr:#x} size {size:#x}: file offset {offset:#x} + size overflows the largest file offset")]
+    FileRangeOverflow {
+        /// Guest address of the region.
+        addr: u64,
+        /// The file offset.
+        offset: u64,
         /// Size of the region.
         size: u64,
     },
@@ -50,30 +88,9 @@ pub enum RegionError {
         /// Size of the region.
         size: u64,
     },
-    /// The kernel has no hugetlb pool of this page size.
-    #[error("region at {addr:#x}: this kernel has no {size} hugetlb pages ({dir} missing)")]
-    HugetlbUnsupported {
-        /// Guest address of the region.
-        addr: u64,
-        /// The page size asked for.
-        size: HugePageSize,
-        /// The sysfs directory that is missing.
-        dir: String,
-    },
-    /// Too few free hugetlb pages for the region.
-    #[error("region at {addr:#x}: needs {needed} free {size} hugetlb pages, pool has {available} (raise {dir}/nr_hugepages)")]
-    HugetlbPoolTooSmall {
-        /// Guest address of the region.
-        addr: u64,
-        /// The page size asked for.
-        size: HugePageSize,
-        /// Pages the region needs.
-        needed: u64,
-        /// Free, unreserved pages in the pool.
-        available: u64,
-        /// The pool's sysfs directory.
-        dir: String,
-    },
+    /// The host cannot give what the region needs (hugetlb pool, NUMA node, mappings).
+    #[error(transparent)]
+    Host(#[from] HostError),
     /// The backing file could not be opened or sized.
     #[error("region at {addr:#x}: backing file {path}: {source}")]
     File {
@@ -96,14 +113,6 @@ pub enum RegionError {
         /// Bytes the region needs.
         needed: u64,
     },
-    /// The NUMA node does not exist.
-    #[error("region at {addr:#x}: NUMA node {node} does not exist on this host")]
-    NoSuchNumaNode {
-        /// Guest address of the region.
-        addr: u64,
-        /// The node asked for.
-        node: u32,
-    },
     /// A syscall failed.
     #[error("region at {addr:#x} size {size:#x}: {op} failed: {source}")]
     Syscall {
@@ -123,13 +132,14 @@ static NEXT_REGION_ID: AtomicU64 = AtomicU64::new(1);
 /// Guest memory backed by one host mapping.
 ///
 /// A region is shared through `Arc<Region>`; its mapping is removed when the last one drops.
+/// It hands out its host address as a raw pointer and its memory as volatile slices (through
+/// vm-memory's traits), never anything that could unmap or remap it.
 #[derive(Debug)]
 pub struct Region {
     id: u64,
     guest_addr: GuestAddress,
     size: u64,
-    host: usize,
-    reservation: MmapRange,
+    mapping: Mapping,
     backing: Backing,
     page_size: u64,
     huge_align: u64,
@@ -142,218 +152,49 @@ pub struct Region {
     warnings: Vec<String>,
 }
 
-/// Unmaps a reservation on early return.
-struct ReservationGuard(Option<MmapRange>);
-
-impl Drop for ReservationGuard {
-    fn drop(&mut self) {
-        if let Some(r) = self.0.take() {
-            // An munmap of a range we reserved cannot fail in a way we could act on here.
-            let _ = sys::munmap(r);
-        }
-    }
+/// A spec that passed its checks, with the numbers mapping needs.
+struct Checked {
+    addr: u64,
+    size: u64,
+    len: usize,
+    page: u64,
+    huge_align: u64,
+    guard: u64,
+    placement: Placement,
 }
 
-/// Free, unreserved pages in a hugetlb pool, or `None` if the pool does not exist.
-pub fn hugetlb_available(size: HugePageSize) -> Option<u64> {
-    let dir = size.sysfs_dir();
-    let read = |f: &str| -> Option<u64> {
-        std::fs::read_to_string(format!("{dir}/{f}"))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
-    };
-    let free = read("free_hugepages")?;
-    let resv = read("resv_hugepages").unwrap_or(0);
-    Some(free.saturating_sub(resv))
+/// The object behind a region's memory, opened and sized, and how to map it.
+struct Opened {
+    file: Option<FileOffset>,
+    shared: bool,
 }
 
 impl Region {
     /// Maps the region that `spec` describes.
     pub fn map(spec: &RegionSpec) -> Result<Region, RegionError> {
-        let addr = spec.guest_addr.0;
-        let size = spec.size;
-        let sys_err = |op: &'static str, source: io::Error| RegionError::Syscall {
-            addr,
-            size,
-            op,
-            source,
-        };
-        if size == 0 {
-            return Err(RegionError::ZeroSize { addr });
-        }
-        let page = spec.page_size();
-        if size % page != 0 || addr % page != 0 {
-            return Err(RegionError::Unaligned { addr, size, page });
-        }
-        if spec.guest_end().is_none() {
-            return Err(RegionError::Overflow { addr, size });
-        }
-        let huge_align = spec.huge_align();
-        let guard = match spec.guard {
-            Guard::On => crate::layout::GUARD_BYTES,
-            Guard::Off => 0,
-        };
-        let plan = Placement::plan(size, huge_align, guard)
-            .filter(|p| usize::try_from(p.reserve_len).is_ok())
-            .ok_or(RegionError::TooLarge { addr, size })?;
-        if let Some(node) = spec.numa_node {
-            if !std::path::Path::new(&format!("/sys/devices/system/node/node{node}")).exists() {
-                return Err(RegionError::NoSuchNumaNode { addr, node });
-            }
-        }
+        Region::map_on(spec, &Host::read())
+    }
 
-        // The backing object, and how to map it.
-        let prot = libc::PROT_READ | libc::PROT_WRITE;
-        let (file, flags): (Option<FileOffset>, libc::c_int) = match &spec.backing {
-            Backing::Anonymous => (None, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS),
-            Backing::Memfd => {
-                let name = CString::new(format!("guestmem@{addr:#x}")).expect("no NUL");
-                let fd = sys::memfd_create(&name, 0).map_err(|e| sys_err("memfd_create", e))?;
-                let f = File::from(fd);
-                f.set_len(size).map_err(|e| sys_err("ftruncate", e))?;
-                (Some(FileOffset::new(f, 0)), libc::MAP_SHARED)
-            }
-            Backing::Hugetlb(h) => {
-                let dir = h.sysfs_dir();
-                let available = hugetlb_available(*h).ok_or(RegionError::HugetlbUnsupported {
-                    addr,
-                    size: *h,
-                    dir: dir.clone(),
-                })?;
-                let needed = size / h.bytes();
-                let mut flags = libc::MAP_SHARED;
-                match spec.reserve {
-                    Reserve::Reserve if needed > available => {
-                        return Err(RegionError::HugetlbPoolTooSmall {
-                            addr,
-                            size: *h,
-                            needed,
-                            available,
-                            dir,
-                        })
-                    }
-                    Reserve::Reserve => {}
-                    Reserve::NoReserve => flags |= libc::MAP_NORESERVE,
-                }
-                let name = CString::new(format!("guestmem-huge@{addr:#x}")).expect("no NUL");
-                let fd = sys::memfd_create(&name, libc::MFD_HUGETLB | h.shift_bits())
-                    .map_err(|e| sys_err("memfd_create(MFD_HUGETLB)", e))?;
-                let f = File::from(fd);
-                f.set_len(size).map_err(|e| sys_err("ftruncate", e))?;
-                (Some(FileOffset::new(f, 0)), flags)
-            }
-            Backing::File { path, offset } => {
-                if offset % sys::base_page_size() != 0 {
-                    return Err(RegionError::Unaligned {
-                        addr,
-                        size: *offset,
-                        page: sys::base_page_size(),
-                    });
-                }
-                let file_err = |source| RegionError::File {
-                    addr,
-                    path: path.clone(),
-                    source,
-                };
-                // A read-only region may come from a read-only file (a firmware image): map
-                // it private, so host writes (image loading) stay in this process.
-                let (f, flags) = match OpenOptions::new().read(true).write(true).open(path) {
-                    Ok(f) => (f, libc::MAP_SHARED),
-                    Err(e)
-                        if spec.access == Access::ReadOnly
-                            && e.kind() == io::ErrorKind::PermissionDenied =>
-                    {
-                        (File::open(path).map_err(file_err)?, libc::MAP_PRIVATE)
-                    }
-                    Err(e) => return Err(file_err(e)),
-                };
-                let file_len = f.metadata().map_err(file_err)?.len();
-                let needed = offset
-                    .checked_add(size)
-                    .ok_or(RegionError::Overflow { addr, size })?;
-                if file_len < needed {
-                    return Err(RegionError::FileTooShort {
-                        addr,
-                        path: path.clone(),
-                        file_len,
-                        needed,
-                    });
-                }
-                (Some(FileOffset::new(f, *offset)), flags)
-            }
-        };
-
-        let res = sys::reserve(plan.reserve_len as usize).map_err(|e| sys_err("mmap", e))?;
-        let mut res_guard = ReservationGuard(Some(res));
-        let res_start = res.addr() as u64;
-        let host = plan.host_start(res_start, addr, huge_align);
-        let head = (host - guard - res_start) as usize;
-        let body = res
-            .sub(head + guard as usize, size as usize)
-            .expect("placement fits the reservation");
-        sys::map_fixed(
-            body,
-            prot,
-            flags,
-            file.as_ref().map(|f| f.file().as_fd()),
-            file.as_ref().map_or(0, |f| f.start()),
-        )
-        .map_err(|e| sys_err("mmap(MAP_FIXED)", e))?;
-
-        // Give back the slack on either side, keeping the guards.
-        let keep_len = size as usize + 2 * guard as usize;
-        let tail = head + keep_len;
-        sys::munmap(res.sub(0, head).expect("head inside reservation"))
-            .map_err(|e| sys_err("munmap", e))?;
-        sys::munmap(
-            res.sub(tail, res.len() - tail)
-                .expect("tail inside reservation"),
-        )
-        .map_err(|e| sys_err("munmap", e))?;
-        let kept = res
-            .sub(head, keep_len)
-            .expect("kept range inside reservation");
-        res_guard.0 = Some(kept);
-
-        let mut warnings = Vec::new();
-        let thp_capable = matches!(spec.backing, Backing::Anonymous | Backing::Memfd);
-        if thp_capable {
-            let advice = match spec.thp {
-                Thp::Huge => Some(libc::MADV_HUGEPAGE),
-                Thp::NoHuge => Some(libc::MADV_NOHUGEPAGE),
-                Thp::Default => None,
-            };
-            if let Some(advice) = advice {
-                // A hint: the kernel may lack THP; the region still works with small pages.
-                if let Err(e) = sys::madvise(body, advice) {
-                    warnings.push(format!(
-                        "region at {addr:#x}: THP advice failed ({e}); it will use small pages"
-                    ));
-                }
-            }
-        }
-        if let Some(node) = spec.numa_node {
-            sys::mbind_node(body, node).map_err(|e| sys_err("mbind", e))?;
-        }
-
-        res_guard.0 = None;
+    /// Maps the region that `spec` describes, checked against facts already read.
+    pub(crate) fn map_on(spec: &RegionSpec, host: &Host) -> Result<Region, RegionError> {
+        let c = check_spec(spec, host)?;
+        let opened = open_backing(spec, &c)?;
+        let mapping = place(spec, &c, &opened)?;
+        let warnings = advise(spec, &c, &mapping)?;
         Ok(Region {
             id: NEXT_REGION_ID.fetch_add(1, Ordering::Relaxed),
             guest_addr: spec.guest_addr,
-            size,
-            host: host as usize,
-            reservation: kept,
+            size: c.size,
+            mapping,
             backing: spec.backing.clone(),
-            page_size: page,
-            huge_align,
+            page_size: c.page,
+            huge_align: c.huge_align,
             thp: spec.thp,
             guard: spec.guard,
             access: spec.access,
             reserve: spec.reserve,
             numa_node: spec.numa_node,
-            file,
+            file: opened.file,
             warnings,
         })
     }
@@ -380,14 +221,12 @@ impl Region {
 
     /// The host address of the first byte.
     pub fn host_addr(&self) -> *mut u8 {
-        self.host as *mut u8
+        self.mapping.as_ptr()
     }
 
-    /// The host address range of the region's memory (guards excluded).
-    pub fn host_range(&self) -> MmapRange {
-        // SAFETY: `host..host+size` is the mapping this region owns, made in `map`; its
-        // length fit in usize there.
-        unsafe { MmapRange::new(self.host, self.size as usize) }.expect("checked at map time")
+    /// The mapping, for guestmem's own range operations (populate, pin, release).
+    pub(crate) fn mapping(&self) -> &Mapping {
+        &self.mapping
     }
 
     /// The backing.
@@ -458,6 +297,34 @@ impl Region {
         &self.warnings
     }
 
+    /// Whether the backing still holds the whole region: for [`Backing::File`], that the
+    /// file is at least `offset + size` bytes long (someone may have truncated it since it was
+    /// mapped); other backings cannot shrink (memfds are sealed), so they always pass.
+    pub fn check_backing(&self) -> Result<(), RegionError> {
+        let (Backing::File { path, .. }, Some(fo)) = (&self.backing, &self.file) else {
+            return Ok(());
+        };
+        let needed = fo.start() + self.size;
+        let file_len = fo
+            .file()
+            .metadata()
+            .map_err(|source| RegionError::File {
+                addr: self.guest_addr.0,
+                path: path.clone(),
+                source,
+            })?
+            .len();
+        if file_len < needed {
+            return Err(RegionError::FileTooShort {
+                addr: self.guest_addr.0,
+                path: path.clone(),
+                file_len,
+                needed,
+            });
+        }
+        Ok(())
+    }
+
     /// Whether `addr..addr+len` lies inside the region (false on overflow).
     pub fn contains_range(&self, addr: u64, len: u64) -> bool {
         addr >= self.guest_addr.0
@@ -467,12 +334,194 @@ impl Region {
     }
 }
 
-impl Drop for Region {
-    fn drop(&mut self) {
-        // The reservation covers the region and its guards; nothing borrows it once the last
-        // handle is gone. A failing munmap here could only leak address space.
-        let _ = sys::munmap(self.reservation);
+fn sys_err<'a>(c: &'a Checked, op: &'static str) -> impl FnOnce(io::Error) -> RegionError + 'a {
+    move |source| RegionError::Syscall {
+        addr: c.addr,
+        size: c.size,
+        op,
+        source,
     }
+}
+
+fn mmap_err(c: &Checked) -> impl Fn(MmapError) -> RegionError + '_ {
+    move |e| RegionError::Syscall {
+        addr: c.addr,
+        size: c.size,
+        op: e.op(),
+        source: e.into_io(),
+    }
+}
+
+/// Step 1: the spec's own rules (size, alignment, overflow, file offset), then what the host
+/// must give it (hugetlb pool, NUMA node, mappings), before anything is created.
+fn check_spec(spec: &RegionSpec, host: &Host) -> Result<Checked, RegionError> {
+    let addr = spec.guest_addr.0;
+    let size = spec.size;
+    if size == 0 {
+        return Err(RegionError::ZeroSize { addr });
+    }
+    let page = spec.page_size();
+    if size % page != 0 || addr % page != 0 {
+        return Err(RegionError::Unaligned { addr, size, page });
+    }
+    if spec.guest_end().is_none() {
+        return Err(RegionError::Overflow { addr, size });
+    }
+    if let Backing::File { offset, .. } = &spec.backing {
+        let base = host.page_size;
+        if offset % base != 0 {
+            return Err(RegionError::UnalignedFileOffset {
+                addr,
+                offset: *offset,
+                page: base,
+            });
+        }
+        let fits = offset
+            .checked_add(size)
+            .is_some_and(|end| i64::try_from(end).is_ok());
+        if !fits {
+            return Err(RegionError::FileRangeOverflow {
+                addr,
+                offset: *offset,
+                size,
+            });
+        }
+    }
+    let huge_align = spec.huge_align();
+    let guard = match spec.guard {
+        Guard::On => crate::layout::GUARD_BYTES,
+        Guard::Off => 0,
+    };
+    let too_large = RegionError::TooLarge { addr, size };
+    let placement = Placement::plan(size, huge_align, guard)
+        .filter(|p| usize::try_from(p.reserve_len).is_ok())
+        .ok_or(too_large)?;
+    host.check(&[Demand::of_spec(spec)], Stage::Map)?;
+    Ok(Checked {
+        addr,
+        size,
+        len: size as usize, // fits: reserve_len >= size fits usize
+        page,
+        huge_align,
+        guard,
+        placement,
+    })
+}
+
+/// Step 2: the backing object, opened and sized. Memfds are sealed against resizing before
+/// they are mapped; a caller's file is checked to hold the whole region.
+fn open_backing(spec: &RegionSpec, c: &Checked) -> Result<Opened, RegionError> {
+    let memfd = |name: String, flags| -> Result<Opened, RegionError> {
+        let name = CString::new(name).expect("no NUL in a formatted address");
+        let fd = sys::memfd_create(&name, flags).map_err(sys_err(c, "memfd_create"))?;
+        let f = File::from(fd);
+        f.set_len(c.size).map_err(sys_err(c, "ftruncate"))?;
+        sys::seal_size(f.as_fd()).map_err(sys_err(c, "fcntl(F_ADD_SEALS)"))?;
+        Ok(Opened {
+            file: Some(FileOffset::new(f, 0)),
+            shared: true,
+        })
+    };
+    match &spec.backing {
+        Backing::Anonymous => Ok(Opened {
+            file: None,
+            shared: false,
+        }),
+        Backing::Memfd => memfd(format!("guestmem@{:#x}", c.addr), 0),
+        Backing::Hugetlb(h) => memfd(
+            format!("guestmem-huge@{:#x}", c.addr),
+            libc::MFD_HUGETLB | h.shift_bits(),
+        ),
+        Backing::File { path, offset } => {
+            let file_err = |source| RegionError::File {
+                addr: c.addr,
+                path: path.clone(),
+                source,
+            };
+            // A read-only region may come from a read-only file (a firmware image): map it
+            // private, so host writes (image loading) stay in this process.
+            let (f, shared) = match OpenOptions::new().read(true).write(true).open(path) {
+                Ok(f) => (f, true),
+                Err(e)
+                    if spec.access == Access::ReadOnly
+                        && e.kind() == io::ErrorKind::PermissionDenied =>
+                {
+                    (File::open(path).map_err(file_err)?, false)
+                }
+                Err(e) => return Err(file_err(e)),
+            };
+            let file_len = f.metadata().map_err(file_err)?.len();
+            let needed = offset + c.size; // checked in check_spec
+            if file_len < needed {
+                return Err(RegionError::FileTooShort {
+                    addr: c.addr,
+                    path: path.clone(),
+                    file_len,
+                    needed,
+                });
+            }
+            Ok(Opened {
+                file: Some(FileOffset::new(f, *offset)),
+                shared,
+            })
+        }
+    }
+}
+
+/// Step 3: a reservation with room to align, trimmed to the region and its guards, and the
+/// backing placed inside it with the host address congruent to the guest address modulo the
+/// huge-page size.
+fn place(spec: &RegionSpec, c: &Checked, opened: &Opened) -> Result<Mapping, RegionError> {
+    let res_len = c.placement.reserve_len as usize;
+    let res = Reservation::new(res_len).map_err(mmap_err(c))?;
+    let res_start = res.addr() as u64;
+    let host = c.placement.host_start(res_start, c.addr, c.huge_align);
+    let head = (host - c.guard - res_start) as usize;
+    let keep_len = c.len + 2 * c.guard as usize;
+    let res = res.trim(head, keep_len).map_err(mmap_err(c))?;
+    let source = match &opened.file {
+        None => MapSource::Anonymous,
+        Some(f) if opened.shared => MapSource::SharedFile {
+            fd: f.file().as_fd(),
+            offset: f.start(),
+        },
+        Some(f) => MapSource::PrivateFile {
+            fd: f.file().as_fd(),
+            offset: f.start(),
+        },
+    };
+    // The reserve mode matters for hugetlb only; every other backing maps as reserved.
+    let reserve = match spec.backing {
+        Backing::Hugetlb(_) => spec.reserve,
+        _ => Reserve::Reserve,
+    };
+    res.place(c.guard as usize, c.len, source, reserve)
+        .map_err(mmap_err(c))
+}
+
+/// Step 4: THP advice (a hint: a failure is a warning) and the NUMA binding (a requirement).
+fn advise(spec: &RegionSpec, c: &Checked, m: &Mapping) -> Result<Vec<String>, RegionError> {
+    let mut warnings = Vec::new();
+    if matches!(spec.backing, Backing::Anonymous | Backing::Memfd) {
+        let advice = match spec.thp {
+            Thp::Huge => Some(Advice::HugePage),
+            Thp::NoHuge => Some(Advice::NoHugePage),
+            Thp::Default => None,
+        };
+        if let Some(advice) = advice {
+            // A hint: the kernel may lack THP; the region still works with small pages.
+            if let Err(e) = m.advise(0, c.len, advice) {
+                warnings.push(format!(
+                    "region at {:#x}: THP advice failed ({e}); it will use small pages",
+                    c.addr
+                ));
+            }
+        }
+    }
+    if let Some(node) = spec.numa_node {
+        m.bind_node(0, c.len, node).map_err(mmap_err(c))?;
+    }
+    Ok(warnings)
 }
 
 #[cfg(test)]
@@ -502,7 +551,10 @@ mod tests {
     fn map_places_host_congruent_to_guest_and_writes_read_back() {
         let spec = RegionSpec::new(GuestAddress(0x4020_0000 + 0x3000), 8 << 20);
         let r = Region::map(&spec).unwrap();
-        assert_eq!(r.host as u64 % (2 << 20), r.guest_addr().0 % (2 << 20));
+        assert_eq!(
+            r.host_addr() as u64 % (2 << 20),
+            r.guest_addr().0 % (2 << 20)
+        );
         // SAFETY: the region maps `size` writable bytes at host_addr, and no one else uses it.
         let s = unsafe { std::slice::from_raw_parts_mut(r.host_addr(), r.size() as usize) };
         s[0] = 0xa5;
@@ -538,7 +590,10 @@ mod tests {
         let spec = RegionSpec::new(GuestAddress(0), 0x1000).with_numa_node(4000);
         let e = Region::map(&spec).unwrap_err();
         assert!(
-            matches!(e, RegionError::NoSuchNumaNode { node: 4000, .. }),
+            matches!(
+                e,
+                RegionError::Host(HostError::NoSuchNumaNode { node: 4000, .. })
+            ),
             "{e}"
         );
     }

@@ -14,7 +14,6 @@
 //! 004 asked for exactly this clamp against speculative out-of-bounds loads.
 
 use std::cell::Cell;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use vm_memory::{GuestAddress, VolatileSlice};
@@ -109,8 +108,16 @@ impl Clone for Translator {
     }
 }
 
+impl GuestMap {
+    /// A translator for one thread (a vCPU or a device worker).
+    pub fn translator(&self) -> Translator {
+        Translator::new(self.clone())
+    }
+}
+
 impl Translator {
-    pub(crate) fn new(map: GuestMap) -> Translator {
+    /// A translator over `map`, pinned to its current snapshot.
+    pub fn new(map: GuestMap) -> Translator {
         let snap = map.snapshot();
         Translator {
             map,
@@ -133,7 +140,7 @@ impl Translator {
     /// Moves to the newest snapshot if the map changed; returns whether it did. One atomic
     /// load when nothing changed.
     pub fn refresh(&mut self) -> bool {
-        if self.map.shared.generation.load(Ordering::Acquire) == self.snap.generation() {
+        if self.map.generation() == self.snap.generation() {
             return false;
         }
         self.snap = self.map.snapshot();

@@ -118,7 +118,11 @@ fn failed_from_specs_leaves_nothing_mapped() {
     };
     let specs = [
         RegionSpec::new(GuestAddress(0), ODD_SIZE),
-        RegionSpec::new(GuestAddress(0x100_0000), 4 * MIB).with_numa_node(999),
+        // Fails in its own mapping step (the file is opened after region 1 is mapped).
+        RegionSpec::new(GuestAddress(0x100_0000), 4 * MIB).with_backing(Backing::File {
+            path: "/nonexistent/guestmem-missing-backing".into(),
+            offset: 0,
+        }),
     ];
     // The first region maps fine alone (its VMA is visible), then goes with its map.
     let ok = GuestMap::from_specs(&specs[..1]).unwrap();
@@ -131,8 +135,14 @@ fn failed_from_specs_leaves_nothing_mapped() {
     assert_eq!(vmas_of_odd_size(), 0, "the first region was left mapped");
 }
 
-fn populate(r: &guestmem::Region) {
-    guestmem::sys::madvise(r.host_range(), libc::MADV_POPULATE_WRITE).unwrap();
+/// Faults every page of `map` in with guestmem's own populate, on one thread, unpinned.
+fn populate(map: &GuestMap) {
+    let cfg = guestmem::PopulateConfig {
+        threads: 1,
+        pin: guestmem::PinStrategy::None,
+        ..guestmem::PopulateConfig::default()
+    };
+    guestmem::populate(&map.snapshot(), &cfg).unwrap();
 }
 
 #[test]
@@ -148,7 +158,7 @@ fn thp_region_populated_is_fully_huge_with_and_without_guards() {
         ])
         .unwrap();
         let r = map.snapshot().regions()[0].clone();
-        populate(&r);
+        populate(&map);
         let u = inspect_region(&r).unwrap();
         assert_eq!(u.huge_span, 64 * MIB);
         assert_eq!(u.resident, 64 * MIB);
@@ -173,7 +183,7 @@ fn thp_region_without_advice_gets_no_huge_pages_in_madvise_mode() {
     ])
     .unwrap();
     let r = map.snapshot().regions()[0].clone();
-    populate(&r);
+    populate(&map);
     let u = inspect_region(&r).unwrap();
     assert_eq!(u.resident, 8 * MIB);
     assert_eq!(u.huge, 0);
@@ -285,7 +295,7 @@ fn inspect_process_sees_a_populated_region_as_the_kernel_maps_it() {
     let map =
         GuestMap::from_specs(&[RegionSpec::new(GuestAddress(0x8000_0000), 32 * MIB)]).unwrap();
     let r = map.snapshot().regions()[0].clone();
-    populate(&r);
+    populate(&map);
     let all = guestmem::inspect::inspect_process(None, 16 * MIB).unwrap();
     let m = all
         .iter()

@@ -7,10 +7,10 @@
 
 use std::sync::{Mutex, MutexGuard};
 
+use guestmem::host::{Host, HostError};
 use guestmem::inspect::{inspect, ProcessMemory};
 use guestmem::layout::{Backing, HugePageSize, RegionSpec, Reserve};
 use guestmem::limits::{self, LimitError};
-use guestmem::region::hugetlb_available;
 use guestmem::{
     bringup, populate, BringupConfig, GuestAddress, GuestMap, Method, PinStrategy, PopulateConfig,
     PopulateError, Verify,
@@ -23,6 +23,11 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Free, unreserved pages in a hugetlb pool, or `None` if the pool does not exist.
+fn hugetlb_available(size: HugePageSize) -> Option<u64> {
+    Host::read().pool(size).map(|p| p.available())
 }
 
 /// Sets the 2 MiB pool so exactly `pages` pages are free, and puts it back on drop.
@@ -200,11 +205,11 @@ fn populate_hugetlb_pool_dry_fails_and_undoes_everything() {
             assert!(
                 matches!(
                     e,
-                    LimitError::HugetlbPool {
+                    LimitError::Host(HostError::HugetlbPool {
                         needed: 8,
                         available: 4,
                         ..
-                    }
+                    })
                 ),
                 "{e}"
             );
@@ -242,6 +247,12 @@ fn populate_hugetlb_pool_dry_fails_and_undoes_everything() {
                     assert!((huge_at..huge_at + 16 * MIB).contains(chunk), "{e}");
                     assert_eq!(source.raw_os_error(), Some(want_errno), "{e}");
                     assert!(undo_errors.is_empty(), "{e}");
+                    // The message names the pool, not only the errno.
+                    assert!(
+                        e.to_string().contains("2 MiB hugetlb pool ran dry")
+                            && e.to_string().contains("nr_hugepages"),
+                        "{e}"
+                    );
                 }
                 other => panic!("unexpected error {other}"),
             }
@@ -348,4 +359,29 @@ fn from_specs_hugetlb_regions_beyond_pool_refused_naming_first_that_does_not_fit
     // The two that fit map fine.
     let map = GuestMap::from_specs(&[huge(0), huge(0x100_0000)]).unwrap();
     assert_eq!(map.snapshot().len(), 2);
+}
+
+#[test]
+fn hugetlb_region_refuses_shrinking_and_stays_usable() {
+    let _s = serial();
+    let Some(_pool) = PoolGuard::with_available(2) else {
+        return;
+    };
+    let map = GuestMap::from_specs(&[
+        spec(0, 4 * MIB).with_backing(Backing::Hugetlb(HugePageSize::Size2M))
+    ])
+    .unwrap();
+    poke(&map, 0, 4 * MIB - 1, 0x5a);
+    let snap = map.snapshot();
+    let file = snap.regions()[0].file_offset().unwrap().file();
+    for len in [0, 2 * MIB, 8 * MIB] {
+        let e = file.set_len(len).unwrap_err();
+        assert_eq!(
+            e.raw_os_error(),
+            Some(libc::EPERM),
+            "set_len({len:#x}): {e}"
+        );
+    }
+    assert_eq!(peek(&map, 0, 4 * MIB - 1), 0x5a);
+    assert_eq!(file.metadata().unwrap().len(), 4 * MIB);
 }

@@ -2,8 +2,10 @@
 //!
 //! kvm-ioctls' `get_dirty_log` allocates a fresh `Vec` on every call and has no wrapper for
 //! `KVM_CLEAR_DIRTY_LOG`; with 64 slots and a pass every few hundred milliseconds that is 64
-//! allocations per pass for nothing. [`SlotLog`] keeps one buffer per slot, sized once, and
-//! the two wrappers here fill and clear from it.
+//! allocations per pass for nothing. [`SlotLog`] keeps one buffer per slot, sized once from
+//! the slot's own page count, and bound to that slot's number: the two wrappers here fill
+//! and clear that slot from it, and nothing else can be passed. Crate-private: only the
+//! memslot that knows its size makes one.
 
 use std::os::fd::AsRawFd;
 
@@ -26,43 +28,41 @@ use nr::{KVM_CLEAR_DIRTY_LOG, KVM_GET_DIRTY_LOG};
 
 /// One slot's dirty-log buffer: one bit per page, in 64-bit words, reused across harvests.
 #[derive(Debug, Clone)]
-pub struct SlotLog {
+pub(crate) struct SlotLog {
+    slot: u32,
     words: Vec<u64>,
     pages: u64,
 }
 
 impl SlotLog {
-    /// A buffer for a slot of `pages` pages.
-    pub fn new(pages: u64) -> SlotLog {
+    /// A buffer for slot `slot` of `pages` pages.
+    pub(crate) fn new(slot: u32, pages: u64) -> SlotLog {
         SlotLog {
+            slot,
             words: vec![0; pages.div_ceil(64) as usize],
             pages,
         }
     }
 
     /// The words the last [`SlotLog::get`] filled.
-    pub fn words(&self) -> &[u64] {
+    pub(crate) fn words(&self) -> &[u64] {
         &self.words
     }
 
-    /// Pages the slot holds.
-    pub fn pages(&self) -> u64 {
-        self.pages
-    }
-
-    /// `KVM_GET_DIRTY_LOG` for `slot` into this buffer. Without manual protection KVM also
+    /// `KVM_GET_DIRTY_LOG` for this buffer's slot. Without manual protection KVM also
     /// clears its log and write-protects the pages; with it, call [`SlotLog::clear`] after.
-    pub fn get(&mut self, vm: &impl AsRawFd, slot: u32) -> Result<(), KvmError> {
+    pub(crate) fn get(&mut self, vm: &impl AsRawFd) -> Result<(), KvmError> {
         let log = kvm_dirty_log {
-            slot,
+            slot: self.slot,
             padding1: 0,
             __bindgen_anon_1: kvm_dirty_log__bindgen_ty_1 {
                 dirty_bitmap: self.words.as_mut_ptr().cast(),
             },
         };
-        // SAFETY: `words` holds ceil(pages / 64) words, one bit for every page of the slot
-        // (sized in `new` from the slot's page count), and the kernel writes no more than
-        // that; the buffer outlives the call and no other reference to it exists (&mut self).
+        // SAFETY: `words` holds ceil(pages / 64) words, one bit for every page of slot
+        // `self.slot` (sized in `new` from that slot's page count by the memslot that made
+        // the slot, the only caller), and the kernel writes no more than that; the buffer
+        // outlives the call and no other reference to it exists (&mut self).
         let ret = unsafe { ioctl_with_ref(vm, KVM_GET_DIRTY_LOG(), &log) };
         if ret < 0 {
             return Err(KvmError::Ioctl {
@@ -76,12 +76,12 @@ impl SlotLog {
     /// `KVM_CLEAR_DIRTY_LOG` for `slot` with this buffer: re-protects exactly the pages the
     /// last [`SlotLog::get`] reported (needs manual protection enabled). Skipped when the
     /// buffer is clean.
-    pub fn clear(&mut self, vm: &impl AsRawFd, slot: u32) -> Result<(), KvmError> {
+    pub(crate) fn clear(&mut self, vm: &impl AsRawFd) -> Result<(), KvmError> {
         if self.words.iter().all(|&w| w == 0) {
             return Ok(());
         }
         let mut clear = kvm_clear_dirty_log {
-            slot,
+            slot: self.slot,
             // The whole slot: first_page 0 (a multiple of 64) and num_pages reaching the
             // slot's end, the two alignment rules the kernel enforces.
             num_pages: u32::try_from(self.pages).map_err(|_| KvmError::Ioctl {
@@ -112,10 +112,10 @@ mod tests {
 
     #[test]
     fn slot_log_sizes_one_bit_per_page() {
-        assert_eq!(SlotLog::new(1).words().len(), 1);
-        assert_eq!(SlotLog::new(64).words().len(), 1);
-        assert_eq!(SlotLog::new(65).words().len(), 2);
-        assert_eq!(SlotLog::new(0).words().len(), 0);
+        assert_eq!(SlotLog::new(0, 1).words().len(), 1);
+        assert_eq!(SlotLog::new(0, 64).words().len(), 1);
+        assert_eq!(SlotLog::new(0, 65).words().len(), 2);
+        assert_eq!(SlotLog::new(0, 0).words().len(), 0);
     }
 
     #[test]

@@ -251,7 +251,7 @@ impl Memslots {
             id,
             region: r.clone(),
             flags,
-            log: SlotLog::new(bitmap.pages()),
+            log: SlotLog::new(id, bitmap.pages()),
             bitmap: Arc::new(bitmap),
         };
         let info = slot.info();
@@ -360,7 +360,7 @@ impl Memslots {
         let mut stats = HarvestStats::default();
         let t = Instant::now();
         for s in self.slots.iter_mut().filter(|s| s.logs()) {
-            s.log.get(vm, s.id)?;
+            s.log.get(vm)?;
             s.bitmap.merge_words(0, s.log.words())?;
             stats.dirty_pages += s
                 .log
@@ -374,7 +374,7 @@ impl Memslots {
         if self.vm.caps().manual_protect {
             let t = Instant::now();
             for s in self.slots.iter_mut().filter(|s| s.logs()) {
-                s.log.clear(vm, s.id)?;
+                s.log.clear(vm)?;
             }
             stats.clear = t.elapsed();
         }

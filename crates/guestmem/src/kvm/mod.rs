@@ -1,24 +1,34 @@
-//! The guest map registered with KVM: memslots, dirty-log harvesting, a guest workload and
-//! a dirty-logging performance run modelled on KVM's `dirty_log_perf_test`.
+//! The guest map registered with KVM: what a VMM needs, and nothing a test rig does.
 //!
 //! - [`KvmVm`]: `/dev/kvm` opened, one VM created, the capabilities that matter read once.
 //! - [`memslots::Memslots`]: every region of a [`crate::Snapshot`] as one memslot, kept in
 //!   sync with hot-add and hot-remove; it holds each registered region's `Arc`, so a region
 //!   is never unmapped while KVM still maps it.
-//! - [`dirty`]: `KVM_GET_DIRTY_LOG` and `KVM_CLEAR_DIRTY_LOG` into reused buffers, merged into
-//!   the word-level bitmaps of [`crate::dirty`].
-//! - [`program`]: the hand-assembled guest routines (32-bit and 64-bit) and the CPU state.
-//! - [`guest`]: vCPU threads running them against the map.
-//! - [`perf`]: the `guestmem vm` engine.
+//! - Dirty-log harvesting ([`Memslots::harvest`]): `KVM_GET_DIRTY_LOG` and
+//!   `KVM_CLEAR_DIRTY_LOG` into buffers each memslot owns, sized from the slot itself, merged
+//!   into the word-level bitmaps of [`crate::dirty`]. The buffers are private, so no safe
+//!   call can hand KVM a buffer smaller than the slot it fills.
 //!
-//! What this machine's nested KVM accepts is recorded in [`program`]: flat 32-bit protected
-//! mode without paging, and long mode once the guest has page tables.
+//! A guest to run on it (vCPU setup, a hand-assembled program, the `dirty_log_perf_test`
+//! engine of `guestmem vm`) lives in the lab crate, `guestmem-lab`, not here.
+//!
+//! The one way to read a dirty log is through the memslots, which size each buffer from
+//! its slot:
+//!
+//! ```no_run
+//! # fn harvest(slots: &mut guestmem::kvm::Memslots) -> Result<(), guestmem::kvm::KvmError> {
+//! let stats = slots.harvest()?; // every logging slot, into buffers sized from the slot
+//! # Ok(()) }
+//! ```
+//!
+//! ```compile_fail,E0603
+//! # fn harvest(slots: &mut guestmem::kvm::Memslots) -> Result<(), guestmem::kvm::KvmError> {
+//! let log = guestmem::kvm::dirty::SlotLog::new(0, 1); // private: no buffer of your own size
+//! # Ok(()) }
+//! ```
 
-pub mod dirty;
-pub mod guest;
+mod dirty;
 pub mod memslots;
-pub mod perf;
-pub mod program;
 
 use std::path::{Path, PathBuf};
 
@@ -98,35 +108,10 @@ pub enum KvmError {
     /// A dirty bitmap refused an operation.
     #[error(transparent)]
     Dirty(#[from] crate::dirty::DirtyError),
-    /// A guest-memory access failed.
-    #[error(transparent)]
-    Translate(#[from] crate::translate::TranslateError),
-    /// The map refused a change.
-    #[error(transparent)]
-    Map(#[from] crate::map::MapError),
-    /// A vCPU stopped for a reason the workload does not expect.
-    #[error("vCPU {vcpu}: unexpected exit {exit}")]
-    UnexpectedExit {
-        /// The vCPU index.
-        vcpu: usize,
-        /// The exit, as text.
-        exit: String,
-    },
-    /// The workload's configuration cannot be run.
-    #[error("workload: {0}")]
-    Config(String),
-    /// A vCPU thread died or could not be started.
-    #[error("vCPU {vcpu}: thread failed: {what}")]
-    Thread {
-        /// The vCPU index.
-        vcpu: usize,
-        /// What happened.
-        what: String,
-    },
 }
 
 impl KvmError {
-    fn ioctl(op: &'static str, e: vmm_sys_util::errno::Error) -> KvmError {
+    pub(crate) fn ioctl(op: &'static str, e: vmm_sys_util::errno::Error) -> KvmError {
         KvmError::Ioctl {
             op,
             source: std::io::Error::from_raw_os_error(e.errno()),

@@ -30,12 +30,12 @@
 //! the listings below give every byte. The verify routine sits 0x40 bytes after the write
 //! routine, and the jump targets in its listing count from the write routine's start.
 
+use guestmem::GuestAddress;
 use kvm_bindings::kvm_segment;
 use kvm_ioctls::VcpuFd;
-use vm_memory::GuestAddress;
 
-use super::KvmError;
-use crate::map::GuestMap;
+use super::VmError;
+use guestmem::GuestMap;
 
 /// Guest address of the write routine; the verify routine is [`VERIFY_OFFSET`] further.
 pub const CODE_GPA: u64 = 0x1000;
@@ -89,7 +89,7 @@ pub fn pattern(gpa: u64, tag: u32) -> u32 {
 }
 
 /// Writes the routines (and for long mode the page tables) into `map`'s control region.
-pub(crate) fn load(map: &GuestMap, mode: GuestMode) -> Result<(), KvmError> {
+pub(crate) fn load(map: &GuestMap, mode: GuestMode) -> Result<(), VmError> {
     let t = map.translator();
     let (write, verify) = mode.routines();
     t.write(GuestAddress(CODE_GPA), write)?;
@@ -120,10 +120,10 @@ fn identity_tables() -> Vec<u8> {
 }
 
 /// Puts a fresh vCPU into `mode`: flat segments, and for long mode paging on.
-pub(crate) fn setup_vcpu(vcpu: &VcpuFd, mode: GuestMode) -> Result<(), KvmError> {
+pub(crate) fn setup_vcpu(vcpu: &VcpuFd, mode: GuestMode) -> Result<(), VmError> {
     let mut sregs = vcpu
         .get_sregs()
-        .map_err(|e| KvmError::ioctl("KVM_GET_SREGS", e))?;
+        .map_err(|e| VmError::ioctl("KVM_GET_SREGS", e))?;
     let long = mode == GuestMode::Long64;
     let code = kvm_segment {
         base: 0,
@@ -162,7 +162,7 @@ pub(crate) fn setup_vcpu(vcpu: &VcpuFd, mode: GuestMode) -> Result<(), KvmError>
     };
     sregs.cr3 = if long { PAGE_TABLES_GPA } else { 0 };
     vcpu.set_sregs(&sregs)
-        .map_err(|e| KvmError::ioctl("KVM_SET_SREGS", e))
+        .map_err(|e| VmError::ioctl("KVM_SET_SREGS", e))
 }
 
 /// The 32-bit write routine (`as --32`, Intel syntax; offset, bytes, instruction):

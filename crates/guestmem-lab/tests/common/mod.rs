@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
-use guestmem::kvm::guest::{control_spec, data_specs};
 use guestmem::kvm::{KvmVm, MemslotConfig, Memslots, VmConfig, KVM_PATH};
 use guestmem::{GuestAddress, GuestMap, Region};
+use guestmem_lab::vm::guest::{control_spec, data_specs};
 
 /// Where the tests' data slots start.
 pub const DATA_GPA: u64 = 1 << 30;

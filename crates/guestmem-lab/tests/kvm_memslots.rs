@@ -1,16 +1,14 @@
 //! Memslots follow the map: hot-add and hot-remove while vCPUs run, and bad input.
 
-#![cfg(feature = "kvm")]
-
 mod common;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use guestmem::kvm::guest::{pattern, GuestMode, Partition, Workload, WorkloadConfig};
 use guestmem::kvm::{KvmError, KvmVm, MemslotConfig, Memslots, VmConfig};
 use guestmem::{Access, GuestAddress, GuestMap, RegionSpec};
+use guestmem_lab::vm::guest::{pattern, GuestMode, Partition, Workload, WorkloadConfig};
 
 const HOT_GPA: u64 = 0xc000_0000;
 

@@ -1,11 +1,9 @@
 //! The `guestmem vm` engine runs end to end and reports every phase.
 
-#![cfg(feature = "kvm")]
-
 mod common;
 
-use guestmem::kvm::guest::{GuestMode, Partition};
-use guestmem::kvm::perf::{run, PerfConfig};
+use guestmem_lab::vm::guest::{GuestMode, Partition};
+use guestmem_lab::vm::perf::{run, PerfConfig};
 
 #[test]
 fn perf_run_small_reports_every_pass_with_exact_dirty_pages() {

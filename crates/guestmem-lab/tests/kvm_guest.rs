@@ -1,12 +1,10 @@
 //! The guest and the host see each other's writes through the same memslots.
 
-#![cfg(feature = "kvm")]
-
 mod common;
 
-use guestmem::kvm::guest::{pattern, GuestMode, Partition, Workload, WorkloadConfig};
-use guestmem::kvm::program::{PAGE_TABLES_BYTES, PAGE_TABLES_GPA};
 use guestmem::GuestAddress;
+use guestmem_lab::vm::guest::{pattern, GuestMode, Partition, Workload, WorkloadConfig};
+use guestmem_lab::vm::program::{PAGE_TABLES_BYTES, PAGE_TABLES_GPA};
 
 const VCPUS: usize = 4;
 const SLOTS: usize = 64;
@@ -99,8 +97,8 @@ fn long_mode_guest_writes_above_4gib_and_verifies_host_writes() {
     }
     // 16 MiB in 4 slots from 5 GiB: out of a 32-bit guest's reach.
     let base = 5u64 << 30;
-    let mut specs = guestmem::kvm::guest::data_specs(GuestAddress(base), 16 << 20, 4).unwrap();
-    specs.push(guestmem::kvm::guest::control_spec());
+    let mut specs = guestmem_lab::vm::guest::data_specs(GuestAddress(base), 16 << 20, 4).unwrap();
+    specs.push(guestmem_lab::vm::guest::control_spec());
     let map = guestmem::GuestMap::from_specs(&specs).unwrap();
     let vm = std::sync::Arc::new(
         guestmem::kvm::KvmVm::open(&guestmem::kvm::VmConfig::default()).unwrap(),

@@ -13,13 +13,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use vm_memory::GuestAddress;
+use guestmem::GuestAddress;
 
 use super::guest::{self, GuestMode, Partition, Workload, WorkloadConfig};
-use super::memslots::{DirtyLogging, MemslotConfig, Memslots};
-use super::{KvmCaps, KvmError, KvmVm, VmConfig};
-use crate::dirty::DirtyPages;
-use crate::map::GuestMap;
+use super::VmError;
+use guestmem::dirty::DirtyPages;
+use guestmem::kvm::{DirtyLogging, MemslotConfig, Memslots};
+use guestmem::kvm::{KvmCaps, KvmVm, VmConfig};
+use guestmem::GuestMap;
 
 /// Guest address where the data regions start.
 pub const DATA_GPA: u64 = 1 << 30;
@@ -106,13 +107,13 @@ pub struct PerfReport {
 }
 
 /// Runs the test that `config` describes.
-pub fn run(config: &PerfConfig) -> Result<PerfReport, KvmError> {
+pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
     let limit = config.mode.end_limit();
     if DATA_GPA
         .checked_add(config.memory_bytes)
         .map_or(true, |end| end > limit)
     {
-        return Err(KvmError::Config(format!(
+        return Err(VmError::Config(format!(
             "{:#x} bytes from {DATA_GPA:#x} asked for; a {:?} guest reaches below {limit:#x} only",
             config.memory_bytes, config.mode
         )));
@@ -172,7 +173,7 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, KvmError> {
             }
         }
         if dirty_pages != pages_written {
-            return Err(KvmError::Config(format!(
+            return Err(VmError::Config(format!(
                 "iteration {iteration}: KVM reported {dirty_pages} dirty data pages, the guest wrote {pages_written}"
             )));
         }

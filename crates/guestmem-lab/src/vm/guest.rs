@@ -13,16 +13,18 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use guestmem::GuestAddress;
 use kvm_bindings::kvm_regs;
 use kvm_ioctls::{VcpuExit, VcpuFd};
-use vm_memory::GuestAddress;
 
 use super::program::{self, CODE_GPA, PAGE_TABLES_GPA, VERIFY_OFFSET};
 pub use super::program::{pattern, GuestMode, PORT_PASS_DONE, PORT_VERIFY_DONE};
-use super::{KvmError, KvmVm};
-use crate::layout::{Access, RegionSpec};
-use crate::map::GuestMap;
-use crate::region::Region;
+use super::VmError;
+use guestmem::kvm::KvmVm;
+use guestmem::layout::{Access, Backing, Guard, RegionSpec, Thp};
+use guestmem::plan::EvenLayout;
+use guestmem::GuestMap;
+use guestmem::Region;
 
 /// Guest address of the control region (code, parameter blocks, page tables).
 pub const CONTROL_GPA: u64 = 0;
@@ -42,31 +44,24 @@ pub fn control_spec() -> RegionSpec {
     RegionSpec::new(GuestAddress(CONTROL_GPA), CONTROL_BYTES)
 }
 
-/// `bytes` of guest memory from `base`, split into `slots` equal regions (each a multiple of
-/// 2 MiB, the last taking the remainder).
+/// `bytes` of anonymous, THP-advised, guarded guest memory from `base`, split into `slots`
+/// regions of whole 2 MiB pages, the last taking the remainder: [`EvenLayout`] with the
+/// defaults.
 pub fn data_specs(
     base: GuestAddress,
     bytes: u64,
     slots: usize,
-) -> Result<Vec<RegionSpec>, KvmError> {
-    const CHUNK: u64 = 2 << 20;
-    let slots64 = slots as u64;
-    if slots == 0 || bytes < slots64 * CHUNK || bytes % CHUNK != 0 {
-        return Err(KvmError::Config(format!(
-            "{bytes:#x} bytes cannot be split into {slots} slots of whole 2 MiB chunks"
-        )));
+) -> Result<Vec<RegionSpec>, VmError> {
+    EvenLayout {
+        size: bytes,
+        regions: slots as u64,
+        base,
+        backing: Backing::Anonymous,
+        thp: Thp::Huge,
+        guard: Guard::On,
     }
-    let per = bytes / CHUNK / slots64 * CHUNK;
-    Ok((0..slots64)
-        .map(|i| {
-            let size = if i + 1 == slots64 {
-                bytes - per * i
-            } else {
-                per
-            };
-            RegionSpec::new(GuestAddress(base.0 + per * i), size)
-        })
-        .collect())
+    .specs()
+    .map_err(|e| VmError::Config(format!("{bytes:#x} bytes into {slots} slots: {e}")))
 }
 
 /// How vCPUs share the data regions.
@@ -145,7 +140,7 @@ enum Cmd {
     Run { rip: u64, tag: u32, port: u16 },
 }
 
-type Reply = (usize, Result<u32, KvmError>);
+type Reply = (usize, Result<u32, VmError>);
 
 struct VcpuThread {
     cmd: Sender<Cmd>,
@@ -178,9 +173,9 @@ impl Workload {
         map: &GuestMap,
         data: &[Arc<Region>],
         config: WorkloadConfig,
-    ) -> Result<Workload, KvmError> {
+    ) -> Result<Workload, VmError> {
         if config.vcpus == 0 || config.vcpus > MAX_VCPUS {
-            return Err(KvmError::Config(format!(
+            return Err(VmError::Config(format!(
                 "{} vCPUs asked for, 1..={MAX_VCPUS} supported",
                 config.vcpus
             )));
@@ -188,7 +183,7 @@ impl Workload {
         let mut ranges = Vec::with_capacity(data.len());
         for r in data {
             if r.access() == Access::ReadOnly || r.guest_end() > config.mode.end_limit() {
-                return Err(KvmError::Config(format!(
+                return Err(VmError::Config(format!(
                     "region at {:#x}: the guest writes it, so it must be read-write and end below {:#x}",
                     r.guest_addr().0,
                     config.mode.end_limit()
@@ -209,10 +204,10 @@ impl Workload {
         map: &GuestMap,
         slices: Vec<Vec<Range>>,
         mode: GuestMode,
-    ) -> Result<Workload, KvmError> {
+    ) -> Result<Workload, VmError> {
         let vcpus = slices.len();
         if vcpus == 0 || vcpus > MAX_VCPUS {
-            return Err(KvmError::Config(format!(
+            return Err(VmError::Config(format!(
                 "{vcpus} vCPUs asked for, 1..={MAX_VCPUS} supported"
             )));
         }
@@ -225,14 +220,14 @@ impl Workload {
             let vcpu = vm
                 .vm_fd()
                 .create_vcpu(v as u64)
-                .map_err(|e| KvmError::ioctl("KVM_CREATE_VCPU", e))?;
+                .map_err(|e| VmError::ioctl("KVM_CREATE_VCPU", e))?;
             program::setup_vcpu(&vcpu, mode)?;
             let (cmd_tx, cmd_rx) = channel();
             let replies = reply_tx.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("vcpu{v}"))
                 .spawn(move || vcpu_loop(v, vcpu, cmd_rx, replies))
-                .map_err(|e| KvmError::Thread {
+                .map_err(|e| VmError::Thread {
                     vcpu: v,
                     what: e.to_string(),
                 })?;
@@ -251,9 +246,9 @@ impl Workload {
 
     /// Gives the vCPUs new ranges (one list per vCPU, checked as in
     /// [`Workload::start_with_slices`]); they are idle between commands, so this is safe.
-    pub fn set_slices(&mut self, map: &GuestMap, slices: Vec<Vec<Range>>) -> Result<(), KvmError> {
+    pub fn set_slices(&mut self, map: &GuestMap, slices: Vec<Vec<Range>>) -> Result<(), VmError> {
         if slices.len() != self.threads.len() {
-            return Err(KvmError::Config(format!(
+            return Err(VmError::Config(format!(
                 "{} slices given for {} vCPUs",
                 slices.len(),
                 self.threads.len()
@@ -276,23 +271,23 @@ impl Workload {
 
     /// Every vCPU writes [`pattern`]`(gpa, tag)` into the first dword of each page of its
     /// slice, once; returns when all have reported.
-    pub fn write_pass(&self, tag: u32) -> Result<PassOutcome, KvmError> {
+    pub fn write_pass(&self, tag: u32) -> Result<PassOutcome, VmError> {
         self.command(CODE_GPA, tag, PORT_PASS_DONE)
     }
 
     /// Every vCPU checks dwords 0 and 4092 of each page of its slice against
     /// [`pattern`]`(gpa, tag)`; the values are the mismatch counts.
-    pub fn verify(&self, tag: u32) -> Result<PassOutcome, KvmError> {
+    pub fn verify(&self, tag: u32) -> Result<PassOutcome, VmError> {
         self.command(CODE_GPA + VERIFY_OFFSET, tag, PORT_VERIFY_DONE)
     }
 
-    fn command(&self, rip: u64, tag: u32, port: u16) -> Result<PassOutcome, KvmError> {
+    fn command(&self, rip: u64, tag: u32, port: u16) -> Result<PassOutcome, VmError> {
         let replies = self.replies.lock().unwrap_or_else(|e| e.into_inner());
         let start = Instant::now();
         for (v, t) in self.threads.iter().enumerate() {
             t.cmd
                 .send(Cmd::Run { rip, tag, port })
-                .map_err(|_| KvmError::Thread {
+                .map_err(|_| VmError::Thread {
                     vcpu: v,
                     what: "exited".into(),
                 })?;
@@ -300,7 +295,7 @@ impl Workload {
         let mut values = vec![0; self.threads.len()];
         let mut first_err = None;
         for _ in 0..self.threads.len() {
-            let (v, r) = replies.recv().map_err(|_| KvmError::Thread {
+            let (v, r) = replies.recv().map_err(|_| VmError::Thread {
                 vcpu: 0,
                 what: "all vCPU threads exited".into(),
             })?;
@@ -334,11 +329,11 @@ impl Drop for Workload {
 }
 
 /// Checks `slices` and writes each vCPU's parameter block.
-fn write_params(map: &GuestMap, slices: &[Vec<Range>], mode: GuestMode) -> Result<(), KvmError> {
+fn write_params(map: &GuestMap, slices: &[Vec<Range>], mode: GuestMode) -> Result<(), VmError> {
     let limit = mode.end_limit();
     for &(s, e) in slices.iter().flatten() {
         if s >= e || s % PAGE_BYTES != 0 || e % PAGE_BYTES != 0 || e > limit {
-            return Err(KvmError::Config(format!(
+            return Err(VmError::Config(format!(
                 "range {s:#x}..{e:#x}: must be non-empty, page-aligned and end at most {limit:#x}"
             )));
         }
@@ -346,7 +341,7 @@ fn write_params(map: &GuestMap, slices: &[Vec<Range>], mode: GuestMode) -> Resul
     let t = map.translator();
     for (v, slice) in slices.iter().enumerate() {
         if slice.len() > MAX_ENTRIES {
-            return Err(KvmError::Config(format!(
+            return Err(VmError::Config(format!(
                 "vCPU {v} walks {} ranges, at most {MAX_ENTRIES} fit its parameter page",
                 slice.len()
             )));
@@ -376,7 +371,7 @@ fn vcpu_loop(v: usize, mut vcpu: VcpuFd, cmds: Receiver<Cmd>, replies: Sender<Re
     }
 }
 
-fn run_one(v: usize, vcpu: &mut VcpuFd, rip: u64, tag: u32, want: u16) -> Result<u32, KvmError> {
+fn run_one(v: usize, vcpu: &mut VcpuFd, rip: u64, tag: u32, want: u16) -> Result<u32, VmError> {
     let regs = kvm_regs {
         rip,
         rsi: params_gpa(v),
@@ -385,7 +380,7 @@ fn run_one(v: usize, vcpu: &mut VcpuFd, rip: u64, tag: u32, want: u16) -> Result
         ..Default::default()
     };
     vcpu.set_regs(&regs)
-        .map_err(|e| KvmError::ioctl("KVM_SET_REGS", e))?;
+        .map_err(|e| VmError::ioctl("KVM_SET_REGS", e))?;
     loop {
         match vcpu.run() {
             Ok(VcpuExit::IoOut(port, data)) if port == want && data.len() == 4 => {
@@ -393,13 +388,13 @@ fn run_one(v: usize, vcpu: &mut VcpuFd, rip: u64, tag: u32, want: u16) -> Result
             }
             Ok(VcpuExit::Intr) => continue,
             Ok(exit) => {
-                return Err(KvmError::UnexpectedExit {
+                return Err(VmError::UnexpectedExit {
                     vcpu: v,
                     exit: format!("{exit:?}"),
                 })
             }
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => continue,
-            Err(e) => return Err(KvmError::ioctl("KVM_RUN", e)),
+            Err(e) => return Err(VmError::ioctl("KVM_RUN", e)),
         }
     }
 }

@@ -1,14 +1,12 @@
 //! KVM's dirty log, harvested into the word-level bitmaps, holds exactly what was written.
 
-#![cfg(feature = "kvm")]
-
 mod common;
 
 use std::collections::BTreeSet;
 
 use guestmem::dirty::DirtyPages;
-use guestmem::kvm::guest::{GuestMode, Range, Workload};
 use guestmem::GuestAddress;
+use guestmem_lab::vm::guest::{GuestMode, Range, Workload};
 
 const VCPUS: usize = 4;
 const SLOTS: usize = 64;

@@ -1,0 +1,538 @@
+//! Owned host mappings: a [`Reservation`] of address space, and the [`Mapping`] placed in it.
+//!
+//! Design choice, after crosvm's `MemoryMapping`: every range of address space guestmem
+//! touches has exactly one owner, which unmaps it when dropped, and every operation on a range
+//! is a method of that owner that checks the offset and length first and then makes one
+//! `unsafe` call whose SAFETY comment names that check. Neither type is `Copy` or `Clone`, and
+//! no method takes a raw address, so safe code cannot unmap, remap or re-protect memory it does
+//! not own:
+//!
+//! - A [`Reservation`] is `PROT_NONE` address space. It can be trimmed (the slack given back)
+//!   and consumed by [`Reservation::place`], which maps memory over part of it with
+//!   `MAP_FIXED`: the only `MAP_FIXED` in guestmem, and always inside a range the caller owns.
+//! - A [`Mapping`] owns what is left of its reservation: its body (the readable, writable
+//!   memory) and the `PROT_NONE` pages around it, which serve as guards. Dropping it unmaps
+//!   all of them at once.
+//!
+//! What a mapping offers never hands out a Rust reference to its memory (only raw pointers and
+//! `VolatileSlice`s, as vm-memory does for guest memory, which the guest may change at any
+//! time). So advice that changes contents (`MADV_DONTNEED`) cannot invalidate a borrow, and no
+//! method changes protection: a body stays readable and writable for as long as it lives.
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+use vm_memory::VolatileSlice;
+
+use crate::layout::Reserve;
+
+/// Why an operation on a reservation or mapping failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MmapError {
+    /// The range does not lie inside the owner (or its end overflows).
+    #[error("range {offset:#x} + {len:#x} lies outside the {size:#x}-byte {what}")]
+    OutOfRange {
+        /// Offset of the range.
+        offset: usize,
+        /// Its length.
+        len: usize,
+        /// The owner's size.
+        size: usize,
+        /// `mapping` or `reservation`.
+        what: &'static str,
+    },
+    /// A syscall failed.
+    #[error("{op} of {len:#x} bytes at host {addr:#x} failed: {source}")]
+    Sys {
+        /// The call, as `madvise(MADV_POPULATE_WRITE)`.
+        op: &'static str,
+        /// Host address of the range.
+        addr: usize,
+        /// Its length.
+        len: usize,
+        /// The errno.
+        source: io::Error,
+    },
+}
+
+impl MmapError {
+    /// The syscall's name, or `range check` for [`MmapError::OutOfRange`].
+    pub fn op(&self) -> &'static str {
+        match self {
+            MmapError::OutOfRange { .. } => "range check",
+            MmapError::Sys { op, .. } => op,
+        }
+    }
+
+    /// The error as an `io::Error` (`EINVAL` for a range outside the owner).
+    pub fn into_io(self) -> io::Error {
+        match self {
+            MmapError::OutOfRange { .. } => io::Error::from_raw_os_error(libc::EINVAL),
+            MmapError::Sys { source, .. } => source,
+        }
+    }
+}
+
+fn sys_result(
+    ret: libc::c_int,
+    op: &'static str,
+    addr: usize,
+    len: usize,
+) -> Result<(), MmapError> {
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(MmapError::Sys {
+            op,
+            addr,
+            len,
+            source: io::Error::last_os_error(),
+        })
+    }
+}
+
+/// `offset..offset+len` inside `size`, or the error naming it.
+fn check(offset: usize, len: usize, size: usize, what: &'static str) -> Result<(), MmapError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(MmapError::OutOfRange {
+            offset,
+            len,
+            size,
+            what,
+        }),
+    }
+}
+
+/// A fresh private anonymous mapping of `len` bytes with `prot` and `extra_flags`, where the
+/// kernel chooses; the caller becomes its one owner.
+fn mmap_fresh(
+    len: usize,
+    prot: libc::c_int,
+    extra_flags: libc::c_int,
+    op: &'static str,
+) -> Result<usize, MmapError> {
+    // SAFETY: a fresh anonymous mapping at an address the kernel chooses (no MAP_FIXED)
+    // cannot alias memory this process uses; the result is checked against MAP_FAILED below.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            prot,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | extra_flags,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(MmapError::Sys {
+            op,
+            addr: 0,
+            len,
+            source: io::Error::last_os_error(),
+        });
+    }
+    Ok(p as usize)
+}
+
+/// Unmaps `addr..addr+len`.
+///
+/// # Safety
+/// The range must be owned by the caller (a reservation or mapping it is dropping or
+/// trimming), with nothing else using it afterwards.
+unsafe fn munmap(addr: usize, len: usize) -> Result<(), MmapError> {
+    if len == 0 {
+        return Ok(());
+    }
+    // SAFETY: the caller owns the range and gives it up (this function's contract).
+    let ret = unsafe { libc::munmap(addr as *mut libc::c_void, len) };
+    sys_result(ret, "munmap", addr, len)
+}
+
+/// A range of `PROT_NONE` address space, owned: nothing can be mapped there except through
+/// [`Reservation::place`], and it is unmapped when dropped.
+#[derive(Debug)]
+pub struct Reservation {
+    addr: usize,
+    len: usize,
+}
+
+impl Reservation {
+    /// Reserves `len` bytes (`PROT_NONE`, private, no swap reservation) where the kernel
+    /// chooses.
+    pub fn new(len: usize) -> Result<Reservation, MmapError> {
+        let addr = mmap_fresh(len, libc::PROT_NONE, libc::MAP_NORESERVE, "mmap(PROT_NONE)")?;
+        Ok(Reservation { addr, len })
+    }
+
+    /// The first address, for placement arithmetic.
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    /// The length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the reservation is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Keeps `offset..offset+len` and gives the rest back to the kernel. `offset` and `len`
+    /// must be multiples of the base page size.
+    pub fn trim(self, offset: usize, len: usize) -> Result<Reservation, MmapError> {
+        check(offset, len, self.len, "reservation")?;
+        let page = crate::sys::base_page_size() as usize;
+        if offset % page != 0 || len % page != 0 {
+            return Err(MmapError::OutOfRange {
+                offset,
+                len,
+                size: self.len,
+                what: "reservation (page-aligned)",
+            });
+        }
+        let this = std::mem::ManuallyDrop::new(self);
+        let (addr, total) = (this.addr, this.len);
+        let keep = Reservation {
+            addr: addr + offset,
+            len,
+        };
+        let tail = offset + len;
+        // SAFETY: head and tail lie inside this reservation (checked above), which we own and
+        // give up here; `keep`, the only owner from now on, covers neither of them.
+        let head_res = unsafe { munmap(addr, offset) };
+        // SAFETY: as above, for the part after the kept range.
+        let tail_res = unsafe { munmap(addr + tail, total - tail) };
+        head_res?;
+        tail_res?;
+        Ok(keep)
+    }
+
+    /// Maps `len` bytes from `source` at `offset` inside the reservation with `MAP_FIXED`,
+    /// readable and writable, and returns the mapping, which takes over the whole reservation:
+    /// the parts not mapped stay `PROT_NONE` (guards) and are unmapped with it.
+    ///
+    /// On failure the reservation is unmapped and nothing is left behind.
+    pub fn place(
+        self,
+        offset: usize,
+        len: usize,
+        source: MapSource<'_>,
+        reserve: Reserve,
+    ) -> Result<Mapping, MmapError> {
+        check(offset, len, self.len, "reservation")?;
+        let (flags, fd, file_offset) = match source {
+            MapSource::Anonymous => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0),
+            MapSource::SharedFile { fd, offset } => (libc::MAP_SHARED, fd.as_raw_fd(), offset),
+            MapSource::PrivateFile { fd, offset } => (libc::MAP_PRIVATE, fd.as_raw_fd(), offset),
+        };
+        let flags = match reserve {
+            Reserve::Reserve => flags,
+            Reserve::NoReserve => flags | libc::MAP_NORESERVE,
+        };
+        let body = self.addr + offset;
+        let file_offset = libc::off_t::try_from(file_offset).map_err(|_| MmapError::Sys {
+            op: "mmap(MAP_FIXED)",
+            addr: body,
+            len,
+            source: io::Error::from_raw_os_error(libc::EOVERFLOW),
+        })?;
+        // SAFETY: body..body+len lies inside this reservation (checked above), which we own
+        // and which no one can use (PROT_NONE); MAP_FIXED replaces only pages of it. The
+        // mapping made here is owned by the Mapping returned below, with the reservation.
+        let p = unsafe {
+            libc::mmap(
+                body as *mut libc::c_void,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags | libc::MAP_FIXED,
+                fd,
+                file_offset,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(MmapError::Sys {
+                op: "mmap(MAP_FIXED)",
+                addr: body,
+                len,
+                source: io::Error::last_os_error(),
+            });
+        }
+        let this = std::mem::ManuallyDrop::new(self);
+        Ok(Mapping {
+            owned: (this.addr, this.len),
+            addr: body,
+            len,
+        })
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        // SAFETY: the reservation owns addr..addr+len and is going away. A failed munmap of
+        // our own range could only leak address space.
+        let _ = unsafe { munmap(self.addr, self.len) };
+    }
+}
+
+/// What a mapping maps.
+#[derive(Debug, Clone, Copy)]
+pub enum MapSource<'a> {
+    /// Private anonymous memory.
+    Anonymous,
+    /// A file from `offset`, shared: writes reach the file and other mappings of it.
+    SharedFile {
+        /// The file.
+        fd: BorrowedFd<'a>,
+        /// Byte offset, a multiple of the page size.
+        offset: u64,
+    },
+    /// A file from `offset`, private: writes stay in this process (copy on write).
+    PrivateFile {
+        /// The file.
+        fd: BorrowedFd<'a>,
+        /// Byte offset, a multiple of the page size.
+        offset: u64,
+    },
+}
+
+/// `madvise` advice that leaves every page of a mapping readable and writable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Advice {
+    /// `MADV_HUGEPAGE`: back it with transparent huge pages where possible.
+    HugePage,
+    /// `MADV_NOHUGEPAGE`.
+    NoHugePage,
+    /// `MADV_POPULATE_WRITE`: fault every page in writable now (Linux 5.14), without
+    /// writing.
+    PopulateWrite,
+    /// `MADV_DONTNEED`: drop the pages; private anonymous memory reads as zero afterwards,
+    /// file-backed memory as the file holds it.
+    DontNeed,
+}
+
+impl Advice {
+    fn raw(self) -> (libc::c_int, &'static str) {
+        match self {
+            Advice::HugePage => (libc::MADV_HUGEPAGE, "madvise(MADV_HUGEPAGE)"),
+            Advice::NoHugePage => (libc::MADV_NOHUGEPAGE, "madvise(MADV_NOHUGEPAGE)"),
+            Advice::PopulateWrite => (libc::MADV_POPULATE_WRITE, "madvise(MADV_POPULATE_WRITE)"),
+            Advice::DontNeed => (libc::MADV_DONTNEED, "madvise(MADV_DONTNEED)"),
+        }
+    }
+}
+
+/// How [`Mapping::lock`] locks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lock {
+    /// `mlock`: fault every page in and lock it now.
+    Now,
+    /// `mlock2(MLOCK_ONFAULT)`: account the range as locked now, lock pages as they fault in.
+    OnFault,
+}
+
+/// Readable, writable memory at a fixed host address, owned, with the `PROT_NONE` guard pages
+/// of the reservation it was placed in; all of it is unmapped when dropped.
+#[derive(Debug)]
+pub struct Mapping {
+    /// The whole range owned: body and guards.
+    owned: (usize, usize),
+    addr: usize,
+    len: usize,
+}
+
+// SAFETY: a Mapping is plain ownership of a range of address space; the kernel serialises
+// every operation on it, and access to its memory goes through raw pointers and
+// VolatileSlices, whose users accept that others may write it concurrently.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` offers only syscalls on the owned range and volatile access.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// A private anonymous mapping of `len` bytes wherever the kernel puts it (base-page
+    /// aligned), with no guards.
+    pub fn anonymous(len: usize) -> Result<Mapping, MmapError> {
+        let addr = mmap_fresh(len, libc::PROT_READ | libc::PROT_WRITE, 0, "mmap")?;
+        Ok(Mapping {
+            owned: (addr, len),
+            addr,
+            len,
+        })
+    }
+
+    /// The host address of the first byte. Reading or writing through it is `unsafe`; the
+    /// memory stays mapped as long as `self` lives.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.addr as *mut u8
+    }
+
+    /// The length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the mapping is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The host address range this mapping owns, guards included: `(start, len)`.
+    pub fn owned_range(&self) -> (usize, usize) {
+        self.owned
+    }
+
+    /// Host address of `offset..offset+len`, once checked to lie in the body.
+    fn range(&self, offset: usize, len: usize) -> Result<usize, MmapError> {
+        check(offset, len, self.len, "mapping")?;
+        Ok(self.addr + offset)
+    }
+
+    /// `offset..offset+len` of the body as a volatile slice, borrowed from the mapping.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<VolatileSlice<'_>, MmapError> {
+        let addr = self.range(offset, len)?;
+        // SAFETY: addr..addr+len lies in the body (checked by `range`), which stays mapped
+        // readable and writable while `self`, which the slice borrows, lives.
+        Ok(unsafe { VolatileSlice::new(addr as *mut u8, len) })
+    }
+
+    /// Gives `advice` on `offset..offset+len`.
+    pub fn advise(&self, offset: usize, len: usize, advice: Advice) -> Result<(), MmapError> {
+        let addr = self.range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (raw, op) = advice.raw();
+        // SAFETY: addr..addr+len lies in the body this mapping owns (checked by `range`);
+        // every `Advice` leaves the pages readable and writable, and no Rust reference into
+        // them exists (only raw pointers and volatile slices), so none can be invalidated.
+        let ret = unsafe { libc::madvise(addr as *mut libc::c_void, len, raw) };
+        sys_result(ret, op, addr, len)
+    }
+
+    /// Locks `offset..offset+len` against swap.
+    pub fn lock(&self, offset: usize, len: usize, how: Lock) -> Result<(), MmapError> {
+        let addr = self.range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (flags, op) = match how {
+            Lock::Now => (0, "mlock"),
+            Lock::OnFault => (libc::MLOCK_ONFAULT, "mlock2(MLOCK_ONFAULT)"),
+        };
+        // SAFETY: addr..addr+len lies in the body this mapping owns (checked by `range`);
+        // locking changes neither its contents nor its protection.
+        let ret = unsafe { libc::mlock2(addr as *const libc::c_void, len, flags) };
+        sys_result(ret, op, addr, len)
+    }
+
+    /// Unlocks `offset..offset+len`.
+    pub fn unlock(&self, offset: usize, len: usize) -> Result<(), MmapError> {
+        let addr = self.range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: addr..addr+len lies in the body this mapping owns (checked by `range`);
+        // unlocking changes neither its contents nor its protection.
+        let ret = unsafe { libc::munlock(addr as *const libc::c_void, len) };
+        sys_result(ret, "munlock", addr, len)
+    }
+
+    /// Binds `offset..offset+len` to NUMA node `node` (`mbind(MPOL_BIND)`; libc has no
+    /// wrapper, so this goes through `syscall`).
+    pub fn bind_node(&self, offset: usize, len: usize, node: u32) -> Result<(), MmapError> {
+        const MPOL_BIND: libc::c_ulong = 2;
+        let addr = self.range(offset, len)?;
+        let bits = usize::BITS as usize;
+        let words = (node as usize) / bits + 1;
+        let mut mask = vec![0usize; words];
+        mask[node as usize / bits] |= 1 << (node as usize % bits);
+        let maxnode = (words * bits + 1) as libc::c_ulong;
+        // SAFETY: addr..addr+len lies in the body this mapping owns (checked by `range`), and
+        // a memory policy only decides where its pages are placed; `mask` outlives the call
+        // and holds `maxnode - 1` bits, as mbind requires.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_mbind,
+                addr,
+                len,
+                MPOL_BIND,
+                mask.as_ptr(),
+                maxnode,
+                0 as libc::c_uint,
+            )
+        };
+        sys_result(if ret == 0 { 0 } else { -1 }, "mbind", addr, len)
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping owns `owned` (body and guards) and is going away; nothing can
+        // borrow its memory past this point (slices borrow `self`). A failed munmap of our
+        // own range could only leak address space.
+        let _ = unsafe { munmap(self.owned.0, self.owned.1) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::Bytes;
+
+    const PAGE: usize = 4096;
+
+    #[test]
+    fn place_inside_reservation_reads_back_and_keeps_guards() {
+        let r = Reservation::new(4 * PAGE).unwrap();
+        let base = r.addr();
+        let m = r
+            .place(PAGE, 2 * PAGE, MapSource::Anonymous, Reserve::Reserve)
+            .unwrap();
+        assert_eq!(m.as_ptr() as usize, base + PAGE);
+        assert_eq!(m.owned_range(), (base, 4 * PAGE));
+        let s = m.slice(0, 2 * PAGE).unwrap();
+        s.write_obj(0xa5u8, 2 * PAGE - 1).unwrap();
+        assert_eq!(s.read_obj::<u8>(2 * PAGE - 1).unwrap(), 0xa5);
+    }
+
+    #[test]
+    fn range_outside_the_body_is_refused_before_any_syscall() {
+        let m = Mapping::anonymous(2 * PAGE).unwrap();
+        for (off, len) in [(PAGE, 2 * PAGE), (usize::MAX, 2), (3 * PAGE, 0)] {
+            let e = m.advise(off, len, Advice::DontNeed).unwrap_err();
+            assert!(matches!(e, MmapError::OutOfRange { .. }), "{e}");
+            assert!(m.lock(off, len, Lock::Now).is_err());
+            assert!(m.slice(off, len).is_err());
+        }
+        assert!(m.advise(PAGE, PAGE, Advice::DontNeed).is_ok());
+    }
+
+    #[test]
+    fn place_outside_reservation_is_refused_and_unmaps_it() {
+        let r = Reservation::new(2 * PAGE).unwrap();
+        let e = r
+            .place(PAGE, 2 * PAGE, MapSource::Anonymous, Reserve::Reserve)
+            .unwrap_err();
+        assert!(matches!(e, MmapError::OutOfRange { .. }), "{e}");
+    }
+
+    #[test]
+    fn trim_keeps_the_middle_and_refuses_unaligned_parts() {
+        let r = Reservation::new(8 * PAGE).unwrap();
+        let base = r.addr();
+        let r = r.trim(2 * PAGE, 3 * PAGE).unwrap();
+        assert_eq!((r.addr(), r.len()), (base + 2 * PAGE, 3 * PAGE));
+        assert!(Reservation::new(2 * PAGE).unwrap().trim(1, PAGE).is_err());
+    }
+
+    #[test]
+    fn dont_need_zeroes_private_anonymous_memory() {
+        let m = Mapping::anonymous(PAGE).unwrap();
+        let s = m.slice(0, PAGE).unwrap();
+        s.write_obj(7u64, 8).unwrap();
+        m.advise(0, PAGE, Advice::DontNeed).unwrap();
+        assert_eq!(s.read_obj::<u64>(8).unwrap(), 0);
+    }
+}
