@@ -324,6 +324,10 @@ impl Advice {
     }
 }
 
+/// Node numbers at or above this are refused by [`Mapping::bind_node`]: the kernel's largest
+/// `MAX_NUMNODES` (`1 << CONFIG_NODES_SHIFT`, at most 10 bits on x86_64).
+pub const MAX_NUMA_NODES: u32 = 1 << 10;
+
 /// How [`Mapping::lock`] locks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Lock {
@@ -444,6 +448,16 @@ impl Mapping {
     pub fn bind_node(&self, offset: usize, len: usize, node: u32) -> Result<(), MmapError> {
         const MPOL_BIND: libc::c_ulong = 2;
         let addr = self.range(offset, len)?;
+        if node >= MAX_NUMA_NODES {
+            // The kernel would refuse it anyway; refusing first also spares allocating a
+            // mask of `node` bits.
+            return Err(MmapError::Sys {
+                op: "mbind",
+                addr,
+                len,
+                source: io::Error::from_raw_os_error(libc::EINVAL),
+            });
+        }
         let bits = usize::BITS as usize;
         let words = (node as usize) / bits + 1;
         let mut mask = vec![0usize; words];
@@ -525,6 +539,16 @@ mod tests {
         let r = r.trim(2 * PAGE, 3 * PAGE).unwrap();
         assert_eq!((r.addr(), r.len()), (base + 2 * PAGE, 3 * PAGE));
         assert!(Reservation::new(2 * PAGE).unwrap().trim(1, PAGE).is_err());
+    }
+
+    #[test]
+    fn bind_node_past_the_kernels_node_limit_is_refused() {
+        let m = Mapping::anonymous(PAGE).unwrap();
+        let e = m.bind_node(0, PAGE, u32::MAX).unwrap_err();
+        assert_eq!(e.into_io().raw_os_error(), Some(libc::EINVAL));
+        if crate::host::numa_nodes().iter().any(|n| n.id == 0) {
+            assert!(m.bind_node(0, PAGE, 0).is_ok(), "node 0 exists here");
+        }
     }
 
     #[test]
