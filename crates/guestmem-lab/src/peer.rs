@@ -7,8 +7,8 @@
 use std::io;
 
 use guestmem::inspect::HostRange;
-use guestmem::layout::{Reserve, THP_BYTES};
-use guestmem::mmap::{Advice, MapSource, Mapping, MmapError, Reservation};
+use guestmem::layout::THP_BYTES;
+use guestmem::mmap::{Advice, Mapping, MmapError, Reservation};
 use guestmem::workers::{Crew, Start};
 
 /// Why a peer could not bring its memory up.
@@ -131,6 +131,5 @@ pub fn placed(
     let res = Reservation::new(res_len).map_err(mmap_err(peer))?;
     let boundary = (res.addr() + page).next_multiple_of(thp);
     let offset = boundary - res.addr() + past_thp;
-    res.place(offset, mapped, MapSource::Anonymous, Reserve::Reserve)
-        .map_err(mmap_err(peer))
+    res.place(offset, mapped).map_err(mmap_err(peer))
 }

@@ -12,8 +12,8 @@
 //!   (QEMU's `threads_created_flag`; see [`Start::AllArrived`] for why a Rust reproduction
 //!   waits for them to arrive); the calling thread only waits.
 
-use guestmem::layout::{Reserve, THP_BYTES};
-use guestmem::mmap::{Advice, MapSource, Mapping, Reservation};
+use guestmem::layout::THP_BYTES;
+use guestmem::mmap::{Advice, Mapping, Reservation};
 use guestmem::workers::Start;
 
 use crate::peer::{advise, len_of, mmap_err, populate_parts, PeerError, PeerRun};
@@ -69,8 +69,7 @@ fn map_aligned(len: usize) -> Result<Mapping, PeerError> {
     let res = Reservation::new(total).map_err(mmap_err(NAME))?;
     let head = res.addr().next_multiple_of(align) - res.addr();
     let res = res.trim(head, len).map_err(mmap_err(NAME))?;
-    res.place(0, len, MapSource::Anonymous, Reserve::Reserve)
-        .map_err(mmap_err(NAME))
+    res.place(0, len).map_err(mmap_err(NAME))
 }
 
 /// Maps, advises and preallocates each region of `sizes` in turn, as QEMU does.

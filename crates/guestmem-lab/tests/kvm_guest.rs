@@ -104,7 +104,7 @@ fn long_mode_guest_writes_above_4gib_and_verifies_host_writes() {
         guestmem::kvm::KvmVm::open(&guestmem::kvm::VmConfig::default()).unwrap(),
     );
     let mut slots =
-        guestmem::kvm::Memslots::new(vm.clone(), guestmem::kvm::MemslotConfig::default());
+        guestmem::kvm::Memslots::new(vm.clone(), guestmem::kvm::MemslotConfig::default()).unwrap();
     slots.sync(&map.snapshot()).unwrap();
     let data: Vec<_> = map.snapshot().regions()[1..].to_vec();
     let config = WorkloadConfig {

@@ -108,7 +108,8 @@ fn sync_more_slots_than_allowed_is_refused_before_registering() {
             max_slots: Some(2),
             ..MemslotConfig::default()
         },
-    );
+    )
+    .unwrap();
 
     let e = slots.sync(&map.snapshot()).unwrap_err();
 
@@ -138,7 +139,7 @@ fn sync_region_kvm_refuses_names_it_and_undoes_the_call() {
         RegionSpec::new(GuestAddress(1 << 24), 1 << 20),
         RegionSpec::new(GuestAddress(bad), 1 << 20),
     ]);
-    let mut slots = Memslots::new(vm, MemslotConfig::default());
+    let mut slots = Memslots::new(vm, MemslotConfig::default()).unwrap();
 
     let e = slots.sync(&map.snapshot()).unwrap_err();
 
@@ -165,7 +166,7 @@ fn sync_read_only_region_gets_readonly_flag_and_no_logging() {
         RegionSpec::new(GuestAddress(0), 1 << 20).with_access(Access::ReadOnly),
         RegionSpec::new(GuestAddress(1 << 24), 1 << 20),
     ]);
-    let mut slots = Memslots::new(vm, MemslotConfig::default());
+    let mut slots = Memslots::new(vm, MemslotConfig::default()).unwrap();
 
     slots.sync(&map.snapshot()).unwrap();
 
@@ -177,4 +178,32 @@ fn sync_read_only_region_gets_readonly_flag_and_no_logging() {
             kvm_bindings::KVM_MEM_LOG_DIRTY_PAGES
         ]
     );
+}
+
+#[test]
+fn open_a_device_that_is_not_kvm_is_refused() {
+    let e = KvmVm::open(&VmConfig {
+        kvm_path: PathBuf::from("/dev/null"),
+        ..VmConfig::default()
+    })
+    .unwrap_err();
+    assert!(matches!(e, KvmError::Open { .. }), "{e}");
+    assert!(e.to_string().contains("not the KVM device"), "{e}");
+}
+
+#[test]
+fn a_vm_has_one_memslots_registry_at_a_time() {
+    if !common::kvm_usable() {
+        return;
+    }
+    let (vm, map) = vm_and_map(&[RegionSpec::new(GuestAddress(0), 4096)]);
+    let mut first = Memslots::new(vm.clone(), MemslotConfig::default()).unwrap();
+    first.sync(&map.snapshot()).unwrap();
+    // A second registry would number slots on its own and trust its buffers for slots the
+    // first one reuses: refused.
+    let e = Memslots::new(vm.clone(), MemslotConfig::default()).unwrap_err();
+    assert!(matches!(e, KvmError::MemslotsTaken), "{e}");
+    drop(first);
+    let mut again = Memslots::new(vm, MemslotConfig::default()).unwrap();
+    assert_eq!(again.sync(&map.snapshot()).unwrap().added.len(), 1);
 }

@@ -29,6 +29,16 @@ pub enum DirtyError {
         /// The region's size.
         size: u64,
     },
+    /// The bitmap would not fit in memory.
+    #[error(
+        "a dirty bitmap for {size:#x} bytes of {page_size:#x}-byte pages does not fit in memory"
+    )]
+    TooLarge {
+        /// Bytes asked for.
+        size: u64,
+        /// The page size.
+        page_size: u64,
+    },
     /// The page size is not a power of two.
     #[error("page size {page_size:#x} is not a power of two")]
     BadPageSize {
@@ -64,9 +74,13 @@ impl DirtyBitmap {
         }
         let page_shift = page_size.trailing_zeros();
         let pages = size.div_ceil(page_size);
-        let words = (0..pages.div_ceil(WORD_BITS)).map(|_| AtomicU64::new(0));
+        let too_large = DirtyError::TooLarge { size, page_size };
+        let n = usize::try_from(pages.div_ceil(WORD_BITS)).map_err(|_| too_large.clone())?;
+        let mut words: Vec<AtomicU64> = Vec::new();
+        words.try_reserve_exact(n).map_err(|_| too_large)?;
+        words.extend((0..n).map(|_| AtomicU64::new(0)));
         Ok(DirtyBitmap {
-            words: words.collect(),
+            words: words.into_boxed_slice(),
             size,
             pages,
             page_shift,
@@ -236,6 +250,14 @@ impl Iterator for DirtyPages<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn new_too_large_is_refused_not_aborted() {
+        assert!(matches!(
+            DirtyBitmap::new(u64::MAX, 1),
+            Err(DirtyError::TooLarge { .. })
+        ));
+    }
     use proptest::prelude::*;
 
     #[test]

@@ -224,7 +224,7 @@ fn usage_of(host: HostRange, vmas: &[Vma], numa: Option<&[NumaLine]>) -> RegionU
         u.locked += v.locked;
     }
     let a = host.huge_align.max(1);
-    let span_start = start.div_ceil(a) * a;
+    let span_start = start.div_ceil(a).saturating_mul(a);
     let span_end = end / a * a;
     u.huge_span = span_end.saturating_sub(span_start);
     if let Some(lines) = numa {
@@ -300,8 +300,10 @@ pub fn inspect_host_ranges(ranges: &[HostRange]) -> Result<RegionUsage, InspectE
         total.locked += u.locked;
     }
     for r in ranges {
-        total.size += r.len;
-        total.huge_span += usage_of(*r, &[], None).huge_span;
+        total.size = total.size.saturating_add(r.len);
+        total.huge_span = total
+            .huge_span
+            .saturating_add(usage_of(*r, &[], None).huge_span);
     }
     Ok(total)
 }

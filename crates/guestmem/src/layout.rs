@@ -139,7 +139,9 @@ pub enum Access {
 pub enum Reserve {
     /// Reserve every page at map time, so a pool that is too small fails the map (default).
     Reserve,
-    /// `MAP_NORESERVE`: pages are taken when first touched, so population can fail part-way.
+    /// `MAP_NORESERVE`: pages are taken when first touched, so population can fail part-way,
+    /// and a CPU touch of a page the pool cannot supply raises `SIGBUS`: opting in is
+    /// `unsafe` ([`RegionSpec::with_reserve`]).
     NoReserve,
 }
 
@@ -202,8 +204,16 @@ impl RegionSpec {
         self
     }
 
-    /// Sets how hugetlb pages are reserved (ignored for other backings).
-    pub fn with_reserve(mut self, reserve: Reserve) -> Self {
+    /// Sets how hugetlb pages are reserved (ignored for other backings). [`Reserve::Reserve`],
+    /// the default, needs no promise; this is `unsafe` for the sake of `NoReserve`.
+    ///
+    /// # Safety
+    /// With [`Reserve::NoReserve`] a hugetlb region's pages come from the pool at first
+    /// touch, and a CPU access to a page the pool cannot supply raises `SIGBUS` (through the
+    /// translator, vm-memory's `Bytes`, or a vCPU). The caller must populate the region
+    /// successfully ([`crate::populate`] turns a dry pool into an error, never a signal)
+    /// before anything accesses its memory.
+    pub unsafe fn with_reserve(mut self, reserve: Reserve) -> Self {
         self.reserve = reserve;
         self
     }

@@ -73,6 +73,35 @@
 //! slice.write_obj(1u8, 0).unwrap();
 //! ```
 //!
+//! Memory that could raise `SIGBUS` needs an `unsafe` promise: a file placed in a reservation
+//! (it must not shrink), a hugetlb region without a reservation (it must be populated before
+//! it is touched).
+//!
+//! ```
+//! # use guestmem::{Backing, GuestAddress, HugePageSize, RegionSpec, Reserve};
+//! let r = guestmem::mmap::Reservation::new(2 * 4096).unwrap();
+//! let m = r.place(0, 4096).unwrap(); // anonymous memory: nothing can shrink it
+//! let spec = RegionSpec::new(GuestAddress(0), 2 << 20)
+//!     .with_backing(Backing::Hugetlb(HugePageSize::Size2M));
+//! // SAFETY: (for the example) nothing maps or touches this spec.
+//! let spec = unsafe { spec.with_reserve(Reserve::NoReserve) };
+//! ```
+//!
+//! ```compile_fail,E0133
+//! # use guestmem::{Backing, GuestAddress, HugePageSize, RegionSpec, Reserve};
+//! let spec = RegionSpec::new(GuestAddress(0), 2 << 20)
+//!     .with_backing(Backing::Hugetlb(HugePageSize::Size2M));
+//! let spec = spec.with_reserve(Reserve::NoReserve); // a promise only `unsafe` can make
+//! ```
+//!
+//! ```compile_fail,E0133
+//! use std::os::fd::AsFd;
+//! let file = std::fs::File::open("/dev/zero").unwrap();
+//! let r = guestmem::mmap::Reservation::new(2 * 4096).unwrap();
+//! let source = guestmem::mmap::MapSource::SharedFile { fd: file.as_fd(), offset: 0 };
+//! let m = r.place_file(0, 4096, source, guestmem::Reserve::Reserve); // the file could shrink
+//! ```
+//!
 //! Guest memory handed to device code borrows the snapshot or translator that keeps its
 //! region mapped:
 //!

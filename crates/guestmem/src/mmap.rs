@@ -210,12 +210,43 @@ impl Reservation {
         Ok(keep)
     }
 
-    /// Maps `len` bytes from `source` at `offset` inside the reservation with `MAP_FIXED`,
-    /// readable and writable, and returns the mapping, which takes over the whole reservation:
-    /// the parts not mapped stay `PROT_NONE` (guards) and are unmapped with it.
+    /// Maps `len` bytes of private anonymous memory at `offset` inside the reservation with
+    /// `MAP_FIXED`, readable and writable, and returns the mapping, which takes over the whole
+    /// reservation: the parts not mapped stay `PROT_NONE` (guards) and are unmapped with it.
     ///
     /// On failure the reservation is unmapped and nothing is left behind.
-    pub fn place(
+    pub fn place(self, offset: usize, len: usize) -> Result<Mapping, MmapError> {
+        // SAFETY: anonymous memory is backed for as long as it is mapped: nothing can shrink
+        // it, so every byte of the mapping stays accessible.
+        unsafe { self.place_source(offset, len, MapSource::Anonymous, Reserve::Reserve) }
+    }
+
+    /// As [`Reservation::place`], with memory from `source`: a file, shared or private, and
+    /// for hugetlb files `Reserve::NoReserve` to take pages at first touch (`MAP_NORESERVE`).
+    ///
+    /// # Safety
+    /// Every byte of the mapping must stay backed while it lives, or an access raises
+    /// `SIGBUS`: the file must hold `offset..offset + len` of the source now and must not
+    /// shrink (a memfd sealed against shrinking, or a file whose length the caller controls),
+    /// must be a file whose pages read and write as memory (not a device), and with
+    /// `Reserve::NoReserve` on hugetlb every page must be populated successfully before
+    /// anything touches it from a CPU.
+    pub unsafe fn place_file(
+        self,
+        offset: usize,
+        len: usize,
+        source: MapSource<'_>,
+        reserve: Reserve,
+    ) -> Result<Mapping, MmapError> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.place_source(offset, len, source, reserve) }
+    }
+
+    /// The one `MAP_FIXED`.
+    ///
+    /// # Safety
+    /// As [`Reservation::place_file`].
+    unsafe fn place_source(
         self,
         offset: usize,
         len: usize,
@@ -240,8 +271,11 @@ impl Reservation {
             source: io::Error::from_raw_os_error(libc::EOVERFLOW),
         })?;
         // SAFETY: body..body+len lies inside this reservation (checked above), which we own
-        // and which no one can use (PROT_NONE); MAP_FIXED replaces only pages of it. The
-        // mapping made here is owned by the Mapping returned below, with the reservation.
+        // and which no one can use (PROT_NONE); MAP_FIXED replaces only pages of it (and on
+        // failure, Linux 6.12+ restores them rather than leaving a gap another mmap could
+        // take before our Drop unmaps the range). The mapping made here is owned by the
+        // Mapping returned below, with the reservation; that its pages stay backed is the
+        // caller's contract.
         let p = unsafe {
             libc::mmap(
                 body as *mut libc::c_void,
@@ -501,9 +535,7 @@ mod tests {
     fn place_inside_reservation_reads_back_and_keeps_guards() {
         let r = Reservation::new(4 * PAGE).unwrap();
         let base = r.addr();
-        let m = r
-            .place(PAGE, 2 * PAGE, MapSource::Anonymous, Reserve::Reserve)
-            .unwrap();
+        let m = r.place(PAGE, 2 * PAGE).unwrap();
         assert_eq!(m.as_ptr() as usize, base + PAGE);
         assert_eq!(m.owned_range(), (base, 4 * PAGE));
         let s = m.slice(0, 2 * PAGE).unwrap();
@@ -526,9 +558,7 @@ mod tests {
     #[test]
     fn place_outside_reservation_is_refused_and_unmaps_it() {
         let r = Reservation::new(2 * PAGE).unwrap();
-        let e = r
-            .place(PAGE, 2 * PAGE, MapSource::Anonymous, Reserve::Reserve)
-            .unwrap_err();
+        let e = r.place(PAGE, 2 * PAGE).unwrap_err();
         assert!(matches!(e, MmapError::OutOfRange { .. }), "{e}");
     }
 

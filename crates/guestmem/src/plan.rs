@@ -16,6 +16,15 @@ pub enum PlanError {
     /// A size string could not be read.
     #[error("size {0:?}: expected a number with an optional K, M, G or T suffix (e.g. 512M, 16G)")]
     BadSize(String),
+    /// A layout asks for `"reserve": "noreserve"`, which only code can ask for.
+    #[error("\"reserve\": \"noreserve\" is not accepted from a layout: a hugetlb region without a reservation raises SIGBUS when touched before it is populated, so only a program that populates it first may ask for one (RegionSpec::with_reserve, an unsafe fn)")]
+    NoReserve,
+    /// An even layout over a file runs past the largest file offset.
+    #[error("file offset {offset:#x} + the layout's size runs past the largest file offset")]
+    FileOffsetOverflow {
+        /// The first region's file offset.
+        offset: u64,
+    },
     /// A size string is a number, but too large for 64 bits.
     #[error("size {0:?}: too large (the largest is 16 EiB - 1 byte, 0xffffffffffffffff)")]
     SizeOverflow(String),
@@ -145,7 +154,9 @@ impl EvenLayout {
                 // Consecutive regions of one file take consecutive slices of it.
                 Backing::File { path, offset } => Backing::File {
                     path: path.clone(),
-                    offset: offset + (addr - self.base.0),
+                    offset: offset
+                        .checked_add(addr - self.base.0)
+                        .ok_or(PlanError::FileOffsetOverflow { offset: *offset })?,
                 },
                 b => b.clone(),
             };
@@ -201,7 +212,7 @@ struct RegionEntry {
 /// Reads a layout file: a JSON array of regions, each
 /// `{"addr": "4G", "size": "2G", "backing": "memfd", "thp": "huge", "guard": "on",
 /// "node": 0, "access": "read-write", "reserve": "reserve"}`, where only `addr` and `size`
-/// are required.
+/// are required (and `"reserve": "noreserve"` is refused, see [`PlanError::NoReserve`]).
 pub fn read_layout_file(path: &Path) -> Result<Vec<RegionSpec>, PlanError> {
     let err = |reason: String| PlanError::File {
         path: path.to_path_buf(),
@@ -236,8 +247,13 @@ pub fn read_layout_file(path: &Path) -> Result<Vec<RegionSpec>, PlanError> {
             if let Some(a) = e.access {
                 s = s.with_access(a);
             }
-            if let Some(r) = e.reserve {
-                s = s.with_reserve(r);
+            match e.reserve {
+                None | Some(Reserve::Reserve) => {}
+                // A layout file cannot promise to populate before anything touches memory,
+                // which `MAP_NORESERVE` hugetlb needs to be free of SIGBUS.
+                Some(Reserve::NoReserve) => {
+                    return Err(ctx(PlanError::NoReserve));
+                }
             }
             Ok(s)
         })
@@ -344,6 +360,38 @@ mod tests {
         let e = read_layout_file(&dir).unwrap_err().to_string();
         std::fs::remove_file(&dir).unwrap();
         assert!(e.contains("region 0") && e.contains("64Q"), "{e}");
+    }
+
+    #[test]
+    fn even_layout_over_a_file_past_the_largest_offset_is_refused() {
+        let l = EvenLayout {
+            size: 4 << 20,
+            regions: 2,
+            base: GuestAddress(0),
+            backing: Backing::File {
+                path: "/tmp/x".into(),
+                offset: u64::MAX - 4095,
+            },
+            thp: Thp::Huge,
+            guard: Guard::On,
+        };
+        assert!(matches!(
+            l.specs(),
+            Err(PlanError::FileOffsetOverflow { .. })
+        ));
+    }
+
+    #[test]
+    fn layout_file_noreserve_is_refused_with_the_reason() {
+        let path = std::env::temp_dir().join(format!("guestmem-nores-{}", std::process::id()));
+        std::fs::write(
+            &path,
+            r#"[{"addr": 0, "size": "2M", "backing": "hugetlb-2M", "reserve": "noreserve"}]"#,
+        )
+        .unwrap();
+        let e = read_layout_file(&path).unwrap_err().to_string();
+        std::fs::remove_file(&path).unwrap();
+        assert!(e.contains("region 0") && e.contains("SIGBUS"), "{e}");
     }
 
     #[test]

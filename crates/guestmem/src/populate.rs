@@ -46,7 +46,7 @@ use std::time::Instant;
 
 use crate::host::Host;
 use crate::jobs::{Chunk, Job, JobError, JobRange, JobStats, Numa};
-use crate::layout::Backing;
+use crate::layout::{Backing, Reserve};
 use crate::map::Snapshot;
 use crate::mmap::{Advice, Lock, MmapError};
 use crate::region::Region;
@@ -289,23 +289,40 @@ pub fn populate(snap: &Snapshot, cfg: &PopulateConfig) -> Result<PopulateReport,
 
     let t1 = Instant::now();
     let bytes_done = AtomicU64::new(0);
-    let result = job.run(|chunk: &Chunk| -> Result<(), ChunkError> {
-        let region = &regions[chunk.range];
-        let (offset, len) = chunk_range(region, chunk);
-        let mapping = region.mapping();
-        match &mem {
-            Some(mem) => touch(mem, region, offset, len)?,
-            None => mapping.advise(offset, len, Advice::PopulateWrite)?,
+    // A panic in a chunk (the caller's progress callback, say) must not leave regions locked:
+    // it is caught, what was locked up front is unlocked, and the panic goes on. (Pages it
+    // populated stay: which chunks ran is not known once a worker has unwound.)
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        job.run(|chunk: &Chunk| -> Result<(), ChunkError> {
+            let region = &regions[chunk.range];
+            let (offset, len) = chunk_range(region, chunk);
+            let mapping = region.mapping();
+            match &mem {
+                Some(mem) => touch(mem, region, offset, len)?,
+                None => mapping.advise(offset, len, Advice::PopulateWrite)?,
+            }
+            if cfg.pin == PinStrategy::PerChunk && !region.is_hugetlb() {
+                mapping.lock(offset, len, Lock::Now)?;
+            }
+            let done = bytes_done.fetch_add(chunk.len, Ordering::Relaxed) + chunk.len;
+            if let Some(p) = &cfg.progress {
+                p(done);
+            }
+            Ok(())
+        })
+    }));
+    let result = match run {
+        Ok(result) => result,
+        Err(panic) => {
+            if cfg.pin != PinStrategy::None {
+                for r in regions.iter().filter(|r| !r.is_hugetlb()) {
+                    // Best effort on the way out: the panic is what the caller will see.
+                    let _ = r.mapping().unlock(0, r.mapping().len());
+                }
+            }
+            std::panic::resume_unwind(panic);
         }
-        if cfg.pin == PinStrategy::PerChunk && !region.is_hugetlb() {
-            mapping.lock(offset, len, Lock::Now)?;
-        }
-        let done = bytes_done.fetch_add(chunk.len, Ordering::Relaxed) + chunk.len;
-        if let Some(p) = &cfg.progress {
-            p(done);
-        }
-        Ok(())
-    });
+    };
     let populate_seconds = t1.elapsed().as_secs_f64();
 
     match result {
@@ -384,6 +401,10 @@ fn lock_up_front(regions: &[Arc<Region>]) -> Result<Vec<usize>, PopulateError> {
 /// Frees the pages of `chunk` of `region`, so the memory it took is given back.
 fn release(region: &Region, chunk: &Chunk) -> io::Result<()> {
     match (region.backing(), region.file_offset()) {
+        // A reserved hugetlb region's pages were taken from the pool when it was mapped, and
+        // populating took nothing more: leave them. A hole punch would give back the
+        // reservation with them, and a later touch could then find the pool dry (SIGBUS).
+        (Backing::Hugetlb(_), _) if region.reserve() == Reserve::Reserve => Ok(()),
         // A memfd's pages live in its page cache: only a hole punch frees them (it unmaps
         // them too). Hugetlbfs rounds the hole inwards to its pages; chunk edges are on them.
         (Backing::Memfd | Backing::Hugetlb(_), Some(fo)) => {

@@ -480,7 +480,7 @@ fn place(spec: &RegionSpec, c: &Checked, opened: &Opened) -> Result<Mapping, Reg
     let keep_len = c.len + 2 * c.guard as usize;
     let res = res.trim(head, keep_len).map_err(mmap_err(c))?;
     let source = match &opened.file {
-        None => MapSource::Anonymous,
+        None => return res.place(c.guard as usize, c.len).map_err(mmap_err(c)),
         Some(f) if opened.shared => MapSource::SharedFile {
             fd: f.file().as_fd(),
             offset: f.start(),
@@ -495,8 +495,13 @@ fn place(spec: &RegionSpec, c: &Checked, opened: &Opened) -> Result<Mapping, Reg
         Backing::Hugetlb(_) => spec.reserve,
         _ => Reserve::Reserve,
     };
-    res.place(c.guard as usize, c.len, source, reserve)
-        .map_err(mmap_err(c))
+    // SAFETY: every page stays backed while the region lives: a memfd or hugetlb memfd was
+    // sized to the region and sealed against shrinking before this (open_backing); a
+    // caller's file was checked to hold offset + size, and keeping it that long is the
+    // caller's contract for `Backing::File` (see the module docs); `NoReserve` hugetlb pages
+    // can only be asked for through the `unsafe` `RegionSpec::with_reserve`, whose caller
+    // promises to populate them before any CPU access.
+    unsafe { res.place_file(c.guard as usize, c.len, source, reserve) }.map_err(mmap_err(c))
 }
 
 /// Step 4: THP advice (a hint: a failure is a warning) and the NUMA binding (a requirement).

@@ -117,7 +117,11 @@ impl Crew {
             let mut handles = Vec::with_capacity(workers - first_spawned);
             for i in first_spawned..workers {
                 let (gate, work) = (&gate, &work);
-                let mut b = std::thread::Builder::new().name(self.name.into());
+                let mut b = std::thread::Builder::new();
+                // A name with a NUL cannot name a thread; such a crew's threads go unnamed.
+                if !self.name.contains('\0') {
+                    b = b.name(self.name.into());
+                }
                 if let Some(bytes) = self.stack_bytes {
                     b = b.stack_size(bytes);
                 }
@@ -156,9 +160,10 @@ impl Crew {
 }
 
 /// Holds workers until every created one has arrived, then lets them all go (or calls the run
-/// off): a barrier whose count is only known once thread creation is over.
+/// off): a barrier whose count is only known once thread creation is over. Private: used
+/// wrongly (waiting for workers that never arrive) it would hang, and [`Crew`] cannot.
 #[derive(Default)]
-pub struct StartGate {
+pub(crate) struct StartGate {
     /// Workers arrived, and the decision once made (`true`: work).
     state: Mutex<(usize, Option<bool>)>,
     changed: Condvar,
@@ -170,7 +175,7 @@ impl StartGate {
     }
 
     /// A worker: announces it is ready, then waits for the decision; `true` means work.
-    pub fn arrive_and_wait(&self) -> bool {
+    pub(crate) fn arrive_and_wait(&self) -> bool {
         let mut g = self.lock();
         g.0 += 1;
         self.changed.notify_all();
@@ -182,7 +187,7 @@ impl StartGate {
     }
 
     /// The creator: waits until `workers` have arrived, then lets them work.
-    pub fn open_when_arrived(&self, workers: usize) {
+    pub(crate) fn open_when_arrived(&self, workers: usize) {
         let g = self
             .changed
             .wait_while(self.lock(), |s| s.0 < workers)
@@ -192,7 +197,7 @@ impl StartGate {
     }
 
     /// The creator: lets the workers go (`true`) or calls the run off (`false`).
-    pub fn decide(&self, go: bool) {
+    pub(crate) fn decide(&self, go: bool) {
         self.lock().1 = Some(go);
         self.changed.notify_all();
     }
@@ -224,6 +229,11 @@ mod tests {
         let ids = crew.run(3, |_| std::thread::current().id()).unwrap();
         assert_eq!(ids[0], me);
         assert!(ids[1..].iter().all(|&t| t != me));
+    }
+
+    #[test]
+    fn a_name_with_nul_runs_unnamed() {
+        assert_eq!(Crew::new("a\0b").run(2, |i| i).unwrap(), vec![0, 1]);
     }
 
     #[test]

@@ -136,10 +136,11 @@ fn populate_hugetlb_2m_each_method_takes_its_pages() {
         let Some(_pool) = PoolGuard::with_available(8) else {
             return;
         };
-        let map = GuestMap::from_specs(&[spec(0, 16 * MIB)
-            .with_backing(Backing::Hugetlb(HugePageSize::Size2M))
-            .with_reserve(Reserve::NoReserve)])
-        .unwrap();
+        let huge = spec(0, 16 * MIB).with_backing(Backing::Hugetlb(HugePageSize::Size2M));
+        // SAFETY: nothing touches the region before populate, which turns a dry pool into an
+        // error; the test reads it back only after populate succeeded.
+        let huge = unsafe { huge.with_reserve(Reserve::NoReserve) };
+        let map = GuestMap::from_specs(&[huge]).unwrap();
         let before = ProcessMemory::read().unwrap();
         populate(&map.snapshot(), &cfg(method, PinStrategy::UpFront)).unwrap();
         let after = ProcessMemory::read().unwrap();
@@ -191,13 +192,11 @@ fn populate_hugetlb_pool_dry_fails_and_undoes_everything() {
             // 32 MiB of anonymous memory that populates fine, and 16 MiB (8 pages) of
             // hugetlb memory that only 4 pages can back: mmap succeeds with MAP_NORESERVE.
             let huge_at = 0x4000_0000;
-            let map = GuestMap::from_specs(&[
-                spec(0, 32 * MIB),
-                spec(huge_at, 16 * MIB)
-                    .with_backing(Backing::Hugetlb(HugePageSize::Size2M))
-                    .with_reserve(Reserve::NoReserve),
-            ])
-            .unwrap();
+            let huge = spec(huge_at, 16 * MIB).with_backing(Backing::Hugetlb(HugePageSize::Size2M));
+            // SAFETY: the region is touched only by populate (which fails with an error here,
+            // never a signal) and read through smaps; no CPU access reaches it.
+            let huge = unsafe { huge.with_reserve(Reserve::NoReserve) };
+            let map = GuestMap::from_specs(&[spec(0, 32 * MIB), huge]).unwrap();
             let snap = map.snapshot();
 
             // The check step sees it coming, with the numbers...
@@ -384,4 +383,56 @@ fn hugetlb_region_refuses_shrinking_and_stays_usable() {
     }
     assert_eq!(peek(&map, 0, 4 * MIB - 1), 0x5a);
     assert_eq!(file.metadata().unwrap().len(), 4 * MIB);
+}
+
+#[test]
+fn failed_populate_keeps_reserved_hugetlb_pages_and_their_data() {
+    let _s = serial();
+    let Some(_pool) = PoolGuard::with_available(2) else {
+        return;
+    };
+    // A: reserved, one page, written before the populate. B: two pages without reservation,
+    // of which the pool can back only the one A does not hold.
+    let b = spec(0x4000_0000, 4 * MIB).with_backing(Backing::Hugetlb(HugePageSize::Size2M));
+    // SAFETY: B is touched only by populate (which fails here with an error) and smaps.
+    let b = unsafe { b.with_reserve(Reserve::NoReserve) };
+    let map = GuestMap::from_specs(&[
+        spec(0, 2 * MIB).with_backing(Backing::Hugetlb(HugePageSize::Size2M)),
+        b,
+    ])
+    .unwrap();
+    poke(&map, 0, 0x100, 0x77);
+    let c = PopulateConfig {
+        threads: 1,
+        min_chunk: 2 * MIB,
+        ..cfg(Method::PopulateWrite, PinStrategy::None)
+    };
+    assert!(populate(&map.snapshot(), &c).is_err());
+    // A's page is still its own: its data reads back, and the pool did not get it back to
+    // give to someone else.
+    assert_eq!(peek(&map, 0, 0x100), 0x77);
+    assert_eq!(hugetlb_available(HugePageSize::Size2M), Some(1));
+    let e = GuestMap::from_specs(&[
+        spec(0x8000_0000, 4 * MIB).with_backing(Backing::Hugetlb(HugePageSize::Size2M))
+    ])
+    .unwrap_err();
+    assert!(e.to_string().contains("needs 2"), "{e}");
+    assert_eq!(peek(&map, 0, 0x100), 0x77);
+}
+
+#[test]
+fn panicking_progress_leaves_nothing_locked() {
+    let _s = serial();
+    let map = GuestMap::from_specs(&[spec(0, 16 * MIB)]).unwrap();
+    let before = ProcessMemory::read().unwrap().locked;
+    for pin in [PinStrategy::UpFront, PinStrategy::PerChunk] {
+        let c = PopulateConfig {
+            progress: Some(std::sync::Arc::new(|_| panic!("progress callback fails"))),
+            ..cfg(Method::PopulateWrite, pin)
+        };
+        let snap = map.snapshot();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| populate(&snap, &c)));
+        assert!(r.is_err(), "{pin:?}: the panic reaches the caller");
+        assert_eq!(ProcessMemory::read().unwrap().locked, before, "{pin:?}");
+    }
 }

@@ -217,10 +217,7 @@ impl Workload {
         let (reply_tx, reply_rx) = channel();
         let mut threads = Vec::with_capacity(vcpus);
         for v in 0..vcpus {
-            let vcpu = vm
-                .vm_fd()
-                .create_vcpu(v as u64)
-                .map_err(|e| VmError::ioctl("KVM_CREATE_VCPU", e))?;
+            let vcpu = vm.create_vcpu(v as u64)?;
             program::setup_vcpu(&vcpu, mode)?;
             let (cmd_tx, cmd_rx) = channel();
             let replies = reply_tx.clone();

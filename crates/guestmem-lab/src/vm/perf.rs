@@ -128,7 +128,7 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
             dirty_logging: DirtyLogging::Off,
             max_slots: None,
         },
-    );
+    )?;
     let snap = map.snapshot();
     let warnings = slots.sync(&snap)?.warnings;
     let data: Vec<_> = snap

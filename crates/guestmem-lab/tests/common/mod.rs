@@ -34,7 +34,7 @@ pub fn setup(bytes: u64, slots: usize) -> Setup {
     specs.push(control_spec());
     let map = GuestMap::from_specs(&specs).unwrap();
     let vm = Arc::new(KvmVm::open(&VmConfig::default()).unwrap());
-    let mut memslots = Memslots::new(vm.clone(), MemslotConfig::default());
+    let mut memslots = Memslots::new(vm.clone(), MemslotConfig::default()).unwrap();
     let report = memslots.sync(&map.snapshot()).unwrap();
     assert_eq!(report.added.len(), slots + 1);
     assert!(report.warnings.is_empty(), "{:?}", report.warnings);

@@ -141,15 +141,23 @@ pub struct Memslots {
 }
 
 impl Memslots {
-    /// No slots yet; call [`Memslots::sync`].
-    pub fn new(vm: Arc<KvmVm>, config: MemslotConfig) -> Memslots {
-        Memslots {
+    /// The VM's memslot registry, with no slots yet; call [`Memslots::sync`]. A VM has at
+    /// most one at a time ([`KvmError::MemslotsTaken`] otherwise): it alone numbers the VM's
+    /// slots, so the dirty-log buffer of each slot number is always sized from that slot.
+    pub fn new(vm: Arc<KvmVm>, config: MemslotConfig) -> Result<Memslots, KvmError> {
+        if vm
+            .memslots_taken
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            return Err(KvmError::MemslotsTaken);
+        }
+        Ok(Memslots {
             vm,
             config,
             slots: Vec::new(),
             free: Vec::new(),
             next: 0,
-        }
+        })
     }
 
     /// The VM.
@@ -298,7 +306,7 @@ impl Memslots {
 
     /// One `KVM_SET_USER_MEMORY_REGION(2)`; `info.size == 0` deletes the slot.
     fn set_kvm_slot(&self, info: &SlotInfo, what: SlotOp) -> Result<(), KvmError> {
-        let vm = self.vm.vm_fd();
+        let vm = &self.vm.vm;
         let (res, op) = if self.vm.caps().user_memory2 {
             let mr = kvm_userspace_memory_region2 {
                 slot: info.slot,
@@ -356,7 +364,7 @@ impl Memslots {
     /// `KVM_GET_DIRTY_LOG`s first, then (with manual protection) all `KVM_CLEAR_DIRTY_LOG`s,
     /// timed apart. Buffers are reused; nothing is allocated.
     pub fn harvest(&mut self) -> Result<HarvestStats, KvmError> {
-        let vm = self.vm.vm_fd();
+        let vm = &self.vm.vm;
         let mut stats = HarvestStats::default();
         let t = Instant::now();
         for s in self.slots.iter_mut().filter(|s| s.logs()) {
@@ -410,10 +418,18 @@ impl Drop for Memslots {
     fn drop(&mut self) {
         // Delete every slot before the regions' Arcs go, so KVM never maps unmapped memory.
         // A slot KVM refuses to delete keeps its region mapped (leaked) instead.
+        let mut all_deleted = true;
         for s in std::mem::take(&mut self.slots) {
             if self.delete_kvm_slot(&s.info()).is_err() {
                 std::mem::forget(s.region);
+                all_deleted = false;
             }
+        }
+        // A slot KVM would not delete keeps its number: no new registry may reuse it.
+        if all_deleted {
+            self.vm
+                .memslots_taken
+                .store(false, std::sync::atomic::Ordering::Release);
         }
     }
 }

@@ -26,6 +26,21 @@
 //! let log = guestmem::kvm::dirty::SlotLog::new(0, 1); // private: no buffer of your own size
 //! # Ok(()) }
 //! ```
+//!
+//! Nor can it reach kvm-ioctls' `VmFd::get_dirty_log`, which trusts its size argument,
+//! without an `unsafe` promise not to:
+//!
+//! ```no_run
+//! # fn f(vm: &guestmem::kvm::KvmVm) -> Result<(), guestmem::kvm::KvmError> {
+//! let vcpu = vm.create_vcpu(0)?;
+//! # Ok(()) }
+//! ```
+//!
+//! ```compile_fail,E0133
+//! # fn f(vm: &guestmem::kvm::KvmVm) {
+//! let log = vm.vm_fd().get_dirty_log(0, 4096); // the VmFd is behind `unsafe`
+//! # }
+//! ```
 
 mod dirty;
 pub mod memslots;
@@ -35,6 +50,8 @@ use std::path::{Path, PathBuf};
 use kvm_bindings::{
     kvm_enable_cap, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE,
 };
+use std::os::fd::FromRawFd;
+
 use kvm_ioctls::{Cap, Kvm, VmFd};
 
 pub use memslots::{DirtyLogging, MemslotConfig, Memslots, SlotInfo, SyncReport};
@@ -105,6 +122,11 @@ pub enum KvmError {
         /// Its length.
         len: u64,
     },
+    /// The VM already has its `Memslots` registry.
+    #[error(
+        "this VM already has a Memslots registry; a VM has at most one, which numbers every slot"
+    )]
+    MemslotsTaken,
     /// A dirty bitmap refused an operation.
     #[error(transparent)]
     Dirty(#[from] crate::dirty::DirtyError),
@@ -174,6 +196,9 @@ pub struct KvmVm {
     kvm: Kvm,
     vm: VmFd,
     caps: KvmCaps,
+    /// Whether a [`Memslots`] registry exists for this VM: there is at most one, since two
+    /// would number slots apart and each trust its own buffers for the other's slots.
+    memslots_taken: std::sync::atomic::AtomicBool,
 }
 
 impl KvmVm {
@@ -207,7 +232,12 @@ impl KvmVm {
                 .map_err(|e| KvmError::ioctl("KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2)", e))?;
             caps.manual_protect = true;
         }
-        Ok(KvmVm { kvm, vm, caps })
+        Ok(KvmVm {
+            kvm,
+            vm,
+            caps,
+            memslots_taken: std::sync::atomic::AtomicBool::new(false),
+        })
     }
 
     /// The capabilities.
@@ -215,8 +245,25 @@ impl KvmVm {
         &self.caps
     }
 
-    /// The VM descriptor.
-    pub fn vm_fd(&self) -> &VmFd {
+    /// Creates vCPU `id` (`KVM_CREATE_VCPU`).
+    pub fn create_vcpu(&self, id: u64) -> Result<kvm_ioctls::VcpuFd, KvmError> {
+        self.vm
+            .create_vcpu(id)
+            .map_err(|e| KvmError::ioctl("KVM_CREATE_VCPU", e))
+    }
+
+    /// The VM descriptor, for the VM ioctls a VMM makes beyond memory (interrupt
+    /// controllers, irqfds, ioeventfds, ...).
+    ///
+    /// # Safety
+    /// kvm-ioctls' `VmFd` has safe methods that are unsound against the memslots guestmem
+    /// registers: `get_dirty_log(slot, memory_size)` sizes its buffer from `memory_size`, and
+    /// KVM fills a whole slot's bitmap whatever that says. The caller must not call
+    /// `get_dirty_log` (harvest through [`Memslots::harvest`], whose buffers are sized from
+    /// the slot), nor change or delete memslots [`Memslots`] registered, nor turn on
+    /// capabilities that change how dirty logs are read (`KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2`
+    /// flags, the dirty ring).
+    pub unsafe fn vm_fd(&self) -> &VmFd {
         &self.vm
     }
 
@@ -226,14 +273,36 @@ impl KvmVm {
     }
 }
 
+/// The KVM device's numbers: misc character device 10, minor 232 (`KVM_MINOR`).
+const KVM_DEVICE: (u32, u32) = (10, 232);
+
 fn open_kvm(path: &Path) -> Result<Kvm, KvmError> {
+    use std::os::fd::IntoRawFd;
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
     let open_err = |source| KvmError::Open {
         path: path.to_path_buf(),
         source,
     };
-    let cpath = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|_| open_err(std::io::Error::from(std::io::ErrorKind::InvalidInput)))?;
-    Kvm::new_with_path(&cpath).map_err(|e| open_err(std::io::Error::from_raw_os_error(e.errno())))
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(open_err)?;
+    // Every ioctl guestmem makes trusts the descriptor to be KVM's: a device that answered
+    // KVM's request numbers its own way could write where KVM would not. So the opened file
+    // (not the path, which could change between a check and the open) must be the KVM device.
+    let meta = file.metadata().map_err(open_err)?;
+    let rdev = meta.rdev();
+    if !meta.file_type().is_char_device() || (libc::major(rdev), libc::minor(rdev)) != KVM_DEVICE {
+        return Err(open_err(std::io::Error::other(format!(
+            "not the KVM device (character device {}:{})",
+            KVM_DEVICE.0, KVM_DEVICE.1
+        ))));
+    }
+    // SAFETY: the descriptor was just opened read-write and checked (fstat) to be the KVM
+    // device; `into_raw_fd` gives up the File's ownership, so the Kvm is its only owner.
+    Ok(unsafe { Kvm::from_raw_fd(file.into_raw_fd()) })
 }
 
 /// Why KVM cannot be used here, or `None` if it can: for tests and callers that skip.
