@@ -112,7 +112,7 @@ fn host_marks_and_guest_writes_meet_in_one_bitmap() {
     let host_addr = data[2].0 + 70 * 4096 + 4000;
     s.map
         .translator()
-        .write(GuestAddress(host_addr), &[1; 200])
+        .write_in_region(GuestAddress(host_addr), &[1; 200])
         .unwrap();
     s.slots.mark(GuestAddress(host_addr), 200).unwrap();
 

@@ -34,7 +34,7 @@ fn guest_write_pass_every_slot_host_reads_pattern_back() {
         for &(start, end) in work.slice(v) {
             for gpa in (start..end).step_by(4096) {
                 let mut b = [0u8; 8];
-                t.read(GuestAddress(gpa), &mut b).unwrap();
+                t.read_in_region(GuestAddress(gpa), &mut b).unwrap();
                 assert_eq!(
                     u32::from_le_bytes(b[..4].try_into().unwrap()),
                     pattern(gpa, 7)
@@ -66,8 +66,8 @@ fn host_writes_guest_verifies_and_reports_a_corrupted_page() {
         for &(start, end) in work.slice(v) {
             for gpa in (start..end).step_by(4096) {
                 let p = pattern(gpa, tag).to_le_bytes();
-                t.write(GuestAddress(gpa), &p).unwrap();
-                t.write(GuestAddress(gpa + 4092), &p).unwrap();
+                t.write_in_region(GuestAddress(gpa), &p).unwrap();
+                t.write_in_region(GuestAddress(gpa + 4092), &p).unwrap();
             }
         }
     }
@@ -86,7 +86,8 @@ fn host_writes_guest_verifies_and_reports_a_corrupted_page() {
 
     // One corrupted dword in vCPU 2's last slice.
     let (_, end) = *work.slice(2).last().unwrap();
-    t.write(GuestAddress(end - 4), &[0xff; 4]).unwrap();
+    t.write_in_region(GuestAddress(end - 4), &[0xff; 4])
+        .unwrap();
     assert_eq!(work.verify(tag).unwrap().values, vec![0, 0, 1, 0]);
 }
 
@@ -103,8 +104,14 @@ fn long_mode_guest_writes_above_4gib_and_verifies_host_writes() {
     let vm = std::sync::Arc::new(
         guestmem::kvm::KvmVm::open(&guestmem::kvm::VmConfig::default()).unwrap(),
     );
-    let mut slots =
-        guestmem::kvm::Memslots::new(vm.clone(), guestmem::kvm::MemslotConfig::default()).unwrap();
+    let mut slots = guestmem::kvm::Memslots::new(
+        vm.clone(),
+        guestmem::kvm::MemslotConfig {
+            dirty_logging: guestmem::kvm::DirtyLogging::On,
+            ..guestmem::kvm::MemslotConfig::default()
+        },
+    )
+    .unwrap();
     slots.sync(&map.snapshot()).unwrap();
     let data: Vec<_> = map.snapshot().regions()[1..].to_vec();
     let config = WorkloadConfig {
@@ -119,9 +126,9 @@ fn long_mode_guest_writes_above_4gib_and_verifies_host_writes() {
     let t = map.translator();
     for gpa in (base..base + (16 << 20)).step_by(4096) {
         let mut b = [0u8; 4];
-        t.read(GuestAddress(gpa), &mut b).unwrap();
+        t.read_in_region(GuestAddress(gpa), &mut b).unwrap();
         assert_eq!(u32::from_le_bytes(b), pattern(gpa, 3), "gpa {gpa:#x}");
-        t.write(GuestAddress(gpa + 4092), &pattern(gpa, 3).to_le_bytes())
+        t.write_in_region(GuestAddress(gpa + 4092), &pattern(gpa, 3).to_le_bytes())
             .unwrap();
     }
     assert_eq!(work.verify(3).unwrap().values, vec![0, 0]);

@@ -46,10 +46,11 @@ fn hot_add_and_remove_while_vcpus_run_keeps_guest_passes_correct() {
             assert_eq!(added.added[0].guest_addr, HOT_GPA);
             assert!(added.removed.is_empty());
             let t = s.map.translator();
-            t.write(GuestAddress(HOT_GPA + 0x1234), &[round; 16])
+            t.write_in_region(GuestAddress(HOT_GPA + 0x1234), &[round; 16])
                 .unwrap();
             let mut b = [0u8; 16];
-            t.read(GuestAddress(HOT_GPA + 0x1234), &mut b).unwrap();
+            t.read_in_region(GuestAddress(HOT_GPA + 0x1234), &mut b)
+                .unwrap();
             assert_eq!(b, [round; 16]);
             drop(t);
 
@@ -70,7 +71,7 @@ fn hot_add_and_remove_while_vcpus_run_keeps_guest_passes_correct() {
     for v in 0..2 {
         for &(a, _) in work.slice(v) {
             let mut b = [0u8; 4];
-            t.read(GuestAddress(a), &mut b).unwrap();
+            t.read_in_region(GuestAddress(a), &mut b).unwrap();
             assert_eq!(u32::from_le_bytes(b), pattern(a, passes));
         }
     }
@@ -166,7 +167,11 @@ fn sync_read_only_region_gets_readonly_flag_and_no_logging() {
         RegionSpec::new(GuestAddress(0), 1 << 20).with_access(Access::ReadOnly),
         RegionSpec::new(GuestAddress(1 << 24), 1 << 20),
     ]);
-    let mut slots = Memslots::new(vm, MemslotConfig::default()).unwrap();
+    let logging = MemslotConfig {
+        dirty_logging: guestmem::kvm::DirtyLogging::On,
+        ..MemslotConfig::default()
+    };
+    let mut slots = Memslots::new(vm, logging).unwrap();
 
     slots.sync(&map.snapshot()).unwrap();
 

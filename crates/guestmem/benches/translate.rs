@@ -96,10 +96,10 @@ fn bench(c: &mut Criterion) {
                 black_box(t.translate(a, 8).unwrap());
             });
             run(&mut g, n, &batches, "guestmem-find_region", |a| {
-                black_box(GuestMemoryBackend::find_region(&t, a).unwrap());
+                black_box(t.find_region(a).unwrap());
             });
             run(&mut g, n, &batches, "guestmem-nocache-find_region", |a| {
-                black_box(GuestMemoryBackend::find_region(&*snap, a).unwrap());
+                black_box(snap.find_region(a).unwrap());
             });
             run(&mut g, n, &batches, "vm-memory-get_slice", |a| {
                 black_box(vmm.get_slice(a, 8).unwrap());

@@ -13,6 +13,10 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// The page size of every region's dirty bitmap and of KVM's dirty log on x86: one bit per
+/// 4 KiB, whatever backs the memory, so the two merge word for word.
+pub const DIRTY_PAGE_BYTES: u64 = 4096;
+
 /// Bits in one bitmap word.
 const WORD_BITS: u64 = 64;
 

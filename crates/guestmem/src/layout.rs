@@ -145,6 +145,19 @@ pub enum Reserve {
     NoReserve,
 }
 
+/// Whether a region records which pages are written through vm-memory (device code) in a
+/// dirty bitmap of its own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DirtyTracking {
+    /// No bitmap (the default): a write costs nothing extra.
+    #[default]
+    Off,
+    /// A word-level bitmap, one bit per 4 KiB (KVM's dirty-log granule), marked by every
+    /// write through the region's slices and merged with KVM's log on harvest.
+    On,
+}
+
 /// Everything needed to map one region: where it sits in the guest, its size and backing,
 /// and the options. Build one with [`RegionSpec::new`] and the `with_*` methods.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -157,6 +170,7 @@ pub struct RegionSpec {
     pub(crate) numa_node: Option<u32>,
     pub(crate) access: Access,
     pub(crate) reserve: Reserve,
+    pub(crate) dirty: DirtyTracking,
 }
 
 impl RegionSpec {
@@ -171,7 +185,14 @@ impl RegionSpec {
             numa_node: None,
             access: Access::ReadWrite,
             reserve: Reserve::Reserve,
+            dirty: DirtyTracking::Off,
         }
+    }
+
+    /// Sets whether writes through vm-memory are recorded in a dirty bitmap.
+    pub fn with_dirty_tracking(mut self, dirty: DirtyTracking) -> Self {
+        self.dirty = dirty;
+        self
     }
 
     /// Sets the backing.

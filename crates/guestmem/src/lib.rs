@@ -106,12 +106,14 @@
 //! region mapped:
 //!
 //! ```
-//! use guestmem::vm_memory::{Bytes, GuestMemoryBackend};
+//! use guestmem::vm_memory::{Bytes, GuestMemory, Permissions};
 //! let map = guestmem::GuestMap::from_specs(&[guestmem::RegionSpec::new(
 //!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
 //! let snap = map.snapshot();
-//! let slice = snap.get_slice(guestmem::GuestAddress(0), 16).unwrap();
+//! let mut slices = snap.get_slices(guestmem::GuestAddress(0), 16, Permissions::Write).unwrap();
+//! let slice = slices.next().unwrap().unwrap();
 //! slice.write_obj(1u8, 0).unwrap();
+//! drop(slices);
 //! drop(snap);
 //! let t = map.translator();
 //! let slice = t.translate(guestmem::GuestAddress(0), 16).unwrap();
@@ -120,11 +122,13 @@
 //! ```
 //!
 //! ```compile_fail,E0505
-//! use guestmem::vm_memory::{Bytes, GuestMemoryBackend};
+//! use guestmem::vm_memory::{Bytes, GuestMemory, Permissions};
 //! let map = guestmem::GuestMap::from_specs(&[guestmem::RegionSpec::new(
 //!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
 //! let snap = map.snapshot();
-//! let slice = snap.get_slice(guestmem::GuestAddress(0), 16).unwrap();
+//! let mut slices = snap.get_slices(guestmem::GuestAddress(0), 16, Permissions::Write).unwrap();
+//! let slice = slices.next().unwrap().unwrap();
+//! drop(slices);
 //! drop(snap); // the snapshot keeps the region mapped: the slice may not outlive it
 //! slice.write_obj(1u8, 0).unwrap();
 //! ```
@@ -165,13 +169,16 @@ pub mod workers;
 pub use bringup::{bringup, BringupConfig, BringupError, BringupReport, Verify};
 pub use host::{Host, HostError};
 pub use jobs::{Chunk, Job, JobRange, Numa};
-pub use layout::{Access, Backing, Guard, HugePageSize, RegionSpec, Reserve, Thp, MAX_REGIONS};
+pub use layout::{
+    Access, Backing, DirtyTracking, Guard, HugePageSize, RegionSpec, Reserve, Thp, MAX_REGIONS,
+};
 pub use map::{GuestMap, MapError, Snapshot};
 pub use populate::{populate, Method, PinStrategy, PopulateConfig, PopulateError, PopulateReport};
 pub use region::{Region, RegionError};
 pub use translate::{TranslateError, Translator};
 pub use vm_memory;
 pub use vm_memory::GuestAddress;
+pub use vm_memory_impl::ReadOnlyWrite;
 
 /// The base page size of this host, in bytes.
 pub fn base_page_size() -> u64 {

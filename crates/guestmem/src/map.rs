@@ -67,20 +67,30 @@ pub(crate) struct Span {
     pub(crate) host: usize,
     /// Whether the guest may only read it.
     pub(crate) read_only: bool,
+    /// The region's dirty bitmap, if it tracks writes. Valid while the snapshot that made
+    /// the span holds the region's `Arc` (every holder of a span also holds that snapshot).
+    pub(crate) dirty: Option<std::ptr::NonNull<crate::dirty::DirtyBitmap>>,
 }
 
-/// An immutable view of the map at one generation.
+// SAFETY: a Span is plain data about a region; the bitmap pointer is only dereferenced by
+// holders of the snapshot that keeps the region (and its bitmap, which is Sync) alive.
+unsafe impl Send for Span {}
+// SAFETY: as above.
+unsafe impl Sync for Span {}
+
+/// The regions of one snapshot, sorted, with the dense arrays lookups search: vm-memory's
+/// `GuestMemoryBackend` over them is the reference for what the device view does across
+/// region edges (see `vm_memory_impl`).
 #[derive(Debug)]
-pub struct Snapshot {
-    generation: u64,
+pub struct RegionTable {
     /// Region starts alone, 8 bytes each, for the binary search: 8 per cache line.
     starts: Box<[u64]>,
     spans: Box<[Span]>,
     regions: Box<[Arc<Region>]>,
 }
 
-impl Snapshot {
-    fn new(generation: u64, mut regions: Vec<Arc<Region>>) -> Snapshot {
+impl RegionTable {
+    fn new(mut regions: Vec<Arc<Region>>) -> RegionTable {
         regions.sort_by_key(|r| r.guest_addr().0);
         let spans = regions
             .iter()
@@ -89,40 +99,20 @@ impl Snapshot {
                 end: r.guest_end(),
                 host: r.host_addr() as usize,
                 read_only: r.access() == crate::layout::Access::ReadOnly,
+                dirty: r.dirty_bitmap().map(std::ptr::NonNull::from),
             })
             .collect();
         let starts = regions.iter().map(|r| r.guest_addr().0).collect();
-        Snapshot {
-            generation,
+        RegionTable {
             starts,
             spans,
             regions: regions.into_boxed_slice(),
         }
     }
 
-    /// The generation: it grows by one with every published change.
-    pub fn generation(&self) -> u64 {
-        self.generation
-    }
-
     /// The regions, sorted by guest address.
     pub fn regions(&self) -> &[Arc<Region>] {
         &self.regions
-    }
-
-    /// The number of regions.
-    pub fn len(&self) -> usize {
-        self.regions.len()
-    }
-
-    /// Whether the map is empty.
-    pub fn is_empty(&self) -> bool {
-        self.regions.is_empty()
-    }
-
-    /// Total bytes of guest memory.
-    pub fn total_bytes(&self) -> u64 {
-        self.spans.iter().map(|s| s.end - s.start).sum()
     }
 
     pub(crate) fn spans(&self) -> &[Span] {
@@ -138,15 +128,83 @@ impl Snapshot {
             .checked_sub(1)?;
         (addr.0 < self.spans[i].end).then_some(i)
     }
+}
+
+/// An immutable view of the map at one generation.
+///
+/// It is also what device code gets: vm-memory's `GuestMemory`, with `Permissions` honoured
+/// (a write into a read-only region is refused, nothing written) and every write marked in
+/// the region's dirty bitmap if it tracks writes.
+#[derive(Debug)]
+pub struct Snapshot {
+    generation: u64,
+    table: RegionTable,
+}
+
+impl Snapshot {
+    fn new(generation: u64, regions: Vec<Arc<Region>>) -> Snapshot {
+        Snapshot {
+            generation,
+            table: RegionTable::new(regions),
+        }
+    }
+
+    /// The generation: it grows by one with every published change.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The regions, sorted by guest address.
+    pub fn regions(&self) -> &[Arc<Region>] {
+        self.table.regions()
+    }
+
+    /// The regions as vm-memory's `GuestMemoryBackend`: vm-memory's own semantics with no
+    /// permission check, for host-side code that means it (loading a ROM image, say). Device
+    /// code takes the snapshot itself.
+    pub fn table(&self) -> &RegionTable {
+        &self.table
+    }
+
+    /// The number of regions.
+    pub fn len(&self) -> usize {
+        self.table.regions.len()
+    }
+
+    /// Whether the map is empty.
+    pub fn is_empty(&self) -> bool {
+        self.table.regions.is_empty()
+    }
+
+    /// Total bytes of guest memory.
+    pub fn total_bytes(&self) -> u64 {
+        self.table.spans.iter().map(|s| s.end - s.start).sum()
+    }
+
+    pub(crate) fn spans(&self) -> &[Span] {
+        self.table.spans()
+    }
+
+    /// The index of the region holding `addr`, by binary search.
+    #[inline]
+    pub fn find_index(&self, addr: GuestAddress) -> Option<usize> {
+        self.table.find_index(addr)
+    }
 
     /// The region holding `addr`, by binary search.
     pub fn find(&self, addr: GuestAddress) -> Option<&Arc<Region>> {
-        self.find_index(addr).map(|i| &self.regions[i])
+        self.find_index(addr).map(|i| &self.table.regions[i])
+    }
+
+    /// The region holding `addr`, by binary search (what vm-memory's `find_region` does).
+    pub fn find_region(&self, addr: GuestAddress) -> Option<&Region> {
+        self.find(addr).map(|r| &**r)
     }
 
     fn overlap(&self, start: u64, end: u64) -> Option<&Span> {
-        let i = self.spans.partition_point(|s| s.end <= start);
-        self.spans.get(i).filter(|s| s.start < end)
+        let spans = &self.table.spans;
+        let i = spans.partition_point(|s| s.end <= start);
+        spans.get(i).filter(|s| s.start < end)
     }
 }
 
@@ -267,7 +325,7 @@ impl GuestMap {
         let _w = self.shared.writer.lock().unwrap_or_else(|e| e.into_inner());
         let cur = self.shared.current.load_full();
         self.check_fits(&cur, region.guest_addr().0, region.guest_end())?;
-        let mut regions = cur.regions.to_vec();
+        let mut regions = cur.regions().to_vec();
         regions.push(region);
         self.publish(Snapshot::new(cur.generation + 1, regions));
         Ok(())
@@ -298,11 +356,11 @@ impl GuestMap {
         let _w = self.shared.writer.lock().unwrap_or_else(|e| e.into_inner());
         let cur = self.shared.current.load_full();
         let i = cur
-            .regions
+            .regions()
             .iter()
             .position(|r| r.guest_addr() == addr)
             .ok_or(MapError::NotFound { addr: addr.0 })?;
-        let mut regions = cur.regions.to_vec();
+        let mut regions = cur.regions().to_vec();
         let removed = regions.remove(i);
         self.publish(Snapshot::new(cur.generation + 1, regions));
         Ok(removed)

@@ -28,8 +28,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use vm_memory::{FileOffset, GuestAddress};
 
+use crate::dirty::{DirtyBitmap, DIRTY_PAGE_BYTES};
 use crate::host::{Demand, Host, HostError, Stage};
-use crate::layout::{Access, Backing, Guard, Placement, RegionSpec, Reserve, Thp};
+use crate::layout::{Access, Backing, DirtyTracking, Guard, Placement, RegionSpec, Reserve, Thp};
 use crate::mmap::{Advice, MapSource, Mapping, MmapError, Reservation};
 use crate::sys;
 
@@ -149,6 +150,7 @@ pub struct Region {
     reserve: Reserve,
     numa_node: Option<u32>,
     file: Option<FileOffset>,
+    dirty: Option<DirtyBitmap>,
     warnings: Vec<String>,
 }
 
@@ -181,6 +183,17 @@ impl Region {
         let opened = open_backing(spec, &c)?;
         let mapping = place(spec, &c, &opened)?;
         let warnings = advise(spec, &c, &mapping)?;
+        let dirty = match spec.dirty {
+            DirtyTracking::Off => None,
+            DirtyTracking::On => Some(DirtyBitmap::new(c.size, DIRTY_PAGE_BYTES).map_err(|e| {
+                RegionError::Syscall {
+                    addr: c.addr,
+                    size: c.size,
+                    op: "dirty bitmap",
+                    source: io::Error::other(e),
+                }
+            })?),
+        };
         Ok(Region {
             id: NEXT_REGION_ID.fetch_add(1, Ordering::Relaxed),
             guest_addr: spec.guest_addr,
@@ -195,6 +208,7 @@ impl Region {
             reserve: spec.reserve,
             numa_node: spec.numa_node,
             file: opened.file,
+            dirty,
             warnings,
         })
     }
@@ -290,6 +304,17 @@ impl Region {
     /// The backing descriptor.
     pub fn fd(&self) -> Option<BorrowedFd<'_>> {
         self.file.as_ref().map(|f| f.file().as_fd())
+    }
+
+    /// The bitmap that records which 4 KiB pages were written through vm-memory (and, with
+    /// KVM, by the guest once harvested), if the region tracks writes
+    /// ([`crate::layout::DirtyTracking`]).
+    pub fn dirty_bitmap(&self) -> Option<&DirtyBitmap> {
+        self.dirty.as_ref()
+    }
+
+    pub(crate) fn dirty_option(&self) -> &Option<DirtyBitmap> {
+        &self.dirty
     }
 
     /// Hints that failed while mapping (e.g. THP advice), for the caller to report.

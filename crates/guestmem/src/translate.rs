@@ -16,10 +16,42 @@
 use std::cell::Cell;
 use std::sync::Arc;
 
+use vm_memory::bitmap::RefSlice;
 use vm_memory::{GuestAddress, VolatileSlice};
 
+use crate::dirty::DirtyBitmap;
 use crate::map::{GuestMap, Snapshot, Span};
 use crate::region::Region;
+
+/// A region's dirty bitmap as a slice at some offset, or nothing when it tracks no writes:
+/// what vm-memory's `VolatileSlice` marks on every write through it.
+pub type DirtySlice<'a> = Option<RefSlice<'a, DirtyBitmap>>;
+
+/// Guest memory as handed out by translation and by the device view: a volatile slice that
+/// marks the region's dirty bitmap when written.
+pub type GuestSlice<'a> = VolatileSlice<'a, DirtySlice<'a>>;
+
+/// The slice of host memory `host..host+len`, `offset` bytes into the region of `span`.
+///
+/// # Safety
+/// `host..host+len` must lie in the region `span` describes, and `span` must come from a
+/// snapshot that keeps the region (and its bitmap) alive for `'a`.
+#[inline]
+pub(crate) unsafe fn guest_slice<'a>(
+    host: usize,
+    len: usize,
+    span: &Span,
+    offset: u64,
+) -> GuestSlice<'a> {
+    let bitmap = span.dirty.map(|p| {
+        // SAFETY: the bitmap belongs to the region, which the span's snapshot keeps alive for
+        // 'a (this function's contract); it is only read through a shared reference.
+        let b: &'a DirtyBitmap = unsafe { p.as_ref() };
+        RefSlice::new(b, offset as usize)
+    });
+    // SAFETY: host..host+len is mapped for 'a (this function's contract).
+    unsafe { VolatileSlice::with_bitmap(host as *mut u8, len, bitmap, None) }
+}
 
 /// Why a guest range could not be translated.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -131,6 +163,7 @@ impl Translator {
                     end: 0,
                     host: 0,
                     read_only: false,
+                    dirty: None,
                 },
             }),
             miss_streak: Cell::new(0),
@@ -212,6 +245,19 @@ impl Translator {
             .and_then(|i| self.snap.regions().get(i))
     }
 
+    /// The region holding `addr`, through the cache (what vm-memory's `find_region` does,
+    /// with seed 004's last-used cache in front).
+    #[inline]
+    pub fn find_region(&self, addr: GuestAddress) -> Option<&Region> {
+        self.find(addr).map(|r| &**r)
+    }
+
+    /// The cached lookup with its span, for the device view in `vm_memory_impl`.
+    #[inline]
+    pub(crate) fn lookup_span(&self, addr: u64) -> Option<Span> {
+        self.lookup(addr).map(|(_, s)| s)
+    }
+
     /// Host address of `addr..addr+len`, which must lie in one region, and the region's span.
     #[inline]
     fn host_range(&self, addr: GuestAddress, len: usize) -> Result<(usize, Span), TranslateError> {
@@ -242,17 +288,20 @@ impl Translator {
     }
 
     /// The host memory of `addr..addr+len` for reading. The range must lie in one region.
+    /// (A `VolatileSlice` cannot be made read-only: write through
+    /// [`Translator::translate_mut`], which refuses read-only regions; a write through this
+    /// slice is still marked dirty.)
     #[inline]
     pub fn translate(
         &self,
         addr: GuestAddress,
         len: usize,
-    ) -> Result<VolatileSlice<'_>, TranslateError> {
-        let (host, _) = self.host_range(addr, len)?;
-        // SAFETY: host..host+len lies in one region of `self.snap` (checked in host_range,
-        // without overflow); the snapshot holds the region's Arc, so the mapping outlives the
-        // returned slice, which borrows `self`.
-        Ok(unsafe { VolatileSlice::new(host as *mut u8, len) })
+    ) -> Result<GuestSlice<'_>, TranslateError> {
+        let (host, span) = self.host_range(addr, len)?;
+        // SAFETY: host..host+len lies in the region of `span` (checked in host_range, without
+        // overflow), which came from `self.snap`; the snapshot holds the region's Arc, so the
+        // mapping and bitmap outlive the returned slice, which borrows `self`.
+        Ok(unsafe { guest_slice(host, len, &span, addr.0 - span.start) })
     }
 
     /// The host memory of `addr..addr+len` for writing: as [`Translator::translate`], and the
@@ -262,7 +311,7 @@ impl Translator {
         &self,
         addr: GuestAddress,
         len: usize,
-    ) -> Result<VolatileSlice<'_>, TranslateError> {
+    ) -> Result<GuestSlice<'_>, TranslateError> {
         let (host, span) = self.host_range(addr, len)?;
         if span.read_only {
             return Err(TranslateError::ReadOnly {
@@ -271,19 +320,23 @@ impl Translator {
                 region_addr: span.start,
             });
         }
-        // SAFETY: as in `translate`: the range was checked to lie in a region the pinned
-        // snapshot keeps mapped.
-        Ok(unsafe { VolatileSlice::new(host as *mut u8, len) })
+        // SAFETY: as in `translate`: the range was checked to lie in the region of `span`,
+        // which the pinned snapshot keeps mapped.
+        Ok(unsafe { guest_slice(host, len, &span, addr.0 - span.start) })
     }
 
-    /// Copies guest memory at `addr` into `buf`.
-    pub fn read(&self, addr: GuestAddress, buf: &mut [u8]) -> Result<(), TranslateError> {
+    /// Copies guest memory at `addr` into `buf`, all of it from one region (a range that
+    /// crosses a region's end is refused). Named apart from vm-memory's `Bytes::read`, which
+    /// takes its arguments the other way round, may cross regions and returns a count.
+    pub fn read_in_region(&self, addr: GuestAddress, buf: &mut [u8]) -> Result<(), TranslateError> {
         self.translate(addr, buf.len())?.copy_to(buf);
         Ok(())
     }
 
-    /// Copies `buf` into guest memory at `addr`.
-    pub fn write(&self, addr: GuestAddress, buf: &[u8]) -> Result<(), TranslateError> {
+    /// Copies `buf` into guest memory at `addr`, all of it into one region, which must not
+    /// be read-only; the pages are marked dirty if the region tracks writes. Named apart
+    /// from vm-memory's `Bytes::write` (see [`Translator::read_in_region`]).
+    pub fn write_in_region(&self, addr: GuestAddress, buf: &[u8]) -> Result<(), TranslateError> {
         self.translate_mut(addr, buf.len())?.copy_from(buf);
         Ok(())
     }
@@ -342,11 +395,11 @@ mod tests {
         .unwrap();
         let t = map.translator();
         assert!(matches!(
-            t.write(GuestAddress(0x10), &[1]).unwrap_err(),
+            t.write_in_region(GuestAddress(0x10), &[1]).unwrap_err(),
             TranslateError::ReadOnly { region_addr: 0, .. }
         ));
         let mut b = [9u8];
-        t.read(GuestAddress(0x10), &mut b).unwrap();
+        t.read_in_region(GuestAddress(0x10), &mut b).unwrap();
         assert_eq!(b, [0]);
     }
 
@@ -354,7 +407,8 @@ mod tests {
     fn write_lands_at_host_address_of_region() {
         let map = map2();
         let t = map.translator();
-        t.write(GuestAddress(0x4_1234), &[1, 2, 3]).unwrap();
+        t.write_in_region(GuestAddress(0x4_1234), &[1, 2, 3])
+            .unwrap();
         let r = t.find(GuestAddress(0x4_0000)).unwrap();
         // SAFETY: 0x1234 + 3 lies inside the 0x2_0000-byte region, which `t` keeps mapped.
         let host = unsafe { std::slice::from_raw_parts(r.host_addr().add(0x1234), 3) };

@@ -1,29 +1,73 @@
 //! rust-vmm `vm-memory` compatibility: guestmem's map works wherever `GuestMemory` and
-//! `Bytes<GuestAddress>` are expected (virtio-queue, vhost-user backends, linux-loader).
+//! `Bytes<GuestAddress>` are expected (virtio-queue, vhost-user backends, linux-loader), and
+//! keeps two promises vm-memory's own types cannot.
 //!
-//! Three views implement `GuestMemoryBackend`:
-//! - [`Snapshot`]: binary search, `Sync`; what [`GuestMap`]'s `GuestAddressSpace` hands out.
-//! - [`Translator`]: `find_region` goes through the per-thread last-used cache, so a device
-//!   worker that hands its translator to generic code gets seed 004's speed-up there too.
+//! Design choice, after vm-memory's `IommuMemory`: what device code gets, [`Snapshot`] (what
+//! [`GuestMap`]'s `GuestAddressSpace::memory` returns) and [`Translator`], implements
+//! vm-memory's `GuestMemory` directly, not `GuestMemoryBackend`, because only `GuestMemory`
+//! sees the access mode (`Permissions`) of every access, and every `Bytes` method goes
+//! through it. So:
+//! - **Read-only regions stay read-only.** An access asking for `Permissions::Write` that
+//!   touches a read-only region is refused before any byte moves, with an error naming the
+//!   address and the region. vm-memory's `Bytes` over a `GuestMemoryBackend` ignores the
+//!   access mode, which would let any virtio device model write guest ROM.
+//! - **Writes are dirty-tracked.** A region with [`crate::layout::DirtyTracking::On`] has a
+//!   word-level [`DirtyBitmap`], implemented as vm-memory's `Bitmap`, and every slice of it
+//!   marks the pages written through it; a region without one costs an `Option` check.
 //!
-//! Regions use `()` as their vm-memory bitmap; guestmem tracks dirty pages on its own
-//! (word-level, see the dirty module) rather than through vm-memory's bit-at-a-time bitmap.
+//! Everything else is vm-memory's own behaviour: an access that stays in one region is served
+//! by one slice (found by binary search, or through the translator's cache), and anything
+//! else is handed to vm-memory's own `GuestMemoryBackend::get_slices` over the snapshot's
+//! [`RegionTable`], so holes, region edges and partial accesses behave exactly as over
+//! `GuestMemoryMmap`. `physical_memory()` returns `None`, so nothing reaches the table
+//! through the device view; host code that means to (loading a ROM image) takes
+//! [`Snapshot::table`] or a [`Region`]'s own `Bytes`.
 
+use std::iter::FusedIterator;
 use std::sync::Arc;
 
-use vm_memory::bitmap::BS;
-use vm_memory::guest_memory::Result as GmResult;
+use vm_memory::bitmap::{Bitmap, RefSlice, WithBitmapSlice, BS};
+use vm_memory::guest_memory::{GuestMemorySliceIterator, Result as GmResult};
 use vm_memory::{
-    Address, FileOffset, GuestAddress, GuestAddressSpace, GuestMemoryBackend, GuestMemoryError,
-    GuestMemoryRegion, GuestMemoryRegionBytes, GuestUsize, MemoryRegionAddress, VolatileSlice,
+    Address, FileOffset, GuestAddress, GuestAddressSpace, GuestMemory, GuestMemoryBackend,
+    GuestMemoryError, GuestMemoryRegion, GuestMemoryRegionBytes, GuestUsize, MemoryRegionAddress,
+    Permissions, VolatileSlice,
 };
 
-use crate::map::{GuestMap, Snapshot};
+use crate::dirty::DirtyBitmap;
+use crate::map::{GuestMap, RegionTable, Snapshot, Span};
 use crate::region::Region;
-use crate::translate::Translator;
+use crate::translate::{guest_slice, DirtySlice, GuestSlice, Translator};
+
+impl<'a> WithBitmapSlice<'a> for DirtyBitmap {
+    type S = RefSlice<'a, DirtyBitmap>;
+}
+
+impl Bitmap for DirtyBitmap {
+    /// Marks the pages `offset..offset+len` touches, clipped to the bitmap (vm-memory calls
+    /// this with the offsets of an access it just made, which lie inside; clipping keeps a
+    /// wrapped offset from doing anything but nothing).
+    #[inline]
+    fn mark_dirty(&self, offset: usize, len: usize) {
+        let (offset, size) = (offset as u64, self.size());
+        let len = (len as u64).min(size.saturating_sub(offset));
+        if len > 0 {
+            // In range by the clip above, so this cannot fail.
+            let _ = self.mark(offset, len);
+        }
+    }
+
+    fn dirty_at(&self, offset: usize) -> bool {
+        self.is_dirty(offset as u64 / self.page_size())
+    }
+
+    fn slice_at(&self, offset: usize) -> RefSlice<'_, Self> {
+        RefSlice::new(self, offset)
+    }
+}
 
 impl GuestMemoryRegion for Region {
-    type B = ();
+    type B = Option<DirtyBitmap>;
 
     fn len(&self) -> GuestUsize {
         self.size()
@@ -33,7 +77,9 @@ impl GuestMemoryRegion for Region {
         self.guest_addr()
     }
 
-    fn bitmap(&self) -> BS<'_, ()> {}
+    fn bitmap(&self) -> BS<'_, Self::B> {
+        self.dirty_option().slice_at(0)
+    }
 
     fn get_host_address(&self, addr: MemoryRegionAddress) -> GmResult<*mut u8> {
         self.check_address(addr)
@@ -50,7 +96,7 @@ impl GuestMemoryRegion for Region {
         &self,
         offset: MemoryRegionAddress,
         count: usize,
-    ) -> GmResult<VolatileSlice<'_, BS<'_, ()>>> {
+    ) -> GmResult<VolatileSlice<'_, BS<'_, Self::B>>> {
         let end = offset
             .raw_value()
             .checked_add(count as u64)
@@ -58,9 +104,18 @@ impl GuestMemoryRegion for Region {
         if end > self.size() {
             return Err(GuestMemoryError::InvalidBackendAddress);
         }
+        let off = offset.raw_value() as usize;
         // SAFETY: offset..offset+count lies inside the region (checked above without
-        // overflow), and the mapping lives as long as `self`, which the slice borrows.
-        Ok(unsafe { VolatileSlice::new(self.host_addr().add(offset.raw_value() as usize), count) })
+        // overflow), and the mapping and bitmap live as long as `self`, which the slice
+        // borrows.
+        Ok(unsafe {
+            VolatileSlice::with_bitmap(
+                self.host_addr().add(off),
+                count,
+                self.dirty_option().slice_at(off),
+                None,
+            )
+        })
     }
 
     fn is_hugetlbfs(&self) -> Option<bool> {
@@ -69,18 +124,19 @@ impl GuestMemoryRegion for Region {
 }
 
 // The host mapping of every region is readable and writable (read-only regions are
-// read-only to the guest, see `layout::Access`), so vm-memory's default `Bytes` is sound.
+// read-only to the guest and to device code, see the module docs); a region's own `Bytes`
+// are the host's way in, to load an image into a ROM, and mark its bitmap like any write.
 impl GuestMemoryRegionBytes for Region {}
 
-impl GuestMemoryBackend for Snapshot {
+impl GuestMemoryBackend for RegionTable {
     type R = Region;
 
     fn num_regions(&self) -> usize {
-        self.len()
+        self.regions().len()
     }
 
     fn find_region(&self, addr: GuestAddress) -> Option<&Region> {
-        self.find(addr).map(|r| &**r)
+        self.find_index(addr).map(|i| &*self.regions()[i])
     }
 
     fn iter(&self) -> impl Iterator<Item = &Region> {
@@ -88,20 +144,154 @@ impl GuestMemoryBackend for Snapshot {
     }
 }
 
-impl GuestMemoryBackend for Translator {
-    type R = Region;
+/// A write the device view refused: it would have touched a read-only region.
+#[derive(Debug, thiserror::Error)]
+#[error("write of {len:#x} bytes at guest address {addr:#x} refused: region {region_addr:#x}..{region_end:#x} is read-only")]
+pub struct ReadOnlyWrite {
+    /// Start of the access.
+    pub addr: u64,
+    /// Its length.
+    pub len: usize,
+    /// Start of the read-only region.
+    pub region_addr: u64,
+    /// Its end (exclusive).
+    pub region_end: u64,
+}
 
-    fn num_regions(&self) -> usize {
-        self.snapshot().len()
+fn read_only(addr: GuestAddress, len: usize, span: &Span) -> GuestMemoryError {
+    GuestMemoryError::IOError(std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        ReadOnlyWrite {
+            addr: addr.0,
+            len,
+            region_addr: span.start,
+            region_end: span.end,
+        },
+    ))
+}
+
+/// Refuses a write to `addr..addr+count` that would touch a read-only region, walking the
+/// regions it covers up to the first hole (where vm-memory's own iteration stops too).
+fn check_writable(table: &RegionTable, addr: GuestAddress, count: usize) -> GmResult<()> {
+    let end = addr.0.saturating_add(count as u64);
+    let mut at = addr.0;
+    while at < end {
+        let Some(i) = table.find_index(GuestAddress(at)) else {
+            break;
+        };
+        let span = &table.spans()[i];
+        if span.read_only {
+            return Err(read_only(addr, count, span));
+        }
+        at = span.end;
+    }
+    Ok(())
+}
+
+/// The slices of one access: the one slice of an access that lies in one region, or
+/// vm-memory's own iterator over the table for anything else.
+enum Slices<'a, I> {
+    One(Option<GuestSlice<'a>>),
+    Backend(I),
+}
+
+impl<'a, I> Iterator for Slices<'a, I>
+where
+    I: Iterator<Item = GmResult<GuestSlice<'a>>>,
+{
+    type Item = GmResult<GuestSlice<'a>>;
+
+    #[inline]
+    fn next(&mut self) -> Option<Self::Item> {
+        match self {
+            Slices::One(s) => s.take().map(Ok),
+            Slices::Backend(it) => it.next(),
+        }
+    }
+}
+
+impl<'a, I> FusedIterator for Slices<'a, I> where I: FusedIterator<Item = GmResult<GuestSlice<'a>>> {}
+
+impl<'a, I> GuestMemorySliceIterator<'a, DirtySlice<'a>> for Slices<'a, I> where
+    I: GuestMemorySliceIterator<'a, DirtySlice<'a>>
+{
+}
+
+/// The device view's `get_slices`: `span` is the region the caller's lookup found for `addr`
+/// (by binary search or through a translator's cache), if any.
+#[inline]
+fn slices<'a>(
+    table: &'a RegionTable,
+    span: Option<Span>,
+    addr: GuestAddress,
+    count: usize,
+    access: Permissions,
+) -> GmResult<impl GuestMemorySliceIterator<'a, DirtySlice<'a>>> {
+    if let Some(s) = span {
+        if count > 0 && addr.0 >= s.start && count as u64 <= s.end - addr.0 {
+            if access.has_write() && s.read_only {
+                return Err(read_only(addr, count, &s));
+            }
+            let offset = addr.0 - s.start;
+            // SAFETY: addr..addr+count lies in the region of `s` (checked just above without
+            // overflow: `s.end - addr.0` cannot underflow as `addr.0 >= s.start` and the
+            // lookup put `addr` below `s.end`), and `s` came from the snapshot that `table`
+            // belongs to, which keeps the region alive for 'a.
+            let slice = unsafe { guest_slice(s.host + offset as usize, count, &s, offset) };
+            return Ok(Slices::One(Some(slice)));
+        }
+    }
+    if access.has_write() {
+        check_writable(table, addr, count)?;
+    }
+    Ok(Slices::Backend(GuestMemoryBackend::get_slices(
+        table, addr, count,
+    )))
+}
+
+impl GuestMemory for Snapshot {
+    type PhysicalMemory = RegionTable;
+    type Bitmap = Option<DirtyBitmap>;
+
+    fn check_range(&self, addr: GuestAddress, count: usize, access: Permissions) -> bool {
+        GuestMemoryBackend::check_range(self.table(), addr, count)
+            && (!access.has_write() || check_writable(self.table(), addr, count).is_ok())
     }
 
     #[inline]
-    fn find_region(&self, addr: GuestAddress) -> Option<&Region> {
-        self.find(addr).map(|r| &**r)
+    fn get_slices<'a>(
+        &'a self,
+        addr: GuestAddress,
+        count: usize,
+        access: Permissions,
+    ) -> GmResult<impl GuestMemorySliceIterator<'a, BS<'a, Self::Bitmap>>> {
+        let span = self.find_index(addr).map(|i| self.spans()[i]);
+        slices(self.table(), span, addr, count, access)
+    }
+}
+
+impl GuestMemory for Translator {
+    type PhysicalMemory = RegionTable;
+    type Bitmap = Option<DirtyBitmap>;
+
+    fn check_range(&self, addr: GuestAddress, count: usize, access: Permissions) -> bool {
+        GuestMemory::check_range(self.snapshot(), addr, count, access)
     }
 
-    fn iter(&self) -> impl Iterator<Item = &Region> {
-        self.snapshot().regions().iter().map(|r| &**r)
+    #[inline]
+    fn get_slices<'a>(
+        &'a self,
+        addr: GuestAddress,
+        count: usize,
+        access: Permissions,
+    ) -> GmResult<impl GuestMemorySliceIterator<'a, BS<'a, Self::Bitmap>>> {
+        slices(
+            self.snapshot().table(),
+            self.lookup_span(addr.0),
+            addr,
+            count,
+            access,
+        )
     }
 }
 

@@ -19,7 +19,8 @@ fn memfd_region_refuses_shrinking_and_growing_and_stays_usable() {
     ])
     .unwrap();
     let t = map.translator();
-    t.write(GuestAddress(4 * MIB - 8), b"lastpage").unwrap();
+    t.write_in_region(GuestAddress(4 * MIB - 8), b"lastpage")
+        .unwrap();
     let snap = map.snapshot();
     let file = snap.regions()[0].file_offset().unwrap().file();
 
@@ -34,7 +35,8 @@ fn memfd_region_refuses_shrinking_and_growing_and_stays_usable() {
     assert_eq!(file.metadata().unwrap().len(), 4 * MIB);
     // Every page is still there: the last one reads back through the translator and vm-memory.
     let mut back = [0u8; 8];
-    t.read(GuestAddress(4 * MIB - 8), &mut back).unwrap();
+    t.read_in_region(GuestAddress(4 * MIB - 8), &mut back)
+        .unwrap();
     assert_eq!(&back, b"lastpage");
     assert_eq!(
         snap.read_obj::<u64>(GuestAddress(4 * MIB - 8)).unwrap(),
@@ -65,7 +67,7 @@ fn memfd_seals_hold_for_a_duplicated_descriptor() {
         Some(libc::EPERM)
     );
     map.translator()
-        .write(GuestAddress(2 * MIB - 1), &[7])
+        .write_in_region(GuestAddress(2 * MIB - 1), &[7])
         .unwrap();
 }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem::inspect::inspect_region;
-use guestmem::vm_memory::{Bytes, GuestMemoryBackend};
+use guestmem::vm_memory::Bytes;
 use guestmem::{
     Backing, Guard, GuestAddress, GuestMap, MapError, RegionSpec, Thp, TranslateError, MAX_REGIONS,
 };
@@ -59,8 +59,8 @@ fn every_backing_reads_and_writes_through_translator_and_bytes() {
         let last = base + r.size() - 8;
         let pattern = [i as u8 + 1; 8];
         // Translator writes land in the host mapping and show through vm-memory's Bytes.
-        t.write(GuestAddress(base), &pattern).unwrap();
-        t.write(GuestAddress(last), &pattern).unwrap();
+        t.write_in_region(GuestAddress(base), &pattern).unwrap();
+        t.write_in_region(GuestAddress(last), &pattern).unwrap();
         assert_eq!(host_bytes(r, 0, 8), pattern);
         assert_eq!(host_bytes(r, r.size() - 8, 8), pattern);
         let mut b = [0u8; 8];
@@ -70,7 +70,8 @@ fn every_backing_reads_and_writes_through_translator_and_bytes() {
         let v: u64 = 0x1122_3344_5566_7700 | i as u64;
         snap.write_obj(v, GuestAddress(base + 0x800)).unwrap();
         let mut b = [0u8; 8];
-        t.read(GuestAddress(base + 0x800), &mut b).unwrap();
+        t.read_in_region(GuestAddress(base + 0x800), &mut b)
+            .unwrap();
         assert_eq!(u64::from_le_bytes(b), v);
         // Host and guest addresses are congruent modulo the huge-page size.
         assert_eq!(r.host_addr() as u64 % r.huge_align(), base % r.huge_align());
@@ -234,7 +235,7 @@ fn translator_threads_never_see_wrong_region_during_hot_add_remove() {
                         let off = (x >> 20) % (REGION / 4096) * 4096;
                         let addr = slot * STRIDE + off;
                         let mut b = [0u8; 8];
-                        match t.read(GuestAddress(addr), &mut b) {
+                        match t.read_in_region(GuestAddress(addr), &mut b) {
                             Ok(()) => {
                                 assert_eq!(u64::from_le_bytes(b), sentinel(addr), "{addr:#x}");
                                 hits.fetch_add(1, Ordering::Relaxed);

@@ -1,6 +1,5 @@
 //! The translator against a naive model, over random region sets, queries and hot changes.
 
-use guestmem::vm_memory::GuestMemoryBackend;
 use guestmem::{Guard, GuestAddress, GuestMap, RegionSpec, Thp, TranslateError};
 use proptest::prelude::*;
 
@@ -74,7 +73,7 @@ proptest! {
                     });
                     prop_assert_eq!(&got, &want, "query {:#x}+{:#x}", addr, len);
                     // vm-memory's view through the cache agrees on the region.
-                    let via_vmm = GuestMemoryBackend::find_region(&t, GuestAddress(addr))
+                    let via_vmm = t.find_region(GuestAddress(addr))
                         .map(|r| r.guest_addr().0);
                     let model_region = regions.iter().find(|&&(s, e)| s <= addr && addr < e).map(|r| r.0);
                     prop_assert_eq!(via_vmm, model_region);

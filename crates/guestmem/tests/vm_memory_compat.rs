@@ -41,7 +41,7 @@ fn virtio_queue_runs_over_translator_and_snapshot() {
     let request = b"hello from the guest driver";
     let req_addr = GuestAddress(0x100_1000);
     let resp_addr = GuestAddress(0x110_0000);
-    t.write(req_addr, request).unwrap();
+    t.write_in_region(req_addr, request).unwrap();
 
     let vq = MockSplitQueue::new(&t, 16);
     let descs = [
@@ -54,7 +54,7 @@ fn virtio_queue_runs_over_translator_and_snapshot() {
     // The device side goes through the per-thread translator (cached find_region) ...
     assert_eq!(serve(&mut queue, &t), 1);
     let mut got = vec![0u8; request.len()];
-    t.read(resp_addr, &mut got).unwrap();
+    t.read_in_region(resp_addr, &mut got).unwrap();
     assert_eq!(got, request.to_ascii_uppercase());
     // ... and the same bytes are in the host mapping of the second region.
     let region = t.find(resp_addr).unwrap();
@@ -67,7 +67,7 @@ fn virtio_queue_runs_over_translator_and_snapshot() {
     assert_eq!(used_len as usize, request.len());
 
     // A second request, served through the map's GuestAddressSpace (binary-search snapshot).
-    t.write(req_addr, b"again").unwrap();
+    t.write_in_region(req_addr, b"again").unwrap();
     let descs = [
         // Table slots 2 and 3, linked by hand (add_desc_chains keeps flags as given).
         RawDescriptor::from(SplitDescriptor::new(req_addr.0, 5, VRING_DESC_F_NEXT, 3)),

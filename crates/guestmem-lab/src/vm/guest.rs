@@ -349,7 +349,7 @@ fn write_params(map: &GuestMap, slices: &[Vec<Range>], mode: GuestMode) -> Resul
             block.extend_from_slice(&s.to_le_bytes());
             block.extend_from_slice(&e.to_le_bytes());
         }
-        t.write(GuestAddress(params_gpa(v)), &block)?;
+        t.write_in_region(GuestAddress(params_gpa(v)), &block)?;
     }
 
     Ok(())

@@ -92,10 +92,10 @@ pub fn pattern(gpa: u64, tag: u32) -> u32 {
 pub(crate) fn load(map: &GuestMap, mode: GuestMode) -> Result<(), VmError> {
     let t = map.translator();
     let (write, verify) = mode.routines();
-    t.write(GuestAddress(CODE_GPA), write)?;
-    t.write(GuestAddress(CODE_GPA + VERIFY_OFFSET), verify)?;
+    t.write_in_region(GuestAddress(CODE_GPA), write)?;
+    t.write_in_region(GuestAddress(CODE_GPA + VERIFY_OFFSET), verify)?;
     if mode == GuestMode::Long64 {
-        t.write(GuestAddress(PAGE_TABLES_GPA), &identity_tables())?;
+        t.write_in_region(GuestAddress(PAGE_TABLES_GPA), &identity_tables())?;
     }
     Ok(())
 }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use guestmem::kvm::{KvmVm, MemslotConfig, Memslots, VmConfig, KVM_PATH};
+use guestmem::kvm::{DirtyLogging, KvmVm, MemslotConfig, Memslots, VmConfig, KVM_PATH};
 use guestmem::{GuestAddress, GuestMap, Region};
 use guestmem_lab::vm::guest::{control_spec, data_specs};
 
@@ -34,7 +34,12 @@ pub fn setup(bytes: u64, slots: usize) -> Setup {
     specs.push(control_spec());
     let map = GuestMap::from_specs(&specs).unwrap();
     let vm = Arc::new(KvmVm::open(&VmConfig::default()).unwrap());
-    let mut memslots = Memslots::new(vm.clone(), MemslotConfig::default()).unwrap();
+    // These tests harvest: dirty logging on from the start (it is off by default).
+    let logging = MemslotConfig {
+        dirty_logging: DirtyLogging::On,
+        ..MemslotConfig::default()
+    };
+    let mut memslots = Memslots::new(vm.clone(), logging).unwrap();
     let report = memslots.sync(&map.snapshot()).unwrap();
     assert_eq!(report.added.len(), slots + 1);
     assert!(report.warnings.is_empty(), "{:?}", report.warnings);

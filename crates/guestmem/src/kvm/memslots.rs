@@ -27,8 +27,7 @@ use crate::layout::Access;
 use crate::map::Snapshot;
 use crate::region::Region;
 
-/// The page size of KVM's dirty log on x86: one bit per 4 KiB, whatever backs the slot.
-pub const DIRTY_PAGE_BYTES: u64 = 4096;
+pub use crate::dirty::DIRTY_PAGE_BYTES;
 
 /// Whether read-write slots log dirty pages (`KVM_MEM_LOG_DIRTY_PAGES`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -51,10 +50,14 @@ pub struct MemslotConfig {
     pub max_slots: Option<usize>,
 }
 
+/// Dirty logging off: KVM then maps guest memory with the largest pages the host mapping
+/// allows (2 MiB for THP or hugetlb regions laid out congruent). Turn it on with
+/// [`Memslots::set_dirty_logging`] when a migration or snapshot starts, and off when it ends:
+/// while it is on, KVM write-protects and maps every page at 4 KiB.
 impl Default for MemslotConfig {
     fn default() -> Self {
         MemslotConfig {
-            dirty_logging: DirtyLogging::On,
+            dirty_logging: DirtyLogging::Off,
             max_slots: None,
         }
     }
@@ -107,7 +110,10 @@ struct Slot {
     id: u32,
     region: Arc<Region>,
     flags: u32,
-    bitmap: Arc<DirtyBitmap>,
+    /// The slot's own bitmap, for a region that keeps none; a region that tracks writes
+    /// ([`crate::layout::DirtyTracking::On`]) lends its own, so KVM's log and the device
+    /// writes vm-memory marked land in one set.
+    own: Option<DirtyBitmap>,
     log: SlotLog,
 }
 
@@ -125,6 +131,13 @@ impl Slot {
 
     fn logs(&self) -> bool {
         self.flags & KVM_MEM_LOG_DIRTY_PAGES != 0
+    }
+
+    fn bitmap(&self) -> &DirtyBitmap {
+        match (self.region.dirty_bitmap(), &self.own) {
+            (Some(b), _) | (None, Some(b)) => b,
+            (None, None) => unreachable!("a slot's region without a bitmap gets its own"),
+        }
     }
 }
 
@@ -254,13 +267,17 @@ impl Memslots {
             self.next - 1
         });
         let flags = self.flags_for(r, self.config.dirty_logging);
-        let bitmap = DirtyBitmap::new(r.size(), DIRTY_PAGE_BYTES)?;
+        let own = match r.dirty_bitmap() {
+            Some(_) => None,
+            None => Some(DirtyBitmap::new(r.size(), DIRTY_PAGE_BYTES)?),
+        };
+        let pages = r.size().div_ceil(DIRTY_PAGE_BYTES);
         let slot = Slot {
             id,
             region: r.clone(),
             flags,
-            log: SlotLog::new(id, bitmap.pages()),
-            bitmap: Arc::new(bitmap),
+            log: SlotLog::new(id, pages),
+            own,
         };
         let info = slot.info();
         if let Err(e) = self.set_kvm_slot(&info, SlotOp::Add) {
@@ -369,7 +386,7 @@ impl Memslots {
         let t = Instant::now();
         for s in self.slots.iter_mut().filter(|s| s.logs()) {
             s.log.get(vm)?;
-            s.bitmap.merge_words(0, s.log.words())?;
+            s.bitmap().merge_words(0, s.log.words())?;
             stats.dirty_pages += s
                 .log
                 .words()
@@ -403,14 +420,15 @@ impl Memslots {
             .find(addr.0)
             .filter(|s| s.region.contains_range(addr.0, len))
             .ok_or(KvmError::NoSlot { addr: addr.0, len })?;
-        s.bitmap.mark(addr.0 - s.region.guest_addr().0, len)?;
+        s.bitmap().mark(addr.0 - s.region.guest_addr().0, len)?;
         Ok(())
     }
 
-    /// The dirty bitmap of the slot holding `addr` (page 0 is the slot's first page). Share
-    /// it with device threads to mark without going through the registry.
-    pub fn bitmap(&self, addr: GuestAddress) -> Option<&Arc<DirtyBitmap>> {
-        self.find(addr.0).map(|s| &s.bitmap)
+    /// The dirty bitmap of the slot holding `addr` (page 0 is the slot's first page): the
+    /// region's own if it tracks writes (then device writes through vm-memory are in it
+    /// already), else the slot's.
+    pub fn bitmap(&self, addr: GuestAddress) -> Option<&DirtyBitmap> {
+        self.find(addr.0).map(Slot::bitmap)
     }
 }
 
