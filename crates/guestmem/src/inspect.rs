@@ -236,10 +236,16 @@ fn usage_of(host: HostRange, vmas: &[Vma], numa: Option<&[NumaLine]>) -> RegionU
 /// The kernel's account of every region of `snap`, from one read of smaps and one of
 /// numa_maps: linear in the number of regions (each found by binary search).
 pub fn inspect(snap: &Snapshot) -> Result<Vec<RegionUsage>, InspectError> {
+    inspect_regions(snap.regions())
+}
+
+/// The kernel's account of each of `regions`, from one read of smaps and one of numa_maps.
+pub fn inspect_regions(
+    regions: &[std::sync::Arc<Region>],
+) -> Result<Vec<RegionUsage>, InspectError> {
     let vmas = read_vmas()?;
     let numa = read_numa();
-    Ok(snap
-        .regions()
+    Ok(regions
         .iter()
         .map(|r| usage_from(r, &vmas, numa.as_deref()))
         .collect())

@@ -173,7 +173,9 @@ pub use layout::{
     Access, Backing, DirtyTracking, Guard, HugePageSize, RegionSpec, Reserve, Thp, MAX_REGIONS,
 };
 pub use map::{GuestMap, MapError, Snapshot};
-pub use populate::{populate, Method, PinStrategy, PopulateConfig, PopulateError, PopulateReport};
+pub use populate::{
+    populate, Method, PinStrategy, PopulateConfig, PopulateError, PopulateReport, Selection, Undo,
+};
 pub use region::{Region, RegionError};
 pub use translate::{TranslateError, Translator};
 pub use vm_memory;

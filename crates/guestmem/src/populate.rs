@@ -29,11 +29,15 @@
 //!   `MADV_DONTNEED`; `MADV_DONTNEED` for private memory and for files, whose data must not be
 //!   destroyed). The error names the region, the failing chunk (guest addresses) and the errno.
 //!
-//! Preconditions: populate is bring-up work. Nothing may write the regions while it runs (the
-//! touch fallback writes back bytes it read), and a failure discards the contents of every
-//! chunk that started, so populate fresh memory, before loading images into it; and with
-//! [`PinStrategy::UpFront`] it unlocks, on failure, whole regions even if they were locked
-//! before the call.
+//! - **Any regions, never losing data.** [`Selection`] picks the regions (a hot-added one,
+//!   say); the others are not touched. Before the job, one read of smaps tells which regions
+//!   hold pages already: those are never released on failure (their data may be in use),
+//!   and regions locked already are neither locked again nor unlocked. `MADV_POPULATE_WRITE`
+//!   never writes, so memory a running guest is writing can be populated beside it. The
+//!   touch fallback skips pages already mapped, but writes back one byte of each page it
+//!   faults, so a writer that faults the same page in between could lose that write: use
+//!   the default method for live memory. [`Undo::Keep`] releases nothing at all, for memory
+//!   a guest may have written while it ran.
 //!
 //! [`populate`] is the mechanism and checks no limits; [`crate::limits::check`] does, and
 //! [`crate::bringup::bringup`] runs both.
@@ -51,6 +55,7 @@ use crate::map::Snapshot;
 use crate::mmap::{Advice, Lock, MmapError};
 use crate::region::Region;
 use crate::sys::{self, ProcMem};
+use vm_memory::GuestAddress;
 
 /// Default smallest chunk worth a thread, in bytes. Creating a thread costs tens of
 /// microseconds; populating 64 MiB costs milliseconds even at the fastest published rates, so
@@ -107,6 +112,35 @@ pub struct PopulateConfig {
     pub numa: Numa,
     /// Called after each chunk, if set.
     pub progress: Option<Progress>,
+    /// Which regions of the snapshot to populate.
+    pub regions: Selection,
+    /// What a failure does to the memory this call populated.
+    pub undo: Undo,
+}
+
+/// Which regions of a snapshot a populate works on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Selection {
+    /// Every region (the default).
+    #[default]
+    All,
+    /// Only the regions starting at these guest addresses (a hot-added region, say); the
+    /// others are not touched.
+    Starting(Vec<GuestAddress>),
+}
+
+/// What a failed populate does to the memory it populated.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Undo {
+    /// Give back what this call populated in regions that held nothing before it (the
+    /// default). Regions that held pages before the call are never released: their data
+    /// may be in use.
+    #[default]
+    Release,
+    /// Release nothing: for memory a running guest may already have written (a background
+    /// bring-up), where only the failure is reported.
+    Keep,
 }
 
 impl std::fmt::Debug for PopulateConfig {
@@ -118,6 +152,8 @@ impl std::fmt::Debug for PopulateConfig {
             .field("pin", &self.pin)
             .field("numa", &self.numa)
             .field("progress", &self.progress.is_some())
+            .field("regions", &self.regions)
+            .field("undo", &self.undo)
             .finish()
     }
 }
@@ -138,6 +174,8 @@ impl Default for PopulateConfig {
             pin: PinStrategy::default(),
             numa: Numa::default(),
             progress: None,
+            regions: Selection::All,
+            undo: Undo::Release,
         }
     }
 }
@@ -196,6 +234,15 @@ pub enum PopulateError {
     /// The map's regions could not be made into a job.
     #[error(transparent)]
     Job(#[from] JobError),
+    /// A selected address starts no region of the snapshot.
+    #[error("no region starts at guest address {addr:#x}")]
+    NoSuchRegion {
+        /// The address.
+        addr: u64,
+    },
+    /// The kernel's account of the regions (which hold pages already) could not be read.
+    #[error(transparent)]
+    Inspect(#[from] crate::inspect::InspectError),
 }
 
 /// What failed inside one chunk.
@@ -261,7 +308,28 @@ fn cause(region: &Region, source: &io::Error) -> Option<String> {
 /// Populates (and pins, per `cfg.pin`) every region of `snap` in one job. Checks no limits:
 /// see [`crate::limits::check`]. On failure, undoes everything it did before returning.
 pub fn populate(snap: &Snapshot, cfg: &PopulateConfig) -> Result<PopulateReport, PopulateError> {
-    let regions = snap.regions();
+    let regions: Vec<Arc<Region>> = match &cfg.regions {
+        Selection::All => snap.regions().to_vec(),
+        Selection::Starting(addrs) => addrs
+            .iter()
+            .map(|a| {
+                snap.find(*a)
+                    .filter(|r| r.guest_addr() == *a)
+                    .cloned()
+                    .ok_or(PopulateError::NoSuchRegion { addr: a.0 })
+            })
+            .collect::<Result<_, _>>()?,
+    };
+    let regions = &regions[..];
+    // What each region held before: memory in use is never released on failure, and what
+    // was locked before is neither locked again nor unlocked.
+    let before = crate::inspect::inspect_regions(regions)?;
+    let in_use: Vec<bool> = before.iter().map(|u| u.resident > 0).collect();
+    let was_locked: Vec<bool> = regions
+        .iter()
+        .zip(&before)
+        .map(|(r, u)| !r.is_hugetlb() && u.locked >= r.size())
+        .collect();
     let ranges = regions
         .iter()
         .map(|r| JobRange {
@@ -282,7 +350,7 @@ pub fn populate(snap: &Snapshot, cfg: &PopulateConfig) -> Result<PopulateReport,
 
     let t0 = Instant::now();
     let locked = match cfg.pin {
-        PinStrategy::UpFront => lock_up_front(regions)?,
+        PinStrategy::UpFront => lock_up_front(regions, &was_locked)?,
         PinStrategy::None | PinStrategy::PerChunk => Vec::new(),
     };
     let lock_seconds = t0.elapsed().as_secs_f64();
@@ -315,7 +383,8 @@ pub fn populate(snap: &Snapshot, cfg: &PopulateConfig) -> Result<PopulateReport,
         Ok(result) => result,
         Err(panic) => {
             if cfg.pin != PinStrategy::None {
-                for r in regions.iter().filter(|r| !r.is_hugetlb()) {
+                let mine = regions.iter().zip(&was_locked).filter(|(_, &w)| !w);
+                for (r, _) in mine.filter(|(r, _)| !r.is_hugetlb()) {
                     // Best effort on the way out: the panic is what the caller will see.
                     let _ = r.mapping().unlock(0, r.mapping().len());
                 }
@@ -328,7 +397,7 @@ pub fn populate(snap: &Snapshot, cfg: &PopulateConfig) -> Result<PopulateReport,
     match result {
         Ok(job) => Ok(PopulateReport {
             regions: regions.len(),
-            bytes: snap.total_bytes(),
+            bytes: regions.iter().map(|r| r.size()).sum(),
             job,
             lock_seconds,
             populate_seconds,
@@ -347,13 +416,17 @@ pub fn populate(snap: &Snapshot, cfg: &PopulateConfig) -> Result<PopulateReport,
             for chunk in failure.started() {
                 let region = &regions[chunk.range];
                 let (offset, len) = chunk_range(region, &chunk);
-                if cfg.pin == PinStrategy::PerChunk && !region.is_hugetlb() {
+                let mine = !was_locked[chunk.range];
+                if cfg.pin == PinStrategy::PerChunk && !region.is_hugetlb() && mine {
                     if let Err(e) = region.mapping().unlock(offset, len) {
                         undo_errors.push(format!("munlock chunk {:#x}: {e}", chunk.start));
                     }
                 }
-                if let Err(e) = release(region, &chunk) {
-                    undo_errors.push(format!("release chunk {:#x}: {e}", chunk.start));
+                // Memory that held pages before this call may hold data: never released.
+                if cfg.undo == Undo::Release && !in_use[chunk.range] {
+                    if let Err(e) = release(region, &chunk) {
+                        undo_errors.push(format!("release chunk {:#x}: {e}", chunk.start));
+                    }
                 }
             }
             Err(PopulateError::Chunk {
@@ -375,10 +448,13 @@ fn guest(region: &Region) -> u64 {
 
 /// Locks every non-hugetlb region with `MLOCK_ONFAULT`; on failure unlocks those it locked.
 /// Returns the indices of the regions locked.
-fn lock_up_front(regions: &[Arc<Region>]) -> Result<Vec<usize>, PopulateError> {
+fn lock_up_front(
+    regions: &[Arc<Region>],
+    was_locked: &[bool],
+) -> Result<Vec<usize>, PopulateError> {
     let mut locked: Vec<usize> = Vec::new();
     for (i, r) in regions.iter().enumerate() {
-        if r.is_hugetlb() {
+        if r.is_hugetlb() || was_locked[i] {
             continue;
         }
         let m = r.mapping();
@@ -422,8 +498,9 @@ fn release(region: &Region, chunk: &Chunk) -> io::Result<()> {
     }
 }
 
-/// Faults in every page of `offset..offset+len` of `region` by writing through
-/// `/proc/self/mem`.
+/// Faults in every page of `offset..offset+len` of `region` that is not mapped yet, by
+/// writing through `/proc/self/mem`. Pages `/proc/self/pagemap` shows present are skipped:
+/// they need no fault, and leaving them alone keeps memory in use untouched.
 fn touch(mem: &ProcMem, region: &Region, offset: usize, len: usize) -> Result<(), ChunkError> {
     let mapping = region.mapping();
     let page = region.page_size() as usize;
@@ -433,15 +510,16 @@ fn touch(mem: &ProcMem, region: &Region, offset: usize, len: usize) -> Result<()
     let mut at = offset;
     while at < end {
         let batch = TOUCH_PAGEMAP_BATCH_BYTES.min(end - at);
-        let faulted = if private_anon {
-            mem.faulted_in(mapping, at, batch)
-                .map_err(fail("read /proc/self/pagemap"))?
-        } else {
-            Vec::new()
-        };
+        let faulted = mem
+            .faulted_in(mapping, at, batch)
+            .map_err(fail("read /proc/self/pagemap"))?;
         for p in (0..batch).step_by(page) {
-            let never_faulted = private_anon && !faulted[p / base];
-            let byte = if never_faulted {
+            if faulted[p / base] {
+                continue;
+            }
+            // A private anonymous page never faulted in reads as zero, and reading it would
+            // map the (huge) zero page, which the write would then split: write zero.
+            let byte = if private_anon {
                 0
             } else {
                 mem.read_byte(mapping, at + p)
