@@ -2,17 +2,15 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Args as ClapArgs, ValueEnum};
-use guestmem::bringup::{bringup, BringupConfig, BringupReport, Verify};
-use guestmem::host::{Host, HostError};
+use guestmem::bringup::{bringup_specs, BringupConfig, BringupReport, PinPolicy, Verify};
+use guestmem::host::Host;
 use guestmem::jobs::Numa;
-use guestmem::limits::{self, LimitError};
 use guestmem::plan::{self, EvenLayout};
 use guestmem::populate::{Method, PinStrategy, PopulateConfig};
-use guestmem::{Guard, GuestAddress, GuestMap, RegionSpec, Thp};
+use guestmem::{Guard, GuestAddress, RegionSpec, Thp};
 
 use crate::report;
 
@@ -137,44 +135,25 @@ struct RegionRow {
 #[derive(serde::Serialize)]
 struct Output<'a> {
     layout: Vec<RegionRow>,
-    map_seconds: f64,
-    pin_note: Option<String>,
-    warnings: Vec<String>,
     report: &'a BringupReport,
 }
 
-/// Runs `guestmem bringup`.
+/// Runs `guestmem bringup`: parse, call the library, print.
 pub fn run(args: Args) -> Result<()> {
     let host = Host::read();
     let specs = specs(&args, &host)?;
-    // Everything that can be refused is refused before any memory is mapped.
-    plan::check_layout(&specs, &host)?;
-    let t = Instant::now();
-    let map = GuestMap::from_specs(&specs).context("mapping the layout")?;
-    let map_seconds = t.elapsed().as_secs_f64();
-    let snap = map.snapshot();
-
-    let mut pin_note = None;
-    let pin = match args.pin {
-        Pin::None => PinStrategy::None,
-        Pin::UpFront => PinStrategy::UpFront,
-        Pin::PerChunk => PinStrategy::PerChunk,
-        Pin::Auto => match limits::check(&snap, PinStrategy::UpFront) {
-            Ok(_) => PinStrategy::UpFront,
-            Err(LimitError::Host(e @ HostError::Memlock { .. })) => {
-                pin_note = Some(format!("not pinned: {e}"));
-                PinStrategy::None
-            }
-            Err(e) => return Err(e.into()),
-        },
-    };
-    let (bar, progress) = report::progress(snap.total_bytes(), args.quiet || args.json);
+    let total: u64 = specs.iter().map(|s| s.size()).sum();
+    let (bar, progress) = report::progress(total, args.quiet || args.json);
     let mut populate = PopulateConfig {
         method: match args.method {
             MethodArg::PopulateWrite => Method::PopulateWrite,
             MethodArg::Touch => Method::Touch,
         },
-        pin,
+        pin: match args.pin {
+            Pin::None => PinStrategy::None,
+            Pin::Auto | Pin::UpFront => PinStrategy::UpFront,
+            Pin::PerChunk => PinStrategy::PerChunk,
+        },
         numa: if args.numa {
             Numa::Affine
         } else {
@@ -191,18 +170,18 @@ pub fn run(args: Args) -> Result<()> {
     }
     let cfg = BringupConfig {
         populate,
+        pin_policy: match args.pin {
+            Pin::Auto => PinPolicy::IfAllowed,
+            _ => PinPolicy::Required,
+        },
         verify: Verify::On,
     };
-    let result = bringup(&snap, &cfg);
+    let result = bringup_specs(&specs, &cfg);
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    let report = result?;
-    let warnings: Vec<String> = snap
-        .regions()
-        .iter()
-        .flat_map(|r| r.warnings().iter().cloned())
-        .collect();
+    let (map, report) = result?;
+    let snap = map.snapshot();
     let out = Output {
         layout: snap
             .regions()
@@ -215,9 +194,6 @@ pub fn run(args: Args) -> Result<()> {
                 huge_align: r.huge_align(),
             })
             .collect(),
-        map_seconds,
-        pin_note,
-        warnings,
         report: &report,
     };
     let mut stdout = std::io::stdout().lock();
@@ -253,7 +229,6 @@ fn print_human(w: &mut impl Write, out: &Output<'_>) -> std::io::Result<()> {
         )?;
     }
     writeln!(w, "phases:")?;
-    writeln!(w, "  {:<9} {:>9.4} s", "map", out.map_seconds)?;
     for p in &r.phases {
         writeln!(w, "  {:<9} {:>9.4} s", p.name, p.seconds)?;
     }
@@ -286,10 +261,10 @@ fn print_human(w: &mut impl Write, out: &Output<'_>) -> std::io::Result<()> {
             .collect();
         writeln!(w, "numa:     {}", s.join(", "))?;
     }
-    if let Some(n) = &out.pin_note {
+    if let Some(n) = &r.pin_note {
         writeln!(w, "note:     {n}")?;
     }
-    for warning in &out.warnings {
+    for warning in &r.warnings {
         writeln!(w, "warning:  {warning}")?;
     }
     Ok(())

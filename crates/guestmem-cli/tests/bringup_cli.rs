@@ -95,3 +95,111 @@ fn bringup_refuses_bad_input_before_touching_memory() {
         "{err}"
     );
 }
+
+/// A memory cgroup made for one test and removed after it (cgroup v1 `memory`, or v2).
+struct TestCgroup {
+    dir: std::path::PathBuf,
+}
+
+impl TestCgroup {
+    /// A cgroup limited to `limit` bytes, or `None` (with the reason printed) where none can
+    /// be made here.
+    fn with_limit(limit: u64) -> Option<TestCgroup> {
+        let name = format!("guestmem-test-{}", std::process::id());
+        let (dir, file) = if std::path::Path::new("/sys/fs/cgroup/memory/cgroup.procs").exists() {
+            (
+                std::path::Path::new("/sys/fs/cgroup/memory").join(&name),
+                "memory.limit_in_bytes",
+            )
+        } else {
+            (
+                std::path::Path::new("/sys/fs/cgroup").join(&name),
+                "memory.max",
+            )
+        };
+        if let Err(e) = std::fs::create_dir(&dir) {
+            println!(
+                "skip: cannot make a memory cgroup at {} ({e}); needs root and cgroupfs",
+                dir.display()
+            );
+            return None;
+        }
+        let cg = TestCgroup { dir };
+        if let Err(e) = std::fs::write(cg.dir.join(file), limit.to_string()) {
+            println!("skip: cannot set {file} ({e})");
+            return None;
+        }
+        Some(cg)
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir(&self.dir) {
+            eprintln!("could not remove {}: {e}", self.dir.display());
+        }
+    }
+}
+
+#[test]
+fn bringup_past_the_memory_cgroup_limit_is_refused_not_oom_killed() {
+    let Some(cg) = TestCgroup::with_limit(256 << 20) else {
+        return;
+    };
+    // The child joins the cgroup, then becomes guestmem asking for 1 GiB.
+    let script = format!(
+        "echo $$ > {}/cgroup.procs && exec {} bringup --size 1G",
+        cg.dir.display(),
+        env!("CARGO_BIN_EXE_guestmem")
+    );
+    let out = Command::new("sh").args(["-c", &script]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("memory cgroup")
+            && err.contains(&cg.dir.display().to_string())
+            && err.contains(&(256u64 << 20).to_string())
+            && err.contains("already uses"),
+        "{err}"
+    );
+}
+
+#[test]
+fn bringup_pin_auto_without_cap_ipc_lock_goes_on_unpinned_and_up_front_refuses() {
+    let available = Command::new("setpriv").arg("--version").output().is_ok()
+        && Command::new("prlimit").arg("--version").output().is_ok();
+    if !available {
+        println!("skip: needs setpriv and prlimit (util-linux) to drop CAP_IPC_LOCK");
+        return;
+    }
+    let run = |pin: &str| {
+        Command::new("prlimit")
+            .args(["--memlock=65536:65536", "setpriv", "--inh-caps=-ipc_lock"])
+            .args(["--bounding-set=-ipc_lock", env!("CARGO_BIN_EXE_guestmem")])
+            .args([
+                "bringup",
+                "--size",
+                "64M",
+                "--regions",
+                "1",
+                "--json",
+                "--pin",
+                pin,
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = run("auto");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["report"]["pin"], "none");
+    let note = v["report"]["pin_note"].as_str().unwrap_or_default();
+    assert!(note.contains("RLIMIT_MEMLOCK is 65536"), "{note}");
+    assert_eq!(v["report"]["process"]["locked"], 0);
+
+    let out = run("up-front");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("RLIMIT_MEMLOCK is 65536"), "{err}");
+}

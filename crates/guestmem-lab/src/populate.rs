@@ -28,7 +28,8 @@ use guestmem::inspect::{self, RegionUsage};
 use guestmem::layout::THP_BYTES;
 use guestmem::populate::default_threads;
 use guestmem::{
-    bringup, BringupConfig, GuestAddress, GuestMap, PinStrategy, PopulateConfig, RegionSpec, Verify,
+    bringup, BringupConfig, GuestAddress, GuestMap, PinPolicy, PinStrategy, PopulateConfig,
+    RegionSpec, Verify,
 };
 
 use crate::error::LabError;
@@ -302,6 +303,8 @@ fn measure(variant: Variant, sizes: &[u64]) -> Result<Sample, LabError> {
                     pin,
                     ..PopulateConfig::default()
                 },
+                // The pinned variant measures pinning: it must pin, or fail.
+                pin_policy: PinPolicy::Required,
                 verify: Verify::Off,
             };
             let t = Instant::now();

@@ -59,6 +59,7 @@ fn main() {
                     pin: *pin,
                     ..PopulateConfig::default()
                 },
+                pin_policy: guestmem::PinPolicy::Required,
                 verify: Verify::Off,
             };
             let r = bringup(&map.snapshot(), &cfg).expect("bringup");

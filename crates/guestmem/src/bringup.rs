@@ -1,14 +1,20 @@
-//! Bring-up: check a map against the host's limits, populate and pin it in one job, and
-//! (optionally) read back what the kernel did. This is the policy over the mechanism in
-//! [`crate::populate`]: it never touches memory before the limits in [`crate::limits`] pass,
-//! and it reports every phase's duration, so a caller (the CLI, the lab) prints, never measures.
+//! Bring-up: check a layout against the host's limits, map it, populate and pin it in one
+//! job, and (optionally) read back what the kernel did. This is the policy over the mechanism
+//! in [`crate::populate`]: it never touches memory before the checks of [`crate::host`] and
+//! [`crate::limits`] pass, it decides whether to pin ([`PinPolicy`]), and it reports every
+//! phase's duration, so a caller (the CLI, the lab, a VMM) prints, never measures.
+//!
+//! [`bringup_specs`] is the whole thing from region specs; [`bringup`] brings up a map that
+//! exists already.
 
 use std::time::Instant;
 
 use crate::host::Needs;
+use crate::host::{Host, HostError};
 use crate::inspect::{self, InspectError, ProcessMemory, RegionUsage};
+use crate::layout::RegionSpec;
 use crate::limits::{self, LimitError};
-use crate::map::Snapshot;
+use crate::map::{GuestMap, MapError, Snapshot};
 use crate::populate::{self, Method, PinStrategy, PopulateConfig, PopulateError};
 
 /// Bytes per decimal gigabyte, for throughput figures (GB/s, as published populate rates are).
@@ -26,11 +32,25 @@ pub enum Verify {
     Off,
 }
 
+/// Whether pinning is a requirement or a wish.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PinPolicy {
+    /// Pin as `populate.pin` says if `RLIMIT_MEMLOCK` (or `CAP_IPC_LOCK`) allows it, else go
+    /// on unpinned and say so in the report (the default).
+    #[default]
+    IfAllowed,
+    /// Pin as `populate.pin` says, or refuse.
+    Required,
+}
+
 /// How to bring a map up.
 #[derive(Debug, Clone, Default)]
 pub struct BringupConfig {
     /// Threads, method, pinning, minimum chunk, NUMA and progress.
     pub populate: PopulateConfig,
+    /// Whether pinning may be dropped when the locked-memory limit does not allow it.
+    pub pin_policy: PinPolicy,
     /// Whether to read back the kernel's account.
     pub verify: Verify,
 }
@@ -38,6 +58,13 @@ pub struct BringupConfig {
 /// Why bring-up failed.
 #[derive(Debug, thiserror::Error)]
 pub enum BringupError {
+    /// The layout does not fit the host (memory, memory cgroup, hugetlb pools, mappings);
+    /// nothing was mapped.
+    #[error(transparent)]
+    Host(#[from] HostError),
+    /// The layout could not be mapped; nothing is left mapped.
+    #[error(transparent)]
+    Map(#[from] MapError),
     /// The request exceeds the host's limits; nothing was touched.
     #[error(transparent)]
     Limits(#[from] LimitError),
@@ -52,7 +79,7 @@ pub enum BringupError {
 /// One phase and how long it took.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Phase {
-    /// `check`, `lock`, `populate` or `verify`.
+    /// `map`, `check`, `lock`, `populate` or `verify`.
     pub name: &'static str,
     /// Wall-clock seconds.
     pub seconds: f64,
@@ -85,6 +112,10 @@ pub struct BringupReport {
     pub usage: Vec<RegionUsage>,
     /// The process's memory figures afterwards (`None` without [`Verify::On`]).
     pub process: Option<ProcessMemory>,
+    /// Why memory was not pinned although pinning was asked for ([`PinPolicy::IfAllowed`]).
+    pub pin_note: Option<String>,
+    /// Hints that failed while mapping (THP advice), per region.
+    pub warnings: Vec<String>,
 }
 
 impl BringupReport {
@@ -102,10 +133,22 @@ impl BringupReport {
 /// `&map.snapshot()`), then reads back what the kernel did.
 pub fn bringup(snap: &Snapshot, cfg: &BringupConfig) -> Result<BringupReport, BringupError> {
     let t = Instant::now();
-    let needs = limits::check(snap, cfg.populate.pin)?;
+    let host = Host::read();
+    let mut pin_note = None;
+    let mut populate_cfg = cfg.populate.clone();
+    let needs = match limits::check_on(snap, populate_cfg.pin, &host) {
+        Err(LimitError::Host(e @ HostError::Memlock { .. }))
+            if cfg.pin_policy == PinPolicy::IfAllowed =>
+        {
+            pin_note = Some(format!("not pinned: {e}"));
+            populate_cfg.pin = PinStrategy::None;
+            limits::check_on(snap, PinStrategy::None, &host)?
+        }
+        other => other?,
+    };
     let check_seconds = t.elapsed().as_secs_f64();
 
-    let pop = populate::populate(snap, &cfg.populate)?;
+    let pop = populate::populate(snap, &populate_cfg)?;
 
     let t = Instant::now();
     let (usage, process) = match cfg.verify {
@@ -121,8 +164,8 @@ pub fn bringup(snap: &Snapshot, cfg: &BringupConfig) -> Result<BringupReport, Br
         threads: pop.job.threads,
         chunk_bytes: pop.job.chunk_bytes,
         chunks: pop.job.chunks,
-        method: cfg.populate.method,
-        pin: cfg.populate.pin,
+        method: populate_cfg.method,
+        pin: populate_cfg.pin,
         phases: vec![
             Phase {
                 name: "check",
@@ -149,5 +192,34 @@ pub fn bringup(snap: &Snapshot, cfg: &BringupConfig) -> Result<BringupReport, Br
         needs,
         usage,
         process,
+        pin_note,
+        warnings: snap
+            .regions()
+            .iter()
+            .flat_map(|r| r.warnings().iter().cloned())
+            .collect(),
     })
+}
+
+/// Brings up the layout `specs` describes, all of it: checks it against the host before
+/// anything is mapped (memory not yet resident against `MemAvailable` and the memory cgroup's
+/// limit and usage, hugetlb pools, NUMA nodes, `vm.max_map_count`), maps it, then runs
+/// [`bringup`]. The report's phases start with `map`. On any error nothing is left mapped.
+pub fn bringup_specs(
+    specs: &[RegionSpec],
+    cfg: &BringupConfig,
+) -> Result<(GuestMap, BringupReport), BringupError> {
+    let t = Instant::now();
+    crate::plan::check_layout(specs, &Host::read())?;
+    let map = GuestMap::from_specs(specs)?;
+    let map_seconds = t.elapsed().as_secs_f64();
+    let mut report = bringup(&map.snapshot(), cfg)?;
+    report.phases.insert(
+        0,
+        Phase {
+            name: "map",
+            seconds: map_seconds,
+        },
+    );
+    Ok((map, report))
 }

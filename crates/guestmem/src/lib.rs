@@ -166,7 +166,9 @@ pub mod translate;
 mod vm_memory_impl;
 pub mod workers;
 
-pub use bringup::{bringup, BringupConfig, BringupError, BringupReport, Verify};
+pub use bringup::{
+    bringup, bringup_specs, BringupConfig, BringupError, BringupReport, PinPolicy, Verify,
+};
 pub use host::{Host, HostError};
 pub use jobs::{Chunk, Job, JobRange, Numa};
 pub use layout::{

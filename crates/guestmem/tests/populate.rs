@@ -307,6 +307,7 @@ fn bringup_checks_populates_pins_and_reports() {
             })),
             ..cfg(Method::PopulateWrite, PinStrategy::UpFront)
         },
+        pin_policy: guestmem::PinPolicy::Required,
         verify: Verify::On,
     };
     let r = bringup(&map.snapshot(), &cfg).unwrap();
@@ -529,4 +530,32 @@ fn populate_selected_regions_under_running_translators_never_discards_data() {
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
     });
     assert!(rounds.load(std::sync::atomic::Ordering::Relaxed) > 0);
+}
+
+#[test]
+fn bringup_specs_reports_the_map_phase_and_refuses_before_mapping() {
+    use guestmem::host::{Host, HostError};
+    use guestmem::{bringup_specs, BringupError};
+    let _s = serial();
+    let cfg = BringupConfig {
+        populate: cfg(Method::PopulateWrite, PinStrategy::None),
+        verify: Verify::On,
+        ..BringupConfig::default()
+    };
+    let (map, r) = bringup_specs(&[spec(0, 16 * MIB), spec(1 << 30, 16 * MIB)], &cfg).unwrap();
+    let names: Vec<&str> = r.phases.iter().map(|p| p.name).collect();
+    assert_eq!(names, ["map", "check", "lock", "populate", "verify"]);
+    assert_eq!(r.usage.iter().map(|u| u.resident).sum::<u64>(), 32 * MIB);
+    drop(map);
+
+    // More than the host has: refused by the host check, before anything is mapped.
+    let host = Host::read();
+    let too_big = host.mem_available.unwrap() + (1 << 30);
+    let before = Host::read().map_count;
+    let e = bringup_specs(&[spec(0, too_big)], &cfg).unwrap_err();
+    assert!(
+        matches!(e, BringupError::Host(HostError::Memory { needed, .. }) if needed == too_big),
+        "{e}"
+    );
+    assert!(Host::read().map_count <= before + 2, "nothing was mapped");
 }
