@@ -273,6 +273,14 @@ impl KvmVm {
     }
 }
 
+/// The VM's descriptor number, for naming it (KVM's debugfs directory is `<pid>-<fd>`); a
+/// raw number, usable for an ioctl only through `unsafe` code.
+impl std::os::fd::AsRawFd for KvmVm {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.vm.as_raw_fd()
+    }
+}
+
 /// The KVM device's numbers: misc character device 10, minor 232 (`KVM_MINOR`).
 const KVM_DEVICE: (u32, u32) = (10, 232);
 
