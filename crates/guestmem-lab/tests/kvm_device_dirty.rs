@@ -165,7 +165,7 @@ fn dirty_logging_switches_at_run_time_and_leaves_the_host_huge_pages() {
     let work = Workload::start(
         &vm,
         &map,
-        &[data_region.clone()],
+        std::slice::from_ref(&data_region),
         guestmem_lab::vm::guest::WorkloadConfig {
             vcpus: 1,
             partition: guestmem_lab::vm::guest::Partition::Contiguous,
