@@ -6,7 +6,7 @@ use anyhow::Result;
 use clap::{Args as ClapArgs, ValueEnum};
 use guestmem::plan;
 use guestmem_lab::vm::guest::{GuestMode, Partition};
-use guestmem_lab::vm::perf::{run as run_perf, PerfConfig};
+use guestmem_lab::vm::perf::{run as run_perf, PerfConfig, Prefault};
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Mode {
@@ -45,9 +45,24 @@ pub struct Args {
     /// How vCPUs share memory.
     #[arg(long, value_enum, default_value = "contiguous")]
     share: Share,
+    /// How guest memory is faulted in before the guest's first pass: not at all (the guest's
+    /// own touches, through KVM), by the host before the vCPUs start, or by the host in the
+    /// background while they run.
+    #[arg(long, value_enum, default_value = "none")]
+    prefault: PrefaultArg,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PrefaultArg {
+    /// The guest faults its memory in itself.
+    None,
+    /// The host populates it all, then the vCPUs start.
+    Blocking,
+    /// The vCPUs start at once; the host populates behind them.
+    Background,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -68,6 +83,11 @@ pub fn run(args: Args) -> Result<()> {
         mode: match args.mode {
             Mode::Protected32 => GuestMode::Protected32,
             Mode::Long64 => GuestMode::Long64,
+        },
+        prefault: match args.prefault {
+            PrefaultArg::None => Prefault::None,
+            PrefaultArg::Blocking => Prefault::Blocking,
+            PrefaultArg::Background => Prefault::Background,
         },
         ..PerfConfig::default()
     };

@@ -39,3 +39,36 @@ fn vm_refuses_a_split_that_does_not_fit() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("100 slots"));
 }
+
+#[test]
+fn vm_prefault_modes_report_prefault_and_guest_start() {
+    if let Some(why) = guestmem::kvm::unavailable_reason(Path::new("/dev/kvm")) {
+        println!("skip: {why}");
+        return;
+    }
+    for mode in ["none", "blocking", "background"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_guestmem"))
+            .args([
+                "vm", "--size", "64M", "--slots", "4", "--vcpus", "2", "--passes", "1",
+            ])
+            .args(["--prefault", mode, "--json"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{mode}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["prefault"], mode);
+        let f = |k: &str| v[k].as_f64().unwrap();
+        assert_eq!(f("prefault_secs") > 0.0, mode != "none", "{mode}");
+        assert!(f("guest_start_secs") > 0.0, "{mode}");
+        assert!(
+            f("first_pass_done_secs") >= f("populate_memory_secs"),
+            "{mode}"
+        );
+        // Every page was still written and logged on the pass after.
+        assert_eq!(v["passes"][0]["dirty_pages"], 64u64 << 20 >> 12, "{mode}");
+    }
+}

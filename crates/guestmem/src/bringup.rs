@@ -7,6 +7,8 @@
 //! [`bringup_specs`] is the whole thing from region specs; [`bringup`] brings up a map that
 //! exists already.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::host::Needs;
@@ -15,7 +17,7 @@ use crate::inspect::{self, InspectError, ProcessMemory, RegionUsage};
 use crate::layout::RegionSpec;
 use crate::limits::{self, LimitError};
 use crate::map::{GuestMap, MapError, Snapshot};
-use crate::populate::{self, Method, PinStrategy, PopulateConfig, PopulateError};
+use crate::populate::{self, Method, PinStrategy, PopulateConfig, PopulateError, Selection, Undo};
 
 /// Bytes per decimal gigabyte, for throughput figures (GB/s, as published populate rates are).
 pub const BYTES_PER_GB: f64 = 1e9;
@@ -74,6 +76,12 @@ pub enum BringupError {
     /// Memory is up, but the kernel's account could not be read.
     #[error(transparent)]
     Inspect(#[from] InspectError),
+    /// The background bring-up's thread could not be started; nothing was touched.
+    #[error("starting the background bring-up thread: {0}")]
+    Spawn(String),
+    /// A background bring-up's handle was misused.
+    #[error("background bring-up: {0}")]
+    Background(&'static str),
 }
 
 /// One phase and how long it took.
@@ -129,27 +137,45 @@ impl BringupReport {
     }
 }
 
-/// Checks, populates and pins every region of `snap` (for a [`crate::GuestMap`], pass
-/// `&map.snapshot()`), then reads back what the kernel did.
-pub fn bringup(snap: &Snapshot, cfg: &BringupConfig) -> Result<BringupReport, BringupError> {
+/// What [`prepare`] decided: the check's figures and the populate to run.
+struct Prepared {
+    needs: Needs,
+    populate: PopulateConfig,
+    pin_note: Option<String>,
+    check_seconds: f64,
+}
+
+/// The checks, and the pinning decision of [`PinPolicy`]: nothing is touched.
+fn prepare(snap: &Snapshot, cfg: &BringupConfig) -> Result<Prepared, BringupError> {
     let t = Instant::now();
     let host = Host::read();
     let mut pin_note = None;
-    let mut populate_cfg = cfg.populate.clone();
-    let needs = match limits::check_on(snap, populate_cfg.pin, &host) {
+    let mut populate = cfg.populate.clone();
+    let needs = match limits::check_on(snap, populate.pin, &host) {
         Err(LimitError::Host(e @ HostError::Memlock { .. }))
             if cfg.pin_policy == PinPolicy::IfAllowed =>
         {
             pin_note = Some(format!("not pinned: {e}"));
-            populate_cfg.pin = PinStrategy::None;
+            populate.pin = PinStrategy::None;
             limits::check_on(snap, PinStrategy::None, &host)?
         }
         other => other?,
     };
-    let check_seconds = t.elapsed().as_secs_f64();
+    Ok(Prepared {
+        needs,
+        populate,
+        pin_note,
+        check_seconds: t.elapsed().as_secs_f64(),
+    })
+}
 
-    let pop = populate::populate(snap, &populate_cfg)?;
-
+/// The verify phase and the report.
+fn finish(
+    snap: &Snapshot,
+    cfg: &BringupConfig,
+    prepared: Prepared,
+    pop: populate::PopulateReport,
+) -> Result<BringupReport, BringupError> {
     let t = Instant::now();
     let (usage, process) = match cfg.verify {
         Verify::On => (inspect::inspect(snap)?, Some(ProcessMemory::read()?)),
@@ -158,46 +184,138 @@ pub fn bringup(snap: &Snapshot, cfg: &BringupConfig) -> Result<BringupReport, Br
     let verify_seconds = t.elapsed().as_secs_f64();
 
     let busy = pop.lock_seconds + pop.populate_seconds;
+    let phase = |name, seconds| Phase { name, seconds };
     Ok(BringupReport {
         regions: pop.regions,
         bytes: pop.bytes,
         threads: pop.job.threads,
         chunk_bytes: pop.job.chunk_bytes,
         chunks: pop.job.chunks,
-        method: populate_cfg.method,
-        pin: populate_cfg.pin,
+        method: prepared.populate.method,
+        pin: prepared.populate.pin,
         phases: vec![
-            Phase {
-                name: "check",
-                seconds: check_seconds,
-            },
-            Phase {
-                name: "lock",
-                seconds: pop.lock_seconds,
-            },
-            Phase {
-                name: "populate",
-                seconds: pop.populate_seconds,
-            },
-            Phase {
-                name: "verify",
-                seconds: verify_seconds,
-            },
+            phase("check", prepared.check_seconds),
+            phase("lock", pop.lock_seconds),
+            phase("populate", pop.populate_seconds),
+            phase("verify", verify_seconds),
         ],
         populate_gbps: if busy > 0.0 {
             pop.bytes as f64 / busy / BYTES_PER_GB
         } else {
             0.0
         },
-        needs,
+        needs: prepared.needs,
         usage,
         process,
-        pin_note,
+        pin_note: prepared.pin_note,
         warnings: snap
             .regions()
             .iter()
             .flat_map(|r| r.warnings().iter().cloned())
             .collect(),
+    })
+}
+
+/// Checks, populates and pins every region of `snap` (for a [`crate::GuestMap`], pass
+/// `&map.snapshot()`), then reads back what the kernel did.
+pub fn bringup(snap: &Snapshot, cfg: &BringupConfig) -> Result<BringupReport, BringupError> {
+    let prepared = prepare(snap, cfg)?;
+    let pop = populate::populate(snap, &prepared.populate)?;
+    finish(snap, cfg, prepared, pop)
+}
+
+/// A bring-up running behind the caller ([`bringup_background`]): its progress, its end,
+/// and its failure, if it fails.
+#[derive(Debug)]
+pub struct BringupHandle {
+    done: Arc<AtomicU64>,
+    total: u64,
+    thread: Option<std::thread::JoinHandle<Result<BringupReport, BringupError>>>,
+}
+
+impl BringupHandle {
+    /// Bytes populated so far, and in all.
+    pub fn progress(&self) -> (u64, u64) {
+        (self.done.load(Ordering::Relaxed), self.total)
+    }
+
+    /// Whether it has ended, well or not.
+    pub fn is_finished(&self) -> bool {
+        self.thread.as_ref().map_or(true, |t| t.is_finished())
+    }
+
+    /// Waits for the end: the report, or the failure with the region, address and errno.
+    pub fn wait(mut self) -> Result<BringupReport, BringupError> {
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<BringupReport, BringupError> {
+        match self.thread.take() {
+            Some(t) => t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+            None => Err(BringupError::Background(
+                "the bring-up was waited for already",
+            )),
+        }
+    }
+}
+
+impl Drop for BringupHandle {
+    /// Dropping the handle waits for the bring-up to end (its outcome is then lost): the
+    /// workers never outlive it.
+    fn drop(&mut self) {
+        if self.thread.is_some() {
+            let _ = self.join();
+        }
+    }
+}
+
+/// Brings up every region of `map`'s current snapshot behind the caller: the checks run now
+/// (a refusal returns here, nothing touched), then populate and pin run on their own
+/// threads and this returns at once, with a handle. A guest may run meanwhile: a page it
+/// touches first is faulted in by the kernel as usual, and populate skips nothing it needs
+/// to (`MADV_POPULATE_WRITE` never writes, so it cannot undo a guest's write).
+/// `cfg.populate.first` says which ranges to populate first.
+///
+/// On failure nothing is released ([`Undo::Keep`]): the guest may already have written the
+/// memory this bring-up populated, so discarding it could lose guest data. The handle
+/// reports the failure (region, address, errno) and the memory stays as it is; what it
+/// locked up front is unlocked.
+pub fn bringup_background(
+    map: &GuestMap,
+    cfg: &BringupConfig,
+) -> Result<BringupHandle, BringupError> {
+    let snap = map.snapshot();
+    let mut prepared = prepare(&snap, cfg)?;
+    let done = Arc::new(AtomicU64::new(0));
+    let counter = done.clone();
+    let user = prepared.populate.progress.take();
+    prepared.populate.progress = Some(Arc::new(move |bytes| {
+        counter.store(bytes, Ordering::Relaxed);
+        if let Some(p) = &user {
+            p(bytes);
+        }
+    }));
+    prepared.populate.undo = Undo::Keep;
+    let total = match &prepared.populate.regions {
+        Selection::All => snap.total_bytes(),
+        Selection::Starting(addrs) => addrs
+            .iter()
+            .filter_map(|a| snap.find(*a))
+            .map(|r| r.size())
+            .sum(),
+    };
+    let cfg = cfg.clone();
+    let thread = std::thread::Builder::new()
+        .name("guestmem-bringup".into())
+        .spawn(move || {
+            let pop = populate::populate(&snap, &prepared.populate)?;
+            finish(&snap, &cfg, prepared, pop)
+        })
+        .map_err(|e| BringupError::Spawn(e.to_string()))?;
+    Ok(BringupHandle {
+        done,
+        total,
+        thread: Some(thread),
     })
 }
 

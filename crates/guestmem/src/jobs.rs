@@ -107,6 +107,8 @@ pub struct Job {
     min_chunk: u64,
     max_threads: usize,
     numa: Numa,
+    /// Address ranges `(start, end)` whose chunks run first, in this order.
+    first: Vec<(u64, u64)>,
 }
 
 /// One piece of a job: `len` bytes from `start` inside range number `range`.
@@ -127,7 +129,8 @@ pub struct Plan {
     pub threads: usize,
     /// Chunk size before each range's own alignment is applied (0 for the empty job).
     pub chunk_bytes: u64,
-    /// The chunks, in address order.
+    /// The chunks, in the order they are handed out: those of the job's first ranges, then
+    /// the rest in address order.
     pub chunks: Vec<Chunk>,
 }
 
@@ -181,6 +184,7 @@ impl Job {
             min_chunk: 0,
             max_threads: 1,
             numa: Numa::Ignore,
+            first: Vec::new(),
         }
     }
 
@@ -217,6 +221,17 @@ impl Job {
     /// [`MAX_JOB_THREADS`] means that many.
     pub fn with_max_threads(mut self, max_threads: usize) -> Job {
         self.max_threads = max_threads.clamp(1, MAX_JOB_THREADS);
+        self
+    }
+
+    /// Chunks that overlap these `(start, len)` ranges are handed out first, range by range
+    /// in the order given (low memory where a guest kernel boots, say); the rest follow in
+    /// address order. Where the chunk edges fall does not change.
+    pub fn with_first(mut self, first: &[(u64, u64)]) -> Job {
+        self.first = first
+            .iter()
+            .map(|&(start, len)| (start, start.saturating_add(len)))
+            .collect();
         self
     }
 
@@ -275,6 +290,16 @@ impl Job {
                 });
                 at = edge;
             }
+        }
+        if !self.first.is_empty() {
+            // Stable: within each rank, address order stays.
+            let rank = |c: &Chunk| {
+                self.first
+                    .iter()
+                    .position(|&(s, e)| c.start < e && s < c.start + c.len)
+                    .unwrap_or(self.first.len())
+            };
+            chunks.sort_by_key(rank);
         }
         let threads = (workers as usize).min(chunks.len());
         Plan {
@@ -471,6 +496,42 @@ mod tests {
                 align,
                 node: None,
             })
+    }
+
+    #[test]
+    fn plan_first_ranges_come_first_and_nothing_else_moves() {
+        let job = Job::over(vec![
+            JobRange::new(0, 64 << 20),
+            JobRange::new(1 << 30, 64 << 20),
+        ])
+        .unwrap()
+        .with_min_chunk(8 << 20)
+        .with_max_threads(2)
+        .with_first(&[((1 << 30) + (20 << 20), 1), (0, 4096)]);
+        let plain = Job {
+            first: Vec::new(),
+            ..job.clone()
+        }
+        .plan();
+        let p = job.plan();
+        // Same chunks, reordered: the one holding 1 GiB + 20 MiB, then the one at 0.
+        let mut a = p.chunks.clone();
+        let mut b = plain.chunks.clone();
+        a.sort_unstable();
+        b.sort_unstable();
+        assert_eq!(a, b);
+        assert!(p.chunks[0].start <= (1 << 30) + (20 << 20));
+        assert!(p.chunks[0].start + p.chunks[0].len > (1 << 30) + (20 << 20));
+        assert_eq!(p.chunks[1].start, 0);
+        assert_eq!(
+            &p.chunks[2..],
+            &plain
+                .chunks
+                .iter()
+                .filter(|c| *c != &p.chunks[0] && *c != &p.chunks[1])
+                .copied()
+                .collect::<Vec<_>>()[..]
+        );
     }
 
     proptest! {

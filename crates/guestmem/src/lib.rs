@@ -167,7 +167,8 @@ mod vm_memory_impl;
 pub mod workers;
 
 pub use bringup::{
-    bringup, bringup_specs, BringupConfig, BringupError, BringupReport, PinPolicy, Verify,
+    bringup, bringup_background, bringup_specs, BringupConfig, BringupError, BringupHandle,
+    BringupReport, PinPolicy, Verify,
 };
 pub use host::{Host, HostError};
 pub use jobs::{Chunk, Job, JobRange, Numa};

@@ -116,6 +116,9 @@ pub struct PopulateConfig {
     pub regions: Selection,
     /// What a failure does to the memory this call populated.
     pub undo: Undo,
+    /// Guest ranges `(address, length)` populated first, in this order (the memory a guest
+    /// touches first, say); the rest follows in address order.
+    pub first: Vec<(GuestAddress, u64)>,
 }
 
 /// Which regions of a snapshot a populate works on.
@@ -154,6 +157,7 @@ impl std::fmt::Debug for PopulateConfig {
             .field("progress", &self.progress.is_some())
             .field("regions", &self.regions)
             .field("undo", &self.undo)
+            .field("first", &self.first)
             .finish()
     }
 }
@@ -176,6 +180,7 @@ impl Default for PopulateConfig {
             progress: None,
             regions: Selection::All,
             undo: Undo::Release,
+            first: Vec::new(),
         }
     }
 }
@@ -339,7 +344,9 @@ pub fn populate(snap: &Snapshot, cfg: &PopulateConfig) -> Result<PopulateReport,
             node: r.numa_node(),
         })
         .collect();
+    let first: Vec<(u64, u64)> = cfg.first.iter().map(|&(a, l)| (a.0, l)).collect();
     let job = Job::over(ranges)?
+        .with_first(&first)
         .with_min_chunk(cfg.min_chunk)
         .with_max_threads(cfg.threads)
         .with_numa(cfg.numa);

@@ -559,3 +559,75 @@ fn bringup_specs_reports_the_map_phase_and_refuses_before_mapping() {
     );
     assert!(Host::read().map_count <= before + 2, "nothing was mapped");
 }
+
+#[test]
+fn background_bringup_reaches_100_percent_and_reports_a_failure_keeping_data() {
+    use guestmem::bringup_background;
+    let _s = serial();
+    let cfg = BringupConfig {
+        populate: PopulateConfig {
+            first: vec![(GuestAddress(48 * MIB), 4 * MIB)],
+            ..cfg(Method::PopulateWrite, PinStrategy::None)
+        },
+        verify: Verify::On,
+        ..BringupConfig::default()
+    };
+    // Success: the call returns at once; a "guest" writes and reads while it runs.
+    let map = GuestMap::from_specs(&[spec(0, 64 * MIB)]).unwrap();
+    let handle = bringup_background(&map, &cfg).unwrap();
+    let t = map.translator();
+    for page in (0..64 * MIB).step_by(1 << 20) {
+        t.write_in_region(GuestAddress(page), &page.to_le_bytes())
+            .unwrap();
+    }
+    let r = handle.wait().unwrap();
+    assert_eq!(r.bytes, 64 * MIB);
+    assert_eq!(r.usage[0].resident, 64 * MIB);
+    for page in (0..64 * MIB).step_by(1 << 20) {
+        let mut b = [0u8; 8];
+        t.read_in_region(GuestAddress(page), &mut b).unwrap();
+        assert_eq!(u64::from_le_bytes(b), page, "the guest's write survived");
+    }
+    let handle = bringup_background(&map, &cfg).unwrap();
+    while !handle.is_finished() {
+        std::thread::yield_now();
+    }
+    assert_eq!(handle.progress(), (64 * MIB, 64 * MIB));
+    handle.wait().unwrap();
+
+    // Failure part-way: a file region truncated behind its back. The handle reports region,
+    // address and errno; nothing is discarded (the guest may have written it).
+    let path = std::env::temp_dir().join(format!("guestmem-bg-{}", std::process::id()));
+    std::fs::write(&path, vec![0u8; (8 * MIB) as usize]).unwrap();
+    let map = GuestMap::from_specs(&[
+        spec(0, 16 * MIB),
+        spec(1 << 30, 8 * MIB).with_backing(Backing::File {
+            path: path.clone(),
+            offset: 0,
+        }),
+    ])
+    .unwrap();
+    let t = map.translator();
+    t.write_in_region(GuestAddress(0x1000), b"guest data")
+        .unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(2 * MIB)
+        .unwrap();
+    let e = bringup_background(&map, &cfg).unwrap().wait().unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("region at 0x40000000")
+            && msg.contains("os error 14")
+            && msg.contains("0x200000"),
+        "{msg}"
+    );
+    let mut b = [0u8; 10];
+    t.read_in_region(GuestAddress(0x1000), &mut b).unwrap();
+    assert_eq!(&b, b"guest data");
+    drop(t);
+    drop(map);
+    std::fs::remove_file(&path).unwrap();
+}

@@ -9,7 +9,7 @@
 //! the exit left it).
 
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -154,6 +154,8 @@ pub struct Workload {
     replies: Mutex<Receiver<Reply>>,
     slices: Vec<Vec<Range>>,
     mode: GuestMode,
+    /// When each vCPU first entered the guest (`KVM_RUN`).
+    entered: Arc<Vec<OnceLock<Instant>>>,
 }
 
 impl std::fmt::Debug for Workload {
@@ -216,14 +218,17 @@ impl Workload {
 
         let (reply_tx, reply_rx) = channel();
         let mut threads = Vec::with_capacity(vcpus);
+        let entered: Arc<Vec<OnceLock<Instant>>> =
+            Arc::new((0..vcpus).map(|_| OnceLock::new()).collect());
         for v in 0..vcpus {
             let vcpu = vm.create_vcpu(v as u64)?;
             program::setup_vcpu(&vcpu, mode)?;
             let (cmd_tx, cmd_rx) = channel();
             let replies = reply_tx.clone();
+            let entered = entered.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("vcpu{v}"))
-                .spawn(move || vcpu_loop(v, vcpu, cmd_rx, replies))
+                .spawn(move || vcpu_loop(v, vcpu, cmd_rx, replies, &entered[v]))
                 .map_err(|e| VmError::Thread {
                     vcpu: v,
                     what: e.to_string(),
@@ -238,7 +243,18 @@ impl Workload {
             replies: Mutex::new(reply_rx),
             slices,
             mode,
+            entered,
         })
+    }
+
+    /// When the last vCPU first entered the guest, once all have.
+    pub fn all_entered(&self) -> Option<Instant> {
+        self.entered
+            .iter()
+            .map(|e| e.get().copied())
+            .collect::<Option<Vec<_>>>()?
+            .into_iter()
+            .max()
     }
 
     /// Gives the vCPUs new ranges (one list per vCPU, checked as in
@@ -359,16 +375,29 @@ fn params_gpa(v: usize) -> u64 {
     PARAMS_GPA + v as u64 * PAGE_BYTES
 }
 
-fn vcpu_loop(v: usize, mut vcpu: VcpuFd, cmds: Receiver<Cmd>, replies: Sender<Reply>) {
+fn vcpu_loop(
+    v: usize,
+    mut vcpu: VcpuFd,
+    cmds: Receiver<Cmd>,
+    replies: Sender<Reply>,
+    entered: &OnceLock<Instant>,
+) {
     while let Ok(Cmd::Run { rip, tag, port }) = cmds.recv() {
-        let r = run_one(v, &mut vcpu, rip, tag, port);
+        let r = run_one(v, &mut vcpu, rip, tag, port, entered);
         if replies.send((v, r)).is_err() {
             return;
         }
     }
 }
 
-fn run_one(v: usize, vcpu: &mut VcpuFd, rip: u64, tag: u32, want: u16) -> Result<u32, VmError> {
+fn run_one(
+    v: usize,
+    vcpu: &mut VcpuFd,
+    rip: u64,
+    tag: u32,
+    want: u16,
+    entered: &OnceLock<Instant>,
+) -> Result<u32, VmError> {
     let regs = kvm_regs {
         rip,
         rsi: params_gpa(v),
@@ -379,6 +408,7 @@ fn run_one(v: usize, vcpu: &mut VcpuFd, rip: u64, tag: u32, want: u16) -> Result
     vcpu.set_regs(&regs)
         .map_err(|e| VmError::ioctl("KVM_SET_REGS", e))?;
     loop {
+        entered.get_or_init(Instant::now);
         match vcpu.run() {
             Ok(VcpuExit::IoOut(port, data)) if port == want && data.len() == 4 => {
                 return Ok(u32::from_le_bytes([data[0], data[1], data[2], data[3]]));

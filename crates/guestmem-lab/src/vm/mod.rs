@@ -26,6 +26,9 @@ pub enum VmError {
     /// The map refused a change.
     #[error(transparent)]
     Map(#[from] MapError),
+    /// Bringing guest memory up (the prefault) failed.
+    #[error(transparent)]
+    Bringup(#[from] guestmem::BringupError),
     /// A guest-memory access failed.
     #[error(transparent)]
     Translate(#[from] TranslateError),

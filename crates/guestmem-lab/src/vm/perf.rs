@@ -20,7 +20,9 @@ use super::VmError;
 use guestmem::dirty::DirtyPages;
 use guestmem::kvm::{DirtyLogging, MemslotConfig, Memslots};
 use guestmem::kvm::{KvmCaps, KvmVm, VmConfig};
-use guestmem::GuestMap;
+use guestmem::{
+    bringup, bringup_background, BringupConfig, GuestMap, PinStrategy, PopulateConfig, Verify,
+};
 
 /// Guest address where the data regions start.
 pub const DATA_GPA: u64 = 1 << 30;
@@ -42,6 +44,23 @@ pub struct PerfConfig {
     pub mode: GuestMode,
     /// How to open KVM.
     pub vm: VmConfig,
+    /// Whether the host populates guest memory before, beside or not at all before the
+    /// guest's first pass.
+    pub prefault: Prefault,
+}
+
+/// How guest memory is faulted in before the guest's first pass.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Prefault {
+    /// Not at all: the guest's own first touches fault it in (through KVM).
+    #[default]
+    None,
+    /// The host populates it all (guestmem's parallel populate), then vCPUs start.
+    Blocking,
+    /// vCPUs start at once while the host populates behind them
+    /// (`guestmem::bringup_background`), the control region (code, page tables) first.
+    Background,
 }
 
 impl Default for PerfConfig {
@@ -54,6 +73,7 @@ impl Default for PerfConfig {
             partition: Partition::Contiguous,
             mode: GuestMode::Protected32,
             vm: VmConfig::default(),
+            prefault: Prefault::None,
         }
     }
 }
@@ -88,7 +108,18 @@ pub struct PerfReport {
     pub mode: GuestMode,
     /// What KVM offered.
     pub caps: KvmCaps,
-    /// First touch of all memory, dirty logging off, seconds.
+    /// How memory was prefaulted.
+    pub prefault: Prefault,
+    /// The host's populate of all guest memory, seconds (0 with [`Prefault::None`]; with
+    /// [`Prefault::Background`], from its start to its end, beside the guest).
+    pub prefault_secs: f64,
+    /// From the start of the run (before mapping) until every vCPU had entered the guest,
+    /// seconds.
+    pub guest_start_secs: f64,
+    /// From the start of the run until the end of the guest's first pass, seconds.
+    pub first_pass_done_secs: f64,
+    /// The guest's first pass over all memory (dirty logging off), seconds: with no
+    /// prefault, its first touch of every page.
     pub populate_memory_secs: f64,
     /// Turning dirty logging on for every slot, seconds.
     pub enable_dirty_logging_secs: f64,
@@ -108,6 +139,7 @@ pub struct PerfReport {
 
 /// Runs the test that `config` describes.
 pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
+    let t0 = std::time::Instant::now();
     let limit = config.mode.end_limit();
     if DATA_GPA
         .checked_add(config.memory_bytes)
@@ -137,6 +169,26 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
         .filter(|r| r.guest_addr().0 >= DATA_GPA)
         .cloned()
         .collect();
+    let bringup_cfg = BringupConfig {
+        populate: PopulateConfig {
+            pin: PinStrategy::None,
+            // The control region first: the guest's code, parameters and page tables.
+            first: vec![(GuestAddress(guest::CONTROL_GPA), guest::CONTROL_BYTES)],
+            ..PopulateConfig::default()
+        },
+        verify: Verify::Off,
+        ..BringupConfig::default()
+    };
+    let mut prefault_secs = 0.0;
+    let background = match config.prefault {
+        Prefault::None => None,
+        Prefault::Blocking => {
+            let r = bringup(&snap, &bringup_cfg)?;
+            prefault_secs = r.seconds("populate");
+            None
+        }
+        Prefault::Background => Some(bringup_background(&map, &bringup_cfg)?),
+    };
     let work = Workload::start(
         &vm,
         &map,
@@ -153,6 +205,13 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
         .sum();
 
     let populate = work.write_pass(1)?.elapsed;
+    let first_pass_done = t0.elapsed();
+    let guest_start = work
+        .all_entered()
+        .map_or(Duration::ZERO, |t| t.saturating_duration_since(t0));
+    if let Some(handle) = background {
+        prefault_secs = handle.wait()?.seconds("populate");
+    }
     let t = std::time::Instant::now();
     slots.set_dirty_logging(DirtyLogging::On)?;
     let enable = t.elapsed();
@@ -204,6 +263,10 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
         partition: config.partition,
         mode: config.mode,
         caps: *vm.caps(),
+        prefault: config.prefault,
+        prefault_secs,
+        guest_start_secs: secs(guest_start),
+        first_pass_done_secs: secs(first_pass_done),
         populate_memory_secs: secs(populate),
         enable_dirty_logging_secs: secs(enable),
         avg_dirty_memory_secs: mean(|p| p.dirty_memory_secs),
@@ -232,7 +295,18 @@ impl std::fmt::Display for PerfReport {
             self.mode,
             self.caps.manual_protect
         )?;
+        writeln!(
+            f,
+            "Prefault ({:?}) time: {:.6}s",
+            self.prefault, self.prefault_secs
+        )?;
+        writeln!(f, "Guest start time: {:.6}s", self.guest_start_secs)?;
         writeln!(f, "Populate memory time: {:.6}s", self.populate_memory_secs)?;
+        writeln!(
+            f,
+            "First pass done after: {:.6}s",
+            self.first_pass_done_secs
+        )?;
         writeln!(
             f,
             "Enabling dirty logging time: {:.6}s",
