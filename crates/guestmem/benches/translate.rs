@@ -8,12 +8,18 @@
 //!
 //! Each measured iteration is a batch of `BATCH` lookups; Criterion's time is divided by
 //! `BATCH` in the README's table.
+//!
+//! The `view-*` variants go through vm-memory's `GuestMemory::get_slices` (what virtio-queue
+//! calls) over guestmem's device view (the snapshot, binary search; the translator, cached)
+//! and over `GuestMemoryMmap`.
 
 use criterion::measurement::WallTime;
 use criterion::{
     black_box, criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, Throughput,
 };
-use guestmem::vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use guestmem::vm_memory::{
+    GuestMemory, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, Permissions,
+};
 use guestmem::{Guard, GuestAddress, GuestMap, RegionSpec, Thp};
 
 const BATCH: usize = 1024;
@@ -106,6 +112,16 @@ fn bench(c: &mut Criterion) {
             });
             run(&mut g, n, &batches, "vm-memory-find_region", |a| {
                 black_box(vmm.find_region(a).unwrap().start_addr());
+            });
+            let read = Permissions::Read;
+            run(&mut g, n, &batches, "guestmem-view-snapshot", |a| {
+                black_box(GuestMemory::get_slices(&*snap, a, 8, read).unwrap().next());
+            });
+            run(&mut g, n, &batches, "guestmem-view-translator", |a| {
+                black_box(GuestMemory::get_slices(&t, a, 8, read).unwrap().next());
+            });
+            run(&mut g, n, &batches, "vm-memory-view", |a| {
+                black_box(GuestMemory::get_slices(&vmm, a, 8, read).unwrap().next());
             });
             g.finish();
         }
