@@ -92,16 +92,19 @@ impl DirtyBitmap {
     }
 
     /// Pages the bitmap covers.
+    #[inline]
     pub fn pages(&self) -> u64 {
         self.pages
     }
 
     /// Bytes the bitmap covers.
+    #[inline]
     pub fn size(&self) -> u64 {
         self.size
     }
 
     /// The page size in bytes.
+    #[inline]
     pub fn page_size(&self) -> u64 {
         1 << self.page_shift
     }
@@ -151,6 +154,7 @@ impl DirtyBitmap {
     }
 
     /// Whether page `page` is dirty (false past the end).
+    #[inline]
     pub fn is_dirty(&self, page: u64) -> bool {
         if page >= self.pages {
             return false;

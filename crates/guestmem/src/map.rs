@@ -111,10 +111,12 @@ impl RegionTable {
     }
 
     /// The regions, sorted by guest address.
+    #[inline]
     pub fn regions(&self) -> &[Arc<Region>] {
         &self.regions
     }
 
+    #[inline]
     pub(crate) fn spans(&self) -> &[Span] {
         &self.spans
     }
@@ -155,6 +157,7 @@ impl Snapshot {
     }
 
     /// The regions, sorted by guest address.
+    #[inline]
     pub fn regions(&self) -> &[Arc<Region>] {
         self.table.regions()
     }
@@ -162,6 +165,7 @@ impl Snapshot {
     /// The regions as vm-memory's `GuestMemoryBackend`: vm-memory's own semantics with no
     /// permission check, for host-side code that means it (loading a ROM image, say). Device
     /// code takes the snapshot itself.
+    #[inline]
     pub fn table(&self) -> &RegionTable {
         &self.table
     }
@@ -181,6 +185,7 @@ impl Snapshot {
         self.table.spans.iter().map(|s| s.end - s.start).sum()
     }
 
+    #[inline]
     pub(crate) fn spans(&self) -> &[Span] {
         self.table.spans()
     }

@@ -219,6 +219,7 @@ impl Region {
     }
 
     /// The guest address of the first byte.
+    #[inline]
     pub fn guest_addr(&self) -> GuestAddress {
         self.guest_addr
     }
@@ -229,11 +230,13 @@ impl Region {
     }
 
     /// The size in bytes.
+    #[inline]
     pub fn size(&self) -> u64 {
         self.size
     }
 
     /// The host address of the first byte.
+    #[inline]
     pub fn host_addr(&self) -> *mut u8 {
         self.mapping.as_ptr()
     }
@@ -313,6 +316,7 @@ impl Region {
         self.dirty.as_ref()
     }
 
+    #[inline]
     pub(crate) fn dirty_option(&self) -> &Option<DirtyBitmap> {
         &self.dirty
     }

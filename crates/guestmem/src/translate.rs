@@ -182,6 +182,7 @@ impl Translator {
     }
 
     /// The snapshot this translator reads.
+    #[inline]
     pub fn snapshot(&self) -> &Snapshot {
         &self.snap
     }
@@ -250,12 +251,6 @@ impl Translator {
     #[inline]
     pub fn find_region(&self, addr: GuestAddress) -> Option<&Region> {
         self.find(addr).map(|r| &**r)
-    }
-
-    /// The cached lookup with its span, for the device view in `vm_memory_impl`.
-    #[inline]
-    pub(crate) fn lookup_span(&self, addr: u64) -> Option<Span> {
-        self.lookup(addr).map(|(_, s)| s)
     }
 
     /// Host address of `addr..addr+len`, which must lie in one region, and the region's span.

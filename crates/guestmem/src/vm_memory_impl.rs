@@ -188,65 +188,96 @@ fn check_writable(table: &RegionTable, addr: GuestAddress, count: usize) -> GmRe
     Ok(())
 }
 
-/// The slices of one access: the one slice of an access that lies in one region, or
-/// vm-memory's own iterator over the table for anything else.
-enum Slices<'a, I> {
-    One(Option<GuestSlice<'a>>),
-    Backend(I),
+/// Whether `access` includes writing (vm-memory's `Permissions::has_write`, which is not
+/// inlinable across crates: this is on every device access).
+#[inline]
+fn writes(access: Permissions) -> bool {
+    (access as u8) & (Permissions::Write as u8) != 0
 }
 
-impl<'a, I> Iterator for Slices<'a, I>
-where
-    I: Iterator<Item = GmResult<GuestSlice<'a>>>,
-{
+/// The slices of one access, one per region it covers, produced as they are asked for:
+/// step for step what vm-memory's own `GuestMemoryBackendSliceIterator` does (the same
+/// errors for a hole and for running past the end of the address space), with the region
+/// the caller's lookup already found used for the first step.
+struct ViewSlices<'a> {
+    table: &'a RegionTable,
+    addr: GuestAddress,
+    count: usize,
+    /// The span holding `addr`, if the caller's lookup found it (a reference into the table:
+    /// the iterator stays as small as vm-memory's own).
+    found: Option<&'a Span>,
+}
+
+impl<'a> Iterator for ViewSlices<'a> {
     type Item = GmResult<GuestSlice<'a>>;
 
     #[inline]
     fn next(&mut self) -> Option<Self::Item> {
-        match self {
-            Slices::One(s) => s.take().map(Ok),
-            Slices::Backend(it) => it.next(),
+        if self.count == 0 {
+            return None;
         }
+        let addr = self.addr;
+        let table = self.table;
+        let found = self
+            .found
+            .take()
+            .or_else(|| table.find_index(addr).map(|i| &table.spans()[i]));
+        let Some(span) = found else {
+            self.count = 0;
+            return Some(Err(GuestMemoryError::InvalidGuestAddress(addr)));
+        };
+        let offset = addr.0 - span.start;
+        let len = std::cmp::min(span.end - addr.0, self.count as u64) as usize;
+        self.count -= len;
+        self.addr = match addr.0.overflowing_add(len as u64) {
+            (0, _) | (_, false) => GuestAddress(addr.0.wrapping_add(len as u64)),
+            (_, true) => {
+                self.count = 0;
+                return Some(Err(GuestMemoryError::GuestAddressOverflow));
+            }
+        };
+        // SAFETY: addr..addr+len lies in the region of `span` (`addr` is in it: the lookup
+        // found it there; `len` is at most its distance to the region's end), and `span` came
+        // from the snapshot `table` belongs to, which keeps the region alive for 'a.
+        Some(Ok(unsafe {
+            guest_slice(span.host + offset as usize, len, span, offset)
+        }))
     }
 }
 
-impl<'a, I> FusedIterator for Slices<'a, I> where I: FusedIterator<Item = GmResult<GuestSlice<'a>>> {}
+impl<'a> FusedIterator for ViewSlices<'a> {}
 
-impl<'a, I> GuestMemorySliceIterator<'a, DirtySlice<'a>> for Slices<'a, I> where
-    I: GuestMemorySliceIterator<'a, DirtySlice<'a>>
-{
-}
+impl<'a> GuestMemorySliceIterator<'a, DirtySlice<'a>> for ViewSlices<'a> {}
 
-/// The device view's `get_slices`: `span` is the region the caller's lookup found for `addr`
-/// (by binary search or through a translator's cache), if any.
+/// The device view's `get_slices`: `found` is the region the caller's lookup found for
+/// `addr` (by binary search or through a translator's cache), if any. A write is checked
+/// whole before the first slice is made: nothing is written if any part is read-only.
 #[inline]
 fn slices<'a>(
     table: &'a RegionTable,
-    span: Option<Span>,
+    found: Option<&'a Span>,
     addr: GuestAddress,
     count: usize,
     access: Permissions,
-) -> GmResult<impl GuestMemorySliceIterator<'a, DirtySlice<'a>>> {
-    if let Some(s) = span {
-        if count > 0 && addr.0 >= s.start && count as u64 <= s.end - addr.0 {
-            if access.has_write() && s.read_only {
-                return Err(read_only(addr, count, &s));
+) -> GmResult<ViewSlices<'a>> {
+    if writes(access) {
+        match found {
+            // The common case: the whole access lies in the region found.
+            Some(s) if (count as u64) <= s.end - addr.0 => {
+                if s.read_only && count > 0 {
+                    return Err(read_only(addr, count, s));
+                }
             }
-            let offset = addr.0 - s.start;
-            // SAFETY: addr..addr+count lies in the region of `s` (checked just above without
-            // overflow: `s.end - addr.0` cannot underflow as `addr.0 >= s.start` and the
-            // lookup put `addr` below `s.end`), and `s` came from the snapshot that `table`
-            // belongs to, which keeps the region alive for 'a.
-            let slice = unsafe { guest_slice(s.host + offset as usize, count, &s, offset) };
-            return Ok(Slices::One(Some(slice)));
+            _ => check_writable(table, addr, count)?,
         }
     }
-    if access.has_write() {
-        check_writable(table, addr, count)?;
-    }
-    Ok(Slices::Backend(GuestMemoryBackend::get_slices(
-        table, addr, count,
-    )))
+    Ok(ViewSlices {
+        table,
+        addr,
+        count,
+        // Both lookups return the span holding `addr` (or none), so it serves the first step.
+        found,
+    })
 }
 
 impl GuestMemory for Snapshot {
@@ -255,7 +286,7 @@ impl GuestMemory for Snapshot {
 
     fn check_range(&self, addr: GuestAddress, count: usize, access: Permissions) -> bool {
         GuestMemoryBackend::check_range(self.table(), addr, count)
-            && (!access.has_write() || check_writable(self.table(), addr, count).is_ok())
+            && (!writes(access) || check_writable(self.table(), addr, count).is_ok())
     }
 
     #[inline]
@@ -265,8 +296,9 @@ impl GuestMemory for Snapshot {
         count: usize,
         access: Permissions,
     ) -> GmResult<impl GuestMemorySliceIterator<'a, BS<'a, Self::Bitmap>>> {
-        let span = self.find_index(addr).map(|i| self.spans()[i]);
-        slices(self.table(), span, addr, count, access)
+        let table = self.table();
+        let found = table.find_index(addr).map(|i| &table.spans()[i]);
+        slices(table, found, addr, count, access)
     }
 }
 
@@ -285,13 +317,11 @@ impl GuestMemory for Translator {
         count: usize,
         access: Permissions,
     ) -> GmResult<impl GuestMemorySliceIterator<'a, BS<'a, Self::Bitmap>>> {
-        slices(
-            self.snapshot().table(),
-            self.lookup_span(addr.0),
-            addr,
-            count,
-            access,
-        )
+        let table = self.snapshot().table();
+        // The cached index belongs to the snapshot this translator pins: `get` keeps even a
+        // stale one in bounds.
+        let found = self.region_index(addr).and_then(|i| table.spans().get(i));
+        slices(table, found, addr, count, access)
     }
 }
 
