@@ -23,17 +23,14 @@ use std::path::{Path, PathBuf};
 
 use crate::layout::{Backing, HugePageSize, RegionSpec, Reserve};
 
+mod cgroup;
+use cgroup::{read_hugetlb_cgroups, read_memory_cgroup};
+
 /// Capability number of `CAP_IPC_LOCK` (linux/capability.h).
 pub const CAP_IPC_LOCK: u32 = 14;
 
-/// A memory cgroup limit at or above this many bytes means "no limit" (cgroup v1 reports
-/// `PAGE_COUNTER_MAX` pages, about 2^63 bytes, for an unlimited group).
-const CGROUP_UNLIMITED_BYTES: u64 = 1 << 60;
-
 /// Where sysfs keeps the NUMA nodes.
 const NODE_SYSFS: &str = "/sys/devices/system/node";
-/// Where the cgroup file systems are mounted.
-const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
 /// Why a set of regions does not fit this host. Each variant quotes the numbers it was
 /// decided on and, where one region is at fault, names it by guest address.
@@ -89,6 +86,21 @@ pub enum HostError {
         /// Its limit in bytes.
         limit: u64,
         /// Its usage in bytes.
+        usage: u64,
+    },
+    /// The regions need more hugetlb pages than the process's hugetlb cgroup allows: a page
+    /// faulted in past its limit raises `SIGBUS`.
+    #[error("layout needs {needed} bytes of {size} hugetlb pages not yet resident, but hugetlb cgroup {} allows {limit} bytes of them and already uses {usage}", path.display())]
+    HugetlbCgroup {
+        /// The page size.
+        size: HugePageSize,
+        /// Bytes needed.
+        needed: u64,
+        /// The cgroup's directory.
+        path: PathBuf,
+        /// Its limit for this page size, in bytes.
+        limit: u64,
+        /// Its usage for this page size, in bytes.
         usage: u64,
     },
     /// Pinning would exceed `RLIMIT_MEMLOCK`.
@@ -164,6 +176,19 @@ impl MemoryCgroup {
     }
 }
 
+/// The hugetlb cgroup that limits this process's pages of one size most tightly.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct HugetlbCgroup {
+    /// The cgroup's directory.
+    pub path: PathBuf,
+    /// The page size the limit is for.
+    pub size: HugePageSize,
+    /// Its limit in bytes.
+    pub limit: u64,
+    /// Its usage in bytes.
+    pub usage: u64,
+}
+
 /// Facts about this host and process, read once by [`Host::read`].
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Host {
@@ -177,6 +202,9 @@ pub struct Host {
     pub numa_nodes: Vec<NumaNode>,
     /// The memory cgroup with the least headroom, if any sets a limit.
     pub memory_cgroup: Option<MemoryCgroup>,
+    /// Per hugetlb page size, the hugetlb cgroup with the least headroom, where one sets a
+    /// limit.
+    pub hugetlb_cgroups: Vec<HugetlbCgroup>,
     /// `CapEff` of this process.
     pub cap_eff: u64,
     /// `VmLck` of this process, in bytes.
@@ -306,6 +334,7 @@ impl Host {
                 .collect(),
             numa_nodes: read_nodes(Path::new(NODE_SYSFS)),
             memory_cgroup: read_memory_cgroup(),
+            hugetlb_cgroups: read_hugetlb_cgroups(),
             cap_eff: parse_cap_eff(&status).unwrap_or(0),
             locked_bytes: status_kb("VmLck:").map_or(0, |kb| kb * 1024),
             memlock_limit: crate::sys::memlock_limit().unwrap_or(None),
@@ -431,6 +460,22 @@ impl Host {
                         });
                     }
                 }
+                for cg in &self.hugetlb_cgroups {
+                    let needed: u64 = demands
+                        .iter()
+                        .filter(|d| d.hugetlb == Some(cg.size))
+                        .map(|d| d.size.saturating_sub(d.resident))
+                        .sum();
+                    if needed > cg.limit.saturating_sub(cg.usage) {
+                        return Err(HostError::HugetlbCgroup {
+                            size: cg.size,
+                            needed,
+                            path: cg.path.clone(),
+                            limit: cg.limit,
+                            usage: cg.usage,
+                        });
+                    }
+                }
                 if pin {
                     let new: u64 = ordinary.map(|d| d.size.saturating_sub(d.locked)).sum();
                     needs.memlock_bytes = self.locked_bytes.saturating_add(new);
@@ -450,7 +495,7 @@ pub fn check_memlock(needed: u64, limit: Option<u64>, cap_ipc_lock: bool) -> Res
     }
 }
 
-fn read_u64(path: impl AsRef<Path>) -> Option<u64> {
+pub(crate) fn read_u64(path: impl AsRef<Path>) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
@@ -538,61 +583,6 @@ fn parse_cap_eff(status: &str) -> Option<u64> {
     u64::from_str_radix(v, 16).ok()
 }
 
-/// The memory cgroup with the least headroom among this process's cgroup and its ancestors,
-/// v2 (`memory.max`, `memory.current`) or v1 (`memory.limit_in_bytes`,
-/// `memory.usage_in_bytes`); `None` when none sets a limit.
-fn read_memory_cgroup() -> Option<MemoryCgroup> {
-    let text = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    let (version, dir) = cgroup_dir(&text, Path::new(CGROUP_ROOT))?;
-    let (limit_file, usage_file) = match version {
-        2 => ("memory.max", "memory.current"),
-        _ => ("memory.limit_in_bytes", "memory.usage_in_bytes"),
-    };
-    let mount = match version {
-        2 => PathBuf::from(CGROUP_ROOT),
-        _ => Path::new(CGROUP_ROOT).join("memory"),
-    };
-    let mut best: Option<MemoryCgroup> = None;
-    for d in dir.ancestors().take_while(|d| d.starts_with(&mount)) {
-        let Some(limit) = std::fs::read_to_string(d.join(limit_file))
-            .ok()
-            .and_then(|t| t.trim().parse::<u64>().ok())
-            .filter(|&l| l < CGROUP_UNLIMITED_BYTES)
-        else {
-            continue; // "max", unreadable, or unlimited
-        };
-        let usage = read_u64(d.join(usage_file)).unwrap_or(0);
-        let cg = MemoryCgroup {
-            path: d.to_path_buf(),
-            version,
-            limit,
-            usage,
-        };
-        if best.as_ref().map_or(true, |b| cg.headroom() < b.headroom()) {
-            best = Some(cg);
-        }
-    }
-    best
-}
-
-/// The directory of this process's memory cgroup, from a `/proc/self/cgroup` text: the v1
-/// `memory` controller's if it is mounted, else the v2 unified one.
-fn cgroup_dir(text: &str, root: &Path) -> Option<(u8, PathBuf)> {
-    let mut v2 = None;
-    for line in text.lines() {
-        let mut f = line.splitn(3, ':');
-        let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
-        let rel = path.trim_start_matches('/');
-        if controllers.split(',').any(|c| c == "memory") {
-            return Some((1, root.join("memory").join(rel)));
-        }
-        if controllers.is_empty() {
-            v2 = Some((2, root.join(rel)));
-        }
-    }
-    v2
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -612,6 +602,7 @@ mod tests {
                 cpus: vec![0, 1],
             }],
             memory_cgroup: None,
+            hugetlb_cgroups: Vec::new(),
             cap_eff: 0,
             locked_bytes: 1 << 20,
             memlock_limit: Some(64 << 20),
@@ -711,6 +702,34 @@ mod tests {
     }
 
     #[test]
+    fn check_populate_hugetlb_cgroup_counts_pages_not_yet_resident() {
+        let mut h = host();
+        h.hugetlb_pools[0].free = 100;
+        h.hugetlb_cgroups.push(HugetlbCgroup {
+            path: "/sys/fs/cgroup/hugetlb/vm".into(),
+            size: HugePageSize::Size2M,
+            limit: 8 << 20,
+            usage: 2 << 20,
+        });
+        // 4 pages of a reserved region are 8 MiB: more than the 6 MiB left.
+        let mut d = [huge(0, 4, Reserve::Reserve)];
+        let e = h.check(&d, Stage::Populate { pin: false }).unwrap_err();
+        assert!(
+            matches!(&e, HostError::HugetlbCgroup { needed, limit, usage, .. }
+                if *needed == 8 << 20 && *limit == 8 << 20 && *usage == 2 << 20),
+            "{e}"
+        );
+        assert!(e.to_string().contains("/sys/fs/cgroup/hugetlb/vm"), "{e}");
+        // With one page resident already, 6 MiB are needed: they fit.
+        d[0].resident = 2 << 20;
+        assert!(h.check(&d, Stage::Populate { pin: false }).is_ok());
+        assert_eq!(
+            cgroup::cgroup_dir("7:hugetlb:/vm\n0::/\n", Path::new("/cg"), "hugetlb"),
+            Some((1, PathBuf::from("/cg/hugetlb/vm")))
+        );
+    }
+
+    #[test]
     fn check_populate_memlock_counts_already_locked_and_skips_hugetlb() {
         let mut h = host();
         let d = [demand(0, 64 << 20), huge(1 << 30, 100, Reserve::Reserve)];
@@ -777,11 +796,11 @@ mod tests {
         );
         let root = Path::new("/cg");
         assert_eq!(
-            cgroup_dir("4:memory:/a/b\n0::/\n", root),
+            cgroup::cgroup_dir("4:memory:/a/b\n0::/\n", root, "memory"),
             Some((1, PathBuf::from("/cg/memory/a/b")))
         );
         assert_eq!(
-            cgroup_dir("0::/user.slice/x\n", root),
+            cgroup::cgroup_dir("0::/user.slice/x\n", root, "memory"),
             Some((2, PathBuf::from("/cg/user.slice/x")))
         );
     }
