@@ -17,7 +17,7 @@ use crate::inspect::{self, InspectError, ProcessMemory, RegionUsage};
 use crate::layout::RegionSpec;
 use crate::limits::{self, LimitError};
 use crate::map::{GuestMap, MapError, Snapshot};
-use crate::populate::{self, Method, PinStrategy, PopulateConfig, PopulateError, Selection, Undo};
+use crate::populate::{self, Method, PinStrategy, PopulateConfig, PopulateError, Undo};
 
 /// Bytes per decimal gigabyte, for throughput figures (GB/s, as published populate rates are).
 pub const BYTES_PER_GB: f64 = 1e9;
@@ -151,13 +151,15 @@ fn prepare(snap: &Snapshot, cfg: &BringupConfig) -> Result<Prepared, BringupErro
     let host = Host::read();
     let mut pin_note = None;
     let mut populate = cfg.populate.clone();
-    let needs = match limits::check_on(snap, populate.pin, &host) {
+    // Only what this bring-up selects is checked (and counted for pinning).
+    let regions = populate::selected(snap, &populate.regions)?;
+    let needs = match limits::check_regions(&regions, populate.pin, &host) {
         Err(LimitError::Host(e @ HostError::Memlock { .. }))
             if cfg.pin_policy == PinPolicy::IfAllowed =>
         {
             pin_note = Some(format!("not pinned: {e}"));
             populate.pin = PinStrategy::None;
-            limits::check_on(snap, PinStrategy::None, &host)?
+            limits::check_regions(&regions, PinStrategy::None, &host)?
         }
         other => other?,
     };
@@ -260,11 +262,12 @@ impl BringupHandle {
 }
 
 impl Drop for BringupHandle {
-    /// Dropping the handle waits for the bring-up to end (its outcome is then lost): the
-    /// workers never outlive it.
+    /// Dropping the handle waits for the bring-up to end, and its outcome is lost, a panic
+    /// of the caller's progress callback included: the workers never outlive the handle,
+    /// and a drop never panics (not even while the caller unwinds).
     fn drop(&mut self) {
-        if self.thread.is_some() {
-            let _ = self.join();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
     }
 }
@@ -284,26 +287,28 @@ pub fn bringup_background(
     map: &GuestMap,
     cfg: &BringupConfig,
 ) -> Result<BringupHandle, BringupError> {
+    if cfg.populate.method == Method::Touch {
+        return Err(BringupError::Background(
+            "the touch fallback cannot run beside a guest: it writes each page it faults and could undo a guest's first write to it; use Method::PopulateWrite",
+        ));
+    }
     let snap = map.snapshot();
     let mut prepared = prepare(&snap, cfg)?;
     let done = Arc::new(AtomicU64::new(0));
     let counter = done.clone();
     let user = prepared.populate.progress.take();
     prepared.populate.progress = Some(Arc::new(move |bytes| {
-        counter.store(bytes, Ordering::Relaxed);
+        // Workers report out of order: keep the largest.
+        counter.fetch_max(bytes, Ordering::Relaxed);
         if let Some(p) = &user {
             p(bytes);
         }
     }));
     prepared.populate.undo = Undo::Keep;
-    let total = match &prepared.populate.regions {
-        Selection::All => snap.total_bytes(),
-        Selection::Starting(addrs) => addrs
-            .iter()
-            .filter_map(|a| snap.find(*a))
-            .map(|r| r.size())
-            .sum(),
-    };
+    let total = populate::selected(&snap, &prepared.populate.regions)?
+        .iter()
+        .map(|r| r.size())
+        .sum();
     let cfg = cfg.clone();
     let thread = std::thread::Builder::new()
         .name("guestmem-bringup".into())

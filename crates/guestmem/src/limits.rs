@@ -12,6 +12,7 @@
 use crate::host::{Demand, Host, HostError, Needs, Stage};
 use crate::inspect::{self, InspectError, RegionUsage};
 use crate::map::Snapshot;
+
 use crate::populate::PinStrategy;
 use crate::region::Region;
 
@@ -52,9 +53,18 @@ pub fn check(snap: &Snapshot, pin: PinStrategy) -> Result<Needs, LimitError> {
 
 /// [`check`] against facts already read.
 pub fn check_on(snap: &Snapshot, pin: PinStrategy, host: &Host) -> Result<Needs, LimitError> {
-    let usage = inspect::inspect(snap)?;
-    let demands: Vec<Demand> = snap
-        .regions()
+    check_regions(snap.regions(), pin, host)
+}
+
+/// [`check`] for some of a snapshot's regions (what one populate selects), against facts
+/// already read.
+pub fn check_regions(
+    regions: &[std::sync::Arc<Region>],
+    pin: PinStrategy,
+    host: &Host,
+) -> Result<Needs, LimitError> {
+    let usage = inspect::inspect_regions(regions)?;
+    let demands: Vec<Demand> = regions
         .iter()
         .zip(&usage)
         .map(|(r, u)| demand(r, u))

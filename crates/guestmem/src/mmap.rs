@@ -477,6 +477,35 @@ impl Mapping {
         sys_result(ret, "munlock", addr, len)
     }
 
+    /// Whether any page of `offset..offset+len` is resident (`mincore`): for private memory,
+    /// a page faulted in; for a shared file or memfd, a page in its page cache, however it
+    /// got there (written through the descriptor or another mapping too). Read in batches,
+    /// stopping at the first resident page.
+    pub fn any_resident(&self, offset: usize, len: usize) -> Result<bool, MmapError> {
+        /// Pages whose residency one `mincore` call reads.
+        const BATCH_PAGES: usize = 1 << 14;
+        let addr = self.range(offset, len)?;
+        let page = crate::sys::base_page_size() as usize;
+        let first = addr / page * page;
+        let end = addr + len;
+        let mut vec = vec![0u8; BATCH_PAGES];
+        let mut at = first;
+        while at < end {
+            let n = BATCH_PAGES.min((end - at).div_ceil(page));
+            // SAFETY: at..at+n pages lies in the body this mapping owns (checked by `range`
+            // above, rounded down to the page holding `addr`, which is part of the same
+            // mapping); mincore only reads page state and writes `n` bytes into `vec`, which
+            // holds BATCH_PAGES >= n.
+            let ret = unsafe { libc::mincore(at as *mut libc::c_void, n * page, vec.as_mut_ptr()) };
+            sys_result(ret, "mincore", at, n * page)?;
+            if vec[..n].iter().any(|&b| b & 1 != 0) {
+                return Ok(true);
+            }
+            at += n * page;
+        }
+        Ok(false)
+    }
+
     /// Binds `offset..offset+len` to NUMA node `node` (`mbind(MPOL_BIND)`; libc has no
     /// wrapper, so this goes through `syscall`).
     pub fn bind_node(&self, offset: usize, len: usize, node: u32) -> Result<(), MmapError> {
@@ -579,6 +608,20 @@ mod tests {
         if crate::host::numa_nodes().iter().any(|n| n.id == 0) {
             assert!(m.bind_node(0, PAGE, 0).is_ok(), "node 0 exists here");
         }
+    }
+
+    #[test]
+    fn any_resident_sees_faulted_pages_only() {
+        let m = Mapping::anonymous(64 * PAGE).unwrap();
+        assert!(!m.any_resident(0, 64 * PAGE).unwrap());
+        m.slice(40 * PAGE + 8, 8)
+            .unwrap()
+            .write_obj(1u64, 0)
+            .unwrap();
+        assert!(m.any_resident(0, 64 * PAGE).unwrap());
+        assert!(m.any_resident(40 * PAGE, PAGE).unwrap());
+        assert!(!m.any_resident(0, 40 * PAGE).unwrap());
+        assert!(m.any_resident(0, 65 * PAGE).is_err());
     }
 
     #[test]

@@ -310,26 +310,54 @@ fn cause(region: &Region, source: &io::Error) -> Option<String> {
     region.check_backing().err().map(|e| e.to_string())
 }
 
+/// The regions of `snap` that `selection` names, in address order, each once.
+pub fn selected(snap: &Snapshot, selection: &Selection) -> Result<Vec<Arc<Region>>, PopulateError> {
+    match selection {
+        Selection::All => Ok(snap.regions().to_vec()),
+        Selection::Starting(addrs) => {
+            let mut addrs = addrs.clone();
+            addrs.sort_unstable();
+            addrs.dedup();
+            addrs
+                .iter()
+                .map(|a| {
+                    snap.find(*a)
+                        .filter(|r| r.guest_addr() == *a)
+                        .cloned()
+                        .ok_or(PopulateError::NoSuchRegion { addr: a.0 })
+                })
+                .collect()
+        }
+    }
+}
+
 /// Populates (and pins, per `cfg.pin`) every region of `snap` in one job. Checks no limits:
 /// see [`crate::limits::check`]. On failure, undoes everything it did before returning.
 pub fn populate(snap: &Snapshot, cfg: &PopulateConfig) -> Result<PopulateReport, PopulateError> {
-    let regions: Vec<Arc<Region>> = match &cfg.regions {
-        Selection::All => snap.regions().to_vec(),
-        Selection::Starting(addrs) => addrs
-            .iter()
-            .map(|a| {
-                snap.find(*a)
-                    .filter(|r| r.guest_addr() == *a)
-                    .cloned()
-                    .ok_or(PopulateError::NoSuchRegion { addr: a.0 })
-            })
-            .collect::<Result<_, _>>()?,
-    };
+    let regions = selected(snap, &cfg.regions)?;
     let regions = &regions[..];
     // What each region held before: memory in use is never released on failure, and what
-    // was locked before is neither locked again nor unlocked.
+    // was locked before is neither locked again nor unlocked. Residency is asked of the
+    // kernel page by page (`mincore`), not read from smaps: a memfd written through its
+    // descriptor, or a region whose mapping merged with a neighbour, holds data smaps does
+    // not show for it.
     let before = crate::inspect::inspect_regions(regions)?;
-    let in_use: Vec<bool> = before.iter().map(|u| u.resident > 0).collect();
+    let in_use: Vec<bool> = regions
+        .iter()
+        .map(|r| {
+            let m = r.mapping();
+            m.any_resident(0, m.len())
+                .map_err(|e| PopulateError::Chunk {
+                    region: guest(r),
+                    chunk: guest(r),
+                    len: r.size(),
+                    op: e.op(),
+                    source: e.into_io(),
+                    cause: None,
+                    undo_errors: Vec::new(),
+                })
+        })
+        .collect::<Result<_, _>>()?;
     let was_locked: Vec<bool> = regions
         .iter()
         .zip(&before)

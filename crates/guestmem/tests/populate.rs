@@ -631,3 +631,113 @@ fn background_bringup_reaches_100_percent_and_reports_a_failure_keeping_data() {
     drop(map);
     std::fs::remove_file(&path).unwrap();
 }
+
+/// A file region truncated behind its back: populating it fails with EFAULT part-way.
+fn failing_file_region(map: &GuestMap, at: u64) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!("guestmem-fail-{}-{at:x}", std::process::id()));
+    std::fs::write(&path, vec![0u8; (4 * MIB) as usize]).unwrap();
+    map.add(&spec(at, 4 * MIB).with_backing(Backing::File {
+        path: path.clone(),
+        offset: 0,
+    }))
+    .unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    path
+}
+
+#[test]
+fn failed_populate_keeps_memfd_data_written_through_its_descriptor() {
+    use std::os::unix::fs::FileExt;
+    let _s = serial();
+    // A VMM (or a vhost-user peer) loads an image through the memfd, never through this
+    // process's mapping: smaps shows nothing resident, but the data is there.
+    let map = GuestMap::from_specs(&[spec(0, 4 * MIB).with_backing(Backing::Memfd)]).unwrap();
+    let snap = map.snapshot();
+    let file = snap.regions()[0].file_offset().unwrap().file();
+    file.write_at(b"kernel image", 0x1000).unwrap();
+    let path = failing_file_region(&map, 1 << 30);
+    for method in [Method::PopulateWrite, Method::Touch] {
+        let c = PopulateConfig {
+            threads: 1,
+            ..cfg(method, PinStrategy::None)
+        };
+        assert!(populate(&map.snapshot(), &c).is_err(), "{method:?}");
+        let mut b = [0u8; 12];
+        file.read_exact_at(&mut b, 0x1000).unwrap();
+        assert_eq!(&b, b"kernel image", "{method:?}: data released");
+    }
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn background_bringup_refuses_touch_and_checks_only_its_selection() {
+    use guestmem::host::Host;
+    use guestmem::{bringup_background, Selection};
+    let _s = serial();
+    // A never-populated region as large as what the host has available, and a small one:
+    // bringing up the small one alone fits, whatever the large one would need.
+    let avail = Host::read().mem_available.unwrap();
+    let big = (avail - (64 * MIB)) & !(2 * MIB - 1);
+    let map = GuestMap::from_specs(&[spec(0, big), spec(1 << 40, 16 * MIB)]).unwrap();
+    let only_small = BringupConfig {
+        populate: PopulateConfig {
+            regions: Selection::Starting(vec![GuestAddress(1 << 40), GuestAddress(1 << 40)]),
+            ..cfg(Method::PopulateWrite, PinStrategy::None)
+        },
+        verify: Verify::Off,
+        ..BringupConfig::default()
+    };
+    let r = bringup_background(&map, &only_small)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(
+        (r.regions, r.bytes),
+        (1, 16 * MIB),
+        "named twice, populated once"
+    );
+    // The touch fallback writes: it cannot run beside a guest.
+    let touch = BringupConfig {
+        populate: PopulateConfig {
+            method: Method::Touch,
+            ..only_small.populate.clone()
+        },
+        ..only_small.clone()
+    };
+    let e = bringup_background(&map, &touch).unwrap_err().to_string();
+    assert!(
+        e.contains("touch fallback cannot run beside a guest"),
+        "{e}"
+    );
+}
+
+#[test]
+fn dropping_a_background_handle_never_panics() {
+    use guestmem::bringup_background;
+    let _s = serial();
+    let map = GuestMap::from_specs(&[spec(0, 16 * MIB)]).unwrap();
+    let panicking = BringupConfig {
+        populate: PopulateConfig {
+            progress: Some(std::sync::Arc::new(|_| panic!("progress callback fails"))),
+            ..cfg(Method::PopulateWrite, PinStrategy::None)
+        },
+        verify: Verify::Off,
+        ..BringupConfig::default()
+    };
+    // Dropped: the callback's panic is part of the lost outcome.
+    drop(bringup_background(&map, &panicking).unwrap());
+    // Dropped while the caller unwinds: no panic in a destructor, no abort.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _h = bringup_background(&map, &panicking).unwrap();
+        panic!("the caller fails");
+    }));
+    assert!(r.is_err());
+    // Waited for: the panic reaches the caller.
+    let h = bringup_background(&map, &panicking).unwrap();
+    assert!(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h.wait())).is_err());
+}
