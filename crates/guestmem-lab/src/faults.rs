@@ -203,10 +203,8 @@ fn touch(m: &Mapping, offset: usize, len: usize, page: usize) {
     assert!(offset + len <= m.len(), "the share lies inside its mapping");
     let base = m.as_ptr();
     for off in (offset..offset + len).step_by(page) {
-        // SAFETY: `off < offset + len <= m.len()` (asserted above), so the byte lies in the
-        // mapping's body, which stays mapped read-write while `m` lives (every worker returns
-        // before the caller drops it); no Rust reference to it exists, so a volatile write
-        // through a raw pointer is sound.
+        // SAFETY: off < offset + len <= m.len() (asserted above): the byte is in the body `m`
+        // keeps mapped read-write; no Rust reference to it exists, so a volatile write is sound.
         unsafe { base.add(off).write_volatile(1) };
     }
 }

@@ -48,12 +48,7 @@ fn demand(region: &Region, usage: &RegionUsage) -> Demand {
 /// memory not yet resident against `MemAvailable` and the memory cgroup, `MAP_NORESERVE`
 /// hugetlb pages against their pools, and locked memory against `RLIMIT_MEMLOCK`.
 pub fn check(snap: &Snapshot, pin: PinStrategy) -> Result<Needs, LimitError> {
-    check_on(snap, pin, &Host::read())
-}
-
-/// [`check`] against facts already read.
-pub fn check_on(snap: &Snapshot, pin: PinStrategy, host: &Host) -> Result<Needs, LimitError> {
-    check_regions(snap.regions(), pin, host)
+    check_regions(snap.regions(), pin, &Host::read())
 }
 
 /// [`check`] for some of a snapshot's regions (what one populate selects), against facts

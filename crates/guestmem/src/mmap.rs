@@ -270,12 +270,11 @@ impl Reservation {
             len,
             source: io::Error::from_raw_os_error(libc::EOVERFLOW),
         })?;
+        // On failure Linux 6.12+ restores the replaced pages rather than leaving a gap another
+        // mmap could take before our Drop unmaps the range; that the pages of the new mapping
+        // stay backed is the caller's contract.
         // SAFETY: body..body+len lies inside this reservation (checked above), which we own
-        // and which no one can use (PROT_NONE); MAP_FIXED replaces only pages of it (and on
-        // failure, Linux 6.12+ restores them rather than leaving a gap another mmap could
-        // take before our Drop unmaps the range). The mapping made here is owned by the
-        // Mapping returned below, with the reservation; that its pages stay backed is the
-        // caller's contract.
+        // and no one can use (PROT_NONE); the Mapping returned owns the result.
         let p = unsafe {
             libc::mmap(
                 body as *mut libc::c_void,
@@ -492,10 +491,10 @@ impl Mapping {
         let mut at = first;
         while at < end {
             let n = BATCH_PAGES.min((end - at).div_ceil(page));
-            // SAFETY: at..at+n pages lies in the body this mapping owns (checked by `range`
-            // above, rounded down to the page holding `addr`, which is part of the same
-            // mapping); mincore only reads page state and writes `n` bytes into `vec`, which
-            // holds BATCH_PAGES >= n.
+            // at..at+n pages lies in the body (checked by `range`, rounded down to the page
+            // holding `addr`, part of the same mapping).
+            // SAFETY: the range is this mapping's own; mincore only reads page state and
+            // writes n <= BATCH_PAGES bytes into `vec`.
             let ret = unsafe { libc::mincore(at as *mut libc::c_void, n * page, vec.as_mut_ptr()) };
             sys_result(ret, "mincore", at, n * page)?;
             if vec[..n].iter().any(|&b| b & 1 != 0) {

@@ -524,12 +524,10 @@ fn place(spec: &RegionSpec, c: &Checked, opened: &Opened) -> Result<Mapping, Reg
         Backing::Hugetlb(_) => spec.reserve,
         _ => Reserve::Reserve,
     };
-    // SAFETY: every page stays backed while the region lives: a memfd or hugetlb memfd was
-    // sized to the region and sealed against shrinking before this (open_backing); a
-    // caller's file was checked to hold offset + size, and keeping it that long is the
-    // caller's contract for `Backing::File` (see the module docs); `NoReserve` hugetlb pages
-    // can only be asked for through the `unsafe` `RegionSpec::with_reserve`, whose caller
-    // promises to populate them before any CPU access.
+    // Every page stays backed while the region lives: memfds are sized and sealed
+    // (open_backing); a caller's file was checked, and keeping it is their contract
+    // (`Backing::File`); `NoReserve` needs the `unsafe` `RegionSpec::with_reserve` promise.
+    // SAFETY: the backing holds every page of the mapping for its life (just above).
     unsafe { res.place_file(c.guard as usize, c.len, source, reserve) }.map_err(mmap_err(c))
 }
 

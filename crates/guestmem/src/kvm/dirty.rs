@@ -59,10 +59,9 @@ impl SlotLog {
                 dirty_bitmap: self.words.as_mut_ptr().cast(),
             },
         };
-        // SAFETY: `words` holds ceil(pages / 64) words, one bit for every page of slot
-        // `self.slot` (sized in `new` from that slot's page count by the memslot that made
-        // the slot, the only caller), and the kernel writes no more than that; the buffer
-        // outlives the call and no other reference to it exists (&mut self).
+        // SAFETY: `words` holds one bit per page of slot `self.slot` (sized in `new` from that
+        // slot by the memslot that made it, the only caller), all KVM writes; &mut self: no
+        // other reference to the buffer, which outlives the call.
         let ret = unsafe { ioctl_with_ref(vm, KVM_GET_DIRTY_LOG(), &log) };
         if ret < 0 {
             return Err(KvmError::Ioctl {
