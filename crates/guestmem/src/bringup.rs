@@ -148,18 +148,18 @@ struct Prepared {
 /// The checks, and the pinning decision of [`PinPolicy`]: nothing is touched.
 fn prepare(snap: &Snapshot, cfg: &BringupConfig) -> Result<Prepared, BringupError> {
     let t = Instant::now();
-    let host = Host::read();
+    let host = &Host::read();
     let mut pin_note = None;
     let mut populate = cfg.populate.clone();
     // Only what this bring-up selects is checked (and counted for pinning).
     let regions = populate::selected(snap, &populate.regions)?;
-    let needs = match limits::check_regions(&regions, populate.pin, &host) {
+    let needs = match limits::check_regions(&regions, populate.pin, host) {
         Err(LimitError::Host(e @ HostError::Memlock { .. }))
             if cfg.pin_policy == PinPolicy::IfAllowed =>
         {
             pin_note = Some(format!("not pinned: {e}"));
             populate.pin = PinStrategy::None;
-            limits::check_regions(&regions, PinStrategy::None, &host)?
+            limits::check_regions(&regions, PinStrategy::None, host)?
         }
         other => other?,
     };
@@ -333,8 +333,12 @@ pub fn bringup_specs(
     cfg: &BringupConfig,
 ) -> Result<(GuestMap, BringupReport), BringupError> {
     let t = Instant::now();
-    crate::plan::check_layout(specs, &Host::read())?;
-    let map = GuestMap::from_specs(specs)?;
+    // One read of the host's facts for the layout check and the mapping; read again after:
+    // mapping reserved hugetlb regions takes pages from their pools, which the populate
+    // check counts.
+    let host = Host::read();
+    crate::plan::check_layout(specs, &host)?;
+    let map = GuestMap::from_specs_on(specs, &host)?;
     let map_seconds = t.elapsed().as_secs_f64();
     let mut report = bringup(&map.snapshot(), cfg)?;
     report.phases.insert(

@@ -255,6 +255,11 @@ impl GuestMap {
     /// A map with the regions `specs` describe, checked for overlaps and count before any of
     /// them is mapped; if one fails to map, those already mapped are unmapped again.
     pub fn from_specs(specs: &[RegionSpec]) -> Result<GuestMap, MapError> {
+        GuestMap::from_specs_on(specs, &Host::read())
+    }
+
+    /// [`GuestMap::from_specs`] against host facts already read.
+    pub(crate) fn from_specs_on(specs: &[RegionSpec], host: &Host) -> Result<GuestMap, MapError> {
         if specs.len() > MAX_REGIONS {
             return Err(MapError::TooManyRegions {
                 addr: specs[MAX_REGIONS].guest_addr().0,
@@ -281,13 +286,12 @@ impl GuestMap {
             }
         }
         // What the regions need together (a pool each region alone would fit, the mapping
-        // count), from one read of the host's facts; each region is then mapped on them.
-        let host = Host::read();
+        // count), checked once; each region is then mapped without a check of its own.
         let demands: Vec<Demand> = specs.iter().map(Demand::of_spec).collect();
         host.check(&demands, Stage::Map)?;
         let regions = specs
             .iter()
-            .map(|s| Region::map_on(s, &host).map(Arc::new))
+            .map(|s| Region::map_on(s, host).map(Arc::new))
             .collect::<Result<Vec<_>, _>>()?;
         let map = GuestMap::new();
         map.publish(Snapshot::new(1, regions));

@@ -172,14 +172,21 @@ struct Opened {
 }
 
 impl Region {
-    /// Maps the region that `spec` describes.
+    /// Maps the region that `spec` describes, after checking what it needs against the host.
     pub fn map(spec: &RegionSpec) -> Result<Region, RegionError> {
-        Region::map_on(spec, &Host::read())
+        let host = Host::read();
+        let c = check_spec(spec, host.page_size)?;
+        host.check(&[Demand::of_spec(spec)], Stage::Map)?;
+        Region::map_checked(spec, c)
     }
 
-    /// Maps the region that `spec` describes, checked against facts already read.
+    /// Maps the region that `spec` describes, whose host needs the caller has checked
+    /// together with those of the regions mapped beside it (`GuestMap::from_specs`).
     pub(crate) fn map_on(spec: &RegionSpec, host: &Host) -> Result<Region, RegionError> {
-        let c = check_spec(spec, host)?;
+        Region::map_checked(spec, check_spec(spec, host.page_size)?)
+    }
+
+    fn map_checked(spec: &RegionSpec, c: Checked) -> Result<Region, RegionError> {
         let opened = open_backing(spec, &c)?;
         let mapping = place(spec, &c, &opened)?;
         let warnings = advise(spec, &c, &mapping)?;
@@ -381,9 +388,10 @@ fn mmap_err(c: &Checked) -> impl Fn(MmapError) -> RegionError + '_ {
     }
 }
 
-/// Step 1: the spec's own rules (size, alignment, overflow, file offset), then what the host
-/// must give it (hugetlb pool, NUMA node, mappings), before anything is created.
-fn check_spec(spec: &RegionSpec, host: &Host) -> Result<Checked, RegionError> {
+/// Step 1: the spec's own rules (size, alignment, overflow, file offset) before anything is
+/// created; what the host must give it is checked by the caller ([`Region::map`] alone,
+/// `GuestMap::from_specs` for all regions together).
+fn check_spec(spec: &RegionSpec, base_page: u64) -> Result<Checked, RegionError> {
     let addr = spec.guest_addr.0;
     let size = spec.size;
     if size == 0 {
@@ -397,7 +405,7 @@ fn check_spec(spec: &RegionSpec, host: &Host) -> Result<Checked, RegionError> {
         return Err(RegionError::Overflow { addr, size });
     }
     if let Backing::File { offset, .. } = &spec.backing {
-        let base = host.page_size;
+        let base = base_page;
         if offset % base != 0 {
             return Err(RegionError::UnalignedFileOffset {
                 addr,
@@ -425,7 +433,6 @@ fn check_spec(spec: &RegionSpec, host: &Host) -> Result<Checked, RegionError> {
     let placement = Placement::plan(size, huge_align, guard)
         .filter(|p| usize::try_from(p.reserve_len).is_ok())
         .ok_or(too_large)?;
-    host.check(&[Demand::of_spec(spec)], Stage::Map)?;
     Ok(Checked {
         addr,
         size,

@@ -475,20 +475,8 @@ fn populate_selected_regions_under_running_translators_never_discards_data() {
 
         // Hot-add B, a file region whose file is truncated behind its back: populating it
         // fails. The call also selects A, in use: A must be neither released nor unlocked.
-        let path = std::env::temp_dir().join(format!("guestmem-subset-{}", std::process::id()));
-        std::fs::write(&path, vec![0u8; (8 * MIB) as usize]).unwrap();
         let b = GuestAddress(1 << 30);
-        map.add(&spec(b.0, 8 * MIB).with_backing(Backing::File {
-            path: path.clone(),
-            offset: 0,
-        }))
-        .unwrap();
-        std::fs::File::options()
-            .write(true)
-            .open(&path)
-            .unwrap()
-            .set_len(0)
-            .unwrap();
+        let path = failing_file_region(&map, b.0);
         let both = PopulateConfig {
             regions: Selection::Starting(vec![GuestAddress(0), b]),
             ..cfg(Method::PopulateWrite, PinStrategy::UpFront)
