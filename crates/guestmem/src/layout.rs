@@ -85,6 +85,16 @@ pub enum Backing {
         /// Byte offset into the file; a multiple of the base page size.
         offset: u64,
     },
+    /// A file, mapped private (copy on write) from `offset`: reads come from the file's page
+    /// cache as the guest first touches each page, writes stay in this process and never
+    /// reach the file. How a snapshot's memory file is restored in
+    /// [`RestoreMode::Mapped`](crate::restore::RestoreMode::Mapped).
+    FilePrivate {
+        /// The file's path.
+        path: PathBuf,
+        /// Byte offset into the file; a multiple of the base page size.
+        offset: u64,
+    },
 }
 
 impl Backing {
@@ -96,6 +106,9 @@ impl Backing {
             Backing::Hugetlb(HugePageSize::Size2M) => "hugetlb-2M".into(),
             Backing::Hugetlb(HugePageSize::Size1G) => "hugetlb-1G".into(),
             Backing::File { path, offset } => format!("file:{}@{offset:#x}", path.display()),
+            Backing::FilePrivate { path, offset } => {
+                format!("file-private:{}@{offset:#x}", path.display())
+            }
         }
     }
 }

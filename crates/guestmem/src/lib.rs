@@ -161,8 +161,11 @@ pub mod mmap;
 pub mod plan;
 pub mod populate;
 pub mod region;
+pub mod restore;
+pub mod snapshot;
 mod sys;
 pub mod translate;
+mod uffd;
 mod vm_memory_impl;
 pub mod workers;
 

@@ -337,7 +337,9 @@ impl Region {
     /// file is at least `offset + size` bytes long (someone may have truncated it since it was
     /// mapped); other backings cannot shrink (memfds are sealed), so they always pass.
     pub fn check_backing(&self) -> Result<(), RegionError> {
-        let (Backing::File { path, .. }, Some(fo)) = (&self.backing, &self.file) else {
+        let (Backing::File { path, .. } | Backing::FilePrivate { path, .. }, Some(fo)) =
+            (&self.backing, &self.file)
+        else {
             return Ok(());
         };
         let needed = fo.start() + self.size;
@@ -404,7 +406,7 @@ fn check_spec(spec: &RegionSpec, base_page: u64) -> Result<Checked, RegionError>
     if spec.guest_end().is_none() {
         return Err(RegionError::Overflow { addr, size });
     }
-    if let Backing::File { offset, .. } = &spec.backing {
+    if let Backing::File { offset, .. } | Backing::FilePrivate { offset, .. } = &spec.backing {
         let base = base_page;
         if offset % base != 0 {
             return Err(RegionError::UnalignedFileOffset {
@@ -468,16 +470,27 @@ fn open_backing(spec: &RegionSpec, c: &Checked) -> Result<Opened, RegionError> {
             format!("guestmem-huge@{:#x}", c.addr),
             libc::MFD_HUGETLB | h.shift_bits(),
         ),
-        Backing::File { path, offset } => {
+        Backing::File { path, offset } | Backing::FilePrivate { path, offset } => {
+            let private = matches!(spec.backing, Backing::FilePrivate { .. });
             let file_err = |source| RegionError::File {
                 addr: c.addr,
                 path: path.clone(),
                 source,
             };
-            // A read-only region may come from a read-only file (a firmware image): map it
-            // private, so host writes (image loading) stay in this process.
-            let (f, shared) = match OpenOptions::new().read(true).write(true).open(path) {
-                Ok(f) => (f, true),
+            // A private mapping only reads the file. A read-only region may come from a
+            // read-only file (a firmware image): map it private, so host writes (image
+            // loading) stay in this process.
+            let opened = if private {
+                File::open(path).map(|f| (f, false))
+            } else {
+                OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(path)
+                    .map(|f| (f, true))
+            };
+            let (f, shared) = match opened {
+                Ok(opened) => opened,
                 Err(e)
                     if spec.access == Access::ReadOnly
                         && e.kind() == io::ErrorKind::PermissionDenied =>

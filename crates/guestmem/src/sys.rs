@@ -56,6 +56,77 @@ pub fn seal_size(fd: BorrowedFd<'_>) -> io::Result<()> {
     check(ret)
 }
 
+/// The data ranges of `fd` within `start..end` (`SEEK_DATA`/`SEEK_HOLE`): for a memfd, the
+/// pages it holds, in memory or swapped out, however they were written.
+pub fn data_ranges(fd: BorrowedFd<'_>, start: u64, end: u64) -> io::Result<Vec<(u64, u64)>> {
+    let mut out = Vec::new();
+    let mut at = start;
+    while at < end {
+        // SAFETY: lseek on a descriptor we borrow touches no memory of this process.
+        let data = unsafe { libc::lseek(fd.as_raw_fd(), at as libc::off_t, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = io::Error::last_os_error();
+            // ENXIO: no data at or after `at`.
+            return if e.raw_os_error() == Some(libc::ENXIO) {
+                Ok(out)
+            } else {
+                Err(e)
+            };
+        }
+        let data = data as u64;
+        if data >= end {
+            break;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd.as_raw_fd(), data as libc::off_t, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let hole = (hole as u64).min(end);
+        out.push((data, hole));
+        at = hole;
+    }
+    Ok(out)
+}
+
+/// Allocates `offset..offset+len` of `fd` (zeroed pages for a memfd or hugetlbfs file),
+/// keeping its size.
+pub fn fallocate(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+    // SAFETY: fallocate on a descriptor we borrow touches no memory of this process.
+    let ret = unsafe {
+        libc::fallocate(
+            fd.as_raw_fd(),
+            libc::FALLOC_FL_KEEP_SIZE,
+            offset as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    check(ret)
+}
+
+/// A non-blocking eventfd, used to stop threads that poll.
+pub fn eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: eventfd takes flags only and returns a new descriptor or -1.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Makes an eventfd readable (for every poller, until read).
+pub fn eventfd_signal(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let one = 1u64.to_ne_bytes();
+    // SAFETY: writes 8 bytes from a live buffer to a descriptor we borrow.
+    let ret = unsafe { libc::write(fd.as_raw_fd(), one.as_ptr() as *const libc::c_void, 8) };
+    if ret == 8 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Punches a hole over `offset..offset+len` of `fd`, freeing its pages.
 pub fn punch_hole(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
     let off =

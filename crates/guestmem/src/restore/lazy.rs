@@ -1,0 +1,710 @@
+//! Lazy restore: userfaultfd, parallel handlers, background prefetch.
+//!
+//! Every region is registered with one userfaultfd, and each image block has one state
+//! (empty, busy, done, failed) changed by compare-and-swap: whoever moves a block from empty
+//! to busy (a handler serving a fault in it, or a prefetch worker) reads it, checks its
+//! checksum and installs it whole, so a page is copied exactly once whoever gets there first.
+//! A fault on a busy block needs nothing: the ioctl that installs the block wakes every thread
+//! waiting inside it. A fault on a block already done (the message raced the install) is
+//! answered with `UFFDIO_WAKE`.
+//!
+//! - Private anonymous regions: the block is read into a per-thread staging buffer, checked,
+//!   and placed with `UFFDIO_COPY` (a zero block with `UFFDIO_ZEROPAGE`). The kernel installs
+//!   4 KiB pages: a lazily restored anonymous region holds no transparent huge pages until
+//!   khugepaged collapses them (restore eagerly to keep them).
+//! - memfd and hugetlb regions: registered for missing and minor faults; the block is read
+//!   into the page cache through a second, unregistered mapping of the same file (a zero block
+//!   with `fallocate`), then mapped with `UFFDIO_CONTINUE`. Blocks are whole huge pages, so
+//!   hugetlb regions are served in whole huge pages.
+//!
+//! Prefetch runs on the job splitter: the recorded working set's runs first, in recorded
+//! order, then the rest in address order.
+//!
+//! # Failure
+//!
+//! A checksum mismatch, a short file or an I/O error while filling a block stops the
+//! restore: the first error is kept (it names the region, guest address and file offset),
+//! every [`LazyRestore::on_failure`] hook runs at once with its text (a VMM stops its vCPUs
+//! there: a signal takes a vCPU waiting on a fault out of `KVM_RUN` with `EINTR`), prefetch
+//! stops, and [`LazyRestore::finish`] returns the error. The pages that never arrived are
+//! then poisoned (`UFFDIO_POISON`): a later access raises `SIGBUS` as a hardware memory error
+//! would, and never reads a zero page in place of missing data. Should the kernel lack
+//! `UFFDIO_POISON`, the descriptor is kept open instead (such accesses wait forever rather
+//! than read zeros).
+
+use std::cell::RefCell;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use linux_raw_sys::general as uapi;
+
+use super::{Prefetch, RestoreConfig};
+use crate::jobs::{Job, JobRange};
+use crate::layout::{Backing, Reserve};
+use crate::mmap::{Advice, MapSource, Mapping, Reservation};
+use crate::region::Region;
+use crate::snapshot::{Image, SnapshotError};
+use crate::uffd::{Event, RegisterMode, Uffd};
+
+const EMPTY: u8 = 0;
+const BUSY: u8 = 1;
+const DONE: u8 = 2;
+const FAILED: u8 = 3;
+
+/// How long a handler waits in `poll` before looking at the stop flag again, ms.
+const POLL_MS: i32 = 100;
+
+/// What a lazy restore did (so far, or in all).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct LazyReport {
+    /// Fault messages read: each one a thread (a vCPU, or the VMM) that waited on a handler.
+    pub faults: u64,
+    /// Blocks a handler brought in for a fault.
+    pub fault_blocks: u64,
+    /// Faults on a block another thread was bringing in (woken when it landed).
+    pub faults_on_busy: u64,
+    /// Faults on a block already in (the message raced its install; answered with a wake).
+    pub faults_late: u64,
+    /// Blocks the prefetch brought in.
+    pub prefetched_blocks: u64,
+    /// Blocks that were zero (mapped without reading).
+    pub zero_blocks: u64,
+    /// Bytes read from the image and installed.
+    pub bytes_copied: u64,
+    /// Blocks in all.
+    pub blocks: u64,
+    /// From the start of the restore until every block was in, seconds.
+    pub complete_secs: Option<f64>,
+    /// Handler threads.
+    pub handler_threads: usize,
+    /// Prefetch threads.
+    pub prefetch_threads: usize,
+    /// Blocks in the recorded working set this restore prefetched first.
+    pub prefetched_working_set: usize,
+}
+
+struct LRegion {
+    region: Arc<Region>,
+    /// A second, unregistered mapping of a memfd or hugetlb region's file, through which its
+    /// page cache is filled.
+    alias: Option<Mapping>,
+    first_block: u64,
+    host: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    faults: AtomicU64,
+    fault_blocks: AtomicU64,
+    busy: AtomicU64,
+    late: AtomicU64,
+    prefetched: AtomicU64,
+    zero: AtomicU64,
+    bytes: AtomicU64,
+}
+
+type Hook = Box<dyn Fn(&str) + Send + Sync>;
+
+struct Lazy {
+    image: Image,
+    regions: Vec<LRegion>,
+    /// (host start, host end, region index), sorted.
+    by_host: Vec<(u64, u64, usize)>,
+    uffd: Uffd,
+    stop: OwnedFd,
+    state: Box<[AtomicU8]>,
+    done: AtomicU64,
+    total: u64,
+    wait: Mutex<()>,
+    cv: Condvar,
+    failed: AtomicBool,
+    cancel: AtomicBool,
+    error: Mutex<Option<SnapshotError>>,
+    message: OnceLock<String>,
+    hooks: Mutex<Vec<Hook>>,
+    t0: Instant,
+    complete_at: OnceLock<Instant>,
+    counters: Counters,
+    recorded: Mutex<Vec<u64>>,
+}
+
+/// A lazy restore in progress: the map is usable at once (a touch of a page not yet in waits
+/// for its block); dropping it, or [`LazyRestore::finish`], brings in whatever is left and
+/// unregisters the memory.
+pub struct LazyRestore {
+    lazy: Arc<Lazy>,
+    handlers: Vec<JoinHandle<()>>,
+    prefetcher: Option<JoinHandle<()>>,
+    prefetch_threads: usize,
+    prefetched_working_set: usize,
+    finished: bool,
+}
+
+impl std::fmt::Debug for LazyRestore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LazyRestore")
+            .field("blocks", &self.lazy.total)
+            .field("done", &self.lazy.done.load(Ordering::Relaxed))
+            .field("failed", &self.lazy.message.get())
+            .finish()
+    }
+}
+
+thread_local! {
+    /// A worker's staging buffer: one block, page-aligned, faulted in once.
+    static STAGING: RefCell<Option<Mapping>> = const { RefCell::new(None) };
+    /// A worker's scratch for an incremental save's block.
+    static SCRATCH: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A second mapping of `region`'s file, aligned to its page size, not registered.
+fn alias(region: &Region) -> Result<Mapping, SnapshotError> {
+    let fo = region.file_offset().expect("memfd and hugetlb regions have a file");
+    let err = |e: crate::mmap::MmapError| SnapshotError::Memory {
+        region: region.guest_addr().0,
+        guest_addr: region.guest_addr().0,
+        op: "map the page-cache alias",
+        source: e.into_io(),
+    };
+    let size = region.size() as usize;
+    let align = region.page_size() as usize;
+    let res = Reservation::new(size + align).map_err(err)?;
+    let head = res.addr().next_multiple_of(align) - res.addr();
+    let res = res.trim(head, size).map_err(err)?;
+    let source = MapSource::SharedFile {
+        fd: fo.file().as_fd(),
+        offset: fo.start(),
+    };
+    // SAFETY: the file is the region's own memfd (guestmem's memfds are sealed against
+    // shrinking and growing at map time) and holds `start..start + size`, the region; it
+    // reads and writes as memory.
+    unsafe { res.place_file(0, size, source, Reserve::Reserve) }.map_err(err)
+}
+
+impl LazyRestore {
+    pub(super) fn start(
+        image: &Image,
+        regions: Vec<Arc<Region>>,
+        cfg: &RestoreConfig,
+        t0: Instant,
+    ) -> Result<LazyRestore, SnapshotError> {
+        let uerr = |op: &str| {
+            let op = op.to_string();
+            move |source| SnapshotError::Userfaultfd { op, source }
+        };
+        let want = uapi::UFFD_FEATURE_MISSING_SHMEM
+            | uapi::UFFD_FEATURE_MISSING_HUGETLBFS
+            | uapi::UFFD_FEATURE_MINOR_SHMEM
+            | uapi::UFFD_FEATURE_MINOR_HUGETLBFS
+            | uapi::UFFD_FEATURE_POISON;
+        let uffd = Uffd::open(u64::from(want)).map_err(uerr(
+            "open (needs CAP_SYS_PTRACE, or vm.unprivileged_userfaultfd = 1, to see KVM's faults)",
+        ))?;
+        let mut lregions = Vec::with_capacity(regions.len());
+        for (r, ir) in regions.iter().zip(image.regions()) {
+            let (shared, feature) = match r.backing() {
+                Backing::Anonymous => (false, 0),
+                Backing::Memfd => (true, uapi::UFFD_FEATURE_MINOR_SHMEM),
+                Backing::Hugetlb(_) => (true, uapi::UFFD_FEATURE_MINOR_HUGETLBFS),
+                b => {
+                    return Err(SnapshotError::Layout(format!(
+                        "region at {:#x}: a lazy restore serves anonymous, memfd and hugetlb memory, not {}",
+                        r.guest_addr().0,
+                        b.name()
+                    )))
+                }
+            };
+            if shared && !uffd.has(feature) {
+                return Err(SnapshotError::Userfaultfd {
+                    op: format!(
+                        "region at {:#x} ({}): the kernel offers no minor faults for it",
+                        r.guest_addr().0,
+                        r.backing().name()
+                    ),
+                    source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
+                });
+            }
+            lregions.push(LRegion {
+                alias: if shared { Some(alias(r)?) } else { None },
+                first_block: ir.first_block,
+                host: r.host_addr() as u64,
+                region: r.clone(),
+            });
+        }
+        let mut registered = Vec::new();
+        for lr in &lregions {
+            let mode = if lr.alias.is_some() {
+                RegisterMode::MissingMinor
+            } else {
+                RegisterMode::Missing
+            };
+            if let Err(e) = uffd.register(lr.region.mapping(), mode) {
+                for m in registered {
+                    let _ = uffd.unregister(m);
+                }
+                return Err(SnapshotError::Userfaultfd {
+                    op: format!(
+                        "register region at {:#x} ({:#x} bytes)",
+                        lr.region.guest_addr().0,
+                        lr.region.size()
+                    ),
+                    source: e,
+                });
+            }
+            registered.push(lr.region.mapping());
+        }
+        let mut by_host: Vec<(u64, u64, usize)> = lregions
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (l.host, l.host + l.region.size(), i))
+            .collect();
+        by_host.sort_unstable();
+        let total = image.total_blocks();
+        let stop = crate::sys::eventfd().map_err(uerr("eventfd"))?;
+        let lazy = Arc::new(Lazy {
+            image: image.clone(),
+            regions: lregions,
+            by_host,
+            uffd,
+            stop,
+            state: (0..total).map(|_| AtomicU8::new(EMPTY)).collect(),
+            done: AtomicU64::new(0),
+            total,
+            wait: Mutex::new(()),
+            cv: Condvar::new(),
+            failed: AtomicBool::new(false),
+            cancel: AtomicBool::new(false),
+            error: Mutex::new(None),
+            message: OnceLock::new(),
+            hooks: Mutex::new(Vec::new()),
+            t0,
+            complete_at: OnceLock::new(),
+            counters: Counters::default(),
+            recorded: Mutex::new(Vec::new()),
+        });
+        let mut this = LazyRestore {
+            lazy: lazy.clone(),
+            handlers: Vec::new(),
+            prefetcher: None,
+            prefetch_threads: cfg.threads.max(1),
+            prefetched_working_set: 0,
+            finished: false,
+        };
+        for i in 0..cfg.handler_threads.max(1) {
+            let l = lazy.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("guestmem-uffd{i}"))
+                .spawn(move || l.handle())
+                .map_err(uerr("spawn a handler thread"))?;
+            this.handlers.push(h);
+        }
+        if cfg.prefetch == Prefetch::Recorded {
+            this.prefetched_working_set = image.working_set().len();
+            this.start_prefetch(image.working_set().to_vec())
+                .map_err(uerr("spawn the prefetch thread"))?;
+        }
+        Ok(this)
+    }
+
+    fn start_prefetch(&mut self, first: Vec<u64>) -> std::io::Result<()> {
+        let l = self.lazy.clone();
+        let threads = self.prefetch_threads;
+        self.prefetcher = Some(
+            std::thread::Builder::new()
+                .name("guestmem-prefetch".into())
+                .spawn(move || l.prefetch(&first, threads))?,
+        );
+        Ok(())
+    }
+
+    /// Runs `hook` with the error's text when the restore fails (at once if it has): where a
+    /// VMM stops its vCPUs. Runs on the thread that found the failure: it must not block on
+    /// guest memory.
+    pub fn on_failure(&self, hook: impl Fn(&str) + Send + Sync + 'static) {
+        let mut hooks = self.lazy.hooks.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = self.lazy.message.get() {
+            drop(hooks);
+            hook(m);
+            return;
+        }
+        hooks.push(Box::new(hook));
+    }
+
+    /// The first error's text, once the restore has failed.
+    pub fn failure(&self) -> Option<String> {
+        self.lazy.message.get().cloned()
+    }
+
+    /// Blocks in, and blocks in all.
+    pub fn progress(&self) -> (u64, u64) {
+        (self.lazy.done.load(Ordering::Acquire), self.lazy.total)
+    }
+
+    /// Waits until every block is in (`Ok`) or the restore has failed (the error's text).
+    /// Without prefetch, only the guest's faults bring blocks in.
+    pub fn wait_complete(&self) -> Result<(), String> {
+        let l = &self.lazy;
+        let mut g = l.wait.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(m) = l.message.get() {
+                return Err(m.clone());
+            }
+            if l.done.load(Ordering::Acquire) == l.total {
+                return Ok(());
+            }
+            g = l.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// The blocks the guest faulted, first fault first (for [`Image::record_working_set`]).
+    pub fn working_set(&self) -> Vec<u64> {
+        self.lazy
+            .recorded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// What it did so far.
+    pub fn report(&self) -> LazyReport {
+        let c = &self.lazy.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        LazyReport {
+            faults: get(&c.faults),
+            fault_blocks: get(&c.fault_blocks),
+            faults_on_busy: get(&c.busy),
+            faults_late: get(&c.late),
+            prefetched_blocks: get(&c.prefetched),
+            zero_blocks: get(&c.zero),
+            bytes_copied: get(&c.bytes),
+            blocks: self.lazy.total,
+            complete_secs: self
+                .lazy
+                .complete_at
+                .get()
+                .map(|t| t.saturating_duration_since(self.lazy.t0).as_secs_f64()),
+            handler_threads: self.handlers.len(),
+            prefetch_threads: self.prefetch_threads,
+            prefetched_working_set: self.prefetched_working_set,
+        }
+    }
+
+    /// Brings in every block not in yet, stops the handlers and unregisters the memory.
+    /// Returns what the restore did, or its first error (the memory that never arrived is
+    /// then poisoned: see the module docs).
+    pub fn finish(mut self) -> Result<LazyReport, SnapshotError> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Result<LazyReport, SnapshotError> {
+        if self.finished {
+            return Err(SnapshotError::Stopped("finished already".into()));
+        }
+        self.finished = true;
+        let l = self.lazy.clone();
+        if !l.failed.load(Ordering::Acquire) && self.prefetcher.is_none() {
+            if let Err(e) = self.start_prefetch(Vec::new()) {
+                l.fail(SnapshotError::Userfaultfd {
+                    op: "spawn the prefetch thread".into(),
+                    source: e,
+                });
+            }
+        }
+        if let Some(p) = self.prefetcher.take() {
+            let _ = p.join();
+        }
+        let _ = self.wait_complete();
+        let _ = crate::sys::eventfd_signal(l.stop.as_fd());
+        for h in self.handlers.drain(..) {
+            let _ = h.join();
+        }
+        let report = self.report();
+        if l.failed.load(Ordering::Acquire) {
+            let poisoned = l.poison_rest();
+            for lr in &l.regions {
+                if poisoned {
+                    let _ = l.uffd.unregister(lr.region.mapping());
+                }
+            }
+            if !poisoned {
+                // No poison: keep the registration (and the descriptor) for good, so a touch
+                // of missing memory waits instead of reading a zero page.
+                std::mem::forget(Arc::clone(&l));
+            }
+            let e = l.error.lock().unwrap_or_else(|e| e.into_inner()).take();
+            return Err(e.unwrap_or_else(|| {
+                SnapshotError::Stopped(l.message.get().cloned().unwrap_or_default())
+            }));
+        }
+        for lr in &l.regions {
+            l.uffd
+                .unregister(lr.region.mapping())
+                .map_err(|source| SnapshotError::Userfaultfd {
+                    op: format!("unregister region at {:#x}", lr.region.guest_addr().0),
+                    source,
+                })?;
+        }
+        Ok(report)
+    }
+}
+
+impl Drop for LazyRestore {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = self.shutdown();
+        }
+    }
+}
+
+impl Lazy {
+    /// A handler thread: read faults, serve them, until told to stop.
+    fn handle(&self) {
+        let mut events = Vec::new();
+        loop {
+            match self.uffd.read_events(&self.stop, POLL_MS, &mut events) {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(e) => {
+                    self.fail(SnapshotError::Userfaultfd {
+                        op: "read fault messages".into(),
+                        source: e,
+                    });
+                    return;
+                }
+            }
+            for ev in &events {
+                if let Event::Fault { addr, .. } = *ev {
+                    self.counters.faults.fetch_add(1, Ordering::Relaxed);
+                    self.fault(addr);
+                }
+            }
+        }
+    }
+
+    fn locate(&self, addr: u64) -> Option<(usize, u64)> {
+        let i = self.by_host.partition_point(|&(s, _, _)| s <= addr);
+        let &(s, e, ri) = self.by_host.get(i.checked_sub(1)?)?;
+        (addr < e).then_some((ri, addr - s))
+    }
+
+    fn fault(&self, addr: u64) {
+        let Some((ri, off)) = self.locate(addr) else {
+            return;
+        };
+        let lr = &self.regions[ri];
+        let block = lr.first_block + off / self.image.block_bytes();
+        match self.claim(block) {
+            Ok(()) => {
+                self.recorded
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(block);
+                self.counters.fault_blocks.fetch_add(1, Ordering::Relaxed);
+                self.serve(block);
+            }
+            Err(DONE) => {
+                self.counters.late.fetch_add(1, Ordering::Relaxed);
+                let page = lr.region.page_size();
+                let at = off / page * page;
+                let _ = self
+                    .uffd
+                    .wake(lr.region.mapping(), at as usize, page as usize);
+            }
+            Err(BUSY) => {
+                self.counters.busy.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {}
+        }
+    }
+
+    fn claim(&self, block: u64) -> Result<(), u8> {
+        self.state[block as usize]
+            .compare_exchange(EMPTY, BUSY, Ordering::AcqRel, Ordering::Acquire)
+            .map(|_| ())
+    }
+
+    /// Fills a claimed block and marks it done, or fails the restore.
+    fn serve(&self, block: u64) {
+        match self.fill(block) {
+            Ok(()) => {
+                self.state[block as usize].store(DONE, Ordering::Release);
+                let n = self.done.fetch_add(1, Ordering::AcqRel) + 1;
+                if n == self.total {
+                    let _ = self.complete_at.set(Instant::now());
+                    let _g = self.wait.lock().unwrap_or_else(|e| e.into_inner());
+                    self.cv.notify_all();
+                }
+            }
+            Err(e) => {
+                self.state[block as usize].store(FAILED, Ordering::Release);
+                self.fail(e);
+            }
+        }
+    }
+
+    fn fill(&self, block: u64) -> Result<(), SnapshotError> {
+        let (ri, offset, len) = self.image.block_span(block);
+        let lr = &self.regions[ri];
+        let region = &lr.region;
+        let guest_addr = region.guest_addr().0 + offset;
+        let mem_err = |op: &'static str| {
+            move |source| SnapshotError::Memory {
+                region: region.guest_addr().0,
+                guest_addr,
+                op,
+                source,
+            }
+        };
+        let zero = !self.image.held_from(block, 0);
+        let (off, n) = (offset as usize, len as usize);
+        match &lr.alias {
+            None if zero => {
+                self.uffd
+                    .zeropage(region.mapping(), off, n)
+                    .map_err(mem_err("UFFDIO_ZEROPAGE"))?;
+                self.counters.zero.fetch_add(1, Ordering::Relaxed);
+            }
+            None => {
+                let scratch = SCRATCH.take();
+                let r = STAGING.with(|cell| -> Result<(), SnapshotError> {
+                    let mut scratch = scratch;
+                    let mut cell = cell.borrow_mut();
+                    let bb = self.image.block_bytes() as usize;
+                    if cell.as_ref().map_or(true, |m| m.len() < bb) {
+                        let m = Mapping::anonymous(bb)
+                            .map_err(|e| mem_err("map a staging buffer")(e.into_io()))?;
+                        // Best effort: only saves the first copy's page faults.
+                        let _ = m.advise(0, bb, Advice::PopulateWrite);
+                        *cell = Some(m);
+                    }
+                    let staging = cell.as_ref().expect("set above");
+                    // SAFETY: the staging mapping is this thread's own, at least a block
+                    // long, page-aligned, and nothing else touches it.
+                    unsafe {
+                        self.image
+                            .read_block(block, staging.as_ptr(), false, &mut scratch)?
+                    };
+                    SCRATCH.set(scratch);
+                    // SAFETY: as above: the first n bytes of this thread's staging mapping,
+                    // just written, borrowed only for the copies below.
+                    let src = unsafe { std::slice::from_raw_parts(staging.as_ptr(), n) };
+                    let page = crate::sys::base_page_size() as usize;
+                    let mut done = 0;
+                    while done < n {
+                        done += self
+                            .uffd
+                            .copy(region.mapping(), off + done, &src[done..])
+                            .map_err(mem_err("UFFDIO_COPY"))?;
+                        if done < n {
+                            // A page there already (EEXIST): keep it, go on after it.
+                            done += page;
+                        }
+                    }
+                    Ok(())
+                });
+                r?;
+                self.counters.bytes.fetch_add(len, Ordering::Relaxed);
+            }
+            Some(alias) => {
+                if zero {
+                    let fo = region.file_offset().expect("a shared region has its file");
+                    crate::sys::fallocate(fo.file().as_fd(), fo.start() + offset, len)
+                        .map_err(mem_err("fallocate"))?;
+                    self.counters.zero.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    let mut scratch = SCRATCH.take();
+                    // SAFETY: the block lies inside the alias (same length as the
+                        // region), page-aligned; only the thread that claimed the block
+                        // writes it, and the registered mapping cannot map these pages
+                        // before the UFFDIO_CONTINUE below.
+                    let r = unsafe {
+                        self.image
+                            .read_block(block, alias.as_ptr().add(off), false, &mut scratch)
+                    };
+                    SCRATCH.set(scratch);
+                    r?;
+                    self.counters.bytes.fetch_add(len, Ordering::Relaxed);
+                }
+                self.uffd
+                    .continue_range(region.mapping(), off, n)
+                    .map_err(mem_err("UFFDIO_CONTINUE"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records the first failure, runs the hooks and wakes waiters; later failures are
+    /// dropped.
+    fn fail(&self, e: SnapshotError) {
+        if self.failed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let text = e.to_string();
+        *self.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        let hooks = {
+            let mut h = self.hooks.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = self.message.set(text.clone());
+            std::mem::take(&mut *h)
+        };
+        for hook in hooks {
+            hook(&text);
+        }
+        let _g = self.wait.lock().unwrap_or_else(|p| p.into_inner());
+        self.cv.notify_all();
+    }
+
+    /// Prefetches `first` (runs of it, in its order), then every other block.
+    fn prefetch(&self, first: &[u64], threads: usize) {
+        let mut seen = vec![false; self.total as usize];
+        let mut ranges = Vec::new();
+        let push = |ranges: &mut Vec<JobRange>, b: u64| match ranges.last_mut() {
+            Some(r) if r.start + r.len == b => r.len += 1,
+            _ => ranges.push(JobRange::new(b, 1)),
+        };
+        for &b in first {
+            if b < self.total && !std::mem::replace(&mut seen[b as usize], true) {
+                push(&mut ranges, b);
+            }
+        }
+        for b in 0..self.total {
+            if !seen[b as usize] {
+                push(&mut ranges, b);
+            }
+        }
+        let job = Job::over(ranges)
+            .expect("block ranges fit")
+            .with_max_threads(threads);
+        let _ = job.run(|chunk| {
+            for b in chunk.start..chunk.start + chunk.len {
+                if self.failed.load(Ordering::Acquire) || self.cancel.load(Ordering::Acquire) {
+                    return Err(());
+                }
+                if self.claim(b).is_ok() {
+                    self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
+                    self.serve(b);
+                }
+            }
+            Ok(())
+        });
+    }
+
+    /// Poisons every block not in. Returns false when the kernel cannot.
+    fn poison_rest(&self) -> bool {
+        if !self.uffd.has(uapi::UFFD_FEATURE_POISON) {
+            return false;
+        }
+        let mut all = true;
+        for b in 0..self.total {
+            if self.state[b as usize].load(Ordering::Acquire) == DONE {
+                continue;
+            }
+            let (ri, offset, len) = self.image.block_span(b);
+            let m = self.regions[ri].region.mapping();
+            all &= self.uffd.poison(m, offset as usize, len as usize).is_ok();
+        }
+        all
+    }
+}

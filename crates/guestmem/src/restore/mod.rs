@@ -1,0 +1,327 @@
+//! Restoring guest memory from a snapshot ([`crate::snapshot`]): eager, mapped or lazy, one
+//! API.
+//!
+//! - [`RestoreMode::Eager`]: populate fresh memory in parallel (the job splitter's chunks,
+//!   each populated with `MADV_POPULATE_WRITE` so THP-advised memory gets huge pages) and
+//!   read the image into it with `pread`, checking every block's checksum. Returns when all
+//!   memory holds the image.
+//! - [`RestoreMode::Mapped`]: map each region privately from the memory file
+//!   ([`Backing::FilePrivate`]), what Firecracker does by default: the kernel reads each page
+//!   from the page cache at the guest's first touch. The baseline: nothing is read up front,
+//!   so the base save's checksums are not checked (an incremental chain's later saves are
+//!   read and checked as they are applied over it). Memory is page-cache pages until
+//!   written, then private 4 KiB copies: no huge pages.
+//! - [`RestoreMode::Lazy`]: register the regions with userfaultfd and return at once;
+//!   handler threads serve faults a block at a time while background workers prefetch the
+//!   rest, the recorded working set first. See [`LazyRestore`].
+//!
+//! A restore refuses a map that holds resident memory, an image whose layout differs from
+//! the map's, and reports a corrupt, truncated or unreadable image naming the region, the
+//! guest address and the file offset. An eager restore that fails leaves the map as
+//! populated memory the caller drops; a lazy restore that fails stops (see
+//! [`LazyRestore`]).
+
+mod lazy;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+pub use lazy::{LazyReport, LazyRestore};
+
+use crate::jobs::{Job, JobRange};
+use crate::layout::{Backing, RegionSpec};
+use crate::map::GuestMap;
+use crate::mmap::Advice;
+use crate::region::Region;
+use crate::snapshot::{Image, SnapshotError};
+
+/// How to restore.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RestoreMode {
+    /// Populate and read everything now.
+    Eager,
+    /// Map the memory file privately; the kernel reads pages at first touch.
+    Mapped,
+    /// userfaultfd: return at once, serve faults and prefetch in the background (default).
+    #[default]
+    Lazy,
+}
+
+/// What a lazy restore prefetches in the background.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Prefetch {
+    /// The image's recorded working set first, in recorded order, then everything else
+    /// (the default; without a recorded set, everything in address order).
+    #[default]
+    Recorded,
+    /// Nothing: pages come in only as the guest faults them (until
+    /// [`LazyRestore::finish`], which brings in the rest).
+    None,
+}
+
+/// How to restore.
+#[derive(Debug, Clone)]
+pub struct RestoreConfig {
+    /// The mode.
+    pub mode: RestoreMode,
+    /// Threads reading the image (eager) or prefetching it (lazy), the calling thread
+    /// included for eager.
+    pub threads: usize,
+    /// Lazy: threads serving faults.
+    pub handler_threads: usize,
+    /// Lazy: what to prefetch.
+    pub prefetch: Prefetch,
+}
+
+impl Default for RestoreConfig {
+    fn default() -> Self {
+        RestoreConfig {
+            mode: RestoreMode::Lazy,
+            threads: crate::populate::default_threads(),
+            handler_threads: crate::populate::default_threads(),
+            prefetch: Prefetch::Recorded,
+        }
+    }
+}
+
+/// What a restore did before it returned.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct RestoreReport {
+    /// The mode.
+    pub mode: RestoreMode,
+    /// Guest memory, bytes.
+    pub memory_bytes: u64,
+    /// Blocks, and of them those holding data.
+    pub blocks: u64,
+    /// Blocks holding data.
+    pub data_blocks: u64,
+    /// Saves applied (1 for a full save).
+    pub chain_len: usize,
+    /// From the call to its return, seconds: for eager, the whole restore.
+    pub setup_secs: f64,
+    /// Threads that read (eager).
+    pub threads: usize,
+}
+
+/// A restored map, and for a lazy restore the engine still filling it.
+#[derive(Debug)]
+pub struct Restored {
+    /// The memory.
+    pub map: GuestMap,
+    /// The lazy restore serving it, for [`RestoreMode::Lazy`].
+    pub lazy: Option<LazyRestore>,
+    /// What the call did.
+    pub report: RestoreReport,
+}
+
+/// Maps `specs` (which must lay out the image's regions: [`Image::specs`] gives them) and
+/// restores `image` into them as `cfg` says. For [`RestoreMode::Mapped`] each region is
+/// mapped privately from the memory file instead of its spec's backing.
+pub fn restore(
+    image: &Image,
+    specs: &[RegionSpec],
+    cfg: &RestoreConfig,
+) -> Result<Restored, SnapshotError> {
+    let t0 = Instant::now();
+    let mut sorted: Vec<&RegionSpec> = specs.iter().collect();
+    sorted.sort_by_key(|s| s.guest_addr().0);
+    check_spec_layout(image, &sorted)?;
+    let map = match cfg.mode {
+        RestoreMode::Mapped => {
+            let base = &image.layers()[0];
+            let mapped: Vec<RegionSpec> = sorted
+                .iter()
+                .zip(image.regions())
+                .map(|(s, r)| {
+                    (*s).clone().with_backing(Backing::FilePrivate {
+                        path: base.path.clone(),
+                        offset: r.file_offset,
+                    })
+                })
+                .collect();
+            GuestMap::from_specs(&mapped)?
+        }
+        _ => GuestMap::from_specs(specs)?,
+    };
+    let lazy = restore_mode(image, &map, cfg, t0)?;
+    let report = RestoreReport {
+        mode: cfg.mode,
+        memory_bytes: image.memory_bytes(),
+        blocks: image.total_blocks(),
+        data_blocks: image.data_blocks(),
+        chain_len: image.chain_len(),
+        setup_secs: t0.elapsed().as_secs_f64(),
+        threads: cfg.threads.max(1),
+    };
+    Ok(Restored { map, lazy, report })
+}
+
+/// Restores `image` into `map`, a map of fresh memory with the image's layout, eagerly or
+/// lazily ([`RestoreMode::Mapped`] needs its own mappings: use [`restore`]). Returns the
+/// lazy restore serving it, for [`RestoreMode::Lazy`].
+pub fn restore_into(
+    image: &Image,
+    map: &GuestMap,
+    cfg: &RestoreConfig,
+) -> Result<Option<LazyRestore>, SnapshotError> {
+    if cfg.mode == RestoreMode::Mapped {
+        return Err(SnapshotError::Layout(
+            "a mapped restore maps its own memory: use restore::restore".into(),
+        ));
+    }
+    restore_mode(image, map, cfg, Instant::now())
+}
+
+fn restore_mode(
+    image: &Image,
+    map: &GuestMap,
+    cfg: &RestoreConfig,
+    t0: Instant,
+) -> Result<Option<LazyRestore>, SnapshotError> {
+    let regions: Vec<Arc<Region>> = map.snapshot().regions().to_vec();
+    check_region_layout(image, &regions)?;
+    if cfg.mode != RestoreMode::Mapped {
+        for r in &regions {
+            let resident = r
+                .mapping()
+                .any_resident(0, r.size() as usize)
+                .map_err(|e| SnapshotError::Memory {
+                    region: r.guest_addr().0,
+                    guest_addr: r.guest_addr().0,
+                    op: "mincore",
+                    source: e.into_io(),
+                })?;
+            if resident {
+                return Err(SnapshotError::Populated {
+                    region: r.guest_addr().0,
+                });
+            }
+        }
+    }
+    match cfg.mode {
+        RestoreMode::Eager => {
+            eager(image, &regions, cfg.threads, 0)?;
+            Ok(None)
+        }
+        RestoreMode::Mapped => {
+            // The base save is the mapped file; later saves of a chain go on top.
+            if image.chain_len() > 1 {
+                eager(image, &regions, cfg.threads, 1)?;
+            }
+            Ok(None)
+        }
+        RestoreMode::Lazy => Ok(Some(LazyRestore::start(image, regions, cfg, t0)?)),
+    }
+}
+
+fn check_spec_layout(image: &Image, specs: &[&RegionSpec]) -> Result<(), SnapshotError> {
+    check_pairs(
+        image,
+        specs
+            .iter()
+            .map(|s| (s.guest_addr().0, s.size()))
+            .collect(),
+        "the specs",
+    )
+}
+
+fn check_region_layout(image: &Image, regions: &[Arc<Region>]) -> Result<(), SnapshotError> {
+    check_pairs(
+        image,
+        regions
+            .iter()
+            .map(|r| (r.guest_addr().0, r.size()))
+            .collect(),
+        "the map",
+    )?;
+    for (r, ir) in regions.iter().zip(image.regions()) {
+        if image.block_bytes() % r.page_size() != 0 {
+            return Err(SnapshotError::Layout(format!(
+                "region at {:#x}: page size {:#x} does not divide the image's block size {:#x}",
+                ir.guest_addr,
+                r.page_size(),
+                image.block_bytes()
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn check_pairs(image: &Image, have: Vec<(u64, u64)>, name: &str) -> Result<(), SnapshotError> {
+    let want = image.regions();
+    for i in 0..want.len().max(have.len()) {
+        match (want.get(i), have.get(i)) {
+            (Some(w), Some(&(a, s))) if w.guest_addr == a && w.size == s => {}
+            (w, h) => {
+                return Err(SnapshotError::Layout(format!(
+                    "region {i}: the image has {}, {name} {}",
+                    w.map_or("nothing".into(), |w| format!(
+                        "{:#x} bytes at {:#x}",
+                        w.size, w.guest_addr
+                    )),
+                    h.map_or("nothing".into(), |&(a, s)| format!("{s:#x} bytes at {a:#x}")),
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Eager: each job chunk of blocks is populated, then read from the image. With
+/// `from_layer` 1 (a mapped restore's chain), only blocks a later save holds are read, over
+/// the mapped base, and nothing is populated.
+fn eager(
+    image: &Image,
+    regions: &[Arc<Region>],
+    threads: usize,
+    from_layer: usize,
+) -> Result<(), SnapshotError> {
+    let total = image.total_blocks();
+    let job = Job::over(vec![JobRange::new(0, total)])
+        .expect("block count fits")
+        .with_max_threads(threads);
+    job.run(|chunk| {
+        let mut scratch = Vec::new();
+        let end = chunk.start + chunk.len;
+        // Populate the chunk's blocks region by region (a chunk may cross regions).
+        if from_layer == 0 {
+            let mut b = chunk.start;
+            while b < end {
+                let (ri, offset, _) = image.block_span(b);
+                let r = &regions[ri];
+                let region_end = image.regions()[ri].first_block
+                    + r.size().div_ceil(image.block_bytes());
+                let last = region_end.min(end);
+                let (_, last_off, last_len) = image.block_span(last - 1);
+                let len = last_off + last_len - offset;
+                r.mapping()
+                    .advise(offset as usize, len as usize, Advice::PopulateWrite)
+                    .map_err(|e| SnapshotError::Memory {
+                        region: r.guest_addr().0,
+                        guest_addr: r.guest_addr().0 + offset,
+                        op: e.op(),
+                        source: e.into_io(),
+                    })?;
+                b = last;
+            }
+        }
+        for b in chunk.start..end {
+            if !image.held_from(b, from_layer) {
+                continue;
+            }
+            let (ri, offset, _) = image.block_span(b);
+            let r = &regions[ri];
+            let dst = r.host_addr().wrapping_add(offset as usize);
+            // SAFETY: the block lies inside region `ri` (same layout, checked), whose
+            // mapping `regions` keeps alive; the memory is fresh (populated zero, or the
+            // mapped file's pages for from_layer 1) and nothing else runs on it yet; host
+            // addresses of blocks are page-aligned.
+            unsafe { image.read_block(b, dst, from_layer == 0, &mut scratch)? };
+        }
+        Ok::<(), SnapshotError>(())
+    })
+    .map_err(|f| f.error)?;
+    Ok(())
+}

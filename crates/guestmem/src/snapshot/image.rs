@@ -1,0 +1,581 @@
+//! Opening a snapshot (and the chain under an incremental one) and reading its blocks.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::hash::BlockHasher;
+use super::{
+    Manifest, ManifestRegion, SnapshotError, FORMAT, IMAGE_PAGE_BYTES, MANIFEST_FILE, VERSION,
+};
+use crate::layout::{Backing, HugePageSize, RegionSpec};
+use crate::GuestAddress;
+
+/// Most saves one chain may hold.
+pub const MAX_CHAIN: usize = 64;
+
+/// One region of an image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageRegion {
+    /// Guest address of the first byte.
+    pub guest_addr: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Offset in the memory files.
+    pub file_offset: u64,
+    /// Page size when saved.
+    pub page_size: u64,
+    /// Backing when saved ([`Backing::name`]).
+    pub backing: String,
+    /// Global index of its first block.
+    pub first_block: u64,
+}
+
+/// One save of a chain.
+#[derive(Debug)]
+pub(crate) struct Layer {
+    pub(crate) dir: PathBuf,
+    pub(crate) path: PathBuf,
+    pub(crate) file: File,
+    pub(crate) manifest: Manifest,
+}
+
+/// Where a block's bytes come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum BlockPlan {
+    /// No save holds it: zero.
+    Zero,
+    /// These saves, oldest first: the first holds every page (or the block starts zero if
+    /// it does not), each later one the pages it lists.
+    Layers(Vec<Piece>),
+}
+
+/// One save's part of a block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Piece {
+    pub(crate) layer: usize,
+    pub(crate) pages: Option<Vec<u64>>,
+    pub(crate) checksum: u64,
+}
+
+#[derive(Debug)]
+struct Inner {
+    layers: Vec<Layer>,
+    regions: Vec<ImageRegion>,
+    block_bytes: u64,
+    plan: Vec<BlockPlan>,
+}
+
+/// An opened snapshot: its manifest checked, its memory file open, and for an incremental
+/// save the chain of saves under it, each checked against the next (ids, layout, sizes).
+/// Cheap to clone (shared).
+#[derive(Debug, Clone)]
+pub struct Image {
+    inner: Arc<Inner>,
+}
+
+pub(crate) fn read_manifest(path: &Path) -> Result<Manifest, SnapshotError> {
+    let text = std::fs::read(path).map_err(|source| SnapshotError::File {
+        op: "open",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let m: Manifest = serde_json::from_slice(&text).map_err(|e| SnapshotError::Manifest {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    let bad = |reason: String| SnapshotError::Manifest {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if m.format != FORMAT {
+        return Err(bad(format!("format {:?}, not {FORMAT:?}", m.format)));
+    }
+    if m.version != VERSION {
+        return Err(bad(format!("version {}, this build reads {VERSION}", m.version)));
+    }
+    if !m.block_bytes.is_power_of_two() || m.block_bytes < IMAGE_PAGE_BYTES {
+        return Err(bad(format!("block size {:#x} is not a power of two >= 4 KiB", m.block_bytes)));
+    }
+    if m.regions.is_empty() {
+        return Err(bad("no region".into()));
+    }
+    let mut offset = 0u64;
+    let mut prev_end = 0u64;
+    for (i, r) in m.regions.iter().enumerate() {
+        let end = r.guest_addr.checked_add(r.size);
+        if r.size == 0
+            || r.size % IMAGE_PAGE_BYTES != 0
+            || r.guest_addr % IMAGE_PAGE_BYTES != 0
+            || end.is_none()
+            || (i > 0 && r.guest_addr < prev_end)
+        {
+            return Err(bad(format!(
+                "region {i} at {:#x} size {:#x}: empty, unaligned, overflowing or overlapping",
+                r.guest_addr, r.size
+            )));
+        }
+        if r.file_offset != offset {
+            return Err(bad(format!(
+                "region {i} at {:#x}: file offset {:#x}, the regions before it end at {offset:#x}",
+                r.guest_addr, r.file_offset
+            )));
+        }
+        if !r.page_size.is_power_of_two() || r.page_size > m.block_bytes || r.size % r.page_size != 0
+        {
+            return Err(bad(format!(
+                "region {i} at {:#x}: page size {:#x} does not fit the block size {:#x}",
+                r.guest_addr, r.page_size, m.block_bytes
+            )));
+        }
+        offset = offset
+            .checked_add(r.size)
+            .ok_or_else(|| bad("sizes overflow".into()))?;
+        prev_end = end.unwrap_or(u64::MAX);
+    }
+    if m.memory_bytes != offset {
+        return Err(bad(format!(
+            "memory_bytes {:#x}, the regions hold {offset:#x}",
+            m.memory_bytes
+        )));
+    }
+    let total = m.total_blocks();
+    let words = (m.block_bytes / IMAGE_PAGE_BYTES).div_ceil(64) as usize;
+    let mut last = None;
+    for b in &m.blocks {
+        if b.index >= total || last.is_some_and(|l| l >= b.index) {
+            return Err(bad(format!(
+                "block {}: out of range (of {total}) or out of order",
+                b.index
+            )));
+        }
+        last = Some(b.index);
+        if u64::from_str_radix(&b.checksum, 16).is_err() || b.checksum.len() != 16 {
+            return Err(bad(format!("block {}: checksum {:?} is not 16 hex digits", b.index, b.checksum)));
+        }
+        if b.pages.as_ref().is_some_and(|p| p.len() != words) {
+            return Err(bad(format!("block {}: page list of the wrong length", b.index)));
+        }
+    }
+    if let Some(w) = m.working_set.iter().find(|&&w| w >= total) {
+        return Err(bad(format!("working set names block {w}, of {total}")));
+    }
+    if m.memory_file.contains('/') || m.memory_file.is_empty() {
+        return Err(bad(format!("memory file {:?} must be a plain name", m.memory_file)));
+    }
+    Ok(m)
+}
+
+/// Checks two layouts agree region by region (address and size).
+pub(crate) fn same_layout(
+    a: &[ManifestRegion],
+    b: &[ManifestRegion],
+    a_name: &str,
+    b_name: &str,
+) -> Result<(), SnapshotError> {
+    for i in 0..a.len().max(b.len()) {
+        match (a.get(i), b.get(i)) {
+            (Some(x), Some(y)) if x.guest_addr == y.guest_addr && x.size == y.size => {}
+            (x, y) => {
+                let show = |r: Option<&ManifestRegion>| {
+                    r.map_or("nothing".to_string(), |r| {
+                        format!("{:#x} bytes at {:#x}", r.size, r.guest_addr)
+                    })
+                };
+                return Err(SnapshotError::Layout(format!(
+                    "region {i}: {a_name} has {}, {b_name} has {}",
+                    show(x),
+                    show(y)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Image {
+    /// Opens the snapshot in `dir` and every save under it.
+    pub fn open(dir: &Path) -> Result<Image, SnapshotError> {
+        let mut layers = Vec::new();
+        let mut at = dir.to_path_buf();
+        let mut want_id: Option<String> = None;
+        loop {
+            if layers.len() == MAX_CHAIN {
+                return Err(SnapshotError::Manifest {
+                    path: at.join(MANIFEST_FILE),
+                    reason: format!("chain longer than {MAX_CHAIN} saves"),
+                });
+            }
+            let mpath = at.join(MANIFEST_FILE);
+            let m = read_manifest(&mpath)?;
+            if let Some(id) = &want_id {
+                if &m.id != id {
+                    return Err(SnapshotError::Manifest {
+                        path: mpath,
+                        reason: format!("id {}, the save above names its parent {id}", m.id),
+                    });
+                }
+            }
+            if let Some(top) = layers.last() {
+                let top: &Layer = top;
+                same_layout(&m.regions, &top.manifest.regions, "a parent", "its child")?;
+                if m.block_bytes != top.manifest.block_bytes {
+                    return Err(SnapshotError::Manifest {
+                        path: mpath,
+                        reason: "block size differs from its child's".into(),
+                    });
+                }
+            }
+            let path = at.join(&m.memory_file);
+            let file = File::open(&path).map_err(|source| SnapshotError::File {
+                op: "open",
+                path: path.clone(),
+                source,
+            })?;
+            let len = file_len(&file).map_err(|source| SnapshotError::File {
+                op: "stat",
+                path: path.clone(),
+                source,
+            })?;
+            if len < m.memory_bytes {
+                // Name the first region the file does not hold whole.
+                let r = m
+                    .regions
+                    .iter()
+                    .find(|r| r.file_offset + r.size > len)
+                    .expect("some region ends past the file");
+                return Err(SnapshotError::Truncated {
+                    region: r.guest_addr,
+                    guest_addr: r.guest_addr + len.saturating_sub(r.file_offset),
+                    path,
+                    offset: len.max(r.file_offset),
+                    file_len: len,
+                });
+            }
+            let parent = m.parent.clone();
+            layers.push(Layer {
+                dir: at.clone(),
+                path,
+                file,
+                manifest: m,
+            });
+            match parent {
+                None => break,
+                Some(p) => {
+                    want_id = Some(p.id);
+                    at = if p.dir.is_absolute() {
+                        p.dir
+                    } else {
+                        at.join(p.dir)
+                    };
+                }
+            }
+        }
+        layers.reverse();
+        let base = &layers[0].manifest;
+        let block_bytes = base.block_bytes;
+        let mut regions = Vec::with_capacity(base.regions.len());
+        let mut first_block = 0;
+        for r in &base.regions {
+            regions.push(ImageRegion {
+                guest_addr: r.guest_addr,
+                size: r.size,
+                file_offset: r.file_offset,
+                page_size: r.page_size,
+                backing: r.backing.clone(),
+                first_block,
+            });
+            first_block += r.size.div_ceil(block_bytes);
+        }
+        let total = first_block as usize;
+        let mut plan = vec![BlockPlan::Zero; total];
+        for (li, layer) in layers.iter().enumerate() {
+            for rec in &layer.manifest.blocks {
+                let piece = Piece {
+                    layer: li,
+                    pages: rec.pages.clone(),
+                    checksum: u64::from_str_radix(&rec.checksum, 16).expect("checked"),
+                };
+                let slot = &mut plan[rec.index as usize];
+                match (slot, piece.pages.is_none()) {
+                    // A save that holds the whole block replaces what was under it.
+                    (s, true) => *s = BlockPlan::Layers(vec![piece]),
+                    (s @ BlockPlan::Zero, false) => *s = BlockPlan::Layers(vec![piece]),
+                    (BlockPlan::Layers(v), false) => v.push(piece),
+                }
+            }
+        }
+        Ok(Image {
+            inner: Arc::new(Inner {
+                layers,
+                regions,
+                block_bytes,
+                plan,
+            }),
+        })
+    }
+
+    /// The regions, in guest-address order.
+    pub fn regions(&self) -> &[ImageRegion] {
+        &self.inner.regions
+    }
+
+    /// Block size in bytes.
+    pub fn block_bytes(&self) -> u64 {
+        self.inner.block_bytes
+    }
+
+    /// Blocks of all regions.
+    pub fn total_blocks(&self) -> u64 {
+        self.inner.plan.len() as u64
+    }
+
+    /// Blocks that hold data (the rest are zero).
+    pub fn data_blocks(&self) -> u64 {
+        self.inner
+            .plan
+            .iter()
+            .filter(|p| matches!(p, BlockPlan::Layers(_)))
+            .count() as u64
+    }
+
+    /// Guest memory, bytes.
+    pub fn memory_bytes(&self) -> u64 {
+        self.inner.regions.iter().map(|r| r.size).sum()
+    }
+
+    /// Saves in the chain (1 for a full save).
+    pub fn chain_len(&self) -> usize {
+        self.inner.layers.len()
+    }
+
+    /// The top save's directory.
+    pub fn dir(&self) -> &Path {
+        &self.top().dir
+    }
+
+    /// The top save's memory file.
+    pub fn memory_path(&self) -> &Path {
+        &self.top().path
+    }
+
+    /// The top save's notes.
+    pub fn meta(&self) -> &BTreeMap<String, String> {
+        &self.top().manifest.meta
+    }
+
+    /// The top save's recorded working set (global block indices, first fault first).
+    pub fn working_set(&self) -> &[u64] {
+        &self.top().manifest.working_set
+    }
+
+    /// Writes `working_set` (as [`crate::restore::LazyRestore::working_set`] returns it)
+    /// into the top save's manifest, for the next restore to prefetch first.
+    pub fn record_working_set(&self, working_set: &[u64]) -> Result<(), SnapshotError> {
+        if let Some(w) = working_set.iter().find(|&&w| w >= self.total_blocks()) {
+            return Err(SnapshotError::Layout(format!(
+                "working set names block {w}, the image has {}",
+                self.total_blocks()
+            )));
+        }
+        super::save::record_working_set(self.dir(), working_set)
+    }
+
+    /// Region specs for a map this image can be restored into: the saved layout and
+    /// backings (a saved file backing becomes anonymous memory), with the defaults
+    /// otherwise.
+    pub fn specs(&self) -> Vec<RegionSpec> {
+        self.inner
+            .regions
+            .iter()
+            .map(|r| {
+                let backing = match r.backing.as_str() {
+                    "memfd" => Backing::Memfd,
+                    "hugetlb-2M" => Backing::Hugetlb(HugePageSize::Size2M),
+                    "hugetlb-1G" => Backing::Hugetlb(HugePageSize::Size1G),
+                    _ => Backing::Anonymous,
+                };
+                RegionSpec::new(GuestAddress(r.guest_addr), r.size).with_backing(backing)
+            })
+            .collect()
+    }
+
+    fn top(&self) -> &Layer {
+        self.inner.layers.last().expect("an image has a save")
+    }
+
+    pub(crate) fn layers(&self) -> &[Layer] {
+        &self.inner.layers
+    }
+
+    pub(crate) fn plan(&self, block: u64) -> &BlockPlan {
+        &self.inner.plan[block as usize]
+    }
+
+    /// Whether a save at `layer` or above holds any of `block` (else it reads as zero, or as
+    /// the saves below `layer` hold it).
+    pub(crate) fn held_from(&self, block: u64, layer: usize) -> bool {
+        match self.plan(block) {
+            BlockPlan::Zero => false,
+            BlockPlan::Layers(p) => p.iter().any(|p| p.layer >= layer),
+        }
+    }
+
+    /// Region index, offset in the region and length of `block`.
+    pub(crate) fn block_span(&self, block: u64) -> (usize, u64, u64) {
+        let regions = &self.inner.regions;
+        let i = regions.partition_point(|r| r.first_block <= block) - 1;
+        let r = &regions[i];
+        let offset = (block - r.first_block) * self.inner.block_bytes;
+        (i, offset, (r.size - offset).min(self.inner.block_bytes))
+    }
+
+    /// Reads `block` into `dst` (its length): the chain's pieces applied oldest first, each
+    /// checked against its checksum. `scratch` holds an incremental save's block while it is
+    /// checked (reused; grown as needed).
+    ///
+    /// # Safety
+    /// `dst..dst+len` (the block's length) must be writable, 8-byte aligned memory that no
+    /// one else writes during the call; for a block whose plan does not start with a whole
+    /// save, it must read as zero already.
+    pub(crate) unsafe fn read_block(
+        &self,
+        block: u64,
+        dst: *mut u8,
+        dst_is_zero: bool,
+        scratch: &mut Vec<u64>,
+    ) -> Result<(), SnapshotError> {
+        let (ri, offset, len) = self.block_span(block);
+        let region = &self.inner.regions[ri];
+        let BlockPlan::Layers(pieces) = self.plan(block) else {
+            if !dst_is_zero {
+                // SAFETY: dst..dst+len is writable (the caller's contract).
+                unsafe { std::ptr::write_bytes(dst, 0, len as usize) };
+            }
+            return Ok(());
+        };
+        let file_offset = region.file_offset + offset;
+        let guest_addr = region.guest_addr + offset;
+        for (k, piece) in pieces.iter().enumerate() {
+            let layer = &self.inner.layers[piece.layer];
+            let whole = piece.pages.is_none();
+            if k == 0 && !whole && !dst_is_zero {
+                // SAFETY: as above.
+                unsafe { std::ptr::write_bytes(dst, 0, len as usize) };
+            }
+            let target = if whole {
+                dst
+            } else {
+                let words = (len as usize).div_ceil(8);
+                if scratch.len() < words {
+                    scratch.resize(words, 0);
+                }
+                scratch.as_mut_ptr() as *mut u8
+            };
+            // SAFETY: target is dst (the caller's writable block) or scratch, resized to
+            // hold len bytes above.
+            unsafe { pread_exact(layer, target, len, file_offset, region, guest_addr)? };
+            let mut h = BlockHasher::default();
+            // SAFETY: target holds len bytes just read, 8-byte aligned (dst by contract,
+            // scratch a Vec<u64>).
+            unsafe { h.update_volatile(target, len as usize) };
+            let found = h.finish();
+            if found != piece.checksum {
+                return Err(SnapshotError::Checksum {
+                    region: region.guest_addr,
+                    guest_addr,
+                    path: layer.path.clone(),
+                    offset: file_offset,
+                    expected: piece.checksum,
+                    found,
+                });
+            }
+            if let Some(words) = &piece.pages {
+                let page = IMAGE_PAGE_BYTES as usize;
+                for p in 0..(len as usize / page) {
+                    if words[p / 64] >> (p % 64) & 1 != 0 {
+                        // SAFETY: page p lies inside both the scratch copy and dst (len
+                        // bytes each), which do not overlap.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                target.add(p * page),
+                                dst.add(p * page),
+                                page,
+                            )
+                        };
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads `len` bytes at `offset` of the layer's memory file into `dst`.
+///
+/// # Safety
+/// `dst..dst+len` must be writable.
+unsafe fn pread_exact(
+    layer: &Layer,
+    dst: *mut u8,
+    len: u64,
+    offset: u64,
+    region: &ImageRegion,
+    guest_addr: u64,
+) -> Result<(), SnapshotError> {
+    let mut done = 0u64;
+    while done < len {
+        // SAFETY: dst+done..dst+len is writable (the caller's contract); the kernel writes
+        // at most len-done bytes there.
+        let n = unsafe {
+            libc::pread(
+                layer.file.as_raw_fd(),
+                dst.add(done as usize) as *mut libc::c_void,
+                (len - done) as usize,
+                (offset + done) as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let source = std::io::Error::last_os_error();
+            if source.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(SnapshotError::Io {
+                region: region.guest_addr,
+                guest_addr: guest_addr + done,
+                op: "read",
+                path: layer.path.clone(),
+                offset: offset + done,
+                source,
+            });
+        }
+        if n == 0 {
+            return Err(SnapshotError::Truncated {
+                region: region.guest_addr,
+                guest_addr: guest_addr + done,
+                path: layer.path.clone(),
+                offset: offset + done,
+                file_len: file_len(&layer.file).unwrap_or(offset + done),
+            });
+        }
+        done += n as u64;
+    }
+    Ok(())
+}
+
+/// A file's length; for a block device, its size (seek to the end).
+fn file_len(f: &File) -> std::io::Result<u64> {
+    let meta = f.metadata()?;
+    if meta.is_file() {
+        return Ok(meta.len());
+    }
+    // SAFETY: lseek on a descriptor we own touches no memory.
+    let end = unsafe { libc::lseek(f.as_raw_fd(), 0, libc::SEEK_END) };
+    if end < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(end as u64)
+    }
+}

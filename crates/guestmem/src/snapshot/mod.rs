@@ -1,0 +1,281 @@
+//! Snapshots of guest memory: [`save`] writes a map's memory to a directory, [`Image`] opens
+//! one (with the chain of incremental saves under it), and [`crate::restore`] brings it
+//! back.
+//!
+//! # On disk
+//!
+//! A snapshot directory holds two files:
+//!
+//! - `memory`: the raw guest memory of every region, in guest-address order, each region
+//!   right after the one before (file offset = the sizes of the regions before it). This is
+//!   the layout of Firecracker's memory file, so either can read the other's (Firecracker
+//!   keeps the layout in its VM state file; guestmem in the manifest). The file is sparse:
+//!   pages that are zero, or were never touched, are holes, found through
+//!   `/proc/self/pagemap` for private memory (pages never faulted in are not read at all),
+//!   `SEEK_DATA` for memfds (their page cache, however written) and `mincore` for hugetlb,
+//!   then a zero check of each page that is there.
+//! - `manifest.json` ([`Manifest`]): the layout, the block size, a checksum for each block
+//!   that holds data, the working set recorded by a lazy restore, the parent of an
+//!   incremental save, and the caller's notes. It is written last, through a rename: a
+//!   directory without one holds no snapshot.
+//!
+//! Memory is cut into blocks of [`Manifest::block_bytes`] (1 MiB by default, at least the
+//! largest page size), each inside one region. A block is the unit of everything after:
+//! one checksum, one job-splitter step when saving, one `UFFDIO_COPY` or `UFFDIO_CONTINUE`
+//! when restoring lazily (so a fault brings in its whole block, and no block is copied
+//! twice).
+//!
+//! # Incremental saves
+//!
+//! [`SaveKind::Incremental`] writes only the pages dirtied since the last save: the regions'
+//! dirty bitmaps ([`crate::DirtyTracking::On`]), which hold the device's writes and, once
+//! [`crate::kvm::Memslots::harvest`] has run, KVM's log. Its memory file has the same
+//! full-size, sparse layout (as a Firecracker diff snapshot); each block it holds lists its
+//! pages. Saving clears the bits it saved, so each save starts the next one's set. A restore
+//! applies the chain from the full save up.
+
+mod hash;
+mod image;
+mod save;
+
+use std::collections::BTreeMap;
+use std::io;
+use std::path::PathBuf;
+
+pub use image::{Image, ImageRegion};
+pub use save::{save, SaveConfig, SaveKind, SaveReport};
+
+pub(crate) use hash::BlockHasher;
+
+/// The manifest's file name in a snapshot directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The memory file's name in a snapshot directory.
+pub const MEMORY_FILE: &str = "memory";
+/// [`Manifest::format`].
+pub const FORMAT: &str = "guestmem-snapshot";
+/// [`Manifest::version`] this build writes and reads.
+pub const VERSION: u32 = 1;
+/// Default block size.
+pub const DEFAULT_BLOCK_BYTES: u64 = 1 << 20;
+/// The unit of sparseness and of incremental saves: KVM's dirty-log page.
+pub const IMAGE_PAGE_BYTES: u64 = 4096;
+
+/// What `manifest.json` holds.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// [`VERSION`].
+    pub version: u32,
+    /// This save's id (hex), which an incremental save on top of it names.
+    pub id: String,
+    /// The save this one holds the changes since, for an incremental save.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ParentRef>,
+    /// The memory file's name, in the same directory.
+    pub memory_file: String,
+    /// Bytes of the memory file: the sum of the regions' sizes.
+    pub memory_bytes: u64,
+    /// Block size in bytes.
+    pub block_bytes: u64,
+    /// The regions, in guest-address order.
+    pub regions: Vec<ManifestRegion>,
+    /// The blocks this save holds, by global index (regions' blocks numbered in order).
+    pub blocks: Vec<BlockRecord>,
+    /// Blocks in the order a lazy restore's guest first faulted them (recorded), for the next
+    /// restore to prefetch first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub working_set: Vec<u64>,
+    /// The caller's notes (a VMM's run parameters, say).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub meta: BTreeMap<String, String>,
+}
+
+/// An incremental save's parent.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParentRef {
+    /// The parent's directory: relative to this one when they share a directory, else
+    /// absolute.
+    pub dir: PathBuf,
+    /// The parent's [`Manifest::id`].
+    pub id: String,
+}
+
+/// One region of a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ManifestRegion {
+    /// Guest address of the first byte.
+    pub guest_addr: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Offset of its first byte in the memory file.
+    pub file_offset: u64,
+    /// The page size its memory had (a restore keeps it unless told otherwise).
+    pub page_size: u64,
+    /// Its backing when saved, as [`crate::Backing::name`].
+    pub backing: String,
+}
+
+/// One block a save holds.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlockRecord {
+    /// Global block index.
+    pub index: u64,
+    /// Checksum of the block's bytes as this save's memory file holds them (pages it does
+    /// not hold read as zero), 16 hex digits.
+    pub checksum: String,
+    /// For an incremental save, the 4 KiB pages of the block it holds (bit `i` of word `j`
+    /// is page `64 j + i`); absent when it holds them all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pages: Option<Vec<u64>>,
+}
+
+/// Why a save, an open or a restore failed. Each names the region (by its guest address),
+/// the guest address, the file and offset, or the limit at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// A file operation on the snapshot failed.
+    #[error("{op} {}: {source}", path.display())]
+    File {
+        /// What was done (`create`, `open`, `write manifest`...).
+        op: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// The errno.
+        source: io::Error,
+    },
+    /// The directory holds a snapshot already.
+    #[error("{} holds a snapshot already ({MANIFEST_FILE}); save into a new directory", dir.display())]
+    Exists {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// The manifest does not parse or does not hold together.
+    #[error("manifest {}: {reason}", path.display())]
+    Manifest {
+        /// The manifest's path.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The image's layout does not match the map it is restored into (or an incremental
+    /// save's parent).
+    #[error("layout mismatch: {0}")]
+    Layout(String),
+    /// An incremental save needs a region's dirty bitmap.
+    #[error("region at {region:#x}: an incremental save needs dirty tracking (RegionSpec::with_dirty_tracking)")]
+    NotTracked {
+        /// The region.
+        region: u64,
+    },
+    /// The memory file ends before a block the manifest says it holds.
+    #[error("region at {region:#x}: guest {guest_addr:#x} is at offset {offset:#x} of {}, which is only {file_len:#x} bytes (truncated)", path.display())]
+    Truncated {
+        /// The region.
+        region: u64,
+        /// Guest address of the block.
+        guest_addr: u64,
+        /// The memory file.
+        path: PathBuf,
+        /// Offset read.
+        offset: u64,
+        /// The file's length.
+        file_len: u64,
+    },
+    /// A block's bytes do not match its checksum.
+    #[error("region at {region:#x}: guest {guest_addr:#x} (offset {offset:#x} of {}): checksum {found:016x}, manifest says {expected:016x}", path.display())]
+    Checksum {
+        /// The region.
+        region: u64,
+        /// Guest address of the block.
+        guest_addr: u64,
+        /// The memory file.
+        path: PathBuf,
+        /// Offset of the block.
+        offset: u64,
+        /// From the manifest.
+        expected: u64,
+        /// Computed.
+        found: u64,
+    },
+    /// Reading or writing the memory file failed.
+    #[error("region at {region:#x}: guest {guest_addr:#x}: {op} at offset {offset:#x} of {}: {source}", path.display())]
+    Io {
+        /// The region.
+        region: u64,
+        /// Guest address of the block.
+        guest_addr: u64,
+        /// `read` or `write`.
+        op: &'static str,
+        /// The memory file.
+        path: PathBuf,
+        /// Offset in the file.
+        offset: u64,
+        /// The errno.
+        source: io::Error,
+    },
+    /// A syscall on guest memory failed.
+    #[error("region at {region:#x}: guest {guest_addr:#x}: {op}: {source}")]
+    Memory {
+        /// The region.
+        region: u64,
+        /// Guest address.
+        guest_addr: u64,
+        /// The call.
+        op: &'static str,
+        /// The errno.
+        source: io::Error,
+    },
+    /// The map to restore into holds memory already.
+    #[error("region at {region:#x} holds resident pages: restore needs fresh, unpopulated memory")]
+    Populated {
+        /// The region.
+        region: u64,
+    },
+    /// userfaultfd is missing something a lazy restore needs.
+    #[error("userfaultfd: {op}: {source}")]
+    Userfaultfd {
+        /// What was tried.
+        op: String,
+        /// The errno.
+        source: io::Error,
+    },
+    /// Mapping the restored memory failed.
+    #[error(transparent)]
+    Map(#[from] crate::MapError),
+    /// A lazy restore failed earlier (the first error, as reported then).
+    #[error("lazy restore stopped: {0}")]
+    Stopped(String),
+}
+
+impl Manifest {
+    /// Blocks of `region` (its size over the block size, rounded up).
+    pub fn region_blocks(&self, region: &ManifestRegion) -> u64 {
+        region.size.div_ceil(self.block_bytes)
+    }
+
+    /// Blocks of all regions.
+    pub fn total_blocks(&self) -> u64 {
+        self.regions.iter().map(|r| self.region_blocks(r)).sum()
+    }
+}
+
+/// A fresh id: the time, the process and a counter, mixed.
+fn new_id() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut h = BlockHasher::default();
+    let mut stripe = [0u8; 64];
+    stripe[..8].copy_from_slice(&nanos.to_le_bytes());
+    stripe[8..16].copy_from_slice(&u64::from(std::process::id()).to_le_bytes());
+    stripe[16..24].copy_from_slice(&COUNTER.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    h.update(&stripe);
+    format!("{:016x}", h.finish())
+}

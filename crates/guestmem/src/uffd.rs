@@ -1,0 +1,344 @@
+//! userfaultfd, wrapped by hand.
+//!
+//! Why by hand: the bytecodealliance `userfaultfd` crate (Firecracker's) generates its
+//! bindings with bindgen at build time and so needs libclang, which a fresh machine of the
+//! kind guestmem's README targets does not have: it would break the two set-up commands.
+//! `linux-raw-sys` (already in the dependency tree through rustix) ships the structs, flags
+//! and ioctl numbers pre-generated, so only the few calls below are written here. Every call
+//! that names memory takes the [`Mapping`] that owns it and an offset, checked first: no raw
+//! address reaches an ioctl.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use linux_raw_sys::general as uapi;
+use linux_raw_sys::ioctl as nr;
+
+use crate::mmap::Mapping;
+
+/// `_IOWR(UFFDIO, _UFFDIO_POISON, struct uffdio_poison)`: linux-raw-sys 0.12 has the struct
+/// and the feature bit but not the ioctl number, which is computed here as the kernel's
+/// `_IOWR` does: direction read|write (3 << 30), size 32 << 16, type 0xAA << 8, number 8.
+const UFFDIO_POISON: u32 =
+    (3 << 30) | ((std::mem::size_of::<uapi::uffdio_poison>() as u32) << 16) | (0xAA << 8) | 8;
+
+/// What a range is registered for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RegisterMode {
+    /// Faults on pages not present (private anonymous memory).
+    Missing,
+    /// Missing faults, and minor faults on pages in the page cache but not mapped here
+    /// (shared memfd and hugetlb backings, resolved with `UFFDIO_CONTINUE`).
+    MissingMinor,
+}
+
+/// One fault or event read from the descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// A thread faulted at this (page-aligned) host address and waits.
+    Fault { addr: u64, write: bool, minor: bool },
+    /// The range was removed (`MADV_DONTNEED`/`MADV_REMOVE`) by its owner.
+    Remove { start: u64, end: u64 },
+    /// Another event guestmem does not ask for.
+    Other(u8),
+}
+
+/// An owned userfaultfd.
+#[derive(Debug)]
+pub(crate) struct Uffd {
+    fd: OwnedFd,
+    features: u64,
+}
+
+fn ioctl<T>(fd: &OwnedFd, request: u32, arg: &mut T) -> io::Result<()> {
+    // SAFETY: `arg` is the struct the request expects (each caller passes the uapi struct
+    // named by the request), borrowed mutably for the call; the kernel reads and writes only
+    // that struct.
+    let ret = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, arg as *mut T) };
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+impl Uffd {
+    /// Opens a non-blocking userfaultfd that sees kernel faults too (KVM's), and enables the
+    /// API with the features wanted that the kernel offers.
+    pub(crate) fn open(want_features: u64) -> io::Result<Uffd> {
+        // SAFETY: the syscall takes flags only and returns a new descriptor or -1.
+        let raw = unsafe {
+            libc::syscall(
+                libc::SYS_userfaultfd,
+                libc::O_CLOEXEC | libc::O_NONBLOCK,
+            )
+        };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a descriptor the kernel just gave us and nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+        // Ask what the kernel has first (features 0), then enable what is wanted of it on a
+        // new descriptor: the API handshake can be done only once per descriptor.
+        let mut probe = uapi::uffdio_api {
+            api: uapi::UFFD_API as u64,
+            features: 0,
+            ioctls: 0,
+        };
+        ioctl(&fd, nr::UFFDIO_API, &mut probe)?;
+        let features = probe.features & want_features;
+        drop(fd);
+        // SAFETY: as above.
+        let raw = unsafe {
+            libc::syscall(
+                libc::SYS_userfaultfd,
+                libc::O_CLOEXEC | libc::O_NONBLOCK,
+            )
+        };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: as above.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+        let mut api = uapi::uffdio_api {
+            api: uapi::UFFD_API as u64,
+            features,
+            ioctls: 0,
+        };
+        ioctl(&fd, nr::UFFDIO_API, &mut api)?;
+        Ok(Uffd { fd, features })
+    }
+
+    /// Whether the kernel granted `feature`.
+    pub(crate) fn has(&self, feature: u32) -> bool {
+        self.features & u64::from(feature) != 0
+    }
+
+    /// Registers the whole body of `mapping`.
+    pub(crate) fn register(&self, mapping: &Mapping, mode: RegisterMode) -> io::Result<()> {
+        let mode = match mode {
+            RegisterMode::Missing => uapi::UFFDIO_REGISTER_MODE_MISSING,
+            RegisterMode::MissingMinor => {
+                uapi::UFFDIO_REGISTER_MODE_MISSING | uapi::UFFDIO_REGISTER_MODE_MINOR
+            }
+        };
+        let mut reg = uapi::uffdio_register {
+            range: range(mapping, 0, mapping.len())?,
+            mode: u64::from(mode),
+            ioctls: 0,
+        };
+        ioctl(&self.fd, nr::UFFDIO_REGISTER, &mut reg)
+    }
+
+    /// Unregisters the whole body of `mapping`; threads waiting on it are woken.
+    pub(crate) fn unregister(&self, mapping: &Mapping) -> io::Result<()> {
+        let mut r = range(mapping, 0, mapping.len())?;
+        ioctl(&self.fd, nr::UFFDIO_UNREGISTER, &mut r)
+    }
+
+    /// Copies `src` into `offset..offset + src.len()` of `mapping` (pages that must not be
+    /// present) and wakes the threads waiting there. Returns the bytes copied before a page
+    /// that was already present (`EEXIST`), or all of them.
+    pub(crate) fn copy(&self, mapping: &Mapping, offset: usize, src: &[u8]) -> io::Result<usize> {
+        let r = range(mapping, offset, src.len())?;
+        let mut done = 0usize;
+        while done < src.len() {
+            let mut c = uapi::uffdio_copy {
+                dst: r.start + done as u64,
+                src: src[done..].as_ptr() as u64,
+                len: (src.len() - done) as u64,
+                mode: 0,
+                copy: 0,
+            };
+            match ioctl(&self.fd, nr::UFFDIO_COPY, &mut c) {
+                Ok(()) => done += c.copy as usize,
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                    // The mm changed under the copy: `copy` says how far it got.
+                    done += c.copy.max(0) as usize;
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    return Ok(done + c.copy.max(0) as usize)
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(done)
+    }
+
+    /// Maps the zero page at `offset..offset + len` of `mapping` (private anonymous memory)
+    /// and wakes the waiters.
+    pub(crate) fn zeropage(&self, mapping: &Mapping, offset: usize, len: usize) -> io::Result<()> {
+        let mut r = range(mapping, offset, len)?;
+        while r.len > 0 {
+            let mut z = uapi::uffdio_zeropage {
+                range: r,
+                mode: 0,
+                zeropage: 0,
+            };
+            match ioctl(&self.fd, nr::UFFDIO_ZEROPAGE, &mut z) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && z.zeropage > 0 => {
+                    r.start += z.zeropage as u64;
+                    r.len -= z.zeropage as u64;
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Maps the page-cache pages already there at `offset..offset + len` of `mapping` (a
+    /// shared memfd or hugetlb mapping registered for minor faults) and wakes the waiters.
+    pub(crate) fn continue_range(
+        &self,
+        mapping: &Mapping,
+        offset: usize,
+        len: usize,
+    ) -> io::Result<()> {
+        let mut r = range(mapping, offset, len)?;
+        while r.len > 0 {
+            let mut c = uapi::uffdio_continue {
+                range: r,
+                mode: 0,
+                mapped: 0,
+            };
+            match ioctl(&self.fd, nr::UFFDIO_CONTINUE, &mut c) {
+                Ok(()) => return Ok(()),
+                Err(e)
+                    if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EEXIST))
+                        && c.mapped > 0 =>
+                {
+                    r.start += c.mapped as u64;
+                    r.len -= c.mapped as u64;
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    // The first page is mapped already: step over it.
+                    let page = crate::sys::base_page_size();
+                    r.start += page;
+                    r.len = r.len.saturating_sub(page);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks `offset..offset + len` of `mapping` as lost memory (`UFFDIO_POISON`, Linux 6.6):
+    /// a later access raises `SIGBUS` as a hardware memory error would, so no zero page can
+    /// stand in for data that never arrived.
+    pub(crate) fn poison(&self, mapping: &Mapping, offset: usize, len: usize) -> io::Result<()> {
+        let r = range(mapping, offset, len)?;
+        let mut p = uapi::uffdio_poison {
+            range: r,
+            mode: 0,
+            updated: 0,
+        };
+        match ioctl(&self.fd, UFFDIO_POISON, &mut p) {
+            Err(e) if e.raw_os_error() != Some(libc::EEXIST) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// Wakes the threads waiting at `offset..offset + len` of `mapping`.
+    pub(crate) fn wake(&self, mapping: &Mapping, offset: usize, len: usize) -> io::Result<()> {
+        let mut r = range(mapping, offset, len)?;
+        ioctl(&self.fd, nr::UFFDIO_WAKE, &mut r)
+    }
+
+    /// Waits up to `timeout_ms` (or until `stop` is readable) and reads what is pending into
+    /// `out`. Returns `Ok(false)` when `stop` fired.
+    pub(crate) fn read_events(
+        &self,
+        stop: &OwnedFd,
+        timeout_ms: i32,
+        out: &mut Vec<Event>,
+    ) -> io::Result<bool> {
+        out.clear();
+        let mut fds = [
+            libc::pollfd {
+                fd: self.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: stop.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a live array of two pollfds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return if e.raw_os_error() == Some(libc::EINTR) {
+                Ok(true)
+            } else {
+                Err(e)
+            };
+        }
+        if fds[1].revents != 0 {
+            return Ok(false);
+        }
+        if fds[0].revents & libc::POLLIN == 0 {
+            return Ok(true);
+        }
+        const BATCH: usize = 16;
+        let mut msgs = [std::mem::MaybeUninit::<uapi::uffd_msg>::uninit(); BATCH];
+        let size = std::mem::size_of::<uapi::uffd_msg>();
+        // SAFETY: the buffer holds BATCH messages; the kernel writes whole messages only.
+        let got = unsafe {
+            libc::read(
+                self.fd.as_raw_fd(),
+                msgs.as_mut_ptr() as *mut libc::c_void,
+                BATCH * size,
+            )
+        };
+        if got < 0 {
+            let e = io::Error::last_os_error();
+            // Another handler took the message first.
+            return match e.raw_os_error() {
+                Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(true),
+                _ => Err(e),
+            };
+        }
+        for m in msgs.iter().take(got as usize / size) {
+            // SAFETY: the kernel wrote this message (got / size whole messages).
+            let m = unsafe { m.assume_init() };
+            let event = m.event;
+            out.push(match u32::from(event) {
+                uapi::UFFD_EVENT_PAGEFAULT => {
+                    // SAFETY: a pagefault message carries the pagefault member.
+                    let pf = unsafe { m.arg.pagefault };
+                    let flags = pf.flags;
+                    Event::Fault {
+                        addr: pf.address,
+                        write: flags & u64::from(uapi::UFFD_PAGEFAULT_FLAG_WRITE) != 0,
+                        minor: flags & u64::from(uapi::UFFD_PAGEFAULT_FLAG_MINOR) != 0,
+                    }
+                }
+                uapi::UFFD_EVENT_REMOVE => {
+                    // SAFETY: a remove message carries the remove member.
+                    let r = unsafe { m.arg.remove };
+                    Event::Remove {
+                        start: r.start,
+                        end: r.end,
+                    }
+                }
+                _ => Event::Other(event),
+            });
+        }
+        Ok(true)
+    }
+}
+
+/// `offset..offset+len` of `mapping` as a uffd range, once checked to lie in its body.
+fn range(mapping: &Mapping, offset: usize, len: usize) -> io::Result<uapi::uffdio_range> {
+    match offset.checked_add(len) {
+        Some(end) if end <= mapping.len() => Ok(uapi::uffdio_range {
+            start: mapping.as_ptr() as u64 + offset as u64,
+            len: len as u64,
+        }),
+        _ => Err(io::Error::from_raw_os_error(libc::EINVAL)),
+    }
+}
