@@ -1,12 +1,14 @@
 //! `guestmem vm`: KVM's dirty_log_perf_test over a guestmem map.
 
 use std::io::Write;
+use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::{Args as ClapArgs, ValueEnum};
 use guestmem::plan;
 use guestmem_lab::vm::guest::{GuestMode, Partition};
-use guestmem_lab::vm::perf::{run as run_perf, PerfConfig, Prefault};
+use guestmem::restore::{Prefetch, RestoreMode};
+use guestmem_lab::vm::perf::{run as run_perf, PerfConfig, Prefault, RestoreRun};
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Mode {
@@ -50,9 +52,51 @@ pub struct Args {
     /// background while they run.
     #[arg(long, value_enum, default_value = "none")]
     prefault: PrefaultArg,
+    /// After the passes, save guest memory into this directory (a new one).
+    #[arg(long, value_name = "DIR")]
+    save: Option<PathBuf>,
+    /// Start from the snapshot in this directory: the guest verifies every page it wrote
+    /// before the save, then runs its passes. Size and slots come from the snapshot.
+    #[arg(long, value_name = "DIR")]
+    restore: Option<PathBuf>,
+    /// How to restore.
+    #[arg(long, value_enum, default_value = "lazy", requires = "restore")]
+    restore_mode: RestoreModeArg,
+    /// Lazy restore: threads serving faults.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=256), requires = "restore")]
+    handler_threads: u32,
+    /// Lazy restore: prefetch threads (0: one per CPU).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=256), requires = "restore")]
+    prefetch_threads: u32,
+    /// Lazy restore: prefetch the recorded working set first, then the rest (recorded), or
+    /// nothing (none: only the guest's faults bring memory in).
+    #[arg(long, value_enum, default_value = "recorded", requires = "restore")]
+    prefetch: PrefetchArg,
+    /// Lazy restore: write the order the guest faulted memory in into the snapshot's
+    /// manifest, for the next restore to prefetch first (best with --prefetch none).
+    #[arg(long, requires = "restore")]
+    record: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum RestoreModeArg {
+    /// Populate memory and read the whole image into it, then start.
+    Eager,
+    /// Map the memory file privately (Firecracker's default): the kernel reads on touch.
+    Mapped,
+    /// userfaultfd: start at once, serve faults, prefetch in the background.
+    Lazy,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PrefetchArg {
+    /// The recorded working set first, then everything else.
+    Recorded,
+    /// Nothing.
+    None,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -89,6 +133,22 @@ pub fn run(args: Args) -> Result<()> {
             PrefaultArg::Blocking => Prefault::Blocking,
             PrefaultArg::Background => Prefault::Background,
         },
+        restore: args.restore.map(|dir| RestoreRun {
+            dir,
+            mode: match args.restore_mode {
+                RestoreModeArg::Eager => RestoreMode::Eager,
+                RestoreModeArg::Mapped => RestoreMode::Mapped,
+                RestoreModeArg::Lazy => RestoreMode::Lazy,
+            },
+            handler_threads: args.handler_threads as usize,
+            prefetch_threads: args.prefetch_threads as usize,
+            prefetch: match args.prefetch {
+                PrefetchArg::Recorded => Prefetch::Recorded,
+                PrefetchArg::None => Prefetch::None,
+            },
+            record: args.record,
+        }),
+        save: args.save,
         ..PerfConfig::default()
     };
     let report = run_perf(&config)?;

@@ -8,6 +8,8 @@
 //! where the previous command left it (KVM completes a pending `out` only if `RIP` is where
 //! the exit left it).
 
+use std::os::unix::thread::JoinHandleExt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
@@ -147,6 +149,67 @@ struct VcpuThread {
     handle: Option<JoinHandle<()>>,
 }
 
+/// What [`Stopper`] and the vCPU threads share.
+#[derive(Debug)]
+struct StopState {
+    stop: AtomicBool,
+    /// Per vCPU: whether its thread is inside `KVM_RUN`.
+    in_run: Vec<AtomicBool>,
+    /// Per vCPU: its thread, until the thread leaves its loop (it clears its entry, under
+    /// the lock, before exiting, so a thread found here is alive while the lock is held).
+    threads: Mutex<Vec<Option<libc::pthread_t>>>,
+}
+
+/// Stops a workload's vCPUs from any thread, without blocking: what a VMM does when guest
+/// memory cannot be delivered (a failed lazy restore). Sets the stop flag, then signals every
+/// vCPU thread still in `KVM_RUN` (every 2 ms, up to 2 s) until all are out: a vCPU waiting
+/// on a userfaultfd fault leaves `KVM_RUN` with `EINTR`, and the command it was running
+/// returns [`VmError::Stopped`].
+#[derive(Debug, Clone)]
+pub struct Stopper(Arc<StopState>);
+
+/// The signal that kicks a vCPU out of `KVM_RUN` (its handler does nothing).
+fn kick_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 5
+}
+
+extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+impl Stopper {
+    /// Stops the vCPUs (see the type's docs). Returns at once.
+    pub fn stop(&self) {
+        self.0.stop.store(true, Ordering::Release);
+        let state = self.0.clone();
+        let _ = std::thread::Builder::new()
+            .name("vcpu-kicker".into())
+            .spawn(move || {
+                for _ in 0..1000 {
+                    let mut any = false;
+                    {
+                        let threads = state.threads.lock().unwrap_or_else(|e| e.into_inner());
+                        for (t, r) in threads.iter().zip(&state.in_run) {
+                            if let (Some(t), true) = (t, r.load(Ordering::Acquire)) {
+                                any = true;
+                                // SAFETY: the thread is alive: it clears its entry under this
+                                // lock before it exits. The signal's handler does nothing.
+                                unsafe { libc::pthread_kill(*t, kick_signal()) };
+                            }
+                        }
+                    }
+                    if !any {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            });
+    }
+
+    /// Whether [`Stopper::stop`] was called.
+    pub fn stopped(&self) -> bool {
+        self.0.stop.load(Ordering::Acquire)
+    }
+}
+
 /// vCPU threads running the workload. Commands go to all vCPUs at once; dropping it stops
 /// and joins them.
 pub struct Workload {
@@ -156,6 +219,7 @@ pub struct Workload {
     mode: GuestMode,
     /// When each vCPU first entered the guest (`KVM_RUN`).
     entered: Arc<Vec<OnceLock<Instant>>>,
+    stopper: Stopper,
 }
 
 impl std::fmt::Debug for Workload {
@@ -216,6 +280,16 @@ impl Workload {
         write_params(map, &slices, mode)?;
         program::load(map, mode)?;
 
+        // SAFETY: the handler does nothing (async-signal-safe); it exists so the kick
+        // signal interrupts KVM_RUN instead of killing the process.
+        vmm_sys_util::signal::register_signal_handler(kick_signal(), on_kick).map_err(|e| {
+            VmError::Config(format!("installing the vCPU kick signal handler: {e}"))
+        })?;
+        let stopper = Stopper(Arc::new(StopState {
+            stop: AtomicBool::new(false),
+            in_run: (0..vcpus).map(|_| AtomicBool::new(false)).collect(),
+            threads: Mutex::new(Vec::new()),
+        }));
         let (reply_tx, reply_rx) = channel();
         let mut threads = Vec::with_capacity(vcpus);
         let entered: Arc<Vec<OnceLock<Instant>>> =
@@ -226,13 +300,20 @@ impl Workload {
             let (cmd_tx, cmd_rx) = channel();
             let replies = reply_tx.clone();
             let entered = entered.clone();
+            let stop = stopper.0.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("vcpu{v}"))
-                .spawn(move || vcpu_loop(v, vcpu, cmd_rx, replies, &entered[v]))
+                .spawn(move || vcpu_loop(v, vcpu, cmd_rx, replies, &entered[v], &stop))
                 .map_err(|e| VmError::Thread {
                     vcpu: v,
                     what: e.to_string(),
                 })?;
+            stopper
+                .0
+                .threads
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(Some(handle.as_pthread_t()));
             threads.push(VcpuThread {
                 cmd: cmd_tx,
                 handle: Some(handle),
@@ -244,7 +325,13 @@ impl Workload {
             slices,
             mode,
             entered,
+            stopper,
         })
+    }
+
+    /// A handle that stops the vCPUs from any thread.
+    pub fn stopper(&self) -> Stopper {
+        self.stopper.clone()
     }
 
     /// When the last vCPU first entered the guest, once all have.
@@ -381,13 +468,15 @@ fn vcpu_loop(
     cmds: Receiver<Cmd>,
     replies: Sender<Reply>,
     entered: &OnceLock<Instant>,
+    stop: &StopState,
 ) {
     while let Ok(Cmd::Run { rip, tag, port }) = cmds.recv() {
-        let r = run_one(v, &mut vcpu, rip, tag, port, entered);
+        let r = run_one(v, &mut vcpu, rip, tag, port, entered, stop);
         if replies.send((v, r)).is_err() {
-            return;
+            break;
         }
     }
+    stop.threads.lock().unwrap_or_else(|e| e.into_inner())[v] = None;
 }
 
 fn run_one(
@@ -397,6 +486,7 @@ fn run_one(
     tag: u32,
     want: u16,
     entered: &OnceLock<Instant>,
+    stop: &StopState,
 ) -> Result<u32, VmError> {
     let regs = kvm_regs {
         rip,
@@ -407,9 +497,16 @@ fn run_one(
     };
     vcpu.set_regs(&regs)
         .map_err(|e| VmError::ioctl("KVM_SET_REGS", e))?;
+    let in_run = &stop.in_run[v];
     loop {
+        if stop.stop.load(Ordering::Acquire) {
+            return Err(VmError::Stopped { vcpu: v });
+        }
         entered.get_or_init(Instant::now);
-        match vcpu.run() {
+        in_run.store(true, Ordering::Release);
+        let exit = vcpu.run();
+        in_run.store(false, Ordering::Release);
+        match exit {
             Ok(VcpuExit::IoOut(port, data)) if port == want && data.len() == 4 => {
                 return Ok(u32::from_le_bytes([data[0], data[1], data[2], data[3]]));
             }

@@ -51,6 +51,18 @@ pub enum VmError {
     /// The workload's configuration cannot be run.
     #[error("workload: {0}")]
     Config(String),
+    /// The vCPU was stopped from outside ([`guest::Stopper`]).
+    #[error("vCPU {vcpu}: stopped")]
+    Stopped {
+        /// The vCPU index.
+        vcpu: usize,
+    },
+    /// Saving or restoring guest memory failed.
+    #[error(transparent)]
+    Snapshot(#[from] guestmem::snapshot::SnapshotError),
+    /// A lazy restore failed while the guest ran; its vCPUs were stopped.
+    #[error("guest stopped: {0}")]
+    Restore(String),
     /// A vCPU thread died or could not be started.
     #[error("vCPU {vcpu}: thread failed: {what}")]
     Thread {

@@ -138,6 +138,7 @@ pub struct LazyRestore {
     lazy: Arc<Lazy>,
     handlers: Vec<JoinHandle<()>>,
     prefetcher: Option<JoinHandle<()>>,
+    handler_threads: usize,
     prefetch_threads: usize,
     prefetched_working_set: usize,
     finished: bool,
@@ -289,6 +290,7 @@ impl LazyRestore {
             lazy: lazy.clone(),
             handlers: Vec::new(),
             prefetcher: None,
+            handler_threads: cfg.handler_threads.max(1),
             prefetch_threads: cfg.threads.max(1),
             prefetched_working_set: 0,
             finished: false,
@@ -386,7 +388,7 @@ impl LazyRestore {
                 .complete_at
                 .get()
                 .map(|t| t.saturating_duration_since(self.lazy.t0).as_secs_f64()),
-            handler_threads: self.handlers.len(),
+            handler_threads: self.handler_threads,
             prefetch_threads: self.prefetch_threads,
             prefetched_working_set: self.prefetched_working_set,
         }
