@@ -175,6 +175,50 @@ fn kick_signal() -> libc::c_int {
 
 extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
 
+thread_local! {
+    /// Whether this thread is a vCPU inside `KVM_RUN` (const-initialised: safe to read in a
+    /// signal handler).
+    static IN_KVM_RUN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `SIGBUS` while a vCPU is in `KVM_RUN` is KVM reporting guest memory that is lost (a
+/// poisoned page: a failed lazy restore): ignored here, `KVM_RUN` returns `EINTR` and the
+/// vCPU loop stops. Anywhere else it is a real memory error: the default action (the
+/// process dies) is put back and the faulting access repeats into it.
+extern "C" fn on_sigbus(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    if !IN_KVM_RUN.with(|c| c.get()) {
+        // SAFETY: signal(2) is async-signal-safe.
+        unsafe { libc::signal(libc::SIGBUS, libc::SIG_DFL) };
+    }
+}
+
+/// Installs the vCPU signal handlers (kick and `SIGBUS`), once per process.
+fn install_handlers() -> Result<(), VmError> {
+    static DONE: OnceLock<Result<(), String>> = OnceLock::new();
+    DONE.get_or_init(|| {
+        // SAFETY: the kick handler does nothing (async-signal-safe); it exists so the kick
+        // signal interrupts KVM_RUN instead of killing the process.
+        vmm_sys_util::signal::register_signal_handler(kick_signal(), on_kick)
+            .map_err(|e| format!("installing the vCPU kick signal handler: {e}"))?;
+        // SAFETY: a zeroed sigaction with a handler that only reads a thread-local and calls
+        // signal(2), both async-signal-safe.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_sigbus as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO;
+            if libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut()) != 0 {
+                return Err(format!(
+                    "installing the SIGBUS handler: {}",
+                    std::io::Error::last_os_error()
+                ));
+            }
+        }
+        Ok(())
+    })
+    .clone()
+    .map_err(VmError::Config)
+}
+
 impl Stopper {
     /// Stops the vCPUs (see the type's docs). Returns at once.
     pub fn stop(&self) {
@@ -280,11 +324,7 @@ impl Workload {
         write_params(map, &slices, mode)?;
         program::load(map, mode)?;
 
-        // SAFETY: the handler does nothing (async-signal-safe); it exists so the kick
-        // signal interrupts KVM_RUN instead of killing the process.
-        vmm_sys_util::signal::register_signal_handler(kick_signal(), on_kick).map_err(|e| {
-            VmError::Config(format!("installing the vCPU kick signal handler: {e}"))
-        })?;
+        install_handlers()?;
         let stopper = Stopper(Arc::new(StopState {
             stop: AtomicBool::new(false),
             in_run: (0..vcpus).map(|_| AtomicBool::new(false)).collect(),
@@ -504,7 +544,9 @@ fn run_one(
         }
         entered.get_or_init(Instant::now);
         in_run.store(true, Ordering::Release);
+        IN_KVM_RUN.with(|c| c.set(true));
         let exit = vcpu.run();
+        IN_KVM_RUN.with(|c| c.set(false));
         in_run.store(false, Ordering::Release);
         match exit {
             Ok(VcpuExit::IoOut(port, data)) if port == want && data.len() == 4 => {
