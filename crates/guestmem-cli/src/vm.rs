@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::{Args as ClapArgs, ValueEnum};
 use guestmem::plan;
-use guestmem_lab::vm::guest::{GuestMode, Partition};
 use guestmem::restore::{Prefetch, RestoreMode};
+use guestmem_lab::vm::guest::{GuestMode, Partition};
 use guestmem_lab::vm::perf::{run as run_perf, PerfConfig, Prefault, RestoreRun};
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -89,6 +89,9 @@ enum RestoreModeArg {
     Mapped,
     /// userfaultfd: start at once, serve faults, prefetch in the background.
     Lazy,
+    /// The Firecracker-style peer (lab): one thread, one 4 KiB UFFDIO_COPY per fault, no
+    /// prefetch.
+    FcPeer,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -138,8 +141,9 @@ pub fn run(args: Args) -> Result<()> {
             mode: match args.restore_mode {
                 RestoreModeArg::Eager => RestoreMode::Eager,
                 RestoreModeArg::Mapped => RestoreMode::Mapped,
-                RestoreModeArg::Lazy => RestoreMode::Lazy,
+                RestoreModeArg::Lazy | RestoreModeArg::FcPeer => RestoreMode::Lazy,
             },
+            fc_peer: matches!(args.restore_mode, RestoreModeArg::FcPeer),
             handler_threads: args.handler_threads as usize,
             prefetch_threads: args.prefetch_threads as usize,
             prefetch: match args.prefetch {

@@ -66,6 +66,7 @@ fn restore_run(dir: &Path, mode: RestoreMode, prefetch: Prefetch, record: bool) 
             prefetch_threads: 2,
             prefetch,
             record,
+            fc_peer: false,
         }),
         ..base()
     }
@@ -103,7 +104,10 @@ fn every_mode_restores_a_guest_that_verifies_clean() {
                     assert!(l.faults >= l.fault_blocks && l.fault_blocks > 30, "{l:?}");
                     assert_eq!(rr.recorded_blocks as u64, l.fault_blocks);
                 } else {
-                    assert_eq!(l.prefetched_working_set, rr.recorded_blocks.max(l.prefetched_working_set));
+                    assert_eq!(
+                        l.prefetched_working_set,
+                        rr.recorded_blocks.max(l.prefetched_working_set)
+                    );
                 }
             }
             RestoreMode::Mapped => {}
@@ -150,7 +154,12 @@ fn flipped_byte_mid_lazy_restore_stops_the_guest() {
         let r = run_with_deadline(restore_run(&snap, RestoreMode::Lazy, prefetch, false));
         expect_stopped(
             r,
-            &["checksum", &format!("region at {:#x}", image.regions()[2].guest_addr), &want_guest, &want_off],
+            &[
+                "checksum",
+                &format!("region at {:#x}", image.regions()[2].guest_addr),
+                &want_guest,
+                &want_off,
+            ],
         );
     }
 }
@@ -172,10 +181,17 @@ fn io_error_mid_lazy_restore_stops_the_guest() {
     std::fs::rename(snap.join("memory"), &real).unwrap();
     let mnt = dir.join("mnt");
     std::fs::create_dir_all(&mnt).unwrap();
-    let fs = match fuse::FailingFile::mount(&mnt, "memory", std::fs::File::open(&real).unwrap(), fail_from) {
+    let fs = match fuse::FailingFile::mount(
+        &mnt,
+        "memory",
+        std::fs::File::open(&real).unwrap(),
+        fail_from,
+    ) {
         Ok(fs) => fs,
         Err(e) => {
-            eprintln!("skipping: cannot mount a FUSE filesystem here ({e}); needs root and /dev/fuse");
+            eprintln!(
+                "skipping: cannot mount a FUSE filesystem here ({e}); needs root and /dev/fuse"
+            );
             return;
         }
     };
@@ -191,10 +207,18 @@ fn io_error_mid_lazy_restore_stops_the_guest() {
         ],
     );
     // Eagerly, the same image fails before the guest starts.
-    let r = run_with_deadline(restore_run(&snap, RestoreMode::Eager, Prefetch::None, false));
+    let r = run_with_deadline(restore_run(
+        &snap,
+        RestoreMode::Eager,
+        Prefetch::None,
+        false,
+    ));
     match r {
         Err(VmError::Snapshot(e)) => assert!(e.to_string().contains("Input/output error"), "{e}"),
-        other => panic!("expected the eager restore's I/O error, got {:?}", other.map(|_| ())),
+        other => panic!(
+            "expected the eager restore's I/O error, got {:?}",
+            other.map(|_| ())
+        ),
     }
     drop(fs);
 }

@@ -67,12 +67,8 @@ impl Uffd {
     /// API with the features wanted that the kernel offers.
     pub(crate) fn open(want_features: u64) -> io::Result<Uffd> {
         // SAFETY: the syscall takes flags only and returns a new descriptor or -1.
-        let raw = unsafe {
-            libc::syscall(
-                libc::SYS_userfaultfd,
-                libc::O_CLOEXEC | libc::O_NONBLOCK,
-            )
-        };
+        let raw =
+            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -89,12 +85,8 @@ impl Uffd {
         let features = probe.features & want_features;
         drop(fd);
         // SAFETY: as above.
-        let raw = unsafe {
-            libc::syscall(
-                libc::SYS_userfaultfd,
-                libc::O_CLOEXEC | libc::O_NONBLOCK,
-            )
-        };
+        let raw =
+            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
         if raw < 0 {
             return Err(io::Error::last_os_error());
         }

@@ -26,7 +26,9 @@ fn serial() -> MutexGuard<'static, ()> {
 
 /// A fresh directory under the target dir, removed first if a run before left it.
 fn scratch(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("snapshot-tests").join(name);
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("snapshot-tests")
+        .join(name);
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -55,7 +57,10 @@ impl Pool {
             return None;
         }
         let pool = Pool { old };
-        match Host::read().pool(HugePageSize::Size2M).map(|p| p.available()) {
+        match Host::read()
+            .pool(HugePageSize::Size2M)
+            .map(|p| p.available())
+        {
             Some(n) if n >= pages => Some(pool),
             n => {
                 eprintln!("skipped: asked for {pages} free 2 MiB pages, the pool has {n:?}");
@@ -97,10 +102,12 @@ fn scribble(map: &GuestMap, seed: u8) {
             let v = seed.wrapping_add((p % 251) as u8) | 1;
             let mut buf = [v; 4096];
             buf[7] = seed;
-            snap.write_slice(&buf, GuestAddress(base + p * 4096)).unwrap();
+            snap.write_slice(&buf, GuestAddress(base + p * 4096))
+                .unwrap();
         }
         // A page written, then zero again: saved as a hole, read back as zero.
-        snap.write_slice(&[0u8; 4096], GuestAddress(base + 3 * 4096)).unwrap();
+        snap.write_slice(&[0u8; 4096], GuestAddress(base + 3 * 4096))
+            .unwrap();
     }
 }
 
@@ -142,7 +149,10 @@ fn check_restore(dir: &Path, specs: &[RegionSpec], mode: RestoreMode, want: &[Ve
         }
         if let Some(l) = r.lazy {
             let rep = l.finish().unwrap();
-            assert!(rep.faults > 0, "{mode:?}: the reads faulted nothing: {rep:?}");
+            assert!(
+                rep.faults > 0,
+                "{mode:?}: the reads faulted nothing: {rep:?}"
+            );
         }
     });
 }
@@ -195,7 +205,8 @@ fn incremental_chain_of_three_restores_the_last_state() {
     snapshot::save(&map.snapshot(), &root.join("s0"), &SaveConfig::default()).unwrap();
     let snap = map.snapshot();
     // Save 1: a few pages of region 0. Save 2: a page of each, one rewritten to zero.
-    snap.write_slice(&[0xAB; 8192], GuestAddress(5 * 4096)).unwrap();
+    snap.write_slice(&[0xAB; 8192], GuestAddress(5 * 4096))
+        .unwrap();
     let inc = |parent: &str| SaveConfig {
         kind: SaveKind::Incremental {
             parent: root.join(parent),
@@ -206,7 +217,8 @@ fn incremental_chain_of_three_restores_the_last_state() {
     assert_eq!(r1.blocks, 1, "{r1:?}");
     snap.write_slice(&[0xCD; 100], GuestAddress(64 * MIB + 4096 * 700))
         .unwrap();
-    snap.write_slice(&[0u8; 4096], GuestAddress(6 * 4096)).unwrap();
+    snap.write_slice(&[0u8; 4096], GuestAddress(6 * 4096))
+        .unwrap();
     let r2 = snapshot::save(&snap, &root.join("s2"), &inc("s1")).unwrap();
     assert_eq!(r2.blocks, 2, "{r2:?}");
     let want = contents(&map);
@@ -220,7 +232,10 @@ fn incremental_chain_of_three_restores_the_last_state() {
     let image = Image::open(&root.join("s1")).unwrap();
     let r = restore::restore(&image, &plain, &cfg(RestoreMode::Eager)).unwrap();
     let mut b = [0u8; 1];
-    r.map.snapshot().read_slice(&mut b, GuestAddress(6 * 4096)).unwrap();
+    r.map
+        .snapshot()
+        .read_slice(&mut b, GuestAddress(6 * 4096))
+        .unwrap();
     assert_eq!(b[0], 0xAB);
 }
 
@@ -264,7 +279,11 @@ fn flipped_byte_is_named_eagerly_and_lazily() {
             offset,
             ..
         } => {
-            assert_eq!((*region, *guest_addr, *offset), (64 * MIB, 65 * MIB, 9 * MIB), "{e}");
+            assert_eq!(
+                (*region, *guest_addr, *offset),
+                (64 * MIB, 65 * MIB, 9 * MIB),
+                "{e}"
+            );
         }
         other => panic!("expected a checksum error, got {other}"),
     }
@@ -279,12 +298,17 @@ fn flipped_byte_is_named_eagerly_and_lazily() {
         lazy.on_failure(move |m| {
             let _ = tx.send(m.to_string());
         });
-        let hook = rx.recv_timeout(Duration::from_secs(20)).expect("the failure hook ran");
+        let hook = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the failure hook ran");
         let e = lazy.finish().unwrap_err();
         assert_eq!(e.to_string(), hook);
         hook
     });
-    assert!(msg.contains("guest 0x4100000") && msg.contains("offset 0x900000"), "{msg}");
+    assert!(
+        msg.contains("guest 0x4100000") && msg.contains("offset 0x900000"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -324,8 +348,9 @@ fn foreign_layout_and_populated_maps_are_refused() {
     for mode in MODES {
         let e = restore::restore(&image, &other, &cfg(mode)).unwrap_err();
         assert!(
-            e.to_string()
-                .contains("region 0: the image has 0x800000 bytes at 0x0, the specs 0x1000000 bytes at 0x0"),
+            e.to_string().contains(
+                "region 0: the image has 0x800000 bytes at 0x0, the specs 0x1000000 bytes at 0x0"
+            ),
             "{e}"
         );
     }
@@ -335,7 +360,10 @@ fn foreign_layout_and_populated_maps_are_refused() {
         .unwrap();
     for mode in [RestoreMode::Eager, RestoreMode::Lazy] {
         let e = restore::restore_into(&image, &map, &cfg(mode)).unwrap_err();
-        assert!(matches!(e, SnapshotError::Populated { region } if region == 64 * MIB), "{e}");
+        assert!(
+            matches!(e, SnapshotError::Populated { region } if region == 64 * MIB),
+            "{e}"
+        );
     }
     // The refused lazy restore registered nothing: the map still faults normally.
     let mut b = [0u8; 1];
@@ -386,7 +414,11 @@ fn lazy_restore_serves_concurrent_readers_and_records_their_order() {
         let lazy = r.lazy.unwrap();
         let ws = lazy.working_set();
         let rep = lazy.finish().unwrap();
-        assert_eq!(rep.fault_blocks + rep.prefetched_blocks, rep.blocks, "{rep:?}");
+        assert_eq!(
+            rep.fault_blocks + rep.prefetched_blocks,
+            rep.blocks,
+            "{rep:?}"
+        );
         assert_eq!(rep.fault_blocks as usize, ws.len());
         ws
     });
@@ -398,4 +430,36 @@ fn lazy_restore_serves_concurrent_readers_and_records_their_order() {
     assert_eq!(ws.len() as u64, image.total_blocks());
     image.record_working_set(&ws).unwrap();
     assert_eq!(Image::open(&dir).unwrap().working_set(), ws.as_slice());
+}
+
+#[test]
+fn a_page_dropped_after_a_lazy_restore_reads_as_zero_not_a_hang() {
+    let dir = saved("dontneed");
+    let image = Image::open(&dir).unwrap();
+    deadline(30, move || {
+        let mut c = cfg(RestoreMode::Lazy);
+        c.prefetch = Prefetch::Recorded;
+        let r = restore::restore(&image, &specs_plain(), &c).unwrap();
+        let lazy = r.lazy.unwrap();
+        lazy.wait_complete().unwrap();
+        let snap = r.map.snapshot();
+        let region = &snap.regions()[0];
+        let mut b = [0u8; 1];
+        snap.read_slice(&mut b, GuestAddress(0)).unwrap();
+        assert_ne!(b[0], 0);
+        // What a balloon does: the page goes back to the host while still registered.
+        // SAFETY: the region's first page, mapped while `snap` lives; its contents may go.
+        let ret = unsafe {
+            libc::madvise(
+                region.host_addr() as *mut libc::c_void,
+                4096,
+                libc::MADV_DONTNEED,
+            )
+        };
+        assert_eq!(ret, 0);
+        snap.read_slice(&mut b, GuestAddress(0)).unwrap();
+        assert_eq!(b[0], 0);
+        let rep = lazy.finish().unwrap();
+        assert!(rep.faults_late >= 1, "{rep:?}");
+    });
 }

@@ -10,6 +10,7 @@
 //! What this machine's nested KVM accepts is recorded in [`program`]: flat 32-bit protected
 //! mode without paging, and long mode once the guest has page tables.
 
+pub mod fc_peer;
 pub mod guest;
 pub mod perf;
 pub mod program;

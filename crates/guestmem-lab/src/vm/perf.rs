@@ -32,6 +32,17 @@ pub const TAG_KEY: &str = "guestmem.vm.tag";
 
 /// Guest address where the data regions start.
 pub const DATA_GPA: u64 = 1 << 30;
+/// Where they start in long mode: above 4 GiB, clear of the 32-bit MMIO hole (the local
+/// APIC at 0xfee00000 would turn a guest write into an MMIO exit).
+pub const HIGH_DATA_GPA: u64 = 4 << 30;
+
+/// Where the data regions start in `mode`.
+pub fn data_gpa(mode: GuestMode) -> u64 {
+    match mode {
+        GuestMode::Protected32 => DATA_GPA,
+        GuestMode::Long64 => HIGH_DATA_GPA,
+    }
+}
 
 /// What to run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,12 +86,17 @@ pub struct RestoreRun {
     pub prefetch: Prefetch,
     /// Lazy: write the order the guest faulted blocks in into the snapshot's manifest.
     pub record: bool,
+    /// Serve faults with the Firecracker-style peer ([`super::fc_peer`]) instead of
+    /// guestmem's engine (`mode` is then ignored).
+    pub fc_peer: bool,
 }
 
 /// What a restore did, seen from the guest.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct RestoreRunReport {
-    /// The mode.
+    /// Who restored: `guestmem` or `fc-peer` (the Firecracker-style peer).
+    pub server: &'static str,
+    /// The mode (guestmem's).
     pub mode: RestoreMode,
     /// Lazy: what was prefetched.
     pub prefetch: Prefetch,
@@ -102,6 +118,8 @@ pub struct RestoreRunReport {
     pub lazy: Option<LazyReport>,
     /// Blocks recorded as the working set (written to the manifest with `record`).
     pub recorded_blocks: usize,
+    /// With the Firecracker-style peer: faults it served (one 4 KiB page each).
+    pub peer_faults: Option<u64>,
     /// THP (or hugetlb) bytes over the data memory, after the verify pass.
     pub huge_coverage: f64,
 }
@@ -204,21 +222,23 @@ pub struct PerfReport {
 pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
     let t0 = std::time::Instant::now();
     let limit = config.mode.end_limit();
-    if DATA_GPA
+    let data_base = data_gpa(config.mode);
+    if data_base
         .checked_add(config.memory_bytes)
         .map_or(true, |end| end > limit)
     {
         return Err(VmError::Config(format!(
-            "{:#x} bytes from {DATA_GPA:#x} asked for; a {:?} guest reaches below {limit:#x} only",
+            "{:#x} bytes from {data_base:#x} asked for; a {:?} guest reaches below {limit:#x} only",
             config.memory_bytes, config.mode
         )));
     }
     let mut config = config.clone();
     let mut restored = None;
+    let mut peer = None;
     let map = match &config.restore {
         None => {
             let mut specs =
-                guest::data_specs(GuestAddress(DATA_GPA), config.memory_bytes, config.slots)?;
+                guest::data_specs(GuestAddress(data_base), config.memory_bytes, config.slots)?;
             specs.push(guest::control_spec());
             GuestMap::from_specs(&specs)?
         }
@@ -251,9 +271,26 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
                 handler_threads: run.handler_threads,
                 prefetch: run.prefetch,
             };
-            let r = restore::restore(&image, &image.specs(), &cfg)?;
-            restored = Some((image, tag, r.lazy, t0.elapsed()));
-            r.map
+            if run.fc_peer {
+                if image.chain_len() != 1 {
+                    return Err(VmError::Config(
+                        "the Firecracker-style peer serves one full save, not a chain".into(),
+                    ));
+                }
+                let map = GuestMap::from_specs(&image.specs())?;
+                let p =
+                    super::fc_peer::FcPeer::start(map.snapshot().regions(), image.memory_path())
+                        .map_err(|e| {
+                            VmError::Config(format!("starting the Firecracker-style peer: {e}"))
+                        })?;
+                peer = Some(p);
+                restored = Some((image, tag, None, t0.elapsed()));
+                map
+            } else {
+                let r = restore::restore(&image, &image.specs(), &cfg)?;
+                restored = Some((image, tag, r.lazy, t0.elapsed()));
+                r.map
+            }
         }
     };
     let config = &config;
@@ -331,6 +368,7 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
         let huge_coverage = huge_coverage(&data);
         let verify_secs = v.elapsed.as_secs_f64();
         restore_report = Some(RestoreRunReport {
+            server: if run.fc_peer { "fc-peer" } else { "guestmem" },
             mode: run.mode,
             prefetch: run.prefetch,
             setup_secs: setup.as_secs_f64(),
@@ -341,6 +379,7 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
             demand_paging_pages_per_sec: pages_written as f64 / verify_secs.max(1e-9),
             lazy: None,
             recorded_blocks: 0,
+            peer_faults: None,
             huge_coverage,
         });
         if let Some(l) = &lz {
@@ -355,12 +394,13 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
         lazy = lz;
     }
 
-    let populate = work.write_pass(1).map_err(|e| {
-        match lazy.as_ref().and_then(|l| l.failure()) {
+    let populate = work
+        .write_pass(1)
+        .map_err(|e| match lazy.as_ref().and_then(|l| l.failure()) {
             Some(msg) => VmError::Restore(msg),
             None => e,
-        }
-    })?.elapsed;
+        })?
+        .elapsed;
     let first_pass_done = t0.elapsed();
     let guest_start = work
         .all_entered()
@@ -404,6 +444,14 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
     slots.set_dirty_logging(DirtyLogging::Off)?;
     let disable = t.elapsed();
     drop(work);
+    if let Some(p) = peer {
+        let faults = p
+            .stop()
+            .map_err(|e| VmError::Config(format!("the Firecracker-style peer failed: {e}")))?;
+        if let Some(r) = restore_report.as_mut() {
+            r.peer_faults = Some(faults);
+        }
+    }
     if let Some(l) = lazy {
         let rep = l.finish()?;
         if let Some(r) = restore_report.as_mut() {
@@ -502,8 +550,8 @@ impl std::fmt::Display for PerfReport {
         if let Some(r) = &self.restore {
             writeln!(
                 f,
-                "Restore ({:?}, prefetch {:?}) setup time: {:.6}s",
-                r.mode, r.prefetch, r.setup_secs
+                "Restore ({}, {:?}, prefetch {:?}) setup time: {:.6}s",
+                r.server, r.mode, r.prefetch, r.setup_secs
             )?;
         }
         writeln!(
@@ -583,6 +631,12 @@ impl std::fmt::Display for PerfReport {
                 l.prefetch_threads,
                 l.zero_blocks,
                 l.complete_secs.map_or("-".into(), |s| format!("{s:.6}s"))
+            )?;
+        }
+        if let Some(n) = self.restore.as_ref().and_then(|r| r.peer_faults) {
+            writeln!(
+                f,
+                "Firecracker-style peer: {n} faults served, one 4 KiB page each"
             )?;
         }
         if let Some(r) = self.restore.as_ref().filter(|r| r.recorded_blocks > 0) {

@@ -123,7 +123,13 @@ fn reply(fd: &OwnedFd, unique: u64, error: i32, payload: &[u8]) {
     out.extend_from_slice(&unique.to_le_bytes());
     out.extend_from_slice(payload);
     // SAFETY: writes a live buffer to our descriptor.
-    unsafe { libc::write(fd.as_raw_fd(), out.as_ptr() as *const libc::c_void, out.len()) };
+    unsafe {
+        libc::write(
+            fd.as_raw_fd(),
+            out.as_ptr() as *const libc::c_void,
+            out.len(),
+        )
+    };
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
@@ -138,7 +144,13 @@ fn serve(fd: OwnedFd, name: &str, backing: File, size: u64, fail_from: u64) {
     let mut buf = vec![0u8; (1 << 20) + 4096];
     loop {
         // SAFETY: reads into a live buffer of buf.len() bytes.
-        let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len()) };
+        let n = unsafe {
+            libc::read(
+                fd.as_raw_fd(),
+                buf.as_mut_ptr() as *mut libc::c_void,
+                buf.len(),
+            )
+        };
         if n < 0 {
             match io::Error::last_os_error().raw_os_error() {
                 Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::ENOENT) => continue,
@@ -191,7 +203,11 @@ fn serve(fd: OwnedFd, name: &str, backing: File, size: u64, fail_from: u64) {
                 reply(&fd, unique, 0, &out);
             }
             FUSE_OPEN | FUSE_OPENDIR => {
-                let flags = if opcode == FUSE_OPEN { FOPEN_DIRECT_IO } else { 0 };
+                let flags = if opcode == FUSE_OPEN {
+                    FOPEN_DIRECT_IO
+                } else {
+                    0
+                };
                 let mut out = 1u64.to_le_bytes().to_vec();
                 out.extend_from_slice(&flags.to_le_bytes());
                 out.extend_from_slice(&[0u8; 4]);

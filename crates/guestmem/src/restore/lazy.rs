@@ -167,7 +167,9 @@ thread_local! {
 
 /// A second mapping of `region`'s file, aligned to its page size, not registered.
 fn alias(region: &Region) -> Result<Mapping, SnapshotError> {
-    let fo = region.file_offset().expect("memfd and hugetlb regions have a file");
+    let fo = region
+        .file_offset()
+        .expect("memfd and hugetlb regions have a file");
     let err = |e: crate::mmap::MmapError| SnapshotError::Memory {
         region: region.guest_addr().0,
         guest_addr: region.guest_addr().0,
@@ -446,12 +448,12 @@ impl LazyRestore {
             }));
         }
         for lr in &l.regions {
-            l.uffd
-                .unregister(lr.region.mapping())
-                .map_err(|source| SnapshotError::Userfaultfd {
+            l.uffd.unregister(lr.region.mapping()).map_err(|source| {
+                SnapshotError::Userfaultfd {
                     op: format!("unregister region at {:#x}", lr.region.guest_addr().0),
                     source,
-                })?;
+                }
+            })?;
         }
         Ok(report)
     }
@@ -461,6 +463,24 @@ impl Drop for LazyRestore {
     fn drop(&mut self) {
         if !self.finished {
             let _ = self.shutdown();
+        }
+    }
+}
+
+/// Nice value of prefetch threads: below the vCPUs, the VMM and the fault handlers, so
+/// prefetch takes the CPU time they leave (a vCPU waiting on a fault leaves its CPU), and a
+/// guest's start is not queued behind it.
+const PREFETCH_NICE: libc::c_int = 5;
+
+/// Lowers the calling thread's priority to [`PREFETCH_NICE`], once per thread.
+fn lower_priority() {
+    thread_local!(static DONE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+    if !DONE.with(|d| d.replace(true)) {
+        // SAFETY: gettid takes nothing; setpriority on our own thread id touches no memory.
+        // Best effort: a failure leaves the thread at its priority.
+        unsafe {
+            let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+            libc::setpriority(libc::PRIO_PROCESS, tid, PREFETCH_NICE);
         }
     }
 }
@@ -512,12 +532,30 @@ impl Lazy {
                 self.serve(block);
             }
             Err(DONE) => {
+                // The message raced the block's install, or the owner dropped the page since
+                // (MADV_DONTNEED, a balloon): private memory then reads as zero, shared
+                // memory as its page cache holds it. Either way the page is mapped (or is
+                // already) and the thread woken.
                 self.counters.late.fetch_add(1, Ordering::Relaxed);
-                let page = lr.region.page_size();
-                let at = off / page * page;
-                let _ = self
-                    .uffd
-                    .wake(lr.region.mapping(), at as usize, page as usize);
+                let page = lr.region.page_size() as usize;
+                let at = off as usize / page * page;
+                let m = lr.region.mapping();
+                let _ = match &lr.alias {
+                    None => self.uffd.zeropage(m, at, page),
+                    Some(_) => self.uffd.continue_range(m, at, page).or_else(|_| {
+                        let fo = lr
+                            .region
+                            .file_offset()
+                            .expect("a shared region has its file");
+                        crate::sys::fallocate(
+                            fo.file().as_fd(),
+                            fo.start() + at as u64,
+                            page as u64,
+                        )
+                        .and_then(|()| self.uffd.continue_range(m, at, page))
+                    }),
+                };
+                let _ = self.uffd.wake(m, at, page);
             }
             Err(BUSY) => {
                 self.counters.busy.fetch_add(1, Ordering::Relaxed);
@@ -626,9 +664,9 @@ impl Lazy {
                 } else {
                     let mut scratch = SCRATCH.take();
                     // SAFETY: the block lies inside the alias (same length as the
-                        // region), page-aligned; only the thread that claimed the block
-                        // writes it, and the registered mapping cannot map these pages
-                        // before the UFFDIO_CONTINUE below.
+                    // region), page-aligned; only the thread that claimed the block
+                    // writes it, and the registered mapping cannot map these pages
+                    // before the UFFDIO_CONTINUE below.
                     let r = unsafe {
                         self.image
                             .read_block(block, alias.as_ptr().add(off), false, &mut scratch)
@@ -687,6 +725,7 @@ impl Lazy {
             .expect("block ranges fit")
             .with_max_threads(threads);
         let _ = job.run(|chunk| {
+            lower_priority();
             for b in chunk.start..chunk.start + chunk.len {
                 if self.failed.load(Ordering::Acquire) || self.cancel.load(Ordering::Acquire) {
                     return Err(());

@@ -219,10 +219,7 @@ fn restore_mode(
 fn check_spec_layout(image: &Image, specs: &[&RegionSpec]) -> Result<(), SnapshotError> {
     check_pairs(
         image,
-        specs
-            .iter()
-            .map(|s| (s.guest_addr().0, s.size()))
-            .collect(),
+        specs.iter().map(|s| (s.guest_addr().0, s.size())).collect(),
         "the specs",
     )
 }
@@ -261,7 +258,9 @@ fn check_pairs(image: &Image, have: Vec<(u64, u64)>, name: &str) -> Result<(), S
                         "{:#x} bytes at {:#x}",
                         w.size, w.guest_addr
                     )),
-                    h.map_or("nothing".into(), |&(a, s)| format!("{s:#x} bytes at {a:#x}")),
+                    h.map_or("nothing".into(), |&(a, s)| format!(
+                        "{s:#x} bytes at {a:#x}"
+                    )),
                 )))
             }
         }
@@ -291,8 +290,8 @@ fn eager(
             while b < end {
                 let (ri, offset, _) = image.block_span(b);
                 let r = &regions[ri];
-                let region_end = image.regions()[ri].first_block
-                    + r.size().div_ceil(image.block_bytes());
+                let region_end =
+                    image.regions()[ri].first_block + r.size().div_ceil(image.block_bytes());
                 let last = region_end.min(end);
                 let (_, last_off, last_len) = image.block_span(last - 1);
                 let len = last_off + last_len - offset;

@@ -13,6 +13,9 @@ use super::{
 use crate::layout::{Backing, HugePageSize, RegionSpec};
 use crate::GuestAddress;
 
+/// Bytes read and hashed at a time (half a typical L2 cache).
+const HASH_PIECE: u64 = 256 << 10;
+
 /// Most saves one chain may hold.
 pub const MAX_CHAIN: usize = 64;
 
@@ -94,10 +97,16 @@ pub(crate) fn read_manifest(path: &Path) -> Result<Manifest, SnapshotError> {
         return Err(bad(format!("format {:?}, not {FORMAT:?}", m.format)));
     }
     if m.version != VERSION {
-        return Err(bad(format!("version {}, this build reads {VERSION}", m.version)));
+        return Err(bad(format!(
+            "version {}, this build reads {VERSION}",
+            m.version
+        )));
     }
     if !m.block_bytes.is_power_of_two() || m.block_bytes < IMAGE_PAGE_BYTES {
-        return Err(bad(format!("block size {:#x} is not a power of two >= 4 KiB", m.block_bytes)));
+        return Err(bad(format!(
+            "block size {:#x} is not a power of two >= 4 KiB",
+            m.block_bytes
+        )));
     }
     if m.regions.is_empty() {
         return Err(bad("no region".into()));
@@ -123,7 +132,9 @@ pub(crate) fn read_manifest(path: &Path) -> Result<Manifest, SnapshotError> {
                 r.guest_addr, r.file_offset
             )));
         }
-        if !r.page_size.is_power_of_two() || r.page_size > m.block_bytes || r.size % r.page_size != 0
+        if !r.page_size.is_power_of_two()
+            || r.page_size > m.block_bytes
+            || r.size % r.page_size != 0
         {
             return Err(bad(format!(
                 "region {i} at {:#x}: page size {:#x} does not fit the block size {:#x}",
@@ -153,17 +164,26 @@ pub(crate) fn read_manifest(path: &Path) -> Result<Manifest, SnapshotError> {
         }
         last = Some(b.index);
         if u64::from_str_radix(&b.checksum, 16).is_err() || b.checksum.len() != 16 {
-            return Err(bad(format!("block {}: checksum {:?} is not 16 hex digits", b.index, b.checksum)));
+            return Err(bad(format!(
+                "block {}: checksum {:?} is not 16 hex digits",
+                b.index, b.checksum
+            )));
         }
         if b.pages.as_ref().is_some_and(|p| p.len() != words) {
-            return Err(bad(format!("block {}: page list of the wrong length", b.index)));
+            return Err(bad(format!(
+                "block {}: page list of the wrong length",
+                b.index
+            )));
         }
     }
     if let Some(w) = m.working_set.iter().find(|&&w| w >= total) {
         return Err(bad(format!("working set names block {w}, of {total}")));
     }
     if m.memory_file.contains('/') || m.memory_file.is_empty() {
-        return Err(bad(format!("memory file {:?} must be a plain name", m.memory_file)));
+        return Err(bad(format!(
+            "memory file {:?} must be a plain name",
+            m.memory_file
+        )));
     }
     Ok(m)
 }
@@ -474,13 +494,23 @@ impl Image {
                 }
                 scratch.as_mut_ptr() as *mut u8
             };
-            // SAFETY: target is dst (the caller's writable block) or scratch, resized to
-            // hold len bytes above.
-            unsafe { pread_exact(layer, target, len, file_offset, region, guest_addr)? };
+            // Read and hash a piece at a time, so the hash reads what the copy just left in
+            // the cache (one pass over memory fewer than reading the block, then hashing it).
             let mut h = BlockHasher::default();
-            // SAFETY: target holds len bytes just read, 8-byte aligned (dst by contract,
-            // scratch a Vec<u64>).
-            unsafe { h.update_volatile(target, len as usize) };
+            let mut at = 0u64;
+            while at < len {
+                let n = HASH_PIECE.min(len - at);
+                // SAFETY: target is dst (the caller's writable block) or scratch, resized to
+                // hold len bytes above; at + n <= len.
+                unsafe {
+                    let p = target.add(at as usize);
+                    pread_exact(layer, p, n, file_offset + at, region, guest_addr + at)?;
+                    // p holds the n bytes just read, 8-byte aligned (dst by contract and
+                    // pieces of whole pages, scratch a Vec<u64>).
+                    h.update_volatile(p, n as usize);
+                }
+                at += n;
+            }
             let found = h.finish();
             if found != piece.checksum {
                 return Err(SnapshotError::Checksum {

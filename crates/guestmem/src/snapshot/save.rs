@@ -168,7 +168,12 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
         let n = r.size().div_ceil(block_bytes);
         for k in 0..n {
             let offset = k * block_bytes;
-            blocks_of.push((i, offset, (r.size() - offset).min(block_bytes), l.file_offset));
+            blocks_of.push((
+                i,
+                offset,
+                (r.size() - offset).min(block_bytes),
+                l.file_offset,
+            ));
         }
     }
     let total_blocks = blocks_of.len() as u64;
@@ -195,9 +200,7 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
                 } else {
                     None
                 };
-                if let Some((rec, bytes)) =
-                    save_block(&at, b, pages, &proc, &file, &mem_path)?
-                {
+                if let Some((rec, bytes)) = save_block(&at, b, pages, &proc, &file, &mem_path)? {
                     written.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
                     local.push(rec);
                 }
@@ -317,7 +320,10 @@ fn maybe_data(at: &BlockAt<'_>, proc: &ProcMem) -> std::io::Result<Vec<bool>> {
             )?;
             let mut v = vec![false; len / IMAGE_PAGE_BYTES as usize];
             for (s, e) in ranges {
-                let (a, b) = ((s - start) / IMAGE_PAGE_BYTES, (e - start).div_ceil(IMAGE_PAGE_BYTES));
+                let (a, b) = (
+                    (s - start) / IMAGE_PAGE_BYTES,
+                    (e - start).div_ceil(IMAGE_PAGE_BYTES),
+                );
                 for x in &mut v[a as usize..(b as usize).min(len / 4096)] {
                     *x = true;
                 }

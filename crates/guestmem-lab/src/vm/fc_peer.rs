@@ -1,0 +1,211 @@
+//! The Firecracker-style page server, as a peer for the restore measurements: what
+//! Firecracker's example userfaultfd handlers do. One thread; the memory file mapped
+//! privately; every fault answered with one 4 KiB `UFFDIO_COPY` from it; no prefetch, no
+//! checksum. A lab instrument, not library API (guestmem's own engine is
+//! `guestmem::restore`).
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use guestmem::Region;
+use linux_raw_sys::general as uapi;
+use linux_raw_sys::ioctl as nr;
+
+const PAGE: u64 = 4096;
+
+/// A running Firecracker-style server; stops (and unregisters) when dropped.
+pub struct FcPeer {
+    stop: Arc<AtomicBool>,
+    faults: Arc<AtomicU64>,
+    thread: Option<JoinHandle<io::Result<()>>>,
+}
+
+fn ioctl<T>(fd: &OwnedFd, req: u32, arg: &mut T) -> io::Result<()> {
+    // SAFETY: `arg` is the uapi struct `req` names, borrowed for the call.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), req as _, arg as *mut T) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// The private read-only mapping of the memory file the server copies from.
+struct FileMap {
+    addr: usize,
+    len: usize,
+}
+
+impl Drop for FileMap {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, unmapped once.
+        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+    }
+}
+
+impl FcPeer {
+    /// Registers `regions` (fresh, private anonymous memory laid out as the memory file:
+    /// region `i` at the sum of the sizes before it) and starts serving from `memory_file`.
+    pub fn start(regions: &[Arc<Region>], memory_file: &Path) -> io::Result<FcPeer> {
+        let file = File::open(memory_file)?;
+        let len = file.metadata()?.len() as usize;
+        // SAFETY: a fresh private read-only mapping where the kernel chooses; checked below.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let src = FileMap {
+            addr: addr as usize,
+            len,
+        };
+        // SAFETY: flags only.
+        let raw =
+            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+        if raw < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let uffd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
+        let mut api = uapi::uffdio_api {
+            api: uapi::UFFD_API as u64,
+            features: 0,
+            ioctls: 0,
+        };
+        ioctl(&uffd, nr::UFFDIO_API, &mut api)?;
+        // (host start, host end, file offset)
+        let mut table = Vec::new();
+        let mut off = 0u64;
+        for r in regions {
+            let start = r.host_addr() as u64;
+            let mut reg = uapi::uffdio_register {
+                range: uapi::uffdio_range {
+                    start,
+                    len: r.size(),
+                },
+                mode: u64::from(uapi::UFFDIO_REGISTER_MODE_MISSING),
+                ioctls: 0,
+            };
+            ioctl(&uffd, nr::UFFDIO_REGISTER, &mut reg)?;
+            table.push((start, start + r.size(), off));
+            off += r.size();
+        }
+        if off as usize > len {
+            return Err(io::Error::other(format!(
+                "memory file holds {len:#x} bytes, the regions {off:#x}"
+            )));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let faults = Arc::new(AtomicU64::new(0));
+        let (s, f) = (stop.clone(), faults.clone());
+        // Keep the regions mapped while the server runs.
+        let keep: Vec<Arc<Region>> = regions.to_vec();
+        let thread = std::thread::Builder::new()
+            .name("fc-peer".into())
+            .spawn(move || serve(uffd, src, table, s, f, keep))?;
+        Ok(FcPeer {
+            stop,
+            faults,
+            thread: Some(thread),
+        })
+    }
+
+    /// Faults served so far.
+    pub fn faults(&self) -> u64 {
+        self.faults.load(Ordering::Relaxed)
+    }
+
+    /// Stops the server; its error, if it failed.
+    pub fn stop(mut self) -> io::Result<u64> {
+        self.stop.store(true, Ordering::Release);
+        let r = self.thread.take().map_or(Ok(()), |t| {
+            t.join()
+                .unwrap_or_else(|_| Err(io::Error::other("fc-peer panicked")))
+        });
+        r.map(|()| self.faults())
+    }
+}
+
+impl Drop for FcPeer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn serve(
+    uffd: OwnedFd,
+    src: FileMap,
+    table: Vec<(u64, u64, u64)>,
+    stop: Arc<AtomicBool>,
+    faults: Arc<AtomicU64>,
+    _keep: Vec<Arc<Region>>,
+) -> io::Result<()> {
+    let size = std::mem::size_of::<uapi::uffd_msg>();
+    loop {
+        let mut pfd = libc::pollfd {
+            fd: uffd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, 50) };
+        if stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if n <= 0 {
+            continue;
+        }
+        let mut msg = std::mem::MaybeUninit::<uapi::uffd_msg>::uninit();
+        // SAFETY: reads at most one message into a buffer of its size.
+        let got = unsafe {
+            libc::read(
+                uffd.as_raw_fd(),
+                msg.as_mut_ptr() as *mut libc::c_void,
+                size,
+            )
+        };
+        if got != size as isize {
+            continue;
+        }
+        // SAFETY: the kernel wrote a whole message.
+        let msg = unsafe { msg.assume_init() };
+        if u32::from(msg.event) != uapi::UFFD_EVENT_PAGEFAULT {
+            continue;
+        }
+        // SAFETY: a pagefault message carries the pagefault member.
+        let addr = unsafe { msg.arg.pagefault.address } & !(PAGE - 1);
+        let Some(&(start, _, off)) = table.iter().find(|&&(s, e, _)| addr >= s && addr < e) else {
+            continue;
+        };
+        let from = off + (addr - start);
+        let mut c = uapi::uffdio_copy {
+            dst: addr,
+            src: (src.addr as u64) + from,
+            len: PAGE,
+            mode: 0,
+            copy: 0,
+        };
+        match ioctl(&uffd, nr::UFFDIO_COPY, &mut c) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => return Err(e),
+        }
+        faults.fetch_add(1, Ordering::Relaxed);
+    }
+}
