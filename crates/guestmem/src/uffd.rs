@@ -66,6 +66,15 @@ impl Uffd {
     /// Opens a non-blocking userfaultfd that sees kernel faults too (KVM's), and enables the
     /// API with the features wanted that the kernel offers.
     pub(crate) fn open(want_features: u64) -> io::Result<Uffd> {
+        // Ask what the kernel has first (features 0), then enable what is wanted of it on a
+        // new descriptor: the API handshake can be done only once per descriptor.
+        let (_, offered) = Uffd::handshake(0)?;
+        Ok(Uffd::handshake(offered & want_features)?.0)
+    }
+
+    /// A new non-blocking descriptor, its API enabled with `features`; and the features the
+    /// kernel offers.
+    fn handshake(features: u64) -> io::Result<(Uffd, u64)> {
         // SAFETY: the syscall takes flags only and returns a new descriptor or -1.
         let raw =
             unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
@@ -74,31 +83,13 @@ impl Uffd {
         }
         // SAFETY: `raw` is a descriptor the kernel just gave us and nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
-        // Ask what the kernel has first (features 0), then enable what is wanted of it on a
-        // new descriptor: the API handshake can be done only once per descriptor.
-        let mut probe = uapi::uffdio_api {
-            api: uapi::UFFD_API as u64,
-            features: 0,
-            ioctls: 0,
-        };
-        ioctl(&fd, nr::UFFDIO_API, &mut probe)?;
-        let features = probe.features & want_features;
-        drop(fd);
-        // SAFETY: as above.
-        let raw =
-            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: as above.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
         let mut api = uapi::uffdio_api {
             api: uapi::UFFD_API as u64,
             features,
             ioctls: 0,
         };
         ioctl(&fd, nr::UFFDIO_API, &mut api)?;
-        Ok(Uffd { fd, features })
+        Ok((Uffd { fd, features }, api.features))
     }
 
     /// Whether the kernel granted `feature`.
