@@ -211,15 +211,6 @@ impl DirtyBitmap {
         }
     }
 
-    /// Clears the bits set in `words` (word `i` against word `i`), leaving any set since.
-    pub(crate) fn clear_words(&self, words: &[u64]) {
-        for (w, &m) in self.words.iter().zip(words) {
-            if m != 0 {
-                w.fetch_and(!m, Ordering::AcqRel);
-            }
-        }
-    }
-
     /// A copy of the bits, left set.
     pub fn snapshot(&self) -> Vec<u64> {
         self.words

@@ -505,23 +505,6 @@ impl Mapping {
         Ok(false)
     }
 
-    /// For each base page of `offset..offset+len` (`offset` page-aligned), whether it is
-    /// resident (`mincore`; for a shared file or memfd, in its page cache).
-    pub(crate) fn resident_pages(&self, offset: usize, len: usize) -> Result<Vec<bool>, MmapError> {
-        let addr = self.range(offset, len)?;
-        let page = crate::sys::base_page_size() as usize;
-        let n = len.div_ceil(page);
-        let mut vec = vec![0u8; n];
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        // SAFETY: the range is this mapping's own (checked by `range`); mincore only reads
-        // page state and writes n bytes into `vec`.
-        let ret = unsafe { libc::mincore(addr as *mut libc::c_void, n * page, vec.as_mut_ptr()) };
-        sys_result(ret, "mincore", addr, n * page)?;
-        Ok(vec.iter().map(|&b| b & 1 != 0).collect())
-    }
-
     /// Binds `offset..offset+len` to NUMA node `node` (`mbind(MPOL_BIND)`; libc has no
     /// wrapper, so this goes through `syscall`).
     pub fn bind_node(&self, offset: usize, len: usize, node: u32) -> Result<(), MmapError> {

@@ -152,6 +152,9 @@ pub struct Region {
     file: Option<FileOffset>,
     dirty: Option<DirtyBitmap>,
     warnings: Vec<String>,
+    /// Snapshot bookkeeping: whether a lazy restore is filling the region, and which save
+    /// its dirty bitmap counts from.
+    pub(crate) snap_state: crate::snapshot::RegionSnapState,
 }
 
 /// A spec that passed its checks, with the numbers mapping needs.
@@ -217,6 +220,7 @@ impl Region {
             file: opened.file,
             dirty,
             warnings,
+            snap_state: Default::default(),
         })
     }
 

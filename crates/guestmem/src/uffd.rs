@@ -178,6 +178,7 @@ impl Uffd {
         mapping: &Mapping,
         offset: usize,
         len: usize,
+        page: usize,
     ) -> io::Result<()> {
         let mut r = range(mapping, offset, len)?;
         while r.len > 0 {
@@ -196,10 +197,9 @@ impl Uffd {
                     r.len -= c.mapped as u64;
                 }
                 Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
-                    // The first page is mapped already: step over it.
-                    let page = crate::sys::base_page_size();
-                    r.start += page;
-                    r.len = r.len.saturating_sub(page);
+                    // The first page (of the region's page size) is mapped already.
+                    r.start += page as u64;
+                    r.len = r.len.saturating_sub(page as u64);
                 }
                 Err(e) => return Err(e),
             }
@@ -210,17 +210,38 @@ impl Uffd {
     /// Marks `offset..offset + len` of `mapping` as lost memory (`UFFDIO_POISON`, Linux 6.6):
     /// a later access raises `SIGBUS` as a hardware memory error would, so no zero page can
     /// stand in for data that never arrived.
-    pub(crate) fn poison(&self, mapping: &Mapping, offset: usize, len: usize) -> io::Result<()> {
-        let r = range(mapping, offset, len)?;
-        let mut p = uapi::uffdio_poison {
-            range: r,
-            mode: 0,
-            updated: 0,
-        };
-        match ioctl(&self.fd, UFFDIO_POISON, &mut p) {
-            Err(e) if e.raw_os_error() != Some(libc::EEXIST) => Err(e),
-            _ => Ok(()),
+    pub(crate) fn poison(
+        &self,
+        mapping: &Mapping,
+        offset: usize,
+        len: usize,
+        page: usize,
+    ) -> io::Result<()> {
+        let mut r = range(mapping, offset, len)?;
+        while r.len > 0 {
+            let mut p = uapi::uffdio_poison {
+                range: r,
+                mode: 0,
+                updated: 0,
+            };
+            match ioctl(&self.fd, UFFDIO_POISON, &mut p) {
+                Ok(()) => return Ok(()),
+                Err(e)
+                    if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EEXIST))
+                        && p.updated > 0 =>
+                {
+                    r.start += p.updated as u64;
+                    r.len -= p.updated as u64;
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                    // A page there already holds data: it is not lost; step over it.
+                    r.start += page as u64;
+                    r.len = r.len.saturating_sub(page as u64);
+                }
+                Err(e) => return Err(e),
+            }
         }
+        Ok(())
     }
 
     /// Wakes the threads waiting at `offset..offset + len` of `mapping`.

@@ -463,3 +463,66 @@ fn a_page_dropped_after_a_lazy_restore_reads_as_zero_not_a_hang() {
         assert!(rep.faults_late >= 1, "{rep:?}");
     });
 }
+
+#[test]
+fn incremental_saves_check_their_parent_and_short_last_blocks_reopen() {
+    // A region whose last block is short (6 MiB + 256 KiB in 1 MiB blocks).
+    let specs = tracked(vec![
+        RegionSpec::new(GuestAddress(0), 8 * MIB),
+        RegionSpec::new(GuestAddress(64 * MIB), 6 * MIB + 256 * 1024),
+    ]);
+    let map = GuestMap::from_specs(&specs).unwrap();
+    scribble(&map, 3);
+    let root = scratch("parent-check");
+    snapshot::save(&map.snapshot(), &root.join("a"), &SaveConfig::default()).unwrap();
+    let snap = map.snapshot();
+    // One page of the short last block.
+    snap.write_slice(&[7u8; 4096], GuestAddress(64 * MIB + 6 * MIB + 4096))
+        .unwrap();
+    let inc = |parent: &str| SaveConfig {
+        kind: SaveKind::Incremental {
+            parent: root.join(parent),
+        },
+        ..SaveConfig::default()
+    };
+    snapshot::save(&snap, &root.join("b"), &inc("a")).unwrap();
+    let want = contents(&map);
+    // A second incremental save on `a` would miss b's pages: refused.
+    snap.write_slice(&[9u8; 1], GuestAddress(0)).unwrap();
+    let e = snapshot::save(&snap, &root.join("c"), &inc("a")).unwrap_err();
+    assert!(e.to_string().contains("count from save"), "{e}");
+    drop(map);
+    let plain: Vec<RegionSpec> = specs
+        .iter()
+        .map(|s| s.clone().with_dirty_tracking(DirtyTracking::Off))
+        .collect();
+    check_restore(&root.join("b"), &plain, RestoreMode::Eager, &want);
+    check_restore(&root.join("b"), &plain, RestoreMode::Lazy, &want);
+}
+
+#[test]
+fn saving_during_a_lazy_restore_is_refused() {
+    let dir = saved("save-during-lazy");
+    let image = Image::open(&dir).unwrap();
+    deadline(30, move || {
+        let r = restore::restore(&image, &specs_plain(), &cfg(RestoreMode::Lazy)).unwrap();
+        let e = snapshot::save(
+            &r.map.snapshot(),
+            &scratch("save-during-lazy-out"),
+            &SaveConfig::default(),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("lazy restore is still filling it"),
+            "{e}"
+        );
+        r.lazy.unwrap().finish().unwrap();
+        // Once finished the memory is whole, and a save of it works.
+        snapshot::save(
+            &r.map.snapshot(),
+            &scratch("save-after-lazy"),
+            &SaveConfig::default(),
+        )
+        .unwrap();
+    });
+}

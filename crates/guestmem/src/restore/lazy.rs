@@ -263,6 +263,12 @@ impl LazyRestore {
             }
             registered.push(lr.region.mapping());
         }
+        for lr in &lregions {
+            lr.region
+                .snap_state
+                .restore
+                .store(crate::snapshot::RESTORING, Ordering::Release);
+        }
         let mut by_host: Vec<(u64, u64, usize)> = lregions
             .iter()
             .enumerate()
@@ -301,20 +307,46 @@ impl LazyRestore {
             prefetched_working_set: 0,
             finished: false,
         };
-        for i in 0..cfg.handler_threads.max(1) {
-            let l = lazy.clone();
-            let h = std::thread::Builder::new()
-                .name(format!("guestmem-uffd{i}"))
-                .spawn(move || l.handle())
-                .map_err(uerr("spawn a handler thread"))?;
-            this.handlers.push(h);
-        }
-        if cfg.prefetch == Prefetch::Recorded {
-            this.prefetched_working_set = image.working_set().len();
-            this.start_prefetch(image.working_set().to_vec())
-                .map_err(uerr("spawn the prefetch thread"))?;
+        let started = (|| {
+            for i in 0..cfg.handler_threads.max(1) {
+                let l = lazy.clone();
+                let h = std::thread::Builder::new()
+                    .name(format!("guestmem-uffd{i}"))
+                    .spawn(move || l.handle())?;
+                this.handlers.push(h);
+            }
+            if cfg.prefetch == Prefetch::Recorded {
+                this.prefetched_working_set = image.working_set().len();
+                this.start_prefetch(image.working_set().to_vec())?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = started {
+            this.abort_start();
+            return Err(uerr("spawn a handler or prefetch thread")(e));
         }
         Ok(this)
+    }
+
+    /// Undoes a start that could not spawn its threads: stops what did start and unregisters
+    /// the memory. The caller gets the error, and with `restore_into` a map that the
+    /// prefetch may have partly filled (with the image's data; the rest reads as fresh
+    /// memory), which it should drop.
+    fn abort_start(&mut self) {
+        let l = self.lazy.clone();
+        l.cancel.store(true, Ordering::Release);
+        let _ = crate::sys::eventfd_signal(l.stop.as_fd());
+        if let Some(p) = self.prefetcher.take() {
+            let _ = p.join();
+        }
+        for h in self.handlers.drain(..) {
+            let _ = h.join();
+        }
+        for lr in &l.regions {
+            lr.region.snap_state.restore.store(0, Ordering::Release);
+            let _ = l.uffd.unregister(lr.region.mapping());
+        }
+        self.finished = true;
     }
 
     fn start_prefetch(&mut self, first: Vec<u64>) -> std::io::Result<()> {
@@ -442,12 +474,19 @@ impl LazyRestore {
                 // of missing memory waits instead of reading a zero page.
                 std::mem::forget(Arc::clone(&l));
             }
+            for lr in &l.regions {
+                lr.region
+                    .snap_state
+                    .restore
+                    .store(crate::snapshot::LOST, Ordering::Release);
+            }
             let e = l.error.lock().unwrap_or_else(|e| e.into_inner()).take();
             return Err(e.unwrap_or_else(|| {
                 SnapshotError::Stopped(l.message.get().cloned().unwrap_or_default())
             }));
         }
         for lr in &l.regions {
+            lr.region.snap_state.restore.store(0, Ordering::Release);
             l.uffd.unregister(lr.region.mapping()).map_err(|source| {
                 SnapshotError::Userfaultfd {
                     op: format!("unregister region at {:#x}", lr.region.guest_addr().0),
@@ -542,7 +581,7 @@ impl Lazy {
                 let m = lr.region.mapping();
                 let _ = match &lr.alias {
                     None => self.uffd.zeropage(m, at, page),
-                    Some(_) => self.uffd.continue_range(m, at, page).or_else(|_| {
+                    Some(_) => self.uffd.continue_range(m, at, page, page).or_else(|_| {
                         let fo = lr
                             .region
                             .file_offset()
@@ -552,7 +591,7 @@ impl Lazy {
                             fo.start() + at as u64,
                             page as u64,
                         )
-                        .and_then(|()| self.uffd.continue_range(m, at, page))
+                        .and_then(|()| self.uffd.continue_range(m, at, page, page))
                     }),
                 };
                 let _ = self.uffd.wake(m, at, page);
@@ -638,17 +677,19 @@ impl Lazy {
                     // SAFETY: as above: the first n bytes of this thread's staging mapping,
                     // just written, borrowed only for the copies below.
                     let src = unsafe { std::slice::from_raw_parts(staging.as_ptr(), n) };
-                    let page = crate::sys::base_page_size() as usize;
-                    let mut done = 0;
-                    while done < n {
-                        done += self
-                            .uffd
-                            .copy(region.mapping(), off + done, &src[done..])
-                            .map_err(mem_err("UFFDIO_COPY"))?;
-                        if done < n {
-                            // A page there already (EEXIST): keep it, go on after it.
-                            done += page;
-                        }
+                    let copied = self
+                        .uffd
+                        .copy(region.mapping(), off, src)
+                        .map_err(mem_err("UFFDIO_COPY"))?;
+                    if copied < n {
+                        // A page of a block nobody had filled was there already: something
+                        // else wrote this memory behind the restore's back.
+                        return Err(SnapshotError::Memory {
+                            region: region.guest_addr().0,
+                            guest_addr: guest_addr + copied as u64,
+                            op: "UFFDIO_COPY (a page was present before its block was restored)",
+                            source: std::io::Error::from_raw_os_error(libc::EEXIST),
+                        });
                     }
                     Ok(())
                 });
@@ -676,7 +717,7 @@ impl Lazy {
                     self.counters.bytes.fetch_add(len, Ordering::Relaxed);
                 }
                 self.uffd
-                    .continue_range(region.mapping(), off, n)
+                    .continue_range(region.mapping(), off, n, region.page_size() as usize)
                     .map_err(mem_err("UFFDIO_CONTINUE"))?;
             }
         }
@@ -697,7 +738,8 @@ impl Lazy {
             std::mem::take(&mut *h)
         };
         for hook in hooks {
-            hook(&text);
+            // A panicking hook must not stop the failed block from being poisoned.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(&text)));
         }
         let _g = self.wait.lock().unwrap_or_else(|p| p.into_inner());
         self.cv.notify_all();
@@ -746,7 +788,10 @@ impl Lazy {
         }
         let (ri, offset, len) = self.image.block_span(block);
         let m = self.regions[ri].region.mapping();
-        self.uffd.poison(m, offset as usize, len as usize).is_ok()
+        let page = self.regions[ri].region.page_size() as usize;
+        self.uffd
+            .poison(m, offset as usize, len as usize, page)
+            .is_ok()
     }
 
     /// Poisons every block not in. Returns false when the kernel cannot.

@@ -183,22 +183,43 @@ fn restore_mode(
     let regions: Vec<Arc<Region>> = map.snapshot().regions().to_vec();
     check_region_layout(image, &regions)?;
     if cfg.mode != RestoreMode::Mapped {
+        let proc = crate::sys::ProcMem::open().map_err(|source| SnapshotError::File {
+            op: "open",
+            path: "/proc/self/pagemap".into(),
+            source,
+        })?;
         for r in &regions {
-            let resident = r
-                .mapping()
-                .any_resident(0, r.size() as usize)
-                .map_err(|e| SnapshotError::Memory {
-                    region: r.guest_addr().0,
-                    guest_addr: r.guest_addr().0,
-                    op: "mincore",
-                    source: e.into_io(),
-                })?;
+            let err = |op, source| SnapshotError::Memory {
+                region: r.guest_addr().0,
+                guest_addr: r.guest_addr().0,
+                op,
+                source,
+            };
+            // Private memory: faulted in, present or swapped (mincore misses swapped pages).
+            // Shared memory: in the page cache, however it got there.
+            let resident = match r.backing() {
+                Backing::Anonymous => proc
+                    .faulted_in(r.mapping(), 0, r.size() as usize)
+                    .map_err(|e| err("read /proc/self/pagemap", e))?
+                    .contains(&true),
+                _ => r
+                    .mapping()
+                    .any_resident(0, r.size() as usize)
+                    .map_err(|e| err("mincore", e.into_io()))?,
+            };
             if resident {
                 return Err(SnapshotError::Populated {
                     region: r.guest_addr().0,
                 });
             }
         }
+    }
+    // Restored memory is the image's top save: dirty bitmaps count from it.
+    for r in &regions {
+        *r.snap_state
+            .saved_as
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(image.id().to_string());
     }
     match cfg.mode {
         RestoreMode::Eager => {

@@ -16,6 +16,11 @@ use crate::GuestAddress;
 /// Bytes read and hashed at a time (half a typical L2 cache).
 const HASH_PIECE: u64 = 256 << 10;
 
+/// Largest block size (the largest huge page).
+pub const MAX_BLOCK_BYTES: u64 = 1 << 30;
+/// Most blocks an image may have (64 TiB of 1 MiB blocks).
+pub const MAX_BLOCKS: u64 = 1 << 26;
+
 /// Most saves one chain may hold.
 pub const MAX_CHAIN: usize = 64;
 
@@ -153,6 +158,11 @@ pub(crate) fn read_manifest(path: &Path) -> Result<Manifest, SnapshotError> {
         )));
     }
     let total = m.total_blocks();
+    if total > MAX_BLOCKS {
+        return Err(bad(format!(
+            "{total} blocks, more than {MAX_BLOCKS}: use larger blocks"
+        )));
+    }
     let words = (m.block_bytes / IMAGE_PAGE_BYTES).div_ceil(64) as usize;
     let mut last = None;
     for b in &m.blocks {
@@ -379,6 +389,11 @@ impl Image {
     /// The top save's memory file.
     pub fn memory_path(&self) -> &Path {
         &self.top().path
+    }
+
+    /// The top save's id.
+    pub fn id(&self) -> &str {
+        &self.top().manifest.id
     }
 
     /// The top save's notes.

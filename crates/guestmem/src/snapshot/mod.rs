@@ -166,6 +166,14 @@ pub enum SnapshotError {
     /// save's parent).
     #[error("layout mismatch: {0}")]
     Layout(String),
+    /// The region's memory is not whole: a lazy restore is still filling it, or failed.
+    #[error("region at {region:#x}: {why}")]
+    NotWhole {
+        /// The region.
+        region: u64,
+        /// Why.
+        why: &'static str,
+    },
     /// An incremental save needs a region's dirty bitmap.
     #[error("region at {region:#x}: an incremental save needs dirty tracking (RegionSpec::with_dirty_tracking)")]
     NotTracked {
@@ -263,6 +271,21 @@ impl Manifest {
         self.regions.iter().map(|r| self.region_blocks(r)).sum()
     }
 }
+
+/// What a region remembers for snapshots.
+#[derive(Debug, Default)]
+pub(crate) struct RegionSnapState {
+    /// 0: its memory is whole; [`RESTORING`]: a lazy restore is filling it; [`LOST`]: a lazy
+    /// restore failed and some of it is poisoned.
+    pub(crate) restore: std::sync::atomic::AtomicU8,
+    /// The id of the save its dirty bitmap counts from (the last save of it).
+    pub(crate) saved_as: std::sync::Mutex<Option<String>>,
+}
+
+/// [`RegionSnapState::restore`]: a lazy restore is filling the region.
+pub(crate) const RESTORING: u8 = 1;
+/// [`RegionSnapState::restore`]: a lazy restore failed; part of the region is lost.
+pub(crate) const LOST: u8 = 2;
 
 /// A fresh id: the time, the process and a counter, mixed.
 fn new_id() -> String {

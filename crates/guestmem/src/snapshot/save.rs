@@ -101,6 +101,21 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
     if regions.is_empty() {
         return Err(SnapshotError::Layout("the map holds no region".into()));
     }
+    for r in regions {
+        let why = match r
+            .snap_state
+            .restore
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            0 => continue,
+            super::RESTORING => "a lazy restore is still filling it: finish it first",
+            _ => "a lazy restore failed and part of it is lost",
+        };
+        return Err(SnapshotError::NotWhole {
+            region: r.guest_addr().0,
+            why,
+        });
+    }
     let largest_page = regions.iter().map(|r| r.page_size()).max().unwrap_or(4096);
     let mut layout = Vec::with_capacity(regions.len());
     let mut file_offset = 0u64;
@@ -116,9 +131,12 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
     }
     let (block_bytes, parent) = match &cfg.kind {
         SaveKind::Full => {
-            if !cfg.block_bytes.is_power_of_two() || cfg.block_bytes < IMAGE_PAGE_BYTES {
+            if !cfg.block_bytes.is_power_of_two()
+                || cfg.block_bytes < IMAGE_PAGE_BYTES
+                || cfg.block_bytes > super::image::MAX_BLOCK_BYTES
+            {
                 return Err(SnapshotError::Layout(format!(
-                    "block size {:#x}: must be a power of two of at least {IMAGE_PAGE_BYTES:#x}",
+                    "block size {:#x}: must be a power of two from 4 KiB to 1 GiB",
                     cfg.block_bytes
                 )));
             }
@@ -132,6 +150,25 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
                     return Err(SnapshotError::NotTracked {
                         region: r.guest_addr().0,
                     });
+                }
+            }
+            // The dirty bitmaps must count from this parent, or pages written between the
+            // parent and the save they count from would be missing.
+            for r in regions {
+                let from = r
+                    .snap_state
+                    .saved_as
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                if from.as_deref() != Some(p.id.as_str()) {
+                    return Err(SnapshotError::Layout(format!(
+                        "region at {:#x}: its dirty pages count from save {}, not from the parent {} ({})",
+                        r.guest_addr().0,
+                        from.as_deref().unwrap_or("(none: never saved)"),
+                        p.id,
+                        parent.display()
+                    )));
                 }
             }
             (p.block_bytes, Some((parent.clone(), p.id)))
@@ -156,11 +193,25 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
     file.set_len(file_offset)
         .map_err(file_err("size", &mem_path))?;
 
-    // The dirty bits this save covers, read once (cleared only when the save succeeds).
+    // The dirty bits this save covers, taken (cleared) now, so a page written during the save
+    // stays dirty for the next one; put back if the save fails.
     let dirty: Vec<Option<Vec<u64>>> = regions
         .iter()
-        .map(|r| r.dirty_bitmap().map(|b| b.snapshot()))
+        .map(|r| {
+            r.dirty_bitmap().map(|b| {
+                let mut w = Vec::new();
+                b.take(&mut w);
+                w
+            })
+        })
         .collect();
+    let put_back = || {
+        for (r, words) in regions.iter().zip(&dirty) {
+            if let (Some(b), Some(w)) = (r.dirty_bitmap(), words) {
+                let _ = b.merge_words(0, w);
+            }
+        }
+    };
     let incremental = parent.is_some();
 
     let mut blocks_of = Vec::new();
@@ -196,7 +247,7 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
                 };
                 let pages = if incremental {
                     let words = dirty[ri].as_ref().expect("checked tracked");
-                    Some(dirty_pages(words, offset, len))
+                    Some(dirty_pages(words, offset, len, block_bytes))
                 } else {
                     None
                 };
@@ -211,8 +262,18 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
                 .extend(local);
             Ok::<(), SnapshotError>(())
         })
-        .map_err(|f| f.error)?;
-    file.sync_data().map_err(file_err("sync", &mem_path))?;
+        .map_err(|f| f.error);
+    let stats = match stats.and_then(|s| {
+        file.sync_data().map_err(file_err("sync", &mem_path))?;
+        Ok(s)
+    }) {
+        Ok(s) => s,
+        Err(e) => {
+            put_back();
+            let _ = std::fs::remove_file(&mem_path);
+            return Err(e);
+        }
+    };
 
     let mut blocks = records.into_inner().unwrap_or_else(|e| e.into_inner());
     blocks.sort_by_key(|r: &BlockRecord| r.index);
@@ -234,12 +295,17 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
         meta: cfg.meta.clone(),
     };
     let n_blocks = manifest.blocks.len() as u64;
-    write_manifest(dir, &manifest)?;
-    // The save holds these pages now: the next incremental one starts after them.
-    for (r, words) in regions.iter().zip(&dirty) {
-        if let (Some(b), Some(w)) = (r.dirty_bitmap(), words) {
-            b.clear_words(w);
-        }
+    if let Err(e) = write_manifest(dir, &manifest) {
+        put_back();
+        let _ = std::fs::remove_file(&mem_path);
+        return Err(e);
+    }
+    // The dirty bitmaps count from this save now.
+    for r in regions {
+        *r.snap_state
+            .saved_as
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(id.clone());
     }
     Ok(SaveReport {
         dir: dir.to_path_buf(),
@@ -271,7 +337,11 @@ pub(crate) fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), Snap
         f.write_all(&text).map_err(err("write", &tmp))?;
         f.sync_all().map_err(err("sync", &tmp))?;
     }
-    std::fs::rename(&tmp, &path).map_err(err("rename", &path))
+    std::fs::rename(&tmp, &path).map_err(err("rename", &path))?;
+    // The rename itself must reach the disk.
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(err("sync", dir))
 }
 
 /// `parent` as the child in `dir` should name it: relative when both sit in one directory.
@@ -286,10 +356,11 @@ fn relative_parent(dir: &Path, parent: &Path) -> PathBuf {
 }
 
 /// The dirty 4 KiB pages of `offset..offset+len` of a region, as block-relative words.
-fn dirty_pages(words: &[u64], offset: u64, len: u64) -> Vec<u64> {
+fn dirty_pages(words: &[u64], offset: u64, len: u64, block_bytes: u64) -> Vec<u64> {
     let first = offset / IMAGE_PAGE_BYTES;
     let n = len.div_ceil(IMAGE_PAGE_BYTES);
-    let mut out = vec![0u64; n.div_ceil(64) as usize];
+    // Every block's page list has the whole block's length, a region's short last block too.
+    let mut out = vec![0u64; (block_bytes / IMAGE_PAGE_BYTES).div_ceil(64) as usize];
     for i in 0..n {
         let p = first + i;
         if words
@@ -330,11 +401,9 @@ fn maybe_data(at: &BlockAt<'_>, proc: &ProcMem) -> std::io::Result<Vec<bool>> {
             }
             Ok(v)
         }
-        // Hugetlb pages are never swapped: resident is all there is.
-        Backing::Hugetlb(_) => r
-            .mapping()
-            .resident_pages(off, len)
-            .map_err(|e| e.into_io()),
+        // Hugetlb: a page may be in the file without being mapped here (another process's
+        // mapping, a vhost-user backend): read them all (the zero check keeps holes).
+        Backing::Hugetlb(_) => Ok(vec![true; len / IMAGE_PAGE_BYTES as usize]),
         // A file's pages are the file's: read them all.
         Backing::File { .. } | Backing::FilePrivate { .. } => Ok(vec![true; len / 4096]),
     }
