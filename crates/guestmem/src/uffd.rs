@@ -172,7 +172,8 @@ impl Uffd {
     }
 
     /// Maps the page-cache pages already there at `offset..offset + len` of `mapping` (a
-    /// shared memfd or hugetlb mapping registered for minor faults) and wakes the waiters.
+    /// shared memfd or hugetlb mapping registered for minor faults) and wakes the waiters;
+    /// pages (of `page` bytes) mapped already are stepped over.
     pub(crate) fn continue_range(
         &self,
         mapping: &Mapping,
@@ -180,36 +181,21 @@ impl Uffd {
         len: usize,
         page: usize,
     ) -> io::Result<()> {
-        let mut r = range(mapping, offset, len)?;
-        while r.len > 0 {
+        self.step_range(mapping, offset, len, page, |range| {
             let mut c = uapi::uffdio_continue {
-                range: r,
+                range,
                 mode: 0,
                 mapped: 0,
             };
-            match ioctl(&self.fd, nr::UFFDIO_CONTINUE, &mut c) {
-                Ok(()) => return Ok(()),
-                Err(e)
-                    if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EEXIST))
-                        && c.mapped > 0 =>
-                {
-                    r.start += c.mapped as u64;
-                    r.len -= c.mapped as u64;
-                }
-                Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
-                    // The first page (of the region's page size) is mapped already.
-                    r.start += page as u64;
-                    r.len = r.len.saturating_sub(page as u64);
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(())
+            let r = ioctl(&self.fd, nr::UFFDIO_CONTINUE, &mut c);
+            (r, c.mapped)
+        })
     }
 
     /// Marks `offset..offset + len` of `mapping` as lost memory (`UFFDIO_POISON`, Linux 6.6):
     /// a later access raises `SIGBUS` as a hardware memory error would, so no zero page can
-    /// stand in for data that never arrived.
+    /// stand in for data that never arrived. Pages there already hold data and are stepped
+    /// over.
     pub(crate) fn poison(
         &self,
         mapping: &Mapping,
@@ -217,24 +203,41 @@ impl Uffd {
         len: usize,
         page: usize,
     ) -> io::Result<()> {
-        let mut r = range(mapping, offset, len)?;
-        while r.len > 0 {
+        self.step_range(mapping, offset, len, page, |range| {
             let mut p = uapi::uffdio_poison {
-                range: r,
+                range,
                 mode: 0,
                 updated: 0,
             };
-            match ioctl(&self.fd, UFFDIO_POISON, &mut p) {
+            let r = ioctl(&self.fd, UFFDIO_POISON, &mut p);
+            (r, p.updated)
+        })
+    }
+
+    /// Runs `op` over the range until it is all done: after partial progress (`EAGAIN`, or
+    /// `EEXIST` past some pages) from where it stopped, and over a page already present
+    /// (`EEXIST` at the start) by stepping one `page`.
+    fn step_range(
+        &self,
+        mapping: &Mapping,
+        offset: usize,
+        len: usize,
+        page: usize,
+        op: impl Fn(uapi::uffdio_range) -> (io::Result<()>, i64),
+    ) -> io::Result<()> {
+        let mut r = range(mapping, offset, len)?;
+        while r.len > 0 {
+            let (res, done) = op(r);
+            match res {
                 Ok(()) => return Ok(()),
                 Err(e)
                     if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EEXIST))
-                        && p.updated > 0 =>
+                        && done > 0 =>
                 {
-                    r.start += p.updated as u64;
-                    r.len -= p.updated as u64;
+                    r.start += done as u64;
+                    r.len = r.len.saturating_sub(done as u64);
                 }
                 Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
-                    // A page there already holds data: it is not lost; step over it.
                     r.start += page as u64;
                     r.len = r.len.saturating_sub(page as u64);
                 }

@@ -704,10 +704,9 @@ impl Lazy {
                     self.counters.zero.fetch_add(1, Ordering::Relaxed);
                 } else {
                     let mut scratch = SCRATCH.take();
-                    // SAFETY: the block lies inside the alias (same length as the
-                    // region), page-aligned; only the thread that claimed the block
-                    // writes it, and the registered mapping cannot map these pages
-                    // before the UFFDIO_CONTINUE below.
+                    // Only the thread that claimed the block writes it, and the registered
+                    // mapping maps none of it before the UFFDIO_CONTINUE below.
+                    // SAFETY: the block lies inside the alias (the region's length), aligned.
                     let r = unsafe {
                         self.image
                             .read_block(block, alias.as_ptr().add(off), false, &mut scratch)

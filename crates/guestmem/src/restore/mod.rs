@@ -334,10 +334,9 @@ fn eager(
             let (ri, offset, _) = image.block_span(b);
             let r = &regions[ri];
             let dst = r.host_addr().wrapping_add(offset as usize);
-            // SAFETY: the block lies inside region `ri` (same layout, checked), whose
-            // mapping `regions` keeps alive; the memory is fresh (populated zero, or the
-            // mapped file's pages for from_layer 1) and nothing else runs on it yet; host
-            // addresses of blocks are page-aligned.
+            // The memory is fresh (populated zero, or the mapped file's pages for
+            // from_layer 1) and nothing else runs on it yet.
+            // SAFETY: the block lies inside region `ri` (layout checked), kept mapped, aligned.
             unsafe { image.read_block(b, dst, from_layer == 0, &mut scratch)? };
         }
         Ok::<(), SnapshotError>(())
