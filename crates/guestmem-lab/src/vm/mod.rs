@@ -14,6 +14,7 @@ pub mod fc_peer;
 pub mod guest;
 pub mod perf;
 pub mod program;
+pub mod restore_run;
 
 use guestmem::kvm::KvmError;
 use guestmem::{MapError, TranslateError};

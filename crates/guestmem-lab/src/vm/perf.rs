@@ -21,14 +21,13 @@ use super::VmError;
 use guestmem::dirty::DirtyPages;
 use guestmem::kvm::{DirtyLogging, MemslotConfig, Memslots};
 use guestmem::kvm::{KvmCaps, KvmVm, VmConfig};
-use guestmem::restore::{self, LazyReport, Prefetch, RestoreConfig, RestoreMode};
-use guestmem::snapshot::{self, Image, SaveConfig, SaveReport};
+use guestmem::snapshot::SaveReport;
+
+use super::restore_run;
+pub use super::restore_run::{RestoreRun, RestoreRunReport, TAG_KEY};
 use guestmem::{
     bringup, bringup_background, BringupConfig, GuestMap, PinStrategy, PopulateConfig, Verify,
 };
-
-/// The manifest note holding the tag of the guest's last write pass.
-pub const TAG_KEY: &str = "guestmem.vm.tag";
 
 /// Guest address where the data regions start.
 pub const DATA_GPA: u64 = 1 << 30;
@@ -69,59 +68,6 @@ pub struct PerfConfig {
     pub restore: Option<RestoreRun>,
     /// Save guest memory here after the passes.
     pub save: Option<PathBuf>,
-}
-
-/// How `guestmem vm --restore` restores.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RestoreRun {
-    /// The snapshot directory.
-    pub dir: PathBuf,
-    /// The mode.
-    pub mode: RestoreMode,
-    /// Lazy: fault-handler threads.
-    pub handler_threads: usize,
-    /// Lazy: prefetch threads (0: as many as CPUs).
-    pub prefetch_threads: usize,
-    /// Lazy: what to prefetch.
-    pub prefetch: Prefetch,
-    /// Lazy: write the order the guest faulted blocks in into the snapshot's manifest.
-    pub record: bool,
-    /// Serve faults with the Firecracker-style peer ([`super::fc_peer`]) instead of
-    /// guestmem's engine (`mode` is then ignored).
-    pub fc_peer: bool,
-}
-
-/// What a restore did, seen from the guest.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct RestoreRunReport {
-    /// Who restored: `guestmem` or `fc-peer` (the Firecracker-style peer).
-    pub server: &'static str,
-    /// The mode (guestmem's).
-    pub mode: RestoreMode,
-    /// Lazy: what was prefetched.
-    pub prefetch: Prefetch,
-    /// Restore setup: from the start until the restore call returned (eager: all of it).
-    pub setup_secs: f64,
-    /// From the start until the end of the guest's verify pass over every page it wrote
-    /// before the save.
-    pub verify_done_secs: f64,
-    /// The verify pass alone.
-    pub verify_secs: f64,
-    /// Pages the guest verified.
-    pub verify_pages: u64,
-    /// Dwords that differed (must be 0).
-    pub mismatches: u64,
-    /// The guest's demand paging rate during the verify pass: pages verified per second.
-    pub demand_paging_pages_per_sec: f64,
-    /// Lazy: what the restore engine did by the end of the run (faults = guest and VMM
-    /// faults that waited on a handler).
-    pub lazy: Option<LazyReport>,
-    /// Blocks recorded as the working set (written to the manifest with `record`).
-    pub recorded_blocks: usize,
-    /// With the Firecracker-style peer: faults it served (one 4 KiB page each).
-    pub peer_faults: Option<u64>,
-    /// THP (or hugetlb) bytes over the data memory, after the verify pass.
-    pub huge_coverage: f64,
 }
 
 /// How guest memory is faulted in before the guest's first pass.
@@ -233,8 +179,7 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
         )));
     }
     let mut config = config.clone();
-    let mut restored = None;
-    let mut peer = None;
+    let mut restoring = None;
     let map = match &config.restore {
         None => {
             let mut specs =
@@ -243,54 +188,12 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
             GuestMap::from_specs(&specs)?
         }
         Some(run) => {
-            let image = Image::open(&run.dir)?;
-            let tag: u32 = image
-                .meta()
-                .get(TAG_KEY)
-                .and_then(|t| t.parse().ok())
-                .ok_or_else(|| {
-                    VmError::Config(format!(
-                        "{}: not saved by guestmem vm (no {TAG_KEY} note)",
-                        run.dir.display()
-                    ))
-                })?;
-            let data: Vec<_> = image
-                .regions()
-                .iter()
-                .filter(|r| r.guest_addr >= DATA_GPA)
-                .collect();
+            let (map, started) = restore_run::start(run, t0)?;
+            let data = started.data_regions();
             config.memory_bytes = data.iter().map(|r| r.size).sum();
             config.slots = data.len();
-            let cfg = RestoreConfig {
-                mode: run.mode,
-                threads: if run.prefetch_threads == 0 {
-                    RestoreConfig::default().threads
-                } else {
-                    run.prefetch_threads
-                },
-                handler_threads: run.handler_threads,
-                prefetch: run.prefetch,
-            };
-            if run.fc_peer {
-                if image.chain_len() != 1 {
-                    return Err(VmError::Config(
-                        "the Firecracker-style peer serves one full save, not a chain".into(),
-                    ));
-                }
-                let map = GuestMap::from_specs(&image.specs())?;
-                let p =
-                    super::fc_peer::FcPeer::start(map.snapshot().regions(), image.memory_path())
-                        .map_err(|e| {
-                            VmError::Config(format!("starting the Firecracker-style peer: {e}"))
-                        })?;
-                peer = Some(p);
-                restored = Some((image, tag, None, t0.elapsed()));
-                map
-            } else {
-                let r = restore::restore(&image, &image.specs(), &cfg)?;
-                restored = Some((image, tag, r.lazy, t0.elapsed()));
-                r.map
-            }
+            restoring = Some(started);
+            map
         }
     };
     let config = &config;
@@ -345,61 +248,14 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
         .map(|(s, e)| (e - s) / 4096)
         .sum();
 
-    let mut restore_report = None;
-    let mut lazy = None;
-    if let Some((image, tag, lz, setup)) = restored {
-        let run = config.restore.as_ref().expect("restored from a run");
-        if let Some(l) = &lz {
-            let stopper = work.stopper();
-            l.on_failure(move |_| stopper.stop());
-        }
-        let failed = |e: VmError| match lz.as_ref().and_then(|l| l.failure()) {
-            Some(msg) => VmError::Restore(msg),
-            None => e,
-        };
-        let v = work.verify(tag).map_err(failed)?;
-        let verify_done = t0.elapsed();
-        let mismatches: u64 = v.values.iter().map(|&x| u64::from(x)).sum();
-        if mismatches != 0 {
-            return Err(VmError::Config(format!(
-                "the restored guest found {mismatches} dwords differing from what it wrote before the save"
-            )));
-        }
-        let huge_coverage = huge_coverage(&data);
-        let verify_secs = v.elapsed.as_secs_f64();
-        restore_report = Some(RestoreRunReport {
-            server: if run.fc_peer { "fc-peer" } else { "guestmem" },
-            mode: run.mode,
-            prefetch: run.prefetch,
-            setup_secs: setup.as_secs_f64(),
-            verify_done_secs: secs(verify_done),
-            verify_secs,
-            verify_pages: pages_written,
-            mismatches,
-            demand_paging_pages_per_sec: pages_written as f64 / verify_secs.max(1e-9),
-            lazy: None,
-            recorded_blocks: 0,
-            peer_faults: None,
-            huge_coverage,
-        });
-        if let Some(l) = &lz {
-            if run.record {
-                let ws = l.working_set();
-                image.record_working_set(&ws)?;
-                if let Some(r) = restore_report.as_mut() {
-                    r.recorded_blocks = ws.len();
-                }
-            }
-        }
-        lazy = lz;
-    }
+    let restore_report = match &restoring {
+        None => None,
+        Some(started) => Some(started.verify(&work, &data, pages_written, t0)?),
+    };
 
     let populate = work
         .write_pass(1)
-        .map_err(|e| match lazy.as_ref().and_then(|l| l.failure()) {
-            Some(msg) => VmError::Restore(msg),
-            None => e,
-        })?
+        .map_err(|e| restore_run::failed(restoring.as_ref(), e))?
         .elapsed;
     let first_pass_done = t0.elapsed();
     let guest_start = work
@@ -444,41 +300,18 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
     slots.set_dirty_logging(DirtyLogging::Off)?;
     let disable = t.elapsed();
     drop(work);
-    if let Some(p) = peer {
-        let faults = p
-            .stop()
-            .map_err(|e| VmError::Config(format!("the Firecracker-style peer failed: {e}")))?;
-        if let Some(r) = restore_report.as_mut() {
-            r.peer_faults = Some(faults);
-        }
-    }
-    if let Some(l) = lazy {
-        let rep = l.finish()?;
-        if let Some(r) = restore_report.as_mut() {
-            r.lazy = Some(rep);
-        }
-    }
+    let restore = match (restoring, restore_report) {
+        (Some(started), Some(report)) => Some(started.finish(report)?),
+        _ => None,
+    };
     let save = match &config.save {
         None => None,
-        Some(dir) => {
-            let tag = (config.passes + 1) as u32;
-            // The guest wrote dword 0 of every page; the host writes the last dword too, so
-            // a restored guest's verify pass checks both ends of every page.
-            let t = map.translator();
-            for r in &data {
-                for gpa in (r.guest_addr().0..r.guest_end()).step_by(4096) {
-                    let p = guest::pattern(gpa, tag).to_le_bytes();
-                    t.write_in_region(GuestAddress(gpa + 4092), &p)?;
-                }
-            }
-            let mut meta = std::collections::BTreeMap::new();
-            meta.insert(TAG_KEY.to_string(), tag.to_string());
-            let cfg = SaveConfig {
-                meta,
-                ..SaveConfig::default()
-            };
-            Some(snapshot::save(&map.snapshot(), dir, &cfg)?)
-        }
+        Some(dir) => Some(restore_run::save(
+            &map,
+            &data,
+            (config.passes + 1) as u32,
+            dir,
+        )?),
     };
 
     let mean = |f: fn(&PassReport) -> f64| {
@@ -507,27 +340,9 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
         passes,
         disable_dirty_logging_secs: secs(disable),
         warnings,
-        restore: restore_report,
+        restore,
         save,
     })
-}
-
-/// THP or hugetlb bytes over the bytes of `regions`.
-fn huge_coverage(regions: &[Arc<guestmem::Region>]) -> f64 {
-    let (mut huge, mut size) = (0u64, 0u64);
-    for r in regions {
-        if r.is_hugetlb() {
-            huge += r.size();
-        } else if let Ok(u) = guestmem::inspect::inspect_region(r) {
-            huge += (u.huge_coverage() * r.size() as f64) as u64;
-        }
-        size += r.size();
-    }
-    if size == 0 {
-        0.0
-    } else {
-        huge as f64 / size as f64
-    }
 }
 
 fn secs(d: Duration) -> f64 {

@@ -36,13 +36,15 @@
 
 mod hash;
 mod image;
+mod manifest;
 mod save;
 
 use std::collections::BTreeMap;
 use std::io;
 use std::path::PathBuf;
 
-pub use image::{Image, ImageRegion};
+pub use image::{Image, ImageRegion, MAX_CHAIN};
+pub use manifest::{MAX_BLOCKS, MAX_BLOCK_BYTES};
 pub use save::{save, SaveConfig, SaveKind, SaveReport};
 
 pub(crate) use hash::BlockHasher;

@@ -133,7 +133,7 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
         SaveKind::Full => {
             if !cfg.block_bytes.is_power_of_two()
                 || cfg.block_bytes < IMAGE_PAGE_BYTES
-                || cfg.block_bytes > super::image::MAX_BLOCK_BYTES
+                || cfg.block_bytes > super::manifest::MAX_BLOCK_BYTES
             {
                 return Err(SnapshotError::Layout(format!(
                     "block size {:#x}: must be a power of two from 4 KiB to 1 GiB",

@@ -1,0 +1,152 @@
+//! Reading and checking `manifest.json`: everything a manifest claims about the layout and
+//! the blocks is checked here, before any memory file is read.
+
+use std::path::Path;
+
+use super::{Manifest, ManifestRegion, SnapshotError, FORMAT, IMAGE_PAGE_BYTES, VERSION};
+
+/// Largest block size (the largest huge page).
+pub const MAX_BLOCK_BYTES: u64 = 1 << 30;
+/// Most blocks an image may have (64 TiB of 1 MiB blocks).
+pub const MAX_BLOCKS: u64 = 1 << 26;
+
+pub(crate) fn read_manifest(path: &Path) -> Result<Manifest, SnapshotError> {
+    let text = std::fs::read(path).map_err(|source| SnapshotError::File {
+        op: "open",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let m: Manifest = serde_json::from_slice(&text).map_err(|e| SnapshotError::Manifest {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    let bad = |reason: String| SnapshotError::Manifest {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if m.format != FORMAT {
+        return Err(bad(format!("format {:?}, not {FORMAT:?}", m.format)));
+    }
+    if m.version != VERSION {
+        return Err(bad(format!(
+            "version {}, this build reads {VERSION}",
+            m.version
+        )));
+    }
+    if !m.block_bytes.is_power_of_two() || m.block_bytes < IMAGE_PAGE_BYTES {
+        return Err(bad(format!(
+            "block size {:#x} is not a power of two >= 4 KiB",
+            m.block_bytes
+        )));
+    }
+    if m.regions.is_empty() {
+        return Err(bad("no region".into()));
+    }
+    let mut offset = 0u64;
+    let mut prev_end = 0u64;
+    for (i, r) in m.regions.iter().enumerate() {
+        let end = r.guest_addr.checked_add(r.size);
+        if r.size == 0
+            || r.size % IMAGE_PAGE_BYTES != 0
+            || r.guest_addr % IMAGE_PAGE_BYTES != 0
+            || end.is_none()
+            || (i > 0 && r.guest_addr < prev_end)
+        {
+            return Err(bad(format!(
+                "region {i} at {:#x} size {:#x}: empty, unaligned, overflowing or overlapping",
+                r.guest_addr, r.size
+            )));
+        }
+        if r.file_offset != offset {
+            return Err(bad(format!(
+                "region {i} at {:#x}: file offset {:#x}, the regions before it end at {offset:#x}",
+                r.guest_addr, r.file_offset
+            )));
+        }
+        if !r.page_size.is_power_of_two()
+            || r.page_size > m.block_bytes
+            || r.size % r.page_size != 0
+        {
+            return Err(bad(format!(
+                "region {i} at {:#x}: page size {:#x} does not fit the block size {:#x}",
+                r.guest_addr, r.page_size, m.block_bytes
+            )));
+        }
+        offset = offset
+            .checked_add(r.size)
+            .ok_or_else(|| bad("sizes overflow".into()))?;
+        prev_end = end.unwrap_or(u64::MAX);
+    }
+    if m.memory_bytes != offset {
+        return Err(bad(format!(
+            "memory_bytes {:#x}, the regions hold {offset:#x}",
+            m.memory_bytes
+        )));
+    }
+    let total = m.total_blocks();
+    if total > MAX_BLOCKS {
+        return Err(bad(format!(
+            "{total} blocks, more than {MAX_BLOCKS}: use larger blocks"
+        )));
+    }
+    let words = (m.block_bytes / IMAGE_PAGE_BYTES).div_ceil(64) as usize;
+    let mut last = None;
+    for b in &m.blocks {
+        if b.index >= total || last.is_some_and(|l| l >= b.index) {
+            return Err(bad(format!(
+                "block {}: out of range (of {total}) or out of order",
+                b.index
+            )));
+        }
+        last = Some(b.index);
+        if u64::from_str_radix(&b.checksum, 16).is_err() || b.checksum.len() != 16 {
+            return Err(bad(format!(
+                "block {}: checksum {:?} is not 16 hex digits",
+                b.index, b.checksum
+            )));
+        }
+        if b.pages.as_ref().is_some_and(|p| p.len() != words) {
+            return Err(bad(format!(
+                "block {}: page list of the wrong length",
+                b.index
+            )));
+        }
+    }
+    if let Some(w) = m.working_set.iter().find(|&&w| w >= total) {
+        return Err(bad(format!("working set names block {w}, of {total}")));
+    }
+    if m.memory_file.contains('/') || m.memory_file.is_empty() {
+        return Err(bad(format!(
+            "memory file {:?} must be a plain name",
+            m.memory_file
+        )));
+    }
+    Ok(m)
+}
+
+/// Checks two layouts agree region by region (address and size).
+pub(crate) fn same_layout(
+    a: &[ManifestRegion],
+    b: &[ManifestRegion],
+    a_name: &str,
+    b_name: &str,
+) -> Result<(), SnapshotError> {
+    for i in 0..a.len().max(b.len()) {
+        match (a.get(i), b.get(i)) {
+            (Some(x), Some(y)) if x.guest_addr == y.guest_addr && x.size == y.size => {}
+            (x, y) => {
+                let show = |r: Option<&ManifestRegion>| {
+                    r.map_or("nothing".to_string(), |r| {
+                        format!("{:#x} bytes at {:#x}", r.size, r.guest_addr)
+                    })
+                };
+                return Err(SnapshotError::Layout(format!(
+                    "region {i}: {a_name} has {}, {b_name} has {}",
+                    show(x),
+                    show(y)
+                )));
+            }
+        }
+    }
+    Ok(())
+}
