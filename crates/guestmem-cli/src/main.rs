@@ -5,6 +5,7 @@ mod bringup;
 mod inspect;
 mod lab;
 mod report;
+mod serve_uffd;
 mod vm;
 
 use std::io::Write;
@@ -31,6 +32,9 @@ enum Command {
     Inspect(inspect::Args),
     /// Run a lab scenario beside the peers; write a run folder and print its table.
     Lab(lab::Args),
+    /// Serve a Firecracker snapshot restore's page faults (its `Uffd` memory backend) from
+    /// the memory file: parallel handlers, whole blocks, recorded prefetch.
+    ServeUffd(serve_uffd::Args),
 }
 
 /// The error and its causes, each cause only if the text so far does not already say it
@@ -57,6 +61,7 @@ fn main() -> ExitCode {
         Command::Vm(args) => vm::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Lab(args) => lab::run(args),
+        Command::ServeUffd(args) => serve_uffd::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

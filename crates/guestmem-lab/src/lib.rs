@@ -23,6 +23,7 @@
 
 pub mod error;
 pub mod faults;
+pub mod fc_standin;
 pub mod guards;
 pub mod peer;
 pub mod peer_ch;

@@ -5,7 +5,9 @@
 //! kind guestmem's README targets does not have: it would break the two set-up commands.
 //! `linux-raw-sys` (already in the dependency tree through rustix) ships the structs, flags
 //! and ioctl numbers pre-generated, so only the few calls below are written here. Every call
-//! that names memory takes the [`Mapping`] that owns it and an offset, checked first: no raw
+//! that names memory takes a [`Target`] and an offset, checked first: either the [`Mapping`]
+//! that owns the memory, or a [`RemoteRange`], memory of another process (a Firecracker
+//! process that sent its userfaultfd) that only a validated handshake creates. No raw
 //! address reaches an ioctl.
 
 use std::io;
@@ -50,6 +52,50 @@ pub(crate) struct Uffd {
     features: u64,
 }
 
+/// Memory a userfaultfd call may name: it turns `offset..offset + len` into the kernel's
+/// range once that lies inside the target.
+pub(crate) trait Target {
+    /// `offset..offset + len` as a uffd range, or `EINVAL` when it leaves the target.
+    fn uffd_range(&self, offset: usize, len: usize) -> io::Result<uapi::uffdio_range>;
+}
+
+impl Target for Mapping {
+    fn uffd_range(&self, offset: usize, len: usize) -> io::Result<uapi::uffdio_range> {
+        range(self, offset, len)
+    }
+}
+
+/// A range of another process's address space, registered there with a userfaultfd that
+/// process sent us. The calls only ever fill pages missing there (`UFFDIO_COPY`,
+/// `UFFDIO_ZEROPAGE` never replace a present page) and only inside ranges that process
+/// registered itself, which the kernel checks; our own memory is never named. Made only
+/// from a checked handshake; neither `Copy` nor `Clone`.
+#[derive(Debug)]
+pub(crate) struct RemoteRange {
+    start: u64,
+    len: u64,
+}
+
+impl RemoteRange {
+    /// The range `start..start + len` of the peer's address space (checked by the caller
+    /// against the handshake: page-aligned, no overflow, no overlap).
+    pub(crate) fn new(start: u64, len: u64) -> RemoteRange {
+        RemoteRange { start, len }
+    }
+}
+
+impl Target for RemoteRange {
+    fn uffd_range(&self, offset: usize, len: usize) -> io::Result<uapi::uffdio_range> {
+        match (offset as u64).checked_add(len as u64) {
+            Some(end) if end <= self.len => Ok(uapi::uffdio_range {
+                start: self.start + offset as u64,
+                len: len as u64,
+            }),
+            _ => Err(io::Error::from_raw_os_error(libc::EINVAL)),
+        }
+    }
+}
+
 fn ioctl<T>(fd: &OwnedFd, request: u32, arg: &mut T) -> io::Result<()> {
     // SAFETY: `arg` is the struct the request expects (each caller passes the uapi struct
     // named by the request), borrowed mutably for the call; the kernel reads and writes only
@@ -92,6 +138,35 @@ impl Uffd {
         Ok((Uffd { fd, features }, api.features))
     }
 
+    /// A userfaultfd another process opened and sent us (its API enabled there, its ranges
+    /// registered there), checked to be one and made non-blocking. Its features are unknown
+    /// (the API handshake is the sender's), so [`Uffd::has`] says no to all of them.
+    pub(crate) fn from_received(fd: OwnedFd) -> io::Result<Uffd> {
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+        if link.as_os_str() != "anon_inode:[userfaultfd]" {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("the descriptor is {}, not a userfaultfd", link.display()),
+            ));
+        }
+        // SAFETY: fcntl on a descriptor we own touches no memory.
+        let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+        if fl < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: as above.
+        let set = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK) };
+        if set < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Uffd { fd, features: 0 })
+    }
+
+    /// The descriptor.
+    pub(crate) fn into_fd(self) -> OwnedFd {
+        self.fd
+    }
+
     /// Whether the kernel granted `feature`.
     pub(crate) fn has(&self, feature: u32) -> bool {
         self.features & u64::from(feature) != 0
@@ -122,8 +197,17 @@ impl Uffd {
     /// Copies `src` into `offset..offset + src.len()` of `mapping` (pages that must not be
     /// present) and wakes the threads waiting there. Returns the bytes copied before a page
     /// that was already present (`EEXIST`), or all of them.
-    pub(crate) fn copy(&self, mapping: &Mapping, offset: usize, src: &[u8]) -> io::Result<usize> {
-        let r = range(mapping, offset, src.len())?;
+    ///
+    /// `EAGAIN` without progress means the sender's address space is changing (a remove or
+    /// unmap event waits to be read): `on_busy` runs (it reads events), then the copy goes on.
+    pub(crate) fn copy(
+        &self,
+        target: &dyn Target,
+        offset: usize,
+        src: &[u8],
+        on_busy: &dyn Fn(),
+    ) -> io::Result<usize> {
+        let r = target.uffd_range(offset, src.len())?;
         let mut done = 0usize;
         while done < src.len() {
             let mut c = uapi::uffdio_copy {
@@ -137,6 +221,9 @@ impl Uffd {
                 Ok(()) => done += c.copy as usize,
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
                     // The mm changed under the copy: `copy` says how far it got.
+                    if c.copy <= 0 {
+                        on_busy();
+                    }
                     done += c.copy.max(0) as usize;
                 }
                 Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
@@ -150,8 +237,13 @@ impl Uffd {
 
     /// Maps the zero page at `offset..offset + len` of `mapping` (private anonymous memory)
     /// and wakes the waiters.
-    pub(crate) fn zeropage(&self, mapping: &Mapping, offset: usize, len: usize) -> io::Result<()> {
-        let mut r = range(mapping, offset, len)?;
+    pub(crate) fn zeropage(
+        &self,
+        target: &dyn Target,
+        offset: usize,
+        len: usize,
+    ) -> io::Result<()> {
+        let mut r = target.uffd_range(offset, len)?;
         while r.len > 0 {
             let mut z = uapi::uffdio_zeropage {
                 range: r,
@@ -160,9 +252,13 @@ impl Uffd {
             };
             match ioctl(&self.fd, nr::UFFDIO_ZEROPAGE, &mut z) {
                 Ok(()) => return Ok(()),
-                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) && z.zeropage > 0 => {
-                    r.start += z.zeropage as u64;
-                    r.len -= z.zeropage as u64;
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                    let n = z.zeropage.max(0) as u64;
+                    r.start += n;
+                    r.len -= n;
+                    if n == 0 {
+                        std::thread::yield_now();
+                    }
                 }
                 Err(e) if e.raw_os_error() == Some(libc::EEXIST) => return Ok(()),
                 Err(e) => return Err(e),
@@ -176,12 +272,12 @@ impl Uffd {
     /// pages (of `page` bytes) mapped already are stepped over.
     pub(crate) fn continue_range(
         &self,
-        mapping: &Mapping,
+        target: &dyn Target,
         offset: usize,
         len: usize,
         page: usize,
     ) -> io::Result<()> {
-        self.step_range(mapping, offset, len, page, |range| {
+        self.step_range(target, offset, len, page, |range| {
             let mut c = uapi::uffdio_continue {
                 range,
                 mode: 0,
@@ -198,12 +294,12 @@ impl Uffd {
     /// over.
     pub(crate) fn poison(
         &self,
-        mapping: &Mapping,
+        target: &dyn Target,
         offset: usize,
         len: usize,
         page: usize,
     ) -> io::Result<()> {
-        self.step_range(mapping, offset, len, page, |range| {
+        self.step_range(target, offset, len, page, |range| {
             let mut p = uapi::uffdio_poison {
                 range,
                 mode: 0,
@@ -219,13 +315,13 @@ impl Uffd {
     /// (`EEXIST` at the start) by stepping one `page`.
     fn step_range(
         &self,
-        mapping: &Mapping,
+        target: &dyn Target,
         offset: usize,
         len: usize,
         page: usize,
         op: impl Fn(uapi::uffdio_range) -> (io::Result<()>, i64),
     ) -> io::Result<()> {
-        let mut r = range(mapping, offset, len)?;
+        let mut r = target.uffd_range(offset, len)?;
         while r.len > 0 {
             let (res, done) = op(r);
             match res {
@@ -248,8 +344,8 @@ impl Uffd {
     }
 
     /// Wakes the threads waiting at `offset..offset + len` of `mapping`.
-    pub(crate) fn wake(&self, mapping: &Mapping, offset: usize, len: usize) -> io::Result<()> {
-        let mut r = range(mapping, offset, len)?;
+    pub(crate) fn wake(&self, target: &dyn Target, offset: usize, len: usize) -> io::Result<()> {
+        let mut r = target.uffd_range(offset, len)?;
         ioctl(&self.fd, nr::UFFDIO_WAKE, &mut r)
     }
 
@@ -262,6 +358,10 @@ impl Uffd {
         out: &mut Vec<Event>,
     ) -> io::Result<bool> {
         out.clear();
+        if timeout_ms == 0 {
+            // Called from inside a fill: whatever is pending, no waiting.
+            return self.read_pending(out).map(|()| true);
+        }
         let mut fds = [
             libc::pollfd {
                 fd: self.fd.as_raw_fd(),
@@ -290,6 +390,11 @@ impl Uffd {
         if fds[0].revents & libc::POLLIN == 0 {
             return Ok(true);
         }
+        self.read_pending(out).map(|()| true)
+    }
+
+    /// Reads the messages pending now (none is fine) into `out`.
+    fn read_pending(&self, out: &mut Vec<Event>) -> io::Result<()> {
         const BATCH: usize = 16;
         let mut msgs = [std::mem::MaybeUninit::<uapi::uffd_msg>::uninit(); BATCH];
         let size = std::mem::size_of::<uapi::uffd_msg>();
@@ -305,7 +410,7 @@ impl Uffd {
             let e = io::Error::last_os_error();
             // Another handler took the message first.
             return match e.raw_os_error() {
-                Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(true),
+                Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(()),
                 _ => Err(e),
             };
         }
@@ -335,7 +440,7 @@ impl Uffd {
                 _ => Event::Other(event),
             });
         }
-        Ok(true)
+        Ok(())
     }
 }
 

@@ -52,26 +52,8 @@ impl FcPeer {
     /// Registers `regions` (fresh, private anonymous memory laid out as the memory file:
     /// region `i` at the sum of the sizes before it) and starts serving from `memory_file`.
     pub fn start(regions: &[Arc<Region>], memory_file: &Path) -> io::Result<FcPeer> {
-        let file = File::open(memory_file)?;
-        let len = file.metadata()?.len() as usize;
-        // SAFETY: a fresh private read-only mapping where the kernel chooses; checked below.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_PRIVATE,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if addr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let src = FileMap {
-            addr: addr as usize,
-            len,
-        };
+        let src = map_file(memory_file)?;
+        let len = src.len;
         // SAFETY: flags only.
         let raw =
             unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
@@ -123,6 +105,46 @@ impl FcPeer {
         })
     }
 
+    /// Serves a Firecracker handshake's regions (registered by the peer with `uffd`) from
+    /// `memory_file`, the way Firecracker's example handler does.
+    pub fn serve_handshake(
+        regions: &[guestmem::restore::remote::UffdRegion],
+        uffd: OwnedFd,
+        memory_file: &Path,
+    ) -> io::Result<FcPeer> {
+        let src = map_file(memory_file)?;
+        let table: Vec<(u64, u64, u64)> = regions
+            .iter()
+            .map(|r| {
+                (
+                    r.base_host_virt_addr,
+                    r.base_host_virt_addr + r.size,
+                    r.offset,
+                )
+            })
+            .collect();
+        if let Some(&(_, _, off)) = table
+            .iter()
+            .find(|&&(s, e, off)| off + (e - s) > src.len as u64)
+        {
+            return Err(io::Error::other(format!(
+                "memory file holds {:#x} bytes, a region starts at offset {off:#x} and runs past it",
+                src.len
+            )));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let faults = Arc::new(AtomicU64::new(0));
+        let (s, f) = (stop.clone(), faults.clone());
+        let thread = std::thread::Builder::new()
+            .name("fc-peer".into())
+            .spawn(move || serve(uffd, src, table, s, f, Vec::new()))?;
+        Ok(FcPeer {
+            stop,
+            faults,
+            thread: Some(thread),
+        })
+    }
+
     /// Faults served so far.
     pub fn faults(&self) -> u64 {
         self.faults.load(Ordering::Relaxed)
@@ -146,6 +168,30 @@ impl Drop for FcPeer {
             let _ = t.join();
         }
     }
+}
+
+/// `path` mapped privately, read-only.
+fn map_file(path: &Path) -> io::Result<FileMap> {
+    let file = File::open(path)?;
+    let len = file.metadata()?.len() as usize;
+    // SAFETY: a fresh private read-only mapping where the kernel chooses; checked below.
+    let addr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if addr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(FileMap {
+        addr: addr as usize,
+        len,
+    })
 }
 
 fn serve(

@@ -22,6 +22,7 @@
 //! [`LazyRestore`]).
 
 mod lazy;
+pub mod remote;
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -50,7 +50,7 @@ use crate::layout::{Backing, Reserve};
 use crate::mmap::{MapSource, Mapping, Reservation};
 use crate::region::Region;
 use crate::snapshot::{Image, SnapshotError};
-use crate::uffd::{RegisterMode, Uffd};
+use crate::uffd::{RegisterMode, RemoteRange, Target, Uffd};
 
 mod serve;
 
@@ -89,15 +89,85 @@ pub struct LazyReport {
     pub prefetch_threads: usize,
     /// Blocks in the recorded working set this restore prefetched first.
     pub prefetched_working_set: usize,
+    /// Remove events read (a remote peer's `MADV_DONTNEED`, a balloon inflating).
+    pub removes: u64,
+}
+
+/// Where a region's memory is.
+enum Place {
+    /// Our own region.
+    Own {
+        region: Arc<Region>,
+        /// A second, unregistered mapping of a memfd or hugetlb region's file, through which
+        /// its page cache is filled.
+        alias: Option<Mapping>,
+    },
+    /// Private anonymous memory of the process that sent its userfaultfd (a page server).
+    Remote(RemoteRange),
 }
 
 struct LRegion {
-    region: Arc<Region>,
-    /// A second, unregistered mapping of a memfd or hugetlb region's file, through which its
-    /// page cache is filled.
-    alias: Option<Mapping>,
+    place: Place,
     first_block: u64,
     host: u64,
+    size: u64,
+    page: u64,
+    /// The address errors name the region by: its guest address, or for a remote region
+    /// its host address in the peer.
+    name: u64,
+    /// Pages of a remote region its owner removed (`UFFD_EVENT_REMOVE`), a bit per page:
+    /// they read as zero from then on. Empty for our own regions.
+    removed: Box<[AtomicU64]>,
+}
+
+impl LRegion {
+    fn own(region: Arc<Region>, alias: Option<Mapping>, first_block: u64) -> LRegion {
+        LRegion {
+            first_block,
+            host: region.host_addr() as u64,
+            size: region.size(),
+            page: region.page_size(),
+            name: region.guest_addr().0,
+            removed: Box::new([]),
+            place: Place::Own { region, alias },
+        }
+    }
+
+    /// A region of the peer's memory, `host..host + size`, pages of `page` bytes.
+    fn remote(host: u64, size: u64, page: u64, first_block: u64) -> LRegion {
+        let words = (size / page).div_ceil(64) as usize;
+        LRegion {
+            first_block,
+            host,
+            size,
+            page,
+            name: host,
+            removed: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            place: Place::Remote(RemoteRange::new(host, size)),
+        }
+    }
+
+    /// What the uffd calls name.
+    fn target(&self) -> &dyn Target {
+        match &self.place {
+            Place::Own { region, .. } => region.mapping(),
+            Place::Remote(r) => r,
+        }
+    }
+
+    fn alias(&self) -> Option<&Mapping> {
+        match &self.place {
+            Place::Own { alias, .. } => alias.as_ref(),
+            Place::Remote(_) => None,
+        }
+    }
+
+    fn region(&self) -> Option<&Arc<Region>> {
+        match &self.place {
+            Place::Own { region, .. } => Some(region),
+            Place::Remote(_) => None,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -109,6 +179,7 @@ struct Counters {
     prefetched: AtomicU64,
     zero: AtomicU64,
     bytes: AtomicU64,
+    removes: AtomicU64,
 }
 
 type Hook = Box<dyn Fn(&str) + Send + Sync>;
@@ -134,6 +205,11 @@ struct Lazy {
     complete_at: OnceLock<Instant>,
     counters: Counters,
     recorded: Mutex<Vec<u64>>,
+    /// Faults read while a fill waited for the sender's address space to settle, served
+    /// next by whichever handler or prefetch worker gets there.
+    pending: Mutex<Vec<u64>>,
+    /// A remote restore's peer has gone (its address space with it).
+    gone: AtomicBool,
 }
 
 /// A lazy restore in progress: the map is usable at once (a touch of a page not yet in waits
@@ -235,49 +311,67 @@ impl LazyRestore {
                     source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
                 });
             }
-            lregions.push(LRegion {
-                alias: if shared { Some(alias(r)?) } else { None },
-                first_block: ir.first_block,
-                host: r.host_addr() as u64,
-                region: r.clone(),
-            });
+            let alias = if shared { Some(alias(r)?) } else { None };
+            lregions.push(LRegion::own(r.clone(), alias, ir.first_block));
         }
         let mut registered = Vec::new();
         for lr in &lregions {
-            let mode = if lr.alias.is_some() {
+            let region = lr.region().expect("our own regions");
+            let mode = if lr.alias().is_some() {
                 RegisterMode::MissingMinor
             } else {
                 RegisterMode::Missing
             };
-            if let Err(e) = uffd.register(lr.region.mapping(), mode) {
+            if let Err(e) = uffd.register(region.mapping(), mode) {
                 for m in registered {
                     let _ = uffd.unregister(m);
                 }
                 return Err(SnapshotError::Userfaultfd {
                     op: format!(
                         "register region at {:#x} ({:#x} bytes)",
-                        lr.region.guest_addr().0,
-                        lr.region.size()
+                        region.guest_addr().0,
+                        region.size()
                     ),
                     source: e,
                 });
             }
-            registered.push(lr.region.mapping());
+            registered.push(region.mapping());
         }
         for lr in &lregions {
-            lr.region
+            lr.region()
+                .expect("our own regions")
                 .snap_state
                 .restore
                 .store(crate::snapshot::RESTORING, Ordering::Release);
         }
+        let first = match cfg.prefetch {
+            Prefetch::Recorded => Some(image.working_set().to_vec()),
+            Prefetch::None => None,
+        };
+        let threads = (cfg.handler_threads, cfg.threads);
+        LazyRestore::launch(image, lregions, uffd, t0, threads, first)
+            .map_err(uerr("spawn a handler or prefetch thread"))
+    }
+
+    /// Builds the engine over `lregions` (registered with `uffd`) and starts `threads.0`
+    /// handlers, and with `first` a prefetch of `threads.1` workers that brings in `first`'s
+    /// blocks first. Undoes what started if a thread cannot be spawned.
+    fn launch(
+        image: &Image,
+        lregions: Vec<LRegion>,
+        uffd: Uffd,
+        t0: Instant,
+        threads: (usize, usize),
+        first: Option<Vec<u64>>,
+    ) -> std::io::Result<LazyRestore> {
         let mut by_host: Vec<(u64, u64, usize)> = lregions
             .iter()
             .enumerate()
-            .map(|(i, l)| (l.host, l.host + l.region.size(), i))
+            .map(|(i, l)| (l.host, l.host + l.size, i))
             .collect();
         by_host.sort_unstable();
         let total = image.total_blocks();
-        let stop = crate::sys::eventfd().map_err(uerr("eventfd"))?;
+        let stop = crate::sys::eventfd()?;
         let lazy = Arc::new(Lazy {
             image: image.clone(),
             regions: lregions,
@@ -298,35 +392,99 @@ impl LazyRestore {
             complete_at: OnceLock::new(),
             counters: Counters::default(),
             recorded: Mutex::new(Vec::new()),
+            pending: Mutex::new(Vec::new()),
+            gone: AtomicBool::new(false),
         });
         let mut this = LazyRestore {
             lazy: lazy.clone(),
             handlers: Vec::new(),
             prefetcher: None,
-            handler_threads: cfg.handler_threads.max(1),
-            prefetch_threads: cfg.threads.max(1),
+            handler_threads: threads.0.max(1),
+            prefetch_threads: threads.1.max(1),
             prefetched_working_set: 0,
             finished: false,
         };
         let started = (|| {
-            for i in 0..cfg.handler_threads.max(1) {
+            for i in 0..threads.0.max(1) {
                 let l = lazy.clone();
                 let h = std::thread::Builder::new()
                     .name(format!("guestmem-uffd{i}"))
                     .spawn(move || l.handle())?;
                 this.handlers.push(h);
             }
-            if cfg.prefetch == Prefetch::Recorded {
-                this.prefetched_working_set = image.working_set().len();
-                this.start_prefetch(image.working_set().to_vec())?;
+            if let Some(first) = first {
+                this.prefetched_working_set = first.len();
+                this.start_prefetch(first)?;
             }
             Ok(())
         })();
         if let Err(e) = started {
             this.abort_start();
-            return Err(uerr("spawn a handler or prefetch thread")(e));
+            return Err(e);
         }
         Ok(this)
+    }
+
+    /// Serves another process's memory: `regions` (host address in the peer, size, page size)
+    /// registered there with `uffd`, which that process sent, filled from `image` (whose
+    /// regions are these, in this order). Nothing is registered here; the peer owns the
+    /// registration.
+    pub(crate) fn start_remote(
+        image: &Image,
+        regions: &[(u64, u64, u64)],
+        uffd: Uffd,
+        threads: (usize, usize),
+        first: Option<Vec<u64>>,
+    ) -> std::io::Result<LazyRestore> {
+        let lregions = regions
+            .iter()
+            .zip(image.regions())
+            .map(|(&(host, size, page), ir)| LRegion::remote(host, size, page, ir.first_block))
+            .collect();
+        LazyRestore::launch(image, lregions, uffd, Instant::now(), threads, first)
+    }
+
+    /// Whether a remote restore's peer has gone: its address space answered `ESRCH`.
+    pub(crate) fn peer_gone(&self) -> bool {
+        self.lazy.gone.load(Ordering::Acquire)
+    }
+
+    /// Waits up to `timeout` for the restore to complete, fail or lose its peer.
+    pub(crate) fn wait_for(&self, timeout: std::time::Duration) {
+        let l = &self.lazy;
+        let g = l.wait.lock().unwrap_or_else(|e| e.into_inner());
+        if l.message.get().is_some()
+            || l.done.load(Ordering::Acquire) == l.total
+            || l.gone.load(Ordering::Acquire)
+        {
+            return;
+        }
+        let _ = l.cv.wait_timeout(g, timeout);
+    }
+
+    /// Stops at once, leaving what is not in: prefetch cancelled, handlers stopped. For a
+    /// remote restore whose peer has gone, or that is told to stop.
+    pub(crate) fn halt(&mut self) -> LazyReport {
+        let l = self.lazy.clone();
+        l.cancel.store(true, Ordering::Release);
+        let _ = crate::sys::eventfd_signal(l.stop.as_fd());
+        if let Some(p) = self.prefetcher.take() {
+            let _ = p.join();
+        }
+        for h in self.handlers.drain(..) {
+            let _ = h.join();
+        }
+        self.finished = true;
+        self.report()
+    }
+
+    /// The first error, once the restore has failed (taken: a second call gets `None`).
+    pub(crate) fn take_error(&self) -> Option<SnapshotError> {
+        self.lazy
+            .error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     /// Undoes a start that could not spawn its threads: stops what did start and unregisters
@@ -343,9 +501,9 @@ impl LazyRestore {
         for h in self.handlers.drain(..) {
             let _ = h.join();
         }
-        for lr in &l.regions {
-            lr.region.snap_state.restore.store(0, Ordering::Release);
-            let _ = l.uffd.unregister(lr.region.mapping());
+        for r in l.regions.iter().filter_map(LRegion::region) {
+            r.snap_state.restore.store(0, Ordering::Release);
+            let _ = l.uffd.unregister(r.mapping());
         }
         self.finished = true;
     }
@@ -430,6 +588,7 @@ impl LazyRestore {
             handler_threads: self.handler_threads,
             prefetch_threads: self.prefetch_threads,
             prefetched_working_set: self.prefetched_working_set,
+            removes: get(&c.removes),
         }
     }
 
@@ -465,9 +624,9 @@ impl LazyRestore {
         let report = self.report();
         if l.failed.load(Ordering::Acquire) {
             let poisoned = l.poison_rest();
-            for lr in &l.regions {
+            for r in l.regions.iter().filter_map(LRegion::region) {
                 if poisoned {
-                    let _ = l.uffd.unregister(lr.region.mapping());
+                    let _ = l.uffd.unregister(r.mapping());
                 }
             }
             if !poisoned {
@@ -475,9 +634,8 @@ impl LazyRestore {
                 // of missing memory waits instead of reading a zero page.
                 std::mem::forget(Arc::clone(&l));
             }
-            for lr in &l.regions {
-                lr.region
-                    .snap_state
+            for r in l.regions.iter().filter_map(LRegion::region) {
+                r.snap_state
                     .restore
                     .store(crate::snapshot::LOST, Ordering::Release);
             }
@@ -486,14 +644,14 @@ impl LazyRestore {
                 SnapshotError::Stopped(l.message.get().cloned().unwrap_or_default())
             }));
         }
-        for lr in &l.regions {
-            lr.region.snap_state.restore.store(0, Ordering::Release);
-            l.uffd.unregister(lr.region.mapping()).map_err(|source| {
-                SnapshotError::Userfaultfd {
-                    op: format!("unregister region at {:#x}", lr.region.guest_addr().0),
+        for r in l.regions.iter().filter_map(LRegion::region) {
+            r.snap_state.restore.store(0, Ordering::Release);
+            l.uffd
+                .unregister(r.mapping())
+                .map_err(|source| SnapshotError::Userfaultfd {
+                    op: format!("unregister region at {:#x}", r.guest_addr().0),
                     source,
-                }
-            })?;
+                })?;
         }
         Ok(report)
     }

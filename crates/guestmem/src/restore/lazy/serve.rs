@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use linux_raw_sys::general as uapi;
 
-use super::{Lazy, BUSY, DONE, EMPTY, FAILED, POLL_MS, SCRATCH, STAGING};
+use super::{LRegion, Lazy, Place, BUSY, DONE, EMPTY, FAILED, POLL_MS, SCRATCH, STAGING};
 use crate::jobs::{Job, JobRange};
 use crate::mmap::{Advice, Mapping};
 use crate::snapshot::SnapshotError;
@@ -49,10 +49,72 @@ impl Lazy {
                 }
             }
             for ev in &events {
-                if let Event::Fault { addr, .. } = *ev {
-                    self.counters.faults.fetch_add(1, Ordering::Relaxed);
-                    self.fault(addr);
+                match *ev {
+                    Event::Fault { addr, .. } => {
+                        self.counters.faults.fetch_add(1, Ordering::Relaxed);
+                        self.fault(addr);
+                    }
+                    Event::Remove { start, end } => self.remove(start, end),
+                    Event::Other(_) => {}
                 }
+            }
+            self.serve_pending();
+        }
+    }
+
+    /// Called when a copy finds the sender's address space changing (`EAGAIN`): an event
+    /// (a remove) waits to be read before the kernel lets the copy go on, and this thread
+    /// may be the only reader. Reads what is pending: removes are applied at once, faults
+    /// queued for [`Lazy::serve_pending`].
+    fn drain(&self) {
+        let mut events = Vec::new();
+        if self.uffd.read_events(&self.stop, 0, &mut events).is_ok() {
+            for ev in events {
+                match ev {
+                    Event::Fault { addr, .. } => {
+                        self.counters.faults.fetch_add(1, Ordering::Relaxed);
+                        self.pending
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(addr);
+                    }
+                    Event::Remove { start, end } => self.remove(start, end),
+                    Event::Other(_) => {}
+                }
+            }
+        }
+        std::thread::yield_now();
+    }
+
+    /// Serves the faults [`Lazy::drain`] queued.
+    fn serve_pending(&self) {
+        loop {
+            let next = self.pending.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            match next {
+                Some(addr) => self.fault(addr),
+                None => return,
+            }
+        }
+    }
+
+    /// The peer removed `start..end` (`MADV_DONTNEED` or `MADV_REMOVE`, a balloon's
+    /// inflation): those pages read as zero from now on, whether their block is in already
+    /// (the next fault there gets a zero page) or not (its fill leaves them zero).
+    fn remove(&self, start: u64, end: u64) {
+        self.counters.removes.fetch_add(1, Ordering::Relaxed);
+        let first = self.by_host.partition_point(|&(_, e, _)| e <= start);
+        for &(s, e, ri) in &self.by_host[first..] {
+            if s >= end {
+                break;
+            }
+            let lr = &self.regions[ri];
+            if lr.removed.is_empty() {
+                continue;
+            }
+            let from = (start.max(s) - s) / lr.page;
+            let to = (end.min(e) - s).div_ceil(lr.page);
+            for p in from..to {
+                lr.removed[(p / 64) as usize].fetch_or(1 << (p % 64), Ordering::AcqRel);
             }
         }
     }
@@ -65,6 +127,13 @@ impl Lazy {
 
     fn fault(&self, addr: u64) {
         let Some((ri, off)) = self.locate(addr) else {
+            if self.remote() {
+                // The peer registered memory it did not declare: nobody can serve it.
+                self.fail(SnapshotError::Layout(format!(
+                    "the peer faulted at host address {addr:#x}, outside every region its \
+                     handshake declared"
+                )));
+            }
             return;
         };
         let lr = &self.regions[ri];
@@ -84,31 +153,60 @@ impl Lazy {
                 // memory as its page cache holds it. Either way the page is mapped (or is
                 // already) and the thread woken.
                 self.counters.late.fetch_add(1, Ordering::Relaxed);
-                let page = lr.region.page_size() as usize;
+                let page = lr.page as usize;
                 let at = off as usize / page * page;
-                let m = lr.region.mapping();
-                let _ = match &lr.alias {
-                    None => self.uffd.zeropage(m, at, page),
-                    Some(_) => self.uffd.continue_range(m, at, page, page).or_else(|_| {
+                let t = lr.target();
+                let _ = match lr.alias() {
+                    None => self.zero_pages(lr, at, page),
+                    Some(_) => self.uffd.continue_range(t, at, page, page).or_else(|_| {
                         let fo = lr
-                            .region
-                            .file_offset()
+                            .region()
+                            .and_then(|r| r.file_offset())
                             .expect("a shared region has its file");
                         crate::sys::fallocate(
                             fo.file().as_fd(),
                             fo.start() + at as u64,
                             page as u64,
                         )
-                        .and_then(|()| self.uffd.continue_range(m, at, page, page))
+                        .and_then(|()| self.uffd.continue_range(t, at, page, page))
                     }),
                 };
-                let _ = self.uffd.wake(m, at, page);
+                let _ = self.uffd.wake(t, at, page);
             }
             Err(BUSY) => {
                 self.counters.busy.fetch_add(1, Ordering::Relaxed);
             }
             Err(_) => {}
         }
+    }
+
+    /// Whether this engine serves another process's memory.
+    fn remote(&self) -> bool {
+        self.regions
+            .first()
+            .is_some_and(|r| matches!(r.place, Place::Remote(_)))
+    }
+
+    /// Maps zero pages at `at..at + len` of a private region: `UFFDIO_ZEROPAGE` for 4 KiB
+    /// pages; hugetlb has no zero-page call, so a zeroed staging buffer is copied there.
+    fn zero_pages(&self, lr: &LRegion, at: usize, len: usize) -> std::io::Result<()> {
+        if lr.page as usize <= crate::sys::base_page_size() as usize {
+            return self.uffd.zeropage(lr.target(), at, len);
+        }
+        with_staging(
+            len,
+            |e| e,
+            |staging| {
+                // SAFETY: this thread's own staging mapping, at least len bytes, borrowed for
+                // the copy only.
+                unsafe { std::ptr::write_bytes(staging.as_ptr(), 0, len) };
+                // SAFETY: as above; just written.
+                let src = unsafe { std::slice::from_raw_parts(staging.as_ptr(), len) };
+                self.uffd
+                    .copy(lr.target(), at, src, &|| self.drain())
+                    .map(|_| ())
+            },
+        )
     }
 
     fn claim(&self, block: u64) -> Result<(), u8> {
@@ -129,6 +227,14 @@ impl Lazy {
                     self.cv.notify_all();
                 }
             }
+            Err(e) if self.remote() && peer_gone(&e) => {
+                // The peer's address space is gone (it exited): nothing is left to serve.
+                self.state[block as usize].store(FAILED, Ordering::Release);
+                self.gone.store(true, Ordering::Release);
+                self.cancel.store(true, Ordering::Release);
+                let _g = self.wait.lock().unwrap_or_else(|e| e.into_inner());
+                self.cv.notify_all();
+            }
             Err(e) => {
                 self.state[block as usize].store(FAILED, Ordering::Release);
                 self.fail(e);
@@ -142,11 +248,10 @@ impl Lazy {
     fn fill(&self, block: u64) -> Result<(), SnapshotError> {
         let (ri, offset, len) = self.image.block_span(block);
         let lr = &self.regions[ri];
-        let region = &lr.region;
-        let guest_addr = region.guest_addr().0 + offset;
+        let guest_addr = lr.name + offset;
         let mem_err = |op: &'static str| {
             move |source| SnapshotError::Memory {
-                region: region.guest_addr().0,
+                region: lr.name,
                 guest_addr,
                 op,
                 source,
@@ -154,27 +259,17 @@ impl Lazy {
         };
         let zero = !self.image.held_from(block, 0);
         let (off, n) = (offset as usize, len as usize);
-        match &lr.alias {
+        match lr.alias() {
             None if zero => {
-                self.uffd
-                    .zeropage(region.mapping(), off, n)
+                self.zero_pages(lr, off, n)
                     .map_err(mem_err("UFFDIO_ZEROPAGE"))?;
                 self.counters.zero.fetch_add(1, Ordering::Relaxed);
             }
             None => {
                 let scratch = SCRATCH.take();
-                let r = STAGING.with(|cell| -> Result<(), SnapshotError> {
+                let bb = self.image.block_bytes() as usize;
+                with_staging(bb, mem_err("map a staging buffer"), |staging| {
                     let mut scratch = scratch;
-                    let mut cell = cell.borrow_mut();
-                    let bb = self.image.block_bytes() as usize;
-                    if cell.as_ref().map_or(true, |m| m.len() < bb) {
-                        let m = Mapping::anonymous(bb)
-                            .map_err(|e| mem_err("map a staging buffer")(e.into_io()))?;
-                        // Best effort: only saves the first copy's page faults.
-                        let _ = m.advise(0, bb, Advice::PopulateWrite);
-                        *cell = Some(m);
-                    }
-                    let staging = cell.as_ref().expect("set above");
                     // SAFETY: the staging mapping is this thread's own, at least a block
                     // long, page-aligned, and nothing else touches it.
                     unsafe {
@@ -182,29 +277,30 @@ impl Lazy {
                             .read_block(block, staging.as_ptr(), false, &mut scratch)?
                     };
                     SCRATCH.set(scratch);
+                    self.zero_removed(lr, off, n, staging);
                     // SAFETY: as above: the first n bytes of this thread's staging mapping,
                     // just written, borrowed only for the copies below.
                     let src = unsafe { std::slice::from_raw_parts(staging.as_ptr(), n) };
                     let copied = self
                         .uffd
-                        .copy(region.mapping(), off, src)
+                        .copy(lr.target(), off, src, &|| self.drain())
                         .map_err(mem_err("UFFDIO_COPY"))?;
                     if copied < n {
                         // A page of a block nobody had filled was there already: something
                         // else wrote this memory behind the restore's back.
                         return Err(SnapshotError::Memory {
-                            region: region.guest_addr().0,
+                            region: lr.name,
                             guest_addr: guest_addr + copied as u64,
                             op: "UFFDIO_COPY (a page was present before its block was restored)",
                             source: std::io::Error::from_raw_os_error(libc::EEXIST),
                         });
                     }
                     Ok(())
-                });
-                r?;
+                })?;
                 self.counters.bytes.fetch_add(len, Ordering::Relaxed);
             }
             Some(alias) => {
+                let region = lr.region().expect("an alias belongs to our own region");
                 if zero {
                     let fo = region.file_offset().expect("a shared region has its file");
                     crate::sys::fallocate(fo.file().as_fd(), fo.start() + offset, len)
@@ -224,11 +320,27 @@ impl Lazy {
                     self.counters.bytes.fetch_add(len, Ordering::Relaxed);
                 }
                 self.uffd
-                    .continue_range(region.mapping(), off, n, region.page_size() as usize)
+                    .continue_range(lr.target(), off, n, lr.page as usize)
                     .map_err(mem_err("UFFDIO_CONTINUE"))?;
             }
         }
         Ok(())
+    }
+
+    /// Zeroes, in a block's staging copy (`off..off + n` of `lr`), the pages the peer has
+    /// removed: they must read as zero, not as the image holds them.
+    fn zero_removed(&self, lr: &LRegion, off: usize, n: usize, staging: &Mapping) {
+        if lr.removed.is_empty() {
+            return;
+        }
+        let page = lr.page as usize;
+        for p in off / page..(off + n).div_ceil(page) {
+            if lr.removed[p / 64].load(Ordering::Acquire) >> (p % 64) & 1 != 0 {
+                // SAFETY: page p of the block lies in the first n bytes of this thread's own
+                // staging mapping, which nothing else touches.
+                unsafe { std::ptr::write_bytes(staging.as_ptr().add(p * page - off), 0, page) };
+            }
+        }
     }
 
     /// Records the first failure, runs the hooks and wakes waiters; later failures are
@@ -283,6 +395,7 @@ impl Lazy {
                     self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
                     self.serve(b);
                 }
+                self.serve_pending();
             }
             Ok(())
         });
@@ -294,10 +407,9 @@ impl Lazy {
             return false;
         }
         let (ri, offset, len) = self.image.block_span(block);
-        let m = self.regions[ri].region.mapping();
-        let page = self.regions[ri].region.page_size() as usize;
+        let lr = &self.regions[ri];
         self.uffd
-            .poison(m, offset as usize, len as usize, page)
+            .poison(lr.target(), offset as usize, len as usize, lr.page as usize)
             .is_ok()
     }
 
@@ -311,4 +423,29 @@ impl Lazy {
         }
         all
     }
+}
+
+/// Runs `f` with this thread's staging buffer, at least `len` bytes (mapped and faulted in
+/// the first time a thread needs one).
+fn with_staging<T, E>(
+    len: usize,
+    map_err: impl FnOnce(std::io::Error) -> E,
+    f: impl FnOnce(&Mapping) -> Result<T, E>,
+) -> Result<T, E> {
+    STAGING.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        if cell.as_ref().map_or(true, |m| m.len() < len) {
+            let m = Mapping::anonymous(len).map_err(|e| map_err(e.into_io()))?;
+            // Best effort: only saves the first copy's page faults.
+            let _ = m.advise(0, len, Advice::PopulateWrite);
+            *cell = Some(m);
+        }
+        f(cell.as_ref().expect("set above"))
+    })
+}
+
+/// Whether a fill failed because the peer's address space is gone (`ESRCH`: the process
+/// that registered the memory exited).
+fn peer_gone(e: &SnapshotError) -> bool {
+    matches!(e, SnapshotError::Memory { source, .. } if source.raw_os_error() == Some(libc::ESRCH))
 }

@@ -1,0 +1,319 @@
+//! `guestmem serve-uffd` against a Firecracker stand-in (guestmem_lab::fc_standin): the
+//! handshake exactly as Firecracker sends it, several threads touching every page, contents
+//! equal to the memory file, a balloon's removes, disconnects, and every bad handshake.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use guestmem_lab::fc_standin::{Standin, PAGE};
+
+const MIB: usize = 1 << 20;
+
+/// Why this machine cannot run these tests, if it cannot.
+fn missing() -> Option<String> {
+    // SAFETY: flags only; the descriptor is closed at once.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Some(format!(
+            "userfaultfd unavailable ({}): needs root or vm.unprivileged_userfaultfd",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: our own descriptor, closed once.
+    unsafe { libc::close(fd as i32) };
+    None
+}
+
+macro_rules! need_uffd {
+    () => {
+        if let Some(why) = missing() {
+            eprintln!("skipped: {why}");
+            return;
+        }
+    };
+}
+
+/// A fresh folder for one test.
+fn dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("gm-serve-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// The word at byte `at` of the test memory file: a mix of the offset, never zero.
+fn word(at: u64) -> u64 {
+    let mut x = at.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xdead_beef;
+    x ^= x >> 29;
+    x | 1
+}
+
+/// A memory file of `size` bytes; the MiB at `hole` (if any) is left a hole (zero).
+fn mem_file(d: &Path, size: usize, hole: Option<usize>) -> PathBuf {
+    let p = d.join("memory");
+    let mut f = std::fs::File::create(&p).unwrap();
+    let mut buf = vec![0u8; MIB];
+    for m in 0..size / MIB {
+        if Some(m * MIB) == hole {
+            f.set_len(((m + 1) * MIB) as u64).unwrap();
+            std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(((m + 1) * MIB) as u64)).unwrap();
+            continue;
+        }
+        for (k, c) in buf.chunks_exact_mut(8).enumerate() {
+            c.copy_from_slice(&word((m * MIB + k * 8) as u64).to_ne_bytes());
+        }
+        f.write_all(&buf).unwrap();
+    }
+    f.set_len(size as u64).unwrap();
+    p
+}
+
+/// Starts `guestmem serve-uffd` and waits for its socket.
+fn server(socket: &Path, mem: &Path, extra: &[&str]) -> Child {
+    let child = Command::new(env!("CARGO_BIN_EXE_guestmem"))
+        .arg("serve-uffd")
+        .arg("--socket")
+        .arg(socket)
+        .arg("--mem-file")
+        .arg(mem)
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !socket.exists() {
+        assert!(t.elapsed() < Duration::from_secs(20), "no socket appeared");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child
+}
+
+/// Waits (at most 20 s) for the server to exit; its status, stdout and stderr.
+fn finish(mut c: Child) -> (i32, String, String) {
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = c.try_wait().unwrap() {
+            break s;
+        }
+        if t.elapsed() > Duration::from_secs(20) {
+            let _ = c.kill();
+            panic!("the server did not exit within 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    c.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    (status.code().unwrap_or(-1), out, err)
+}
+
+#[test]
+fn serves_firecrackers_handshake_to_several_threads_with_balloon_removes() {
+    need_uffd!();
+    let d = dir("serve");
+    let sizes = [24 * MIB, 8 * MIB];
+    // The MiB at 20 MiB is a hole in the file: served as zero pages.
+    let mem = mem_file(&d, 32 * MIB, Some(20 * MIB));
+    let socket = d.join("uffd.sock");
+    let record = d.join("ws.json");
+    let srv = server(
+        &socket,
+        &mem,
+        &["--threads", "2", "--record", record.to_str().unwrap()],
+    );
+    let mut vm = Standin::new(&sizes, true).unwrap();
+    vm.connect(&socket).unwrap();
+    // The balloon takes 64 KiB before anything was read there...
+    let early = 3 * MIB + 5 * PAGE;
+    vm.remove(early, 16 * PAGE).unwrap();
+    let run = vm.read_all(4);
+    assert!(run.seconds > 0.0);
+    // ...and 8 KiB at the start of the second region after it was.
+    let late = 24 * MIB + 7 * PAGE;
+    vm.remove(late, 2 * PAGE).unwrap();
+    for p in 0..32 * MIB / PAGE {
+        let at = p * PAGE;
+        let removed =
+            (early..early + 16 * PAGE).contains(&at) || (late..late + 2 * PAGE).contains(&at);
+        let hole = (20 * MIB..21 * MIB).contains(&at);
+        let want = if removed || hole { 0 } else { word(at as u64) };
+        assert_eq!(
+            vm.word(at),
+            want,
+            "page at {at:#x} (removed {removed}, hole {hole})"
+        );
+        assert_eq!(
+            vm.word(at + 4088),
+            if removed || hole {
+                0
+            } else {
+                word(at as u64 + 4088)
+            }
+        );
+    }
+    vm.disconnect();
+    let (code, out, err) = finish(srv);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("until the peer closed the socket"), "{out}");
+    assert!(out.contains("2 removes"), "{out}");
+    // Every block came in for a fault, once each (a remove claims no block).
+    let ws: serde_json::Value = serde_json::from_slice(&std::fs::read(&record).unwrap()).unwrap();
+    let offsets = ws["offsets"].as_array().unwrap();
+    assert_eq!(offsets.len(), 32, "{ws}");
+
+    // Again, prefetching the recorded set: the same contents.
+    let srv = server(
+        &socket,
+        &mem,
+        &[
+            "--threads",
+            "2",
+            "--prefetch",
+            record.to_str().unwrap(),
+            "--json",
+        ],
+    );
+    let mut vm = Standin::new(&sizes, false).unwrap();
+    vm.connect(&socket).unwrap();
+    vm.read_all(2);
+    assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
+    // Give the prefetch a moment to finish what the readers did not wait for.
+    std::thread::sleep(Duration::from_millis(200));
+    vm.disconnect();
+    let (code, out, err) = finish(srv);
+    assert_eq!(code, 0, "{err}");
+    let rep: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(
+        rep["engine"]["prefetched_blocks"].as_u64().unwrap() > 0,
+        "{out}"
+    );
+    assert_eq!(rep["engine"]["prefetched_working_set"], 32, "{out}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_disconnect_mid_run_ends_the_server_cleanly() {
+    need_uffd!();
+    let d = dir("disconnect");
+    let mem = mem_file(&d, 64 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let srv = server(&socket, &mem, &["--threads", "1"]);
+    let mut vm = Standin::new(&[64 * MIB], false).unwrap();
+    vm.connect(&socket).unwrap();
+    // Read a quarter, then the VM goes away while most of its memory is still out.
+    for p in 0..16 * MIB / PAGE {
+        assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64));
+    }
+    vm.disconnect();
+    let (code, out, err) = finish(srv);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("until the peer closed the socket"), "{out}");
+    assert!(out.contains("16 of 64 blocks in"), "{out}");
+    assert!(!socket.exists(), "the socket file is removed");
+    vm.release().unwrap();
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn bad_handshakes_get_a_clear_error_and_a_clean_exit() {
+    need_uffd!();
+    let d = dir("bad");
+    let mem = mem_file(&d, 4 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let region = |vm: &Standin, i: usize| {
+        let r = &vm.wire_regions()[i];
+        (r.base_host_virt_addr, r.size)
+    };
+    type Send = Box<dyn Fn(&mut Standin, &Path)>;
+    let cases: Vec<(&str, Vec<usize>, Send, &str)> = vec![
+        (
+            "garbage",
+            vec![4 * MIB],
+            Box::new(|vm, s| vm.send(s, b"\x00\x01 not json at all", true).unwrap()),
+            "not Firecracker's JSON array of regions",
+        ),
+        (
+            "no descriptor",
+            vec![4 * MIB],
+            Box::new(|vm, s| {
+                let json = serde_json::to_vec(&vm.wire_regions()).unwrap();
+                vm.send(s, &json, false).unwrap()
+            }),
+            "no file descriptor came with the message",
+        ),
+        (
+            "not a userfaultfd",
+            vec![4 * MIB],
+            Box::new(|vm, s| {
+                let json = serde_json::to_vec(&vm.wire_regions()).unwrap();
+                let f = std::fs::File::open("/dev/null").unwrap();
+                vm.send_other_fd(s, &json, &f).unwrap()
+            }),
+            "is /dev/null, not a userfaultfd",
+        ),
+        (
+            "too many regions",
+            vec![4 * MIB],
+            Box::new(|vm, s| {
+                let many: Vec<String> = (0..40_000u64)
+                    .map(|i| {
+                        format!(
+                            r#"{{"base_host_virt_addr":{},"size":4096,"offset":0}}"#,
+                            (i + 1) << 13
+                        )
+                    })
+                    .collect();
+                vm.send(s, format!("[{}]", many.join(",")).as_bytes(), true)
+                    .unwrap()
+            }),
+            "40000 regions; at most 32764",
+        ),
+        (
+            "overlapping regions",
+            vec![2 * MIB, 2 * MIB],
+            Box::new(move |vm, s| {
+                let (a, _) = region(vm, 0);
+                let json = format!(
+                    r#"[{{"base_host_virt_addr":{a},"size":2097152,"offset":0,"page_size":4096}},
+                        {{"base_host_virt_addr":{},"size":2097152,"offset":2097152,"page_size":4096}}]"#,
+                    a + 4096
+                );
+                vm.send(s, json.as_bytes(), true).unwrap()
+            }),
+            "overlap in the peer's address space",
+        ),
+        (
+            "disconnect mid-handshake",
+            vec![4 * MIB],
+            Box::new(|vm, s| {
+                vm.send(s, br#"[{"base_host_virt_addr":1234"#, true)
+                    .unwrap();
+                vm.disconnect();
+            }),
+            "the peer disconnected mid-handshake",
+        ),
+        (
+            "memory file shorter than the regions",
+            vec![8 * MIB],
+            Box::new(|vm, s| vm.connect(s).unwrap()),
+            "holds 0x400000 bytes, but region 0",
+        ),
+    ];
+    for (name, sizes, send, says) in cases {
+        let srv = server(&socket, &mem, &["--threads", "2"]);
+        let mut vm = Standin::new(&sizes, false).unwrap();
+        send(&mut vm, &socket);
+        let (code, _, err) = finish(srv);
+        assert_eq!(code, 1, "{name}: {err}");
+        assert!(err.contains(says), "{name}: {err}");
+        assert!(!socket.exists(), "{name}: the socket file is left behind");
+        // The VM's memory is untouched by the server: still registered with its own
+        // descriptor, no page came in.
+        vm.release().unwrap();
+        assert_eq!(vm.word(0), 0, "{name}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -1,0 +1,792 @@
+//! A page server for Firecracker's snapshot restores: the lazy restore's engine serving
+//! another process's memory.
+//!
+//! Firecracker, told to restore with a `Uffd` memory backend, maps fresh private anonymous
+//! memory, registers it with a userfaultfd it opens, connects to a Unix socket and sends one
+//! message: the descriptor (`SCM_RIGHTS`) and a JSON array with one object per region,
+//! `{"base_host_virt_addr", "size", "offset", "page_size"}` (`offset` in the memory file;
+//! releases before 1.11 send `page_size_kib`, which later ones keep, holding bytes despite
+//! its name; the oldest send neither, meaning 4 KiB pages). It keeps its end of the socket
+//! open for as long as it runs, so the socket closing is how a server learns the VM has
+//! gone. With a balloon device it asks for remove events: each `MADV_DONTNEED` of guest
+//! memory arrives as `UFFD_EVENT_REMOVE`, and the pages removed must read as zero when next
+//! touched.
+//!
+//! [`Handshake::receive`] reads and checks that message: exactly one descriptor, which must
+//! be a userfaultfd; JSON that parses; 1 to [`MAX_REGIONS`] regions, each page-aligned,
+//! non-empty and of a page size Firecracker uses (4 KiB or 2 MiB); no two regions overlapping
+//! in the peer's address space or in the memory file. [`PageServer::start`] then refuses a
+//! memory file shorter than the regions before serving anything, and serves with the lazy
+//! restore's engine: several handler threads, a block (1 MiB by default) per fault, each
+//! block read once, a prefetch of a recorded working set first and then the rest. The peer
+//! keeps its registration; this side registers nothing and so leaves nothing registered,
+//! whether it stops cleanly or with an error.
+//!
+//! A failure while serving (the memory file unreadable) ends the server with an error that
+//! names the region, the peer's address and the file offset. Firecracker's vCPU would then
+//! wait on its fault for ever; [`PageServer::peer_pid`] names the process to stop (what
+//! `guestmem serve-uffd` does unless told not to).
+
+use std::io::{self, Read};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::lazy::LazyRestore;
+use super::LazyReport;
+use crate::layout::MAX_REGIONS;
+use crate::snapshot::{Image, SnapshotError};
+use crate::uffd::Uffd;
+
+/// The largest handshake message read (a JSON object per region).
+pub const MAX_HANDSHAKE_BYTES: usize = 4 << 20;
+/// Page sizes Firecracker's memory uses: 4 KiB, and 2 MiB hugetlbfs.
+pub const PAGE_SIZES: [u64; 2] = [4 << 10, 2 << 20];
+/// Default block served per fault.
+pub const DEFAULT_BLOCK_BYTES: u64 = 1 << 20;
+/// The highest user-space address on x86_64 with 5-level paging.
+const USER_ADDR_END: u64 = 1 << 56;
+
+/// Why a handshake or a page server failed; each names the region, address, file or limit
+/// at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// A socket call failed.
+    #[error("{op}: {source}")]
+    Socket {
+        /// What was done.
+        op: String,
+        /// The errno.
+        source: io::Error,
+    },
+    /// The peer's handshake is not what Firecracker sends.
+    #[error("handshake: {0}")]
+    Handshake(String),
+    /// The memory file cannot serve the regions.
+    #[error("memory file {}: {reason}", path.display())]
+    MemoryFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A working-set file does not parse or names offsets outside the regions.
+    #[error("working set {}: {reason}", path.display())]
+    WorkingSet {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Serving failed: the first error, naming the region, address and file offset.
+    #[error("serving the peer's memory: {0}")]
+    Serve(#[source] SnapshotError),
+}
+
+/// One region of the peer's memory, as its handshake declared it and it was checked.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct UffdRegion {
+    /// Where the region starts in the peer's address space.
+    pub base_host_virt_addr: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Where its bytes start in the memory file.
+    pub offset: u64,
+    /// Its page size, bytes.
+    pub page_size: u64,
+}
+
+/// A region as the JSON has it (unknown fields, such as a fork's `gpa_start`, are let be).
+#[derive(serde::Deserialize)]
+struct WireRegion {
+    base_host_virt_addr: u64,
+    size: u64,
+    offset: u64,
+    #[serde(default)]
+    page_size: Option<u64>,
+    #[serde(default)]
+    page_size_kib: Option<u64>,
+}
+
+/// Parses and checks the JSON of a handshake: see the module docs for what is refused.
+pub fn parse_regions(json: &[u8]) -> Result<Vec<UffdRegion>, ServeError> {
+    let bad = |s: String| ServeError::Handshake(s);
+    let wire: Vec<WireRegion> = serde_json::from_slice(json).map_err(|e| {
+        bad(format!(
+            "not Firecracker's JSON array of regions ({e}; {} bytes received)",
+            json.len()
+        ))
+    })?;
+    if wire.is_empty() {
+        return Err(bad("no regions".into()));
+    }
+    if wire.len() > MAX_REGIONS {
+        return Err(bad(format!(
+            "{} regions; at most {MAX_REGIONS} (KVM's memory slots)",
+            wire.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(wire.len());
+    for (i, w) in wire.iter().enumerate() {
+        let at = format!("region {i} (host {:#x})", w.base_host_virt_addr);
+        // page_size_kib held KiB in Firecracker 1.7-1.10 and holds bytes since: the page
+        // sizes in KiB (4, 2048) and in bytes (4096, 2 MiB) do not collide.
+        let kib = match w.page_size_kib {
+            None => None,
+            Some(4) | Some(4096) => Some(4096),
+            Some(2048) | Some(0x20_0000) => Some(0x20_0000),
+            Some(v) => return Err(bad(format!("{at}: page_size_kib {v} is no page size"))),
+        };
+        let page = match (w.page_size, kib) {
+            (Some(p), Some(k)) if p != k => {
+                return Err(bad(format!(
+                    "{at}: page_size {p} and page_size_kib {k} disagree"
+                )))
+            }
+            (Some(p), _) => p,
+            (None, Some(k)) => k,
+            (None, None) => 4096,
+        };
+        if !PAGE_SIZES.contains(&page) {
+            return Err(bad(format!(
+                "{at}: page size {page}; Firecracker's memory has 4 KiB or 2 MiB pages"
+            )));
+        }
+        let end = w.base_host_virt_addr.checked_add(w.size);
+        if w.base_host_virt_addr % page != 0 {
+            return Err(bad(format!("{at}: not at a {page}-byte page boundary")));
+        }
+        if w.size == 0 || w.size % page != 0 {
+            return Err(bad(format!(
+                "{at}: size {:#x} is not a non-zero number of {page}-byte pages",
+                w.size
+            )));
+        }
+        if end.map_or(true, |e| e > USER_ADDR_END) {
+            return Err(bad(format!(
+                "{at}: size {:#x} runs past the end of user address space",
+                w.size
+            )));
+        }
+        if w.offset % page != 0 || w.offset.checked_add(w.size).is_none() {
+            return Err(bad(format!(
+                "{at}: file offset {:#x} is not a multiple of its page size {page}",
+                w.offset
+            )));
+        }
+        out.push(UffdRegion {
+            base_host_virt_addr: w.base_host_virt_addr,
+            size: w.size,
+            offset: w.offset,
+            page_size: page,
+        });
+    }
+    let by = |key: fn(&UffdRegion) -> u64, what: &str| -> Result<(), ServeError> {
+        let mut idx: Vec<usize> = (0..out.len()).collect();
+        idx.sort_unstable_by_key(|&i| key(&out[i]));
+        for w in idx.windows(2) {
+            let (a, b) = (&out[w[0]], &out[w[1]]);
+            if key(a) + a.size > key(b) {
+                return Err(bad(format!(
+                    "regions {} and {} overlap in the {what} ({:#x}+{:#x} and {:#x}+{:#x})",
+                    w[0],
+                    w[1],
+                    key(a),
+                    a.size,
+                    key(b),
+                    b.size
+                )));
+            }
+        }
+        Ok(())
+    };
+    by(|r| r.base_host_virt_addr, "peer's address space")?;
+    by(|r| r.offset, "memory file")?;
+    Ok(out)
+}
+
+/// A peer's handshake, received and checked: its userfaultfd and regions, and the socket it
+/// keeps open while it runs.
+#[derive(Debug)]
+pub struct Handshake {
+    regions: Vec<UffdRegion>,
+    uffd: Uffd,
+    peer: UnixStream,
+    peer_pid: Option<i32>,
+}
+
+impl Handshake {
+    /// Waits up to `wait` for a peer to connect to `listener`, then gives it `timeout` to
+    /// send its handshake (see [`Handshake::receive`]).
+    pub fn accept(
+        listener: &UnixListener,
+        wait: Duration,
+        timeout: Duration,
+    ) -> Result<Handshake, ServeError> {
+        let serr = |op: &str| {
+            let op = op.to_string();
+            move |source| ServeError::Socket { op, source }
+        };
+        let mut pfd = libc::pollfd {
+            fd: listener.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = wait.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one live pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n < 0 {
+            return Err(serr("wait for the peer to connect")(
+                io::Error::last_os_error(),
+            ));
+        }
+        if n == 0 {
+            return Err(ServeError::Handshake(format!(
+                "no peer connected within {:.1} s",
+                wait.as_secs_f64()
+            )));
+        }
+        let (stream, _) = listener.accept().map_err(serr("accept"))?;
+        Handshake::receive(stream, timeout)
+    }
+
+    /// Reads the handshake from `stream`: one message with one descriptor and the regions'
+    /// JSON, taking at most `timeout`. Refuses a peer that sends garbage, no descriptor (or
+    /// more than one, or one that is not a userfaultfd), regions that do not hold together,
+    /// or that disconnects before the JSON is whole.
+    pub fn receive(stream: UnixStream, timeout: Duration) -> Result<Handshake, ServeError> {
+        let serr = |op: &str| {
+            let op = op.to_string();
+            move |source| ServeError::Socket { op, source }
+        };
+        let deadline = Instant::now() + timeout;
+        let left = || {
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1))
+        };
+        stream
+            .set_read_timeout(Some(left()))
+            .map_err(serr("set a read timeout"))?;
+        let mut buf = vec![0u8; 64 << 10];
+        let (n, fds) = recv_with_fds(&stream, &mut buf).map_err(|e| match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ServeError::Handshake(format!(
+                "nothing received within {:.1} s",
+                timeout.as_secs_f64()
+            )),
+            _ => ServeError::Socket {
+                op: "receive the handshake".into(),
+                source: e,
+            },
+        })?;
+        let mut fds = fds?;
+        if n == 0 {
+            return Err(ServeError::Handshake(
+                "the peer disconnected before sending anything".into(),
+            ));
+        }
+        let uffd = match fds.len() {
+            0 => {
+                return Err(ServeError::Handshake(
+                    "no file descriptor came with the message (Firecracker sends its \
+                     userfaultfd with SCM_RIGHTS)"
+                        .into(),
+                ))
+            }
+            1 => fds.pop().expect("one"),
+            k => {
+                return Err(ServeError::Handshake(format!(
+                    "{k} file descriptors came with the message; Firecracker sends one"
+                )))
+            }
+        };
+        let mut json = buf[..n].to_vec();
+        let regions = loop {
+            match parse_regions(&json) {
+                Ok(r) => break r,
+                Err(e) => {
+                    // Only a JSON document cut short may continue in a later read.
+                    let cut = serde_json::from_slice::<serde_json::Value>(&json)
+                        .err()
+                        .is_some_and(|e| e.is_eof());
+                    if !cut {
+                        return Err(e);
+                    }
+                    if json.len() >= MAX_HANDSHAKE_BYTES {
+                        return Err(ServeError::Handshake(format!(
+                            "message longer than {MAX_HANDSHAKE_BYTES} bytes"
+                        )));
+                    }
+                    stream
+                        .set_read_timeout(Some(left()))
+                        .map_err(serr("set a read timeout"))?;
+                    let k = (&stream).read(&mut buf).map_err(|e| match e.kind() {
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                            ServeError::Handshake(format!(
+                                "the JSON stopped after {} bytes and no more came within {:.1} s",
+                                json.len(),
+                                timeout.as_secs_f64()
+                            ))
+                        }
+                        _ => ServeError::Socket {
+                            op: "receive the handshake".into(),
+                            source: e,
+                        },
+                    })?;
+                    if k == 0 {
+                        return Err(ServeError::Handshake(format!(
+                            "the peer disconnected mid-handshake, after {} bytes of JSON",
+                            json.len()
+                        )));
+                    }
+                    json.extend_from_slice(&buf[..k]);
+                }
+            }
+        };
+        let uffd = Uffd::from_received(uffd).map_err(|e| {
+            ServeError::Handshake(format!("the descriptor sent is not usable: {e}"))
+        })?;
+        stream
+            .set_read_timeout(None)
+            .map_err(serr("clear the read timeout"))?;
+        let peer_pid = peer_pid(&stream);
+        Ok(Handshake {
+            regions,
+            uffd,
+            peer: stream,
+            peer_pid,
+        })
+    }
+
+    /// The regions, in the order the peer sent them.
+    pub fn regions(&self) -> &[UffdRegion] {
+        &self.regions
+    }
+
+    /// The peer's process id, from the socket (`SO_PEERCRED`).
+    pub fn peer_pid(&self) -> Option<i32> {
+        self.peer_pid
+    }
+
+    /// The checked regions, the descriptor and the socket, for a server of one's own (the
+    /// lab's Firecracker-style peer). Every use of the descriptor is an `unsafe` ioctl.
+    pub fn into_parts(self) -> (Vec<UffdRegion>, OwnedFd, UnixStream) {
+        (self.regions, self.uffd.into_fd(), self.peer)
+    }
+}
+
+/// How to serve.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Threads reading faults.
+    pub handler_threads: usize,
+    /// Threads prefetching (0: no prefetch; faults alone bring memory in).
+    pub prefetch_threads: usize,
+    /// Memory-file offsets to prefetch first, in order (a recorded working set).
+    pub first: Vec<u64>,
+    /// Bytes served per fault (raised to the largest page size; a multiple of it).
+    pub block_bytes: u64,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            handler_threads: crate::populate::default_threads(),
+            prefetch_threads: crate::populate::default_threads(),
+            first: Vec::new(),
+            block_bytes: DEFAULT_BLOCK_BYTES,
+        }
+    }
+}
+
+/// How a page server ended.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ServeReport {
+    /// What the engine did.
+    pub engine: LazyReport,
+    /// Why it stopped: `peer closed the socket`, `peer exited`, `stopped`.
+    pub ended: String,
+    /// From the start of serving until it ended, seconds.
+    pub served_secs: f64,
+    /// The memory-file offsets of the blocks the peer faulted, first fault first (see
+    /// [`PageServer::working_set`]).
+    #[serde(skip)]
+    pub working_set: Vec<u64>,
+}
+
+/// A page server at work for one peer.
+#[derive(Debug)]
+pub struct PageServer {
+    lazy: LazyRestore,
+    image: Image,
+    peer: UnixStream,
+    peer_pid: Option<i32>,
+    regions: Vec<UffdRegion>,
+    t0: Instant,
+}
+
+impl PageServer {
+    /// Checks `mem_file` against the handshake's regions (refusing one that does not hold
+    /// them all, before anything is served) and starts serving.
+    pub fn start(
+        h: Handshake,
+        mem_file: &Path,
+        cfg: &ServeConfig,
+    ) -> Result<PageServer, ServeError> {
+        let ferr = |reason: String| ServeError::MemoryFile {
+            path: mem_file.to_path_buf(),
+            reason,
+        };
+        let len = std::fs::metadata(mem_file)
+            .map_err(|e| ferr(format!("cannot stat it: {e}")))?
+            .len();
+        for (i, r) in h.regions.iter().enumerate() {
+            if r.offset + r.size > len {
+                return Err(ferr(format!(
+                    "holds {len:#x} bytes, but region {i} (host {:#x}, {:#x} bytes) needs \
+                     offsets {:#x}..{:#x}",
+                    r.base_host_virt_addr,
+                    r.size,
+                    r.offset,
+                    r.offset + r.size
+                )));
+            }
+        }
+        let largest = h.regions.iter().map(|r| r.page_size).max().unwrap_or(4096);
+        let block = cfg.block_bytes.max(largest).next_multiple_of(largest);
+        let spans: Vec<(u64, u64, u64, u64)> = h
+            .regions
+            .iter()
+            .map(|r| (r.base_host_virt_addr, r.size, r.offset, r.page_size))
+            .collect();
+        let image = Image::raw(mem_file, &spans, block).map_err(|e| ferr(e.to_string()))?;
+        let first = match cfg.prefetch_threads {
+            0 => None,
+            _ => Some(blocks_of(&image, &cfg.first)),
+        };
+        let places: Vec<(u64, u64, u64)> = h
+            .regions
+            .iter()
+            .map(|r| (r.base_host_virt_addr, r.size, r.page_size))
+            .collect();
+        let lazy = LazyRestore::start_remote(
+            &image,
+            &places,
+            h.uffd,
+            (cfg.handler_threads, cfg.prefetch_threads),
+            first,
+        )
+        .map_err(|source| ServeError::Socket {
+            op: "start the handler threads".into(),
+            source,
+        })?;
+        Ok(PageServer {
+            lazy,
+            image,
+            peer: h.peer,
+            peer_pid: h.peer_pid,
+            regions: h.regions,
+            t0: Instant::now(),
+        })
+    }
+
+    /// The peer's process id (`SO_PEERCRED`).
+    pub fn peer_pid(&self) -> Option<i32> {
+        self.peer_pid
+    }
+
+    /// The regions served.
+    pub fn regions(&self) -> &[UffdRegion] {
+        &self.regions
+    }
+
+    /// Blocks in, and blocks in all.
+    pub fn progress(&self) -> (u64, u64) {
+        self.lazy.progress()
+    }
+
+    /// What it did so far.
+    pub fn report(&self) -> LazyReport {
+        self.lazy.report()
+    }
+
+    /// The memory-file offsets of the blocks the peer faulted, first fault first: a working
+    /// set for the next server's [`ServeConfig::first`].
+    pub fn working_set(&self) -> Vec<u64> {
+        let bb = self.image.block_bytes();
+        self.lazy
+            .working_set()
+            .into_iter()
+            .map(|b| {
+                let (ri, off, _) = self.image.block_span(b);
+                self.image.regions()[ri].file_offset + off / bb * bb
+            })
+            .collect()
+    }
+
+    /// Serves until the peer goes away (it closes the socket or exits: `Ok`) or serving
+    /// fails (the first error). Either way the handler and prefetch threads are stopped and
+    /// the descriptor closed when this returns.
+    pub fn wait(mut self) -> Result<ServeReport, ServeError> {
+        let ended = loop {
+            if self.lazy.failure().is_some() {
+                break None;
+            }
+            if self.lazy.peer_gone() {
+                break Some("peer exited");
+            }
+            if peer_hung_up(&self.peer) {
+                break Some("peer closed the socket");
+            }
+            self.lazy.wait_for(Duration::from_millis(20));
+        };
+        let engine = self.lazy.halt();
+        match ended {
+            Some(why) => Ok(ServeReport {
+                engine,
+                ended: why.into(),
+                served_secs: self.t0.elapsed().as_secs_f64(),
+                working_set: self.working_set(),
+            }),
+            None => Err(ServeError::Serve(self.lazy.take_error().unwrap_or_else(
+                || SnapshotError::Stopped(self.lazy.failure().unwrap_or_default()),
+            ))),
+        }
+    }
+}
+
+/// Blocks of `image` holding `offsets` (memory-file offsets), first occurrence first;
+/// offsets outside every region are left out.
+fn blocks_of(image: &Image, offsets: &[u64]) -> Vec<u64> {
+    let bb = image.block_bytes();
+    offsets
+        .iter()
+        .filter_map(|&o| {
+            image
+                .regions()
+                .iter()
+                .find(|r| o >= r.file_offset && o < r.file_offset + r.size)
+                .map(|r| r.first_block + (o - r.file_offset) / bb)
+        })
+        .collect()
+}
+
+/// A recorded working set, as `guestmem serve-uffd --record` writes it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkingSetFile {
+    /// Always `guestmem-working-set`.
+    pub format: String,
+    /// Memory-file offsets of the blocks faulted, first fault first.
+    pub offsets: Vec<u64>,
+}
+
+impl WorkingSetFile {
+    /// The format's name.
+    pub const FORMAT: &'static str = "guestmem-working-set";
+
+    /// Reads and checks `path`.
+    pub fn read(path: &Path) -> Result<Vec<u64>, ServeError> {
+        let werr = |reason: String| ServeError::WorkingSet {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let text = std::fs::read(path).map_err(|e| werr(e.to_string()))?;
+        let w: WorkingSetFile = serde_json::from_slice(&text).map_err(|e| werr(e.to_string()))?;
+        if w.format != Self::FORMAT {
+            return Err(werr(format!(
+                "format {:?}, expected {:?}",
+                w.format,
+                Self::FORMAT
+            )));
+        }
+        Ok(w.offsets)
+    }
+
+    /// Writes `offsets` to `path` (through a rename, so a reader never sees half of it).
+    pub fn write(path: &Path, offsets: &[u64]) -> io::Result<()> {
+        let w = WorkingSetFile {
+            format: Self::FORMAT.into(),
+            offsets: offsets.to_vec(),
+        };
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec(&w).expect("serialises"))?;
+        std::fs::rename(&tmp, path)
+    }
+}
+
+/// Whether the peer closed its end (or reset it). Bytes it sends after the handshake are
+/// read and dropped (Firecracker sends none).
+fn peer_hung_up(s: &UnixStream) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLIN | libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd; no waiting.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    if n <= 0 {
+        return false;
+    }
+    if pfd.revents & (libc::POLLHUP | libc::POLLRDHUP | libc::POLLERR) != 0 {
+        return true;
+    }
+    let mut buf = [0u8; 4096];
+    // SAFETY: reads at most buf.len() bytes into buf; MSG_DONTWAIT never blocks.
+    let k = unsafe {
+        libc::recv(
+            s.as_raw_fd(),
+            buf.as_mut_ptr() as *mut libc::c_void,
+            buf.len(),
+            libc::MSG_DONTWAIT,
+        )
+    };
+    k == 0
+}
+
+/// The peer's pid (`SO_PEERCRED`).
+fn peer_pid(s: &UnixStream) -> Option<i32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred is a live ucred and len its size; the kernel writes at most len bytes.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut libc::ucred as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    (r == 0 && cred.pid > 0).then_some(cred.pid)
+}
+
+/// Descriptors one message may bring before it counts as garbage.
+const MAX_FDS: usize = 8;
+
+/// One `recvmsg`: bytes into `buf`, and the descriptors that came with them (each owned;
+/// closed if the call then fails). The inner error says a message's descriptors were cut
+/// short (`MSG_CTRUNC`).
+fn recv_with_fds(
+    s: &UnixStream,
+    buf: &mut [u8],
+) -> io::Result<(usize, Result<Vec<OwnedFd>, ServeError>)> {
+    // u64 words keep the control buffer aligned for cmsghdr.
+    let mut control = [0u64; 32];
+    // SAFETY: CMSG_SPACE is arithmetic.
+    let space = unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<i32>()) as u32) };
+    assert!(space as usize <= std::mem::size_of_val(&control));
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: an all-zero msghdr is valid (null pointers, zero lengths); set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+    msg.msg_controllen = space as usize;
+    let n = loop {
+        // SAFETY: msg points at live iov (over buf) and control buffers of the lengths
+        // given; the kernel writes within them.
+        let n = unsafe { libc::recvmsg(s.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    };
+    let mut fds = Vec::new();
+    // SAFETY: msg was filled by recvmsg; CMSG_FIRSTHDR/NXTHDR walk its control buffer
+    // within msg_controllen, and each SCM_RIGHTS payload holds whole i32 descriptors that
+    // are now ours.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c) as *const i32;
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                    / std::mem::size_of::<i32>();
+                for k in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(data.add(k).read_unaligned()));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Ok((
+            n,
+            Err(ServeError::Handshake(format!(
+                "more than {MAX_FDS} file descriptors came with the message; Firecracker sends one"
+            ))),
+        ));
+    }
+    Ok((n, Ok(fds)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_what_firecracker_sends_and_refuses_the_rest() {
+        let ok = br#"[{"base_host_virt_addr":139637976727552,"size":1048576,"offset":0,"page_size":4096,"page_size_kib":4096},
+                      {"base_host_virt_addr":139637978824704,"size":2097152,"offset":1048576,"page_size":4096}]"#;
+        let r = parse_regions(ok).unwrap();
+        assert_eq!(r.len(), 2);
+        assert_eq!(r[1].offset, 1 << 20);
+        // Old releases: no page size at all; 1.7-1.10: page_size_kib in KiB.
+        let old = br#"[{"base_host_virt_addr":2097152,"size":4194304,"offset":0}]"#;
+        assert_eq!(parse_regions(old).unwrap()[0].page_size, 4096);
+        let kib =
+            br#"[{"base_host_virt_addr":2097152,"size":4194304,"offset":0,"page_size_kib":2048}]"#;
+        assert_eq!(parse_regions(kib).unwrap()[0].page_size, 2 << 20);
+        for (bad, says) in [
+            (&b"garbage"[..], "not Firecracker's JSON"),
+            (b"[]", "no regions"),
+            (br#"[{"size":4096,"offset":0}]"#, "not Firecracker's JSON"),
+            (
+                br#"[{"base_host_virt_addr":4096,"size":8192,"offset":0},{"base_host_virt_addr":8192,"size":4096,"offset":8192}]"#,
+                "overlap in the peer's address space",
+            ),
+            (
+                br#"[{"base_host_virt_addr":4096,"size":8192,"offset":0},{"base_host_virt_addr":65536,"size":4096,"offset":4096}]"#,
+                "overlap in the memory file",
+            ),
+            (
+                br#"[{"base_host_virt_addr":4097,"size":4096,"offset":0}]"#,
+                "region 0 (host 0x1001)",
+            ),
+            (
+                br#"[{"base_host_virt_addr":4096,"size":4096,"offset":0,"page_size":8192}]"#,
+                "page size 8192",
+            ),
+            (
+                br#"[{"base_host_virt_addr":18446744073709547520,"size":8192,"offset":0}]"#,
+                "past the end of user address space",
+            ),
+        ] {
+            let e = parse_regions(bad).unwrap_err().to_string();
+            assert!(e.contains(says), "{e}");
+        }
+        let many: Vec<String> = (0..=MAX_REGIONS as u64)
+            .map(|i| {
+                format!(
+                    r#"{{"base_host_virt_addr":{},"size":4096,"offset":{}}}"#,
+                    (i + 1) * 8192,
+                    i * 4096
+                )
+            })
+            .collect();
+        let e = parse_regions(format!("[{}]", many.join(",")).as_bytes()).unwrap_err();
+        assert!(e.to_string().contains("at most 32764"), "{e}");
+    }
+}
