@@ -1,7 +1,7 @@
 //! `guestmem lab`: runs a lab scenario, writes its run folder, prints its Markdown table.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -11,7 +11,8 @@ use guestmem_lab::faults::{run_faults, FaultsLabConfig};
 use guestmem_lab::guards::{run_guards, GuardsLabConfig};
 use guestmem_lab::populate::{run_populate, LayoutKind, PopulateLabConfig, DEFAULT_SETTLE};
 use guestmem_lab::report::{write_run, LabReport, LabResult};
-use guestmem_lab::run::{prepare_out, Order as RunOrder, Protocol};
+use guestmem_lab::restore::{run_restore, RestoreLabConfig};
+use guestmem_lab::run::{prepare_out, run_folder, Order as RunOrder, Protocol, RunInfo};
 use guestmem_lab::translate::{run_translate, TranslateLabConfig};
 
 /// Where run folders go unless `--out` says otherwise.
@@ -38,6 +39,40 @@ enum Scenario {
     /// Seed 004: lookups from several threads, each in its own regions: per-thread guestmem
     /// translators against a shared snapshot and vm-memory's find_region.
     Translate(TranslateArgs),
+    /// Snapshot restore: guestmem's page server (Firecracker's handshake) with and without
+    /// recorded prefetch, a Firecracker-style server, mapped and eager restores; reader
+    /// threads stand in for vCPUs.
+    Restore(RestoreArgs),
+    /// Every scenario, one after the other, into one folder with an index.md of all reports.
+    All(AllArgs),
+}
+
+/// Flags of `guestmem lab restore`.
+#[derive(ClapArgs)]
+pub struct RestoreArgs {
+    /// Image sizes, comma-separated [default: 256M,1G].
+    #[arg(long, value_delimiter = ',', value_parser = size)]
+    sizes: Vec<u64>,
+    /// Reader (vCPU) thread counts, comma-separated [default: 1 up to the CPUs].
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=1024))]
+    vcpus: Vec<u32>,
+    /// Handler threads of the serve-uffd variants.
+    #[arg(long, default_value_t = guestmem_lab::restore::DEFAULT_HANDLERS as u32, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    handlers: u32,
+    #[command(flatten)]
+    protocol: ProtocolArgs,
+}
+
+/// Flags of `guestmem lab all`.
+#[derive(ClapArgs)]
+pub struct AllArgs {
+    /// Small sizes and one round each: checks every scenario end to end in seconds; its
+    /// numbers are not measurements.
+    #[arg(long)]
+    quick: bool,
+    /// Folder the run folder is created in.
+    #[arg(long, default_value = DEFAULT_OUT_DIR)]
+    out: PathBuf,
 }
 
 /// The protocol flags every scenario shares.
@@ -183,9 +218,28 @@ pub fn run(args: Args) -> Result<()> {
         Scenario::Guards(a) => &a.protocol.out,
         Scenario::Faults(a) => &a.protocol.out,
         Scenario::Translate(a) => &a.protocol.out,
+        Scenario::Restore(a) => &a.protocol.out,
+        Scenario::All(a) => &a.out,
     };
     prepare_out(out).with_context(|| format!("--out {}", out.display()))?;
     match args.scenario {
+        Scenario::All(a) => all(a),
+        Scenario::Restore(a) => {
+            let d = RestoreLabConfig::default();
+            let cfg = RestoreLabConfig {
+                sizes: if a.sizes.is_empty() {
+                    d.sizes.clone()
+                } else {
+                    a.sizes.clone()
+                },
+                vcpus: counts_or(&a.vcpus, d.vcpus.clone()),
+                handlers: a.handlers as usize,
+                protocol: a.protocol.protocol(d.protocol),
+                command: command_line(),
+                ..d
+            };
+            emit(&run_restore(&cfg).context("lab restore")?, &a.protocol.out)
+        }
         Scenario::Populate(a) => populate(a),
         Scenario::Guards(a) => {
             let d = GuardsLabConfig::default();
@@ -222,6 +276,181 @@ pub fn run(args: Args) -> Result<()> {
             )
         }
     }
+}
+
+/// One scenario of `lab all`: its name and what runs it into a folder (returning the run
+/// folder and the report).
+type Step = (
+    &'static str,
+    Box<dyn Fn(&Path) -> Result<(PathBuf, String)>>,
+);
+
+/// Runs `result` into `base` as `emit` does, without printing; the folder and report.
+fn written<S, B>(result: LabResult<S, B>, base: &Path) -> Result<(PathBuf, String)>
+where
+    S: serde::Serialize,
+    B: serde::Serialize,
+    LabResult<S, B>: LabReport,
+{
+    let dir = write_run(&result, base)?;
+    Ok((dir, result.markdown()))
+}
+
+/// `guestmem lab all`: every scenario into one run folder, then its index.md.
+fn all(a: AllArgs) -> Result<()> {
+    let q = a.quick;
+    let one = Protocol {
+        warmup: 0,
+        rounds: 1,
+        order: RunOrder::Rotate,
+    };
+    let cmd = command_line();
+    let steps: Vec<Step> = vec![
+        ("populate", {
+            let cmd = cmd.clone();
+            Box::new(move |base: &Path| {
+                let d = PopulateLabConfig::default();
+                let cfg = if q {
+                    PopulateLabConfig {
+                        size: 256 << 20,
+                        layouts: vec![LayoutKind::Single],
+                        protocol: one,
+                        command: cmd.clone(),
+                        ..d
+                    }
+                } else {
+                    PopulateLabConfig {
+                        layouts: vec![LayoutKind::Single, LayoutKind::Unequal, LayoutKind::Dimms],
+                        command: cmd.clone(),
+                        ..d
+                    }
+                };
+                written(run_populate(&cfg)?, base)
+            })
+        }),
+        ("guards", {
+            let cmd = cmd.clone();
+            Box::new(move |base: &Path| {
+                let d = GuardsLabConfig::default();
+                let cfg = GuardsLabConfig {
+                    size: if q { 8 << 20 } else { d.size },
+                    protocol: if q { one } else { d.protocol },
+                    command: cmd.clone(),
+                    ..d
+                };
+                written(run_guards(&cfg)?, base)
+            })
+        }),
+        ("faults", {
+            let cmd = cmd.clone();
+            Box::new(move |base: &Path| {
+                let d = FaultsLabConfig::default();
+                let cfg = FaultsLabConfig {
+                    size: if q { 16 << 20 } else { d.size },
+                    protocol: if q { one } else { d.protocol },
+                    command: cmd.clone(),
+                    ..d
+                };
+                written(run_faults(&cfg)?, base)
+            })
+        }),
+        ("translate", {
+            let cmd = cmd.clone();
+            Box::new(move |base: &Path| {
+                let d = TranslateLabConfig::default();
+                let cfg = if q {
+                    TranslateLabConfig {
+                        region_counts: vec![1, 8],
+                        lookups_per_thread: 1 << 12,
+                        protocol: one,
+                        command: cmd.clone(),
+                        ..d
+                    }
+                } else {
+                    TranslateLabConfig {
+                        command: cmd.clone(),
+                        ..d
+                    }
+                };
+                written(run_translate(&cfg)?, base)
+            })
+        }),
+        ("restore", {
+            let cmd = cmd.clone();
+            Box::new(move |base: &Path| {
+                let d = RestoreLabConfig::default();
+                let cfg = RestoreLabConfig {
+                    sizes: if q { vec![8 << 20] } else { d.sizes.clone() },
+                    protocol: if q { one } else { d.protocol },
+                    command: cmd.clone(),
+                    ..d
+                };
+                written(run_restore(&cfg)?, base)
+            })
+        }),
+    ];
+    let info = RunInfo::collect(cmd.clone());
+    let base =
+        run_folder(&a.out, &info, "all").with_context(|| format!("--out {}", a.out.display()))?;
+    let mut index = format!(
+        "# guestmem lab, every scenario\n\n`{}` | commit {}{} | {} | {} ({} CPUs){}\n\n",
+        info.command,
+        info.git_commit.as_deref().unwrap_or("unknown"),
+        if info.git_dirty == Some(true) {
+            " (dirty)"
+        } else {
+            ""
+        },
+        info.kernel,
+        info.cpu_model,
+        info.cpus,
+        if q {
+            " | --quick: tiny sizes, one round: a check, not a measurement"
+        } else {
+            ""
+        },
+    );
+    let mut failed = 0;
+    for (name, step) in &steps {
+        eprintln!("guestmem lab all: {name} ...");
+        let t = std::time::Instant::now();
+        match step(&base) {
+            Ok((dir, md)) => {
+                let rel = dir
+                    .strip_prefix(&base)
+                    .unwrap_or(&dir)
+                    .display()
+                    .to_string();
+                // Each report's title becomes a section of the index.
+                let body = md.replacen("# ", "## ", 1);
+                index.push_str(&body);
+                let plot = dir.join("plot.svg");
+                if plot.exists() {
+                    index.push_str(&format!("\n![{name}]({rel}/plot.svg)\n"));
+                }
+                index.push_str(&format!(
+                    "\nRun folder: `{rel}/` (result.json holds every sample); took {:.0} s.\n\n",
+                    t.elapsed().as_secs_f64()
+                ));
+            }
+            Err(e) => {
+                failed += 1;
+                index.push_str(&format!(
+                    "## {name}\n\nNot measured: {}\n\n",
+                    super::message(&e)
+                ));
+            }
+        }
+    }
+    let p = base.join("index.md");
+    std::fs::write(&p, &index).with_context(|| format!("write {}", p.display()))?;
+    let mut out = std::io::stdout().lock();
+    write!(out, "{index}")?;
+    writeln!(out, "\nwritten to {}", base.display())?;
+    if failed == steps.len() {
+        anyhow::bail!("no scenario ran");
+    }
+    Ok(())
 }
 
 fn command_line() -> String {

@@ -52,6 +52,9 @@ pub enum LabError {
         /// The error.
         source: io::Error,
     },
+    /// A snapshot, restore or page-server step of the restore scenario failed.
+    #[error("restore: {0}")]
+    Restore(String),
     /// vm-memory refused the regions (its error types differ per call, so it is kept as text).
     #[error("vm-memory: {0}")]
     VmMemory(String),

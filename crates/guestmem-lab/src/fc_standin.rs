@@ -183,37 +183,13 @@ impl Standin {
     /// regions (in order), as vCPUs would touch memory: every first read is a fault the
     /// server must answer.
     pub fn read_all(&self, threads: usize) -> ReadRun {
-        let pages = self.size() / PAGE;
-        let threads = threads.clamp(1, pages.max(1));
-        let share = pages.div_ceil(threads);
-        let gate = std::sync::Barrier::new(threads + 1);
-        let t0 = std::sync::OnceLock::new();
-        let results: Vec<(f64, u64, Instant)> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..threads)
-                .map(|i| {
-                    let gate = &gate;
-                    s.spawn(move || {
-                        gate.wait();
-                        let start = Instant::now();
-                        let mut x = 0u64;
-                        for p in i * share..((i + 1) * share).min(pages) {
-                            x ^= self.word(p * PAGE);
-                        }
-                        (start.elapsed().as_secs_f64(), x, Instant::now())
-                    })
-                })
-                .collect();
-            let _ = t0.set(Instant::now());
-            gate.wait();
-            hs.into_iter().map(|h| h.join().expect("reader")).collect()
-        });
-        let t0 = *t0.get().expect("set");
-        let end = results.iter().map(|r| r.2).max().unwrap_or(t0);
-        ReadRun {
-            seconds: end.saturating_duration_since(t0).as_secs_f64(),
-            thread_seconds: results.iter().map(|r| r.0).collect(),
-            digest: results.iter().fold(0, |a, r| a ^ r.1),
-        }
+        let ranges: Vec<(usize, usize)> = self
+            .regions
+            .iter()
+            .map(|(m, _)| (m.as_ptr() as usize, m.len()))
+            .collect();
+        // SAFETY: the ranges are this stand-in's own mappings, alive while `self` is.
+        unsafe { read_ranges(&ranges, threads) }
     }
 
     /// The (region, offset) of byte `at` of guest memory, regions in order.
@@ -293,4 +269,57 @@ impl Drop for Standin {
         // server could still fill.
         let _ = self.release();
     }
+}
+
+/// Reads one word of every page of `ranges` (host address, length; in order) with
+/// `threads` threads, each a contiguous share: every first read of a registered page is a
+/// fault its server must answer.
+///
+/// # Safety
+/// Every range must stay mapped and readable for the call.
+pub unsafe fn read_ranges(ranges: &[(usize, usize)], threads: usize) -> ReadRun {
+    let pages = ranges.iter().map(|r| r.1).sum::<usize>() / PAGE;
+    let threads = threads.clamp(1, pages.max(1));
+    let share = pages.div_ceil(threads);
+    let gate = std::sync::Barrier::new(threads + 1);
+    let t0 = std::sync::OnceLock::new();
+    let results: Vec<(f64, u64, Instant)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|i| {
+                let gate = &gate;
+                s.spawn(move || {
+                    gate.wait();
+                    let start = Instant::now();
+                    let mut x = 0u64;
+                    for p in i * share..((i + 1) * share).min(pages) {
+                        x ^= word_at(ranges, p * PAGE);
+                    }
+                    (start.elapsed().as_secs_f64(), x, Instant::now())
+                })
+            })
+            .collect();
+        let _ = t0.set(Instant::now());
+        gate.wait();
+        hs.into_iter().map(|h| h.join().expect("reader")).collect()
+    });
+    let t0 = *t0.get().expect("set");
+    let end = results.iter().map(|r| r.2).max().unwrap_or(t0);
+    ReadRun {
+        seconds: end.saturating_duration_since(t0).as_secs_f64(),
+        thread_seconds: results.iter().map(|r| r.0).collect(),
+        digest: results.iter().fold(0, |a, r| a ^ r.1),
+    }
+}
+
+/// The word at byte `at` of `ranges` laid end to end.
+fn word_at(ranges: &[(usize, usize)], mut at: usize) -> u64 {
+    for &(start, len) in ranges {
+        if at < len {
+            // SAFETY: at + 8 <= len (page-aligned at, whole pages): inside a range the
+            // caller of read_ranges keeps mapped; volatile, no Rust reference to it.
+            return unsafe { ((start + at) as *const u64).read_volatile() };
+        }
+        at -= len;
+    }
+    panic!("offset past the ranges");
 }

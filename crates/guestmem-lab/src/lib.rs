@@ -31,6 +31,7 @@ pub mod peer_qemu;
 pub mod plot;
 pub mod populate;
 pub mod report;
+pub mod restore;
 pub mod run;
 pub mod translate;
 pub mod vm;
