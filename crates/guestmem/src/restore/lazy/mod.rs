@@ -46,13 +46,16 @@ use std::time::Instant;
 use linux_raw_sys::general as uapi;
 
 use super::{Prefetch, RestoreConfig};
-use crate::layout::{Backing, Reserve};
-use crate::mmap::{MapSource, Mapping, Reservation};
+use crate::layout::Backing;
+use crate::mmap::Mapping;
 use crate::region::Region;
 use crate::snapshot::{Image, SnapshotError};
-use crate::uffd::{RegisterMode, RemoteRange, Target, Uffd};
+use crate::uffd::{RegisterMode, Uffd};
 
+mod place;
 mod serve;
+
+use place::{alias, LRegion, Place};
 
 const EMPTY: u8 = 0;
 const BUSY: u8 = 1;
@@ -91,83 +94,6 @@ pub struct LazyReport {
     pub prefetched_working_set: usize,
     /// Remove events read (a remote peer's `MADV_DONTNEED`, a balloon inflating).
     pub removes: u64,
-}
-
-/// Where a region's memory is.
-enum Place {
-    /// Our own region.
-    Own {
-        region: Arc<Region>,
-        /// A second, unregistered mapping of a memfd or hugetlb region's file, through which
-        /// its page cache is filled.
-        alias: Option<Mapping>,
-    },
-    /// Private anonymous memory of the process that sent its userfaultfd (a page server).
-    Remote(RemoteRange),
-}
-
-struct LRegion {
-    place: Place,
-    first_block: u64,
-    host: u64,
-    size: u64,
-    page: u64,
-    /// The address errors name the region by: its guest address, or for a remote region
-    /// its host address in the peer.
-    name: u64,
-    /// Pages of a remote region its owner removed (`UFFD_EVENT_REMOVE`), a bit per page:
-    /// they read as zero from then on. Empty for our own regions.
-    removed: Box<[AtomicU64]>,
-}
-
-impl LRegion {
-    fn own(region: Arc<Region>, alias: Option<Mapping>, first_block: u64) -> LRegion {
-        LRegion {
-            first_block,
-            host: region.host_addr() as u64,
-            size: region.size(),
-            page: region.page_size(),
-            name: region.guest_addr().0,
-            removed: Box::new([]),
-            place: Place::Own { region, alias },
-        }
-    }
-
-    /// A region of the peer's memory, `host..host + size`, pages of `page` bytes.
-    fn remote(host: u64, size: u64, page: u64, first_block: u64) -> LRegion {
-        let words = (size / page).div_ceil(64) as usize;
-        LRegion {
-            first_block,
-            host,
-            size,
-            page,
-            name: host,
-            removed: (0..words).map(|_| AtomicU64::new(0)).collect(),
-            place: Place::Remote(RemoteRange::new(host, size)),
-        }
-    }
-
-    /// What the uffd calls name.
-    fn target(&self) -> &dyn Target {
-        match &self.place {
-            Place::Own { region, .. } => region.mapping(),
-            Place::Remote(r) => r,
-        }
-    }
-
-    fn alias(&self) -> Option<&Mapping> {
-        match &self.place {
-            Place::Own { alias, .. } => alias.as_ref(),
-            Place::Remote(_) => None,
-        }
-    }
-
-    fn region(&self) -> Option<&Arc<Region>> {
-        match &self.place {
-            Place::Own { region, .. } => Some(region),
-            Place::Remote(_) => None,
-        }
-    }
 }
 
 #[derive(Default)]
@@ -240,32 +166,6 @@ thread_local! {
     static STAGING: RefCell<Option<Mapping>> = const { RefCell::new(None) };
     /// A worker's scratch for an incremental save's block.
     static SCRATCH: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
-}
-
-/// A second mapping of `region`'s file, aligned to its page size, not registered.
-fn alias(region: &Region) -> Result<Mapping, SnapshotError> {
-    let fo = region
-        .file_offset()
-        .expect("memfd and hugetlb regions have a file");
-    let err = |e: crate::mmap::MmapError| SnapshotError::Memory {
-        region: region.guest_addr().0,
-        guest_addr: region.guest_addr().0,
-        op: "map the page-cache alias",
-        source: e.into_io(),
-    };
-    let size = region.size() as usize;
-    let align = region.page_size() as usize;
-    let res = Reservation::new(size + align).map_err(err)?;
-    let head = res.addr().next_multiple_of(align) - res.addr();
-    let res = res.trim(head, size).map_err(err)?;
-    let source = MapSource::SharedFile {
-        fd: fo.file().as_fd(),
-        offset: fo.start(),
-    };
-    // SAFETY: the file is the region's own memfd (guestmem's memfds are sealed against
-    // shrinking and growing at map time) and holds `start..start + size`, the region; it
-    // reads and writes as memory.
-    unsafe { res.place_file(0, size, source, Reserve::Reserve) }.map_err(err)
 }
 
 impl LazyRestore {
@@ -492,15 +392,8 @@ impl LazyRestore {
     /// prefetch may have partly filled (with the image's data; the rest reads as fresh
     /// memory), which it should drop.
     fn abort_start(&mut self) {
+        self.halt();
         let l = self.lazy.clone();
-        l.cancel.store(true, Ordering::Release);
-        let _ = crate::sys::eventfd_signal(l.stop.as_fd());
-        if let Some(p) = self.prefetcher.take() {
-            let _ = p.join();
-        }
-        for h in self.handlers.drain(..) {
-            let _ = h.join();
-        }
         for r in l.regions.iter().filter_map(LRegion::region) {
             r.snap_state.restore.store(0, Ordering::Release);
             let _ = l.uffd.unregister(r.mapping());
