@@ -278,11 +278,11 @@ pub fn run(args: Args) -> Result<()> {
     }
 }
 
-/// One scenario of `lab all`: its name and what runs it into a folder (returning the run
-/// folder and the report).
+/// One scenario of `lab all`: its name and what runs it into a folder with the command line
+/// to record (returning the run folder and the report).
 type Step = (
     &'static str,
-    Box<dyn Fn(&Path) -> Result<(PathBuf, String)>>,
+    Box<dyn Fn(&Path, String) -> Result<(PathBuf, String)>>,
 );
 
 /// Runs `result` into `base` as `emit` does, without printing; the folder and report.
@@ -306,88 +306,85 @@ fn all(a: AllArgs) -> Result<()> {
     };
     let cmd = command_line();
     let steps: Vec<Step> = vec![
-        ("populate", {
-            let cmd = cmd.clone();
-            Box::new(move |base: &Path| {
+        (
+            "populate",
+            Box::new(move |base: &Path, cmd: String| {
                 let d = PopulateLabConfig::default();
                 let cfg = if q {
                     PopulateLabConfig {
                         size: 256 << 20,
                         layouts: vec![LayoutKind::Single],
                         protocol: one,
-                        command: cmd.clone(),
+                        command: cmd,
                         ..d
                     }
                 } else {
                     PopulateLabConfig {
                         layouts: vec![LayoutKind::Single, LayoutKind::Unequal, LayoutKind::Dimms],
-                        command: cmd.clone(),
+                        command: cmd,
                         ..d
                     }
                 };
                 written(run_populate(&cfg)?, base)
-            })
-        }),
-        ("guards", {
-            let cmd = cmd.clone();
-            Box::new(move |base: &Path| {
+            }),
+        ),
+        (
+            "guards",
+            Box::new(move |base: &Path, cmd: String| {
                 let d = GuardsLabConfig::default();
                 let cfg = GuardsLabConfig {
                     size: if q { 8 << 20 } else { d.size },
                     protocol: if q { one } else { d.protocol },
-                    command: cmd.clone(),
+                    command: cmd,
                     ..d
                 };
                 written(run_guards(&cfg)?, base)
-            })
-        }),
-        ("faults", {
-            let cmd = cmd.clone();
-            Box::new(move |base: &Path| {
+            }),
+        ),
+        (
+            "faults",
+            Box::new(move |base: &Path, cmd: String| {
                 let d = FaultsLabConfig::default();
                 let cfg = FaultsLabConfig {
                     size: if q { 16 << 20 } else { d.size },
                     protocol: if q { one } else { d.protocol },
-                    command: cmd.clone(),
+                    command: cmd,
                     ..d
                 };
                 written(run_faults(&cfg)?, base)
-            })
-        }),
-        ("translate", {
-            let cmd = cmd.clone();
-            Box::new(move |base: &Path| {
+            }),
+        ),
+        (
+            "translate",
+            Box::new(move |base: &Path, cmd: String| {
                 let d = TranslateLabConfig::default();
                 let cfg = if q {
                     TranslateLabConfig {
                         region_counts: vec![1, 8],
                         lookups_per_thread: 1 << 12,
                         protocol: one,
-                        command: cmd.clone(),
+                        command: cmd,
                         ..d
                     }
                 } else {
-                    TranslateLabConfig {
-                        command: cmd.clone(),
-                        ..d
-                    }
+                    TranslateLabConfig { command: cmd, ..d }
                 };
                 written(run_translate(&cfg)?, base)
-            })
-        }),
-        ("restore", {
-            let cmd = cmd.clone();
-            Box::new(move |base: &Path| {
+            }),
+        ),
+        (
+            "restore",
+            Box::new(move |base: &Path, cmd: String| {
                 let d = RestoreLabConfig::default();
                 let cfg = RestoreLabConfig {
                     sizes: if q { vec![8 << 20] } else { d.sizes.clone() },
                     protocol: if q { one } else { d.protocol },
-                    command: cmd.clone(),
+                    command: cmd,
                     ..d
                 };
                 written(run_restore(&cfg)?, base)
-            })
-        }),
+            }),
+        ),
     ];
     let info = RunInfo::collect(cmd.clone());
     let base =
@@ -414,7 +411,7 @@ fn all(a: AllArgs) -> Result<()> {
     for (name, step) in &steps {
         eprintln!("guestmem lab all: {name} ...");
         let t = std::time::Instant::now();
-        match step(&base) {
+        match step(&base, cmd.clone()) {
             Ok((dir, md)) => {
                 let rel = dir
                     .strip_prefix(&base)

@@ -16,7 +16,7 @@
 //! `MADV_DONTNEED`. A lab instrument, not library API.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Instant;
@@ -26,18 +26,10 @@ use linux_raw_sys::general as uapi;
 use linux_raw_sys::ioctl as nr;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
+use crate::uffd_raw::{self, ioctl};
+
 /// The page the stand-in's threads step by.
 pub const PAGE: usize = 4096;
-
-fn ioctl<T>(fd: &OwnedFd, req: u32, arg: &mut T) -> io::Result<()> {
-    // SAFETY: `arg` is the uapi struct `req` names, borrowed for the call.
-    let r = unsafe { libc::ioctl(fd.as_raw_fd(), req as _, arg as *mut T) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
 
 /// One region as Firecracker's handshake describes it (its field names are the JSON's).
 #[derive(Debug, Clone, serde::Serialize)]
@@ -76,24 +68,12 @@ impl Standin {
     /// Maps and registers `sizes` (each a multiple of 4 KiB) and opens the userfaultfd, with
     /// remove events when `balloon`. Sends nothing yet.
     pub fn new(sizes: &[usize], balloon: bool) -> io::Result<Standin> {
-        // SAFETY: flags only.
-        let raw =
-            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor nothing else owns.
-        let uffd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
-        let mut api = uapi::uffdio_api {
-            api: uapi::UFFD_API as u64,
-            features: if balloon {
-                u64::from(uapi::UFFD_FEATURE_EVENT_REMOVE)
-            } else {
-                0
-            },
-            ioctls: 0,
+        let features = if balloon {
+            u64::from(uapi::UFFD_FEATURE_EVENT_REMOVE)
+        } else {
+            0
         };
-        ioctl(&uffd, nr::UFFDIO_API, &mut api)?;
+        let uffd = uffd_raw::open(features)?;
         let mut regions = Vec::new();
         let mut offset = 0u64;
         for &size in sizes {
@@ -101,15 +81,7 @@ impl Standin {
             // Firecracker does not advise huge pages for guest memory.
             m.advise(0, size, Advice::NoHugePage)
                 .map_err(|e| e.into_io())?;
-            let mut reg = uapi::uffdio_register {
-                range: uapi::uffdio_range {
-                    start: m.as_ptr() as u64,
-                    len: size as u64,
-                },
-                mode: u64::from(uapi::UFFDIO_REGISTER_MODE_MISSING),
-                ioctls: 0,
-            };
-            ioctl(&uffd, nr::UFFDIO_REGISTER, &mut reg)?;
+            uffd_raw::register_missing(&uffd, m.as_ptr() as u64, size as u64)?;
             regions.push((m, offset));
             offset += size as u64;
         }
@@ -183,13 +155,16 @@ impl Standin {
     /// regions (in order), as vCPUs would touch memory: every first read is a fault the
     /// server must answer.
     pub fn read_all(&self, threads: usize) -> ReadRun {
-        let ranges: Vec<(usize, usize)> = self
-            .regions
+        // SAFETY: the ranges are this stand-in's own mappings, alive while `self` is.
+        unsafe { read_ranges(&self.ranges(), threads) }
+    }
+
+    /// Each region's (host address, length), in order.
+    fn ranges(&self) -> Vec<(usize, usize)> {
+        self.regions
             .iter()
             .map(|(m, _)| (m.as_ptr() as usize, m.len()))
-            .collect();
-        // SAFETY: the ranges are this stand-in's own mappings, alive while `self` is.
-        unsafe { read_ranges(&ranges, threads) }
+            .collect()
     }
 
     /// The (region, offset) of byte `at` of guest memory, regions in order.
@@ -205,11 +180,11 @@ impl Standin {
 
     /// The word at byte `at` of guest memory (a fault the server answers if not yet in).
     pub fn word(&self, at: usize) -> u64 {
-        let (m, off) = self.locate(at);
-        assert!(off + 8 <= m.len() && off % 8 == 0);
-        // SAFETY: off + 8 <= m.len(), aligned: inside the body `m` keeps mapped; no Rust
-        // reference to it exists, so a volatile read is sound.
-        unsafe { (m.as_ptr().add(off) as *const u64).read_volatile() }
+        assert!(
+            at % 8 == 0 && at + 8 <= self.size(),
+            "a word inside guest memory"
+        );
+        word_at(&self.ranges(), at)
     }
 
     /// Compares all of guest memory with `memory_file`; the first difference, if any, is
@@ -315,8 +290,9 @@ pub unsafe fn read_ranges(ranges: &[(usize, usize)], threads: usize) -> ReadRun 
 fn word_at(ranges: &[(usize, usize)], mut at: usize) -> u64 {
     for &(start, len) in ranges {
         if at < len {
-            // SAFETY: at + 8 <= len (page-aligned at, whole pages): inside a range the
-            // caller of read_ranges keeps mapped; volatile, no Rust reference to it.
+            // SAFETY: at + 8 <= len (8-aligned at, ranges of whole pages): inside a range
+            // that stays mapped (read_ranges' contract, or the stand-in's own mappings);
+            // volatile, no Rust reference to it.
             return unsafe { ((start + at) as *const u64).read_volatile() };
         }
         at -= len;

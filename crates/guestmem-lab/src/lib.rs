@@ -34,6 +34,7 @@ pub mod report;
 pub mod restore;
 pub mod run;
 pub mod translate;
+mod uffd_raw;
 pub mod vm;
 mod workers;
 

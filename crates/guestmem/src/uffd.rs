@@ -194,7 +194,7 @@ impl Uffd {
         ioctl(&self.fd, nr::UFFDIO_UNREGISTER, &mut r)
     }
 
-    /// Copies `src` into `offset..offset + src.len()` of `mapping` (pages that must not be
+    /// Copies `src` into `offset..offset + src.len()` of `target` (pages that must not be
     /// present) and wakes the threads waiting there. Returns the bytes copied before a page
     /// that was already present (`EEXIST`), or all of them.
     ///
@@ -235,7 +235,7 @@ impl Uffd {
         Ok(done)
     }
 
-    /// Maps the zero page at `offset..offset + len` of `mapping` (private anonymous memory)
+    /// Maps the zero page at `offset..offset + len` of `target` (private anonymous memory)
     /// and wakes the waiters.
     pub(crate) fn zeropage(
         &self,
@@ -267,7 +267,7 @@ impl Uffd {
         Ok(())
     }
 
-    /// Maps the page-cache pages already there at `offset..offset + len` of `mapping` (a
+    /// Maps the page-cache pages already there at `offset..offset + len` of `target` (a
     /// shared memfd or hugetlb mapping registered for minor faults) and wakes the waiters;
     /// pages (of `page` bytes) mapped already are stepped over.
     pub(crate) fn continue_range(
@@ -288,7 +288,7 @@ impl Uffd {
         })
     }
 
-    /// Marks `offset..offset + len` of `mapping` as lost memory (`UFFDIO_POISON`, Linux 6.6):
+    /// Marks `offset..offset + len` of `target` as lost memory (`UFFDIO_POISON`, Linux 6.6):
     /// a later access raises `SIGBUS` as a hardware memory error would, so no zero page can
     /// stand in for data that never arrived. Pages there already hold data and are stepped
     /// over.
@@ -343,7 +343,7 @@ impl Uffd {
         Ok(())
     }
 
-    /// Wakes the threads waiting at `offset..offset + len` of `mapping`.
+    /// Wakes the threads waiting at `offset..offset + len` of `target`.
     pub(crate) fn wake(&self, target: &dyn Target, offset: usize, len: usize) -> io::Result<()> {
         let mut r = target.uffd_range(offset, len)?;
         ioctl(&self.fd, nr::UFFDIO_WAKE, &mut r)

@@ -6,7 +6,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -16,6 +16,8 @@ use guestmem::Region;
 use linux_raw_sys::general as uapi;
 use linux_raw_sys::ioctl as nr;
 
+use crate::uffd_raw::{self, ioctl};
+
 const PAGE: u64 = 4096;
 
 /// A running Firecracker-style server; stops (and unregisters) when dropped.
@@ -23,16 +25,6 @@ pub struct FcPeer {
     stop: Arc<AtomicBool>,
     faults: Arc<AtomicU64>,
     thread: Option<JoinHandle<io::Result<()>>>,
-}
-
-fn ioctl<T>(fd: &OwnedFd, req: u32, arg: &mut T) -> io::Result<()> {
-    // SAFETY: `arg` is the uapi struct `req` names, borrowed for the call.
-    let r = unsafe { libc::ioctl(fd.as_raw_fd(), req as _, arg as *mut T) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
 }
 
 /// The private read-only mapping of the memory file the server copies from.
@@ -54,34 +46,13 @@ impl FcPeer {
     pub fn start(regions: &[Arc<Region>], memory_file: &Path) -> io::Result<FcPeer> {
         let src = map_file(memory_file)?;
         let len = src.len;
-        // SAFETY: flags only.
-        let raw =
-            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor nothing else owns.
-        let uffd = unsafe { OwnedFd::from_raw_fd(raw as i32) };
-        let mut api = uapi::uffdio_api {
-            api: uapi::UFFD_API as u64,
-            features: 0,
-            ioctls: 0,
-        };
-        ioctl(&uffd, nr::UFFDIO_API, &mut api)?;
+        let uffd = uffd_raw::open(0)?;
         // (host start, host end, file offset)
         let mut table = Vec::new();
         let mut off = 0u64;
         for r in regions {
             let start = r.host_addr() as u64;
-            let mut reg = uapi::uffdio_register {
-                range: uapi::uffdio_range {
-                    start,
-                    len: r.size(),
-                },
-                mode: u64::from(uapi::UFFDIO_REGISTER_MODE_MISSING),
-                ioctls: 0,
-            };
-            ioctl(&uffd, nr::UFFDIO_REGISTER, &mut reg)?;
+            uffd_raw::register_missing(&uffd, start, r.size())?;
             table.push((start, start + r.size(), off));
             off += r.size();
         }
