@@ -1,14 +1,14 @@
 //! `guestmem serve-uffd`: a page server for one Firecracker snapshot restore.
 
-use std::os::unix::fs::FileTypeExt;
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::{Args as ClapArgs, ValueEnum};
 use guestmem::plan::parse_size;
-use guestmem::restore::remote::{Handshake, PageServer, ServeConfig, WorkingSetFile};
+use guestmem::restore::remote::{
+    self, Listener, MemoryFile, ServeConfig, ServeLog, WorkingSetFile,
+};
 
 /// Flags of `guestmem serve-uffd`.
 #[derive(ClapArgs)]
@@ -36,9 +36,14 @@ pub struct Args {
     #[arg(long, default_value = "1M", value_parser = size)]
     block: u64,
     /// Give up when no VM connects within this many seconds [default: wait].
-    #[arg(long)]
+    #[arg(long, value_parser = secs)]
     accept_timeout_s: Option<f64>,
-    /// What to do to the VM's process if serving fails (its vCPUs would wait for ever).
+    /// Drop a connection that has not sent its whole handshake within this many seconds
+    /// (and listen on for the real VM).
+    #[arg(long, default_value = "5", value_parser = secs)]
+    handshake_timeout_s: f64,
+    /// What to do to a VM that sent its userfaultfd and then cannot be served (its vCPUs
+    /// would wait for ever): every refusal and serving failure after that point.
     #[arg(long, value_enum, default_value = "kill")]
     on_failure: OnFailure,
     /// Print the report as JSON.
@@ -48,7 +53,8 @@ pub struct Args {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum OnFailure {
-    /// SIGKILL the peer (from SO_PEERCRED), so it dies rather than hangs.
+    /// SIGKILL the VM's process (through the pidfd taken when it connected), so it ends
+    /// rather than hangs.
     Kill,
     /// Leave it (it hangs on the memory that never arrives).
     Leave,
@@ -58,45 +64,24 @@ fn size(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
 }
 
-/// How long a connected peer has to send its whole handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Binds `path`, replacing a stale socket (one nobody listens on) but nothing else.
-fn bind(path: &Path) -> Result<UnixListener> {
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
-        if !meta.file_type().is_socket() {
-            bail!("--socket {}: exists and is not a socket", path.display());
-        }
-        if UnixStream::connect(path).is_ok() {
-            bail!("--socket {}: another server listens there", path.display());
-        }
-        std::fs::remove_file(path)
-            .with_context(|| format!("remove the stale socket {}", path.display()))?;
-    }
-    UnixListener::bind(path).with_context(|| format!("bind --socket {}", path.display()))
-}
-
-/// Removes the socket file when serving ends, however it ends.
-struct Unlink<'a>(&'a Path);
-
-impl Drop for Unlink<'_> {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(self.0);
+fn secs(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 1e9 => Ok(v),
+        _ => Err(format!("{s:?}: a number of seconds above 0 (at most 1e9)")),
     }
 }
 
-/// Runs `guestmem serve-uffd`.
+/// Runs `guestmem serve-uffd`: everything that can be refused is refused before the socket
+/// appears, then one VM is served (see `guestmem::restore::remote::serve_one`).
 pub fn run(a: Args) -> Result<()> {
-    // Refuse what can be refused before a VM connects.
-    let meta = std::fs::metadata(&a.mem_file)
-        .with_context(|| format!("--mem-file {}", a.mem_file.display()))?;
-    if !meta.is_file() {
-        bail!("--mem-file {}: not a regular file", a.mem_file.display());
-    }
+    let mem = MemoryFile::open(&a.mem_file)?;
     let first = match &a.prefetch {
         Some(p) => WorkingSetFile::read(p)?,
         None => Vec::new(),
     };
+    if let Some(path) = &a.record {
+        WorkingSetFile::check_writable(path)?;
+    }
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let cfg = ServeConfig {
         handler_threads: a.threads.map_or(cpus, |t| t as usize),
@@ -105,65 +90,43 @@ pub fn run(a: Args) -> Result<()> {
             .map_or(if a.prefetch.is_some() { cpus } else { 0 }, |t| t as usize),
         first,
         block_bytes: a.block,
+        on_failure: match a.on_failure {
+            OnFailure::Kill => remote::OnFailure::Kill,
+            OnFailure::Leave => remote::OnFailure::Leave,
+        },
+        handshake_timeout: Duration::from_secs_f64(a.handshake_timeout_s),
+        accept_timeout: a.accept_timeout_s.map(Duration::from_secs_f64),
+        log: ServeLog::stderr("guestmem serve-uffd: "),
     };
-    let listener = bind(&a.socket)?;
-    let _unlink = Unlink(&a.socket);
+    cfg.check()?;
+    let listener = Listener::bind(&a.socket)?;
     eprintln!("guestmem serve-uffd: listening on {}", a.socket.display());
-    let wait = a.accept_timeout_s.map_or(
-        Duration::from_secs(u32::MAX as u64),
-        Duration::from_secs_f64,
-    );
-    let h = Handshake::accept(&listener, wait, HANDSHAKE_TIMEOUT)?;
+    let report = remote::serve_one(&listener, &mem, &cfg)?;
     drop(listener);
-    let pid = h.peer_pid();
-    eprintln!(
-        "guestmem serve-uffd: peer {} sent {} regions ({} MiB)",
-        pid.map_or("?".into(), |p| p.to_string()),
-        h.regions().len(),
-        h.regions().iter().map(|r| r.size).sum::<u64>() >> 20
-    );
-    let server = PageServer::start(h, &a.mem_file, &cfg)?;
-    match server.wait() {
-        Ok(report) => {
-            if let Some(path) = &a.record {
-                WorkingSetFile::write(path, &report.working_set)
-                    .with_context(|| format!("--record {}", path.display()))?;
-            }
-            if a.json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                let e = &report.engine;
-                println!(
-                    "served {:.3} s until the {}; {} faults ({} brought a block in, {} waited \
-                     on one coming, {} came late), {} blocks prefetched, {} zero blocks, \
-                     {} MiB copied, {} removes; {} of {} blocks in",
-                    report.served_secs,
-                    report.ended,
-                    e.faults,
-                    e.fault_blocks,
-                    e.faults_on_busy,
-                    e.faults_late,
-                    e.prefetched_blocks,
-                    e.zero_blocks,
-                    e.bytes_copied >> 20,
-                    e.removes,
-                    e.fault_blocks + e.prefetched_blocks,
-                    e.blocks
-                );
-            }
-            Ok(())
-        }
-        Err(e) => {
-            if let (OnFailure::Kill, Some(p)) = (a.on_failure, pid) {
-                if p as u32 != std::process::id() {
-                    // SAFETY: kill(2) takes a pid and a signal and touches no memory.
-                    unsafe { libc::kill(p, libc::SIGKILL) };
-                    eprintln!(
-                        "guestmem serve-uffd: killed the peer {p}: its memory cannot be served"
-                    );
-                }
-            }
-            Err(e.into())
-        }
+    if let Some(path) = &a.record {
+        WorkingSetFile::write(path, &report.working_set)?;
     }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        let e = &report.engine;
+        println!(
+            "served {:.3} s until the {}; {} faults ({} brought a block in, {} waited on one \
+             coming, {} came late), {} blocks prefetched, {} zero blocks, {} MiB copied, {} \
+             removes; {} of {} blocks in",
+            report.served_secs,
+            report.ended,
+            e.faults,
+            e.fault_blocks,
+            e.faults_on_busy,
+            e.faults_late,
+            e.prefetched_blocks,
+            e.zero_blocks,
+            e.bytes_copied >> 20,
+            e.removes,
+            e.fault_blocks + e.prefetched_blocks,
+            e.blocks
+        );
+    }
+    Ok(())
 }

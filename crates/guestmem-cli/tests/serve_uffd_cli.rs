@@ -3,6 +3,7 @@
 //! equal to the memory file, a balloon's removes, disconnects, and every bad handshake.
 
 use std::io::{Read, Write};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -70,44 +71,156 @@ fn mem_file(d: &Path, size: usize, hole: Option<usize>) -> PathBuf {
     p
 }
 
+/// A child process that is killed and reaped when dropped, however the test ends.
+struct Guard(Option<Child>);
+
+impl Guard {
+    fn id(&self) -> u32 {
+        self.0.as_ref().expect("running").id()
+    }
+
+    /// Waits (at most `secs`) for it to exit; its status.
+    fn wait_exit(&mut self, secs: u64) -> std::process::ExitStatus {
+        let c = self.0.as_mut().expect("running");
+        let t = Instant::now();
+        loop {
+            if let Some(s) = c.try_wait().unwrap() {
+                return s;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(secs),
+                "process {} did not exit within {secs} s",
+                c.id()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Whether it still runs.
+    fn running(&mut self) -> bool {
+        self.0
+            .as_mut()
+            .expect("running")
+            .try_wait()
+            .unwrap()
+            .is_none()
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Starts `guestmem serve-uffd` without waiting for its socket.
+fn spawn_server(socket: &Path, mem: &Path, extra: &[&str]) -> Guard {
+    Guard(Some(
+        Command::new(env!("CARGO_BIN_EXE_guestmem"))
+            .arg("serve-uffd")
+            .arg("--socket")
+            .arg(socket)
+            .arg("--mem-file")
+            .arg(mem)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ))
+}
+
 /// Starts `guestmem serve-uffd` and waits for its socket.
-fn server(socket: &Path, mem: &Path, extra: &[&str]) -> Child {
-    let child = Command::new(env!("CARGO_BIN_EXE_guestmem"))
-        .arg("serve-uffd")
-        .arg("--socket")
-        .arg(socket)
-        .arg("--mem-file")
-        .arg(mem)
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+fn server(socket: &Path, mem: &Path, extra: &[&str]) -> Guard {
+    let mut g = spawn_server(socket, mem, extra);
     let t = Instant::now();
     while !socket.exists() {
+        assert!(g.running(), "the server exited before listening");
         assert!(t.elapsed() < Duration::from_secs(20), "no socket appeared");
-        std::thread::sleep(Duration::from_millis(10));
+        std::thread::sleep(Duration::from_millis(5));
     }
-    child
+    g
 }
 
 /// Waits (at most 20 s) for the server to exit; its status, stdout and stderr.
-fn finish(mut c: Child) -> (i32, String, String) {
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = c.try_wait().unwrap() {
-            break s;
-        }
-        if t.elapsed() > Duration::from_secs(20) {
-            let _ = c.kill();
-            panic!("the server did not exit within 20 s");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+fn finish(mut g: Guard) -> (i32, String, String) {
+    let status = g.wait_exit(20);
+    let c = g.0.as_mut().expect("running");
     let (mut out, mut err) = (String::new(), String::new());
     c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
     c.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     (status.code().unwrap_or(-1), out, err)
+}
+
+/// What a stand-in VM in a child process does (see `standin_child`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum ChildDoes {
+    /// Sends Firecracker's handshake, then waits for the parent's go file and reads every
+    /// page, comparing each with the memory file.
+    Handshake,
+    /// Sends garbage with its userfaultfd.
+    Garbage,
+}
+
+/// Environment variables that make this test binary a stand-in VM.
+const CHILD_SOCKET: &str = "GM_TEST_STANDIN_SOCKET";
+const CHILD_SIZE: &str = "GM_TEST_STANDIN_SIZE";
+const CHILD_FEATURES: &str = "GM_TEST_STANDIN_FEATURES";
+const CHILD_DOES: &str = "GM_TEST_STANDIN_DOES";
+const CHILD_GO: &str = "GM_TEST_STANDIN_GO";
+
+/// Not a test of its own: run by `vm_child` as a separate process, so that a server that
+/// kills its peer kills the child, not the test.
+#[test]
+fn standin_child() {
+    let Ok(socket) = std::env::var(CHILD_SOCKET) else {
+        return;
+    };
+    let size: usize = std::env::var(CHILD_SIZE).unwrap().parse().unwrap();
+    let features: u64 = std::env::var(CHILD_FEATURES).unwrap().parse().unwrap();
+    let mut vm = Standin::with_features(&[size], features).unwrap();
+    match std::env::var(CHILD_DOES).unwrap().as_str() {
+        "Garbage" => vm.send(Path::new(&socket), b"[{not json", true).unwrap(),
+        _ => vm.connect(Path::new(&socket)).unwrap(),
+    }
+    println!("SENT");
+    let go = PathBuf::from(std::env::var(CHILD_GO).unwrap());
+    let t = Instant::now();
+    while !go.exists() && t.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for p in 0..size / PAGE {
+        assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64), "page {p}");
+    }
+    println!("READ");
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// A stand-in VM in a child process: `does` to `socket`, with `size` bytes of memory and the
+/// userfaultfd `features`; it reads its memory once `go` exists.
+fn vm_child(socket: &Path, size: usize, features: u64, does: ChildDoes, go: &Path) -> Guard {
+    Guard(Some(
+        Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "standin_child",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env(CHILD_SOCKET, socket)
+            .env(CHILD_SIZE, size.to_string())
+            .env(CHILD_FEATURES, features.to_string())
+            .env(CHILD_DOES, format!("{does:?}"))
+            .env(CHILD_GO, go)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ))
 }
 
 #[test]
@@ -228,11 +341,13 @@ fn bad_handshakes_get_a_clear_error_and_a_clean_exit() {
         (r.base_host_virt_addr, r.size)
     };
     type Send = Box<dyn Fn(&mut Standin, &Path)>;
-    let cases: Vec<(&str, Vec<usize>, Send, &str)> = vec![
+    // (name, sizes, what the peer sends, whether it handed over its userfaultfd, message)
+    let cases: Vec<(&str, Vec<usize>, Send, bool, &str)> = vec![
         (
             "garbage",
             vec![4 * MIB],
             Box::new(|vm, s| vm.send(s, b"\x00\x01 not json at all", true).unwrap()),
+            true,
             "not Firecracker's JSON array of regions",
         ),
         (
@@ -242,6 +357,7 @@ fn bad_handshakes_get_a_clear_error_and_a_clean_exit() {
                 let json = serde_json::to_vec(&vm.wire_regions()).unwrap();
                 vm.send(s, &json, false).unwrap()
             }),
+            false,
             "no file descriptor came with the message",
         ),
         (
@@ -252,6 +368,7 @@ fn bad_handshakes_get_a_clear_error_and_a_clean_exit() {
                 let f = std::fs::File::open("/dev/null").unwrap();
                 vm.send_other_fd(s, &json, &f).unwrap()
             }),
+            false,
             "is /dev/null, not a userfaultfd",
         ),
         (
@@ -269,6 +386,7 @@ fn bad_handshakes_get_a_clear_error_and_a_clean_exit() {
                 vm.send(s, format!("[{}]", many.join(",")).as_bytes(), true)
                     .unwrap()
             }),
+            true,
             "40000 regions; at most 32764",
         ),
         (
@@ -283,6 +401,7 @@ fn bad_handshakes_get_a_clear_error_and_a_clean_exit() {
                 );
                 vm.send(s, json.as_bytes(), true).unwrap()
             }),
+            true,
             "overlap in the peer's address space",
         ),
         (
@@ -293,27 +412,148 @@ fn bad_handshakes_get_a_clear_error_and_a_clean_exit() {
                     .unwrap();
                 vm.disconnect();
             }),
+            true,
             "the peer disconnected mid-handshake",
         ),
         (
             "memory file shorter than the regions",
             vec![8 * MIB],
             Box::new(|vm, s| vm.connect(s).unwrap()),
+            true,
             "holds 0x400000 bytes, but region 0",
         ),
     ];
-    for (name, sizes, send, says) in cases {
-        let srv = server(&socket, &mem, &["--threads", "2"]);
+    for (name, sizes, send, vm_sent_uffd, says) in cases {
+        // The peer is this test process: leave it (the kill is tested with child peers).
+        let srv = server(
+            &socket,
+            &mem,
+            &[
+                "--threads",
+                "2",
+                "--on-failure",
+                "leave",
+                "--accept-timeout-s",
+                "3",
+            ],
+        );
         let mut vm = Standin::new(&sizes, false).unwrap();
         send(&mut vm, &socket);
         let (code, _, err) = finish(srv);
         assert_eq!(code, 1, "{name}: {err}");
         assert!(err.contains(says), "{name}: {err}");
+        if vm_sent_uffd {
+            // A VM that handed over its userfaultfd depends on the server: the refusal goes
+            // through the failure policy, which says so.
+            assert!(err.contains("left the peer"), "{name}: {err}");
+        } else {
+            // Not a VM: dropped, and the server listened on for a real one.
+            assert!(
+                err.contains("dropped a connection that is not a VM's"),
+                "{name}: {err}"
+            );
+            assert!(
+                err.contains("no VM connected within 3.0 s"),
+                "{name}: {err}"
+            );
+        }
         assert!(!socket.exists(), "{name}: the socket file is left behind");
         // The VM's memory is untouched by the server: still registered with its own
         // descriptor, no page came in.
         vm.release().unwrap();
         assert_eq!(vm.word(0), 0, "{name}");
     }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// The peer is ended through the pidfd taken when it connected: a refusal after it sent its
+/// userfaultfd (findings 9, 14), a userfaultfd with fork events (finding 12), garbage, and a
+/// memory file that fails mid-serve. With `--on-failure leave` it is left, and the log says so.
+#[test]
+fn a_vm_that_cannot_be_served_is_killed_through_its_pidfd() {
+    need_uffd!();
+    let d = dir("kill");
+    let mem = mem_file(&d, 4 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let go = d.join("go");
+    let fork = u64::from(linux_raw_sys::general::UFFD_FEATURE_EVENT_FORK);
+    for (name, size, features, does, says) in [
+        (
+            "shorter file",
+            8 * MIB,
+            0,
+            ChildDoes::Handshake,
+            "holds 0x400000 bytes, but region 0",
+        ),
+        (
+            "fork events",
+            4 * MIB,
+            fork,
+            ChildDoes::Handshake,
+            "UFFD_FEATURE_EVENT_FORK",
+        ),
+        (
+            "garbage",
+            4 * MIB,
+            0,
+            ChildDoes::Garbage,
+            "not Firecracker's JSON",
+        ),
+    ] {
+        for leave in [false, true] {
+            let extra: &[&str] = if leave {
+                &["--on-failure", "leave"]
+            } else {
+                &[]
+            };
+            let srv = server(&socket, &mem, extra);
+            let mut vm = vm_child(&socket, size, features, does, &go);
+            let (code, _, err) = finish(srv);
+            assert_eq!(code, 1, "{name}: {err}");
+            assert!(err.contains(says), "{name}: {err}");
+            if leave {
+                assert!(
+                    err.contains(&format!("left the peer {}", vm.id())),
+                    "{name}: {err}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+                assert!(vm.running(), "{name}: a VM left is not killed");
+            } else {
+                assert!(
+                    err.contains(&format!("killed the peer {} (through its pidfd)", vm.id())),
+                    "{name}: {err}"
+                );
+                let st = vm.wait_exit(10);
+                assert_eq!(st.signal(), Some(libc::SIGKILL), "{name}: {st:?}");
+            }
+        }
+    }
+
+    // Serving fails mid-run: the file is cut short after the handshake was accepted.
+    let cut = d.join("cut");
+    std::fs::copy(&mem, &cut).unwrap();
+    let srv = server(&socket, &cut, &["--threads", "1"]);
+    let mut vm = vm_child(&socket, 4 * MIB, 0, ChildDoes::Handshake, &go);
+    let t = Instant::now();
+    // Wait for the server to have started serving (it says so once the handshake is in).
+    std::thread::sleep(Duration::from_millis(300));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&cut)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    std::fs::write(&go, b"").unwrap();
+    let (code, _, err) = finish(srv);
+    assert_eq!(code, 1, "{err}");
+    // Mid-serve (the usual case) or, on a slow machine, at the start check: either way a
+    // refusal after the VM sent its userfaultfd.
+    assert!(
+        err.contains("truncated") || err.contains("holds 0x0 bytes"),
+        "{err}"
+    );
+    assert!(err.contains("killed the peer"), "{err}");
+    assert_eq!(vm.wait_exit(10).signal(), Some(libc::SIGKILL));
+    assert!(t.elapsed() < Duration::from_secs(20));
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -73,6 +73,12 @@ impl Standin {
         } else {
             0
         };
+        Standin::with_features(sizes, features)
+    }
+
+    /// As [`Standin::new`], with the userfaultfd features given (`UFFD_FEATURE_*`): for peers
+    /// that ask for more than Firecracker does (fork events, say).
+    pub fn with_features(sizes: &[usize], features: u64) -> io::Result<Standin> {
         let uffd = uffd_raw::open(features)?;
         let mut regions = Vec::new();
         let mut offset = 0u64;

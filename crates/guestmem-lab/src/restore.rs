@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use guestmem::layout::RegionSpec;
-use guestmem::restore::remote::{Handshake, PageServer, ServeConfig};
+use guestmem::restore::remote::{Handshake, MemoryFile, PageServer, ServeConfig};
 use guestmem::restore::{restore, Prefetch, RestoreConfig, RestoreMode};
 use guestmem::snapshot::{save, Image, SaveConfig};
 use guestmem::vm_memory::Bytes;
@@ -248,6 +248,7 @@ fn served(
         let n = peer.stop().map_err(err)?;
         (run, seconds, n, n, 0, Vec::new())
     } else {
+        let mem = MemoryFile::open(&mem).map_err(err)?;
         let server = PageServer::start(h, &mem, cfg).map_err(err)?;
         let waiter = std::thread::spawn(move || server.wait());
         let run = vm.read_all(vcpus);

@@ -149,6 +149,7 @@ compile_error!("guestmem supports Linux only");
 
 pub mod bringup;
 pub mod dirty;
+mod files;
 pub mod host;
 pub mod inspect;
 pub mod jobs;

@@ -245,6 +245,14 @@ pub enum PopulateError {
         /// The address.
         addr: u64,
     },
+    /// A restore is filling the region (or failed to): its memory is the restore's.
+    #[error("region at {region:#x}: not populated: {why}")]
+    Restoring {
+        /// Guest address of the region.
+        region: u64,
+        /// What the restore is doing.
+        why: &'static str,
+    },
     /// The kernel's account of the regions (which hold pages already) could not be read.
     #[error(transparent)]
     Inspect(#[from] crate::inspect::InspectError),
@@ -336,6 +344,16 @@ pub fn selected(snap: &Snapshot, selection: &Selection) -> Result<Vec<Arc<Region
 pub fn populate(snap: &Snapshot, cfg: &PopulateConfig) -> Result<PopulateReport, PopulateError> {
     let regions = selected(snap, &cfg.regions)?;
     let regions = &regions[..];
+    // Memory a restore is filling is the restore's: populating it would fault blocks in out
+    // of order, and undoing a failed populate would discard restored data.
+    for r in regions {
+        if let Some(why) = r.snap_state.restore.get().refusal() {
+            return Err(PopulateError::Restoring {
+                region: guest(r),
+                why,
+            });
+        }
+    }
     // What each region held before: memory in use is never released on failure, and what
     // was locked before is neither locked again nor unlocked. Residency is asked of the
     // kernel page by page (`mincore`), not read from smaps: a memfd written through its

@@ -332,6 +332,11 @@ impl Region {
         &self.dirty
     }
 
+    /// Whether a restore is filling the region, or failed to ([`crate::restore`]).
+    pub fn restore_state(&self) -> crate::restore::RestoreState {
+        self.snap_state.restore.get()
+    }
+
     /// Hints that failed while mapping (e.g. THP advice), for the caller to report.
     pub fn warnings(&self) -> &[String] {
         &self.warnings

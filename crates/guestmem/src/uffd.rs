@@ -139,8 +139,8 @@ impl Uffd {
     }
 
     /// A userfaultfd another process opened and sent us (its API enabled there, its ranges
-    /// registered there), checked to be one and made non-blocking. Its features are unknown
-    /// (the API handshake is the sender's), so [`Uffd::has`] says no to all of them.
+    /// registered there), checked to be one and made non-blocking. Its features are the
+    /// sender's, read from `/proc/self/fdinfo` (the kernel shows them there).
     pub(crate) fn from_received(fd: OwnedFd) -> io::Result<Uffd> {
         let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
         if link.as_os_str() != "anon_inode:[userfaultfd]" {
@@ -149,6 +149,13 @@ impl Uffd {
                 format!("the descriptor is {}, not a userfaultfd", link.display()),
             ));
         }
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))?;
+        let features = parse_fdinfo_features(&info).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "its fdinfo shows no enabled API (UFFDIO_API was never called on it)",
+            )
+        })?;
         // SAFETY: fcntl on a descriptor we own touches no memory.
         let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
         if fl < 0 {
@@ -159,7 +166,12 @@ impl Uffd {
         if set < 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(Uffd { fd, features: 0 })
+        Ok(Uffd { fd, features })
+    }
+
+    /// The features enabled on it.
+    pub(crate) fn features(&self) -> u64 {
+        self.features
     }
 
     /// The descriptor.
@@ -444,6 +456,18 @@ impl Uffd {
     }
 }
 
+/// The features of a userfaultfd as `/proc/PID/fdinfo` shows them (`API:\t<api>:<features>:
+/// <ioctls>`, hex), less the kernel's own "initialised" bit; `None` when the API was never
+/// enabled or the line is missing.
+pub(crate) fn parse_fdinfo_features(info: &str) -> Option<u64> {
+    const INITIALIZED: u64 = 1 << 31;
+    let line = info.lines().find_map(|l| l.strip_prefix("API:"))?;
+    let mut parts = line.trim().split(':');
+    let _api = parts.next()?;
+    let features = u64::from_str_radix(parts.next()?.trim(), 16).ok()?;
+    (features & INITIALIZED != 0).then_some(features & !INITIALIZED)
+}
+
 /// `offset..offset+len` of `mapping` as a uffd range, once checked to lie in its body.
 fn range(mapping: &Mapping, offset: usize, len: usize) -> io::Result<uapi::uffdio_range> {
     match offset.checked_add(len) {
@@ -452,5 +476,34 @@ fn range(mapping: &Mapping, offset: usize, len: usize) -> io::Result<uapi::uffdi
             len: len as u64,
         }),
         _ => Err(io::Error::from_raw_os_error(libc::EINVAL)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fdinfo_features_are_read_and_an_unenabled_api_is_none() {
+        let enabled = "pos:\t0\nflags:\t02004000\npending:\t0\ntotal:\t0\nAPI:\taa:8000000a:80000000000001ff\n";
+        assert_eq!(parse_fdinfo_features(enabled), Some(0xa));
+        assert_eq!(parse_fdinfo_features("API:\taa:0:0\n"), None);
+        assert_eq!(parse_fdinfo_features("pos:\t0\n"), None);
+        assert_eq!(parse_fdinfo_features("API:\taa:zz:0\n"), None);
+    }
+
+    #[test]
+    fn a_descriptor_we_open_shows_its_features_in_fdinfo() {
+        let Ok(u) = Uffd::open(u64::from(uapi::UFFD_FEATURE_EVENT_REMOVE)) else {
+            eprintln!("skipped: userfaultfd unavailable (needs root)");
+            return;
+        };
+        let info =
+            std::fs::read_to_string(format!("/proc/self/fdinfo/{}", u.fd.as_raw_fd())).unwrap();
+        let f = parse_fdinfo_features(&info).unwrap();
+        assert_eq!(
+            f & u64::from(uapi::UFFD_FEATURE_EVENT_REMOVE),
+            u64::from(uapi::UFFD_FEATURE_EVENT_REMOVE)
+        );
     }
 }

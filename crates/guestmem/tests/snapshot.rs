@@ -513,7 +513,7 @@ fn saving_during_a_lazy_restore_is_refused() {
         )
         .unwrap_err();
         assert!(
-            e.to_string().contains("lazy restore is still filling it"),
+            e.to_string().contains("a restore is still filling it"),
             "{e}"
         );
         r.lazy.unwrap().finish().unwrap();

@@ -23,11 +23,13 @@
 
 mod lazy;
 pub mod remote;
+pub(crate) mod state;
 
 use std::sync::Arc;
 use std::time::Instant;
 
 pub use lazy::{LazyReport, LazyRestore};
+pub use state::RestoreState;
 
 use crate::jobs::{Job, JobRange};
 use crate::layout::{Backing, RegionSpec};
@@ -131,13 +133,15 @@ pub fn restore(
     check_spec_layout(image, &sorted)?;
     let map = match cfg.mode {
         RestoreMode::Mapped => {
-            let base = &image.layers()[0];
+            // The descriptor Image::open checked, not the path: a file swapped in since is
+            // not mapped.
+            let base = image.base_file_path();
             let mapped: Vec<RegionSpec> = sorted
                 .iter()
                 .zip(image.regions())
                 .map(|(s, r)| {
                     (*s).clone().with_backing(Backing::FilePrivate {
-                        path: base.path.clone(),
+                        path: base.clone(),
                         offset: r.file_offset,
                     })
                 })
@@ -222,20 +226,44 @@ fn restore_mode(
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(image.id().to_string());
     }
-    match cfg.mode {
-        RestoreMode::Eager => {
-            eager(image, &regions, cfg.threads, 0)?;
-            Ok(None)
+    begin(&regions)?;
+    let eager_from = match cfg.mode {
+        RestoreMode::Lazy => {
+            // The lazy restore owns the regions' state from here: complete or lose.
+            return LazyRestore::start(image, regions.clone(), cfg, t0)
+                .map(Some)
+                .inspect_err(|_| regions.iter().for_each(|r| r.snap_state.restore.abort()));
         }
-        RestoreMode::Mapped => {
-            // The base save is the mapped file; later saves of a chain go on top.
-            if image.chain_len() > 1 {
-                eager(image, &regions, cfg.threads, 1)?;
-            }
-            Ok(None)
+        RestoreMode::Eager => Some(0),
+        // The base save is the mapped file; later saves of a chain go on top.
+        RestoreMode::Mapped => (image.chain_len() > 1).then_some(1),
+    };
+    let done = eager_from.map_or(Ok(()), |from| eager(image, &regions, cfg.threads, from));
+    for r in &regions {
+        match &done {
+            Ok(()) => r.snap_state.restore.complete(),
+            // Part of the map holds the image and part does not: the caller drops it.
+            Err(_) => r.snap_state.restore.lose(),
         }
-        RestoreMode::Lazy => Ok(Some(LazyRestore::start(image, regions, cfg, t0)?)),
     }
+    done.map(|()| None)
+}
+
+/// Moves every region to `Restoring`, or none: a region another restore is filling (or
+/// lost) is refused.
+fn begin(regions: &[Arc<Region>]) -> Result<(), SnapshotError> {
+    for (i, r) in regions.iter().enumerate() {
+        if let Err(state) = r.snap_state.restore.begin() {
+            regions[..i]
+                .iter()
+                .for_each(|r| r.snap_state.restore.abort());
+            return Err(SnapshotError::NotWhole {
+                region: r.guest_addr().0,
+                why: state.refusal().unwrap_or("its restore state changed"),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn check_spec_layout(image: &Image, specs: &[&RegionSpec]) -> Result<(), SnapshotError> {

@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::hash::BlockHasher;
-pub(crate) use super::manifest::{read_manifest, same_layout};
+use super::manifest::{read_manifest, same_layout};
 use super::{Manifest, SnapshotError, IMAGE_PAGE_BYTES, MANIFEST_FILE};
+use crate::files::Dir;
 use crate::layout::{Backing, HugePageSize, RegionSpec};
 use crate::GuestAddress;
 
@@ -94,7 +95,8 @@ impl Image {
                 });
             }
             let mpath = at.join(MANIFEST_FILE);
-            let m = read_manifest(&mpath)?;
+            let dir = Dir::open(&at)?;
+            let m = read_manifest(&dir)?;
             if let Some(id) = &want_id {
                 if &m.id != id {
                     return Err(SnapshotError::Manifest {
@@ -113,17 +115,10 @@ impl Image {
                     });
                 }
             }
-            let path = at.join(&m.memory_file);
-            let file = File::open(&path).map_err(|source| SnapshotError::File {
-                op: "open",
-                path: path.clone(),
-                source,
-            })?;
-            let len = file_len(&file).map_err(|source| SnapshotError::File {
-                op: "stat",
-                path: path.clone(),
-                source,
-            })?;
+            // The memory file as it is now, opened once: every later read (and a mapped
+            // restore's mapping) uses this descriptor, never the path again.
+            let (file, len) = dir.open_regular(&m.memory_file, u64::MAX)?;
+            let path = dir.join(&m.memory_file);
             if len < m.memory_bytes {
                 // Name the first region the file does not hold whole.
                 let r = m
@@ -205,19 +200,16 @@ impl Image {
 
     /// A bare memory file, as Firecracker writes it, read as an image without a manifest:
     /// `regions` are (the address errors name it by, size, file offset, page size), blocks
-    /// of `block_bytes` (a multiple of every page size) cut within each region. Blocks the
+    /// of `block_bytes` (a multiple of every page size) cut within each region; `file` is the
+    /// memory file, opened and checked by the caller (`path` names it). Blocks the
     /// file holds no data for (`SEEK_DATA`) read as zero; nothing is checksummed. The caller
     /// has checked the file holds every region.
     pub(crate) fn raw(
+        file: File,
         path: &Path,
         regions: &[(u64, u64, u64, u64)],
         block_bytes: u64,
     ) -> Result<Image, SnapshotError> {
-        let file = File::open(path).map_err(|source| SnapshotError::File {
-            op: "open",
-            path: path.to_path_buf(),
-            source,
-        })?;
         let mut iregions = Vec::with_capacity(regions.len());
         let mut mregions = Vec::with_capacity(regions.len());
         let mut plan = Vec::new();
@@ -361,6 +353,16 @@ impl Image {
         super::save::record_working_set(self.dir(), working_set)
     }
 
+    /// A path that opens the very file the top save's base layer was checked as (its
+    /// descriptor under `/proc/self/fd`), for a mapped restore: a file renamed over the
+    /// original since [`Image::open`] is not the one mapped. Valid while this image lives.
+    pub(crate) fn base_file_path(&self) -> PathBuf {
+        PathBuf::from(format!(
+            "/proc/self/fd/{}",
+            self.inner.layers[0].file.as_raw_fd()
+        ))
+    }
+
     /// Region specs for a map this image can be restored into: the saved layout and
     /// backings (a saved file backing becomes anonymous memory), with the defaults
     /// otherwise.
@@ -382,10 +384,6 @@ impl Image {
 
     fn top(&self) -> &Layer {
         self.inner.layers.last().expect("an image has a save")
-    }
-
-    pub(crate) fn layers(&self) -> &[Layer] {
-        &self.inner.layers
     }
 
     pub(crate) fn plan(&self, block: u64) -> &BlockPlan {

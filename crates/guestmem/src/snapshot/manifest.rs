@@ -3,20 +3,38 @@
 
 use std::path::Path;
 
-use super::{Manifest, ManifestRegion, SnapshotError, FORMAT, IMAGE_PAGE_BYTES, VERSION};
+use super::{
+    Manifest, ManifestRegion, SnapshotError, FORMAT, IMAGE_PAGE_BYTES, MANIFEST_FILE, VERSION,
+};
+use crate::files::Dir;
 
-/// Largest block size (the largest huge page).
+/// Largest block size (the largest huge page), for an image of 1 GiB hugetlb regions.
 pub const MAX_BLOCK_BYTES: u64 = 1 << 30;
+/// Largest block size of an image whose pages are smaller than a block: a block is staged
+/// whole in memory by each thread of a lazy restore, so a block size is what a crafted
+/// manifest could make each thread allocate.
+pub const MAX_SMALL_PAGE_BLOCK_BYTES: u64 = 64 << 20;
 /// Most blocks an image may have (64 TiB of 1 MiB blocks).
 pub const MAX_BLOCKS: u64 = 1 << 26;
+/// Largest `manifest.json` read: a manifest is read into memory whole, so this bounds what
+/// a file (or a symlink to `/dev/zero`, which is refused anyway) can make a reader allocate.
+/// 256 MiB holds the block records of ~2 TiB of data in 1 MiB blocks.
+pub const MAX_MANIFEST_BYTES: u64 = 256 << 20;
+/// Longest save id read (guestmem writes 16 hex digits).
+const MAX_ID_CHARS: usize = 64;
 
-pub(crate) fn read_manifest(path: &Path) -> Result<Manifest, SnapshotError> {
-    let text = std::fs::read(path).map_err(|source| SnapshotError::File {
-        op: "open",
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let m: Manifest = serde_json::from_slice(&text).map_err(|e| SnapshotError::Manifest {
+/// Reads and checks the manifest of the snapshot directory `dir`.
+pub(crate) fn read_manifest(dir: &Dir) -> Result<Manifest, SnapshotError> {
+    let text = dir
+        .read_capped(MANIFEST_FILE, MAX_MANIFEST_BYTES)
+        .map_err(SnapshotError::from)?;
+    parse_manifest(&text, &dir.join(MANIFEST_FILE))
+}
+
+/// Parses and checks a manifest's text; `path` names it in errors. Every field is bounded
+/// and checked against the others; the memory file's length is checked by the opener.
+pub(crate) fn parse_manifest(text: &[u8], path: &Path) -> Result<Manifest, SnapshotError> {
+    let m: Manifest = serde_json::from_slice(text).map_err(|e| SnapshotError::Manifest {
         path: path.to_path_buf(),
         reason: e.to_string(),
     })?;
@@ -33,10 +51,20 @@ pub(crate) fn read_manifest(path: &Path) -> Result<Manifest, SnapshotError> {
             m.version
         )));
     }
-    if !m.block_bytes.is_power_of_two() || m.block_bytes < IMAGE_PAGE_BYTES {
+    if !m.block_bytes.is_power_of_two()
+        || m.block_bytes < IMAGE_PAGE_BYTES
+        || m.block_bytes > MAX_BLOCK_BYTES
+    {
         return Err(bad(format!(
-            "block size {:#x} is not a power of two >= 4 KiB",
+            "block size {:#x} is not a power of two from 4 KiB to {MAX_BLOCK_BYTES:#x}",
             m.block_bytes
+        )));
+    }
+    if m.id.is_empty() || m.id.len() > MAX_ID_CHARS || !m.id.bytes().all(|b| b.is_ascii_hexdigit())
+    {
+        return Err(bad(format!(
+            "id {:?} is not 1 to {MAX_ID_CHARS} hex digits",
+            m.id
         )));
     }
     if m.regions.is_empty() {
@@ -64,6 +92,7 @@ pub(crate) fn read_manifest(path: &Path) -> Result<Manifest, SnapshotError> {
             )));
         }
         if !r.page_size.is_power_of_two()
+            || r.page_size < IMAGE_PAGE_BYTES
             || r.page_size > m.block_bytes
             || r.size % r.page_size != 0
         {
@@ -76,6 +105,14 @@ pub(crate) fn read_manifest(path: &Path) -> Result<Manifest, SnapshotError> {
             .checked_add(r.size)
             .ok_or_else(|| bad("sizes overflow".into()))?;
         prev_end = end.unwrap_or(u64::MAX);
+    }
+    let largest_page = m.regions.iter().map(|r| r.page_size).max().unwrap_or(0);
+    if m.block_bytes > MAX_SMALL_PAGE_BLOCK_BYTES.max(largest_page) {
+        return Err(bad(format!(
+            "block size {:#x}: at most {MAX_SMALL_PAGE_BLOCK_BYTES:#x} (each restoring thread \
+             stages a block), or the largest page size {largest_page:#x}",
+            m.block_bytes
+        )));
     }
     if m.memory_bytes != offset {
         return Err(bad(format!(
@@ -114,6 +151,17 @@ pub(crate) fn read_manifest(path: &Path) -> Result<Manifest, SnapshotError> {
     }
     if let Some(w) = m.working_set.iter().find(|&&w| w >= total) {
         return Err(bad(format!("working set names block {w}, of {total}")));
+    }
+    if let Some(p) = &m.parent {
+        if p.id.is_empty()
+            || p.id.len() > MAX_ID_CHARS
+            || !p.id.bytes().all(|b| b.is_ascii_hexdigit())
+        {
+            return Err(bad(format!("parent id {:?} is not hex digits", p.id)));
+        }
+        if p.dir.as_os_str().is_empty() {
+            return Err(bad("parent directory is empty".into()));
+        }
     }
     if m.memory_file.contains('/') || m.memory_file.is_empty() {
         return Err(bad(format!(

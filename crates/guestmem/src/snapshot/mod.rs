@@ -44,7 +44,7 @@ use std::io;
 use std::path::PathBuf;
 
 pub use image::{Image, ImageRegion, MAX_CHAIN};
-pub use manifest::{MAX_BLOCKS, MAX_BLOCK_BYTES};
+pub use manifest::{MAX_BLOCKS, MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, MAX_SMALL_PAGE_BLOCK_BYTES};
 pub use save::{save, SaveConfig, SaveKind, SaveReport};
 
 pub(crate) use hash::BlockHasher;
@@ -150,8 +150,8 @@ pub enum SnapshotError {
         /// The errno.
         source: io::Error,
     },
-    /// The directory holds a snapshot already.
-    #[error("{} holds a snapshot already ({MANIFEST_FILE}); save into a new directory", dir.display())]
+    /// The target exists (and is not an empty directory): a save never overwrites.
+    #[error("{} exists and is not an empty directory: a save never overwrites a snapshot or anything else; save to a new path", dir.display())]
     Exists {
         /// The directory.
         dir: PathBuf,
@@ -262,6 +262,16 @@ pub enum SnapshotError {
     Stopped(String),
 }
 
+impl From<crate::files::FileError> for SnapshotError {
+    fn from(e: crate::files::FileError) -> Self {
+        SnapshotError::File {
+            op: e.op,
+            path: e.path,
+            source: e.source,
+        }
+    }
+}
+
 impl Manifest {
     /// Blocks of `region` (its size over the block size, rounded up).
     pub fn region_blocks(&self, region: &ManifestRegion) -> u64 {
@@ -277,17 +287,14 @@ impl Manifest {
 /// What a region remembers for snapshots.
 #[derive(Debug, Default)]
 pub(crate) struct RegionSnapState {
-    /// 0: its memory is whole; [`RESTORING`]: a lazy restore is filling it; [`LOST`]: a lazy
-    /// restore failed and some of it is poisoned.
-    pub(crate) restore: std::sync::atomic::AtomicU8,
-    /// The id of the save its dirty bitmap counts from (the last save of it).
+    /// Whether a restore is filling it, or failed ([`crate::restore::RestoreState`]).
+    pub(crate) restore: crate::restore::state::RestoreCell,
+    /// The id of the save its dirty bitmap counts from (the last save of it). Held for the
+    /// whole of a save, so two saves of one region run one after the other and each sees
+    /// the id the other left: an incremental save checks its parent and takes the dirty set
+    /// under this one lock.
     pub(crate) saved_as: std::sync::Mutex<Option<String>>,
 }
-
-/// [`RegionSnapState::restore`]: a lazy restore is filling the region.
-pub(crate) const RESTORING: u8 = 1;
-/// [`RegionSnapState::restore`]: a lazy restore failed; part of the region is lost.
-pub(crate) const LOST: u8 = 2;
 
 /// A fresh id: the time, the process and a counter, mixed.
 fn new_id() -> String {

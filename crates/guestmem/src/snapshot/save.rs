@@ -1,17 +1,19 @@
 //! Writing a snapshot.
 
 use std::collections::BTreeMap;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::hash::BlockHasher;
+use super::manifest::{read_manifest, same_layout, MAX_SMALL_PAGE_BLOCK_BYTES};
 use super::{
     new_id, BlockRecord, Manifest, ManifestRegion, ParentRef, SnapshotError, DEFAULT_BLOCK_BYTES,
     FORMAT, IMAGE_PAGE_BYTES, MANIFEST_FILE, MEMORY_FILE, VERSION,
 };
+use crate::files::Dir;
 use crate::jobs::{Job, JobRange};
 use crate::layout::Backing;
 use crate::map::Snapshot;
@@ -86,116 +88,217 @@ struct BlockAt<'a> {
     file_offset: u64,
 }
 
-/// Saves the memory of `snap` into `dir` (created if missing; it must not hold a snapshot).
+/// Saves the memory of `snap` as a new snapshot at `dir`, which must not exist (or be an
+/// empty directory): a save never overwrites anything.
+///
+/// The snapshot is written into a uniquely named staging directory beside `dir`, synced,
+/// and published with one `renameat2(RENAME_NOREPLACE)`: a reader (or a crash) sees no
+/// snapshot at `dir` or a complete one, never a mix of two saves. A failed save removes its
+/// staging directory and nothing else. Two saves of one map run one after the other (each
+/// region's save lock is held throughout), so an incremental save checks its parent and takes
+/// the dirty set as one step: of two incremental saves from one parent, the second is refused.
 ///
 /// The guest must be paused (vCPUs out of `KVM_RUN`, devices quiet) for the image to be
 /// consistent; memory written during the save may be saved either way, and for an
 /// incremental save, a page written after its dirty bit was read stays dirty for the next.
 pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport, SnapshotError> {
     let t0 = Instant::now();
-    let file_err = |op, path: &Path| {
-        let path = path.to_path_buf();
-        move |source| SnapshotError::File { op, path, source }
-    };
     let regions = snap.regions();
     if regions.is_empty() {
         return Err(SnapshotError::Layout("the map holds no region".into()));
     }
-    for r in regions {
-        let why = match r
-            .snap_state
-            .restore
-            .load(std::sync::atomic::Ordering::Acquire)
-        {
-            0 => continue,
-            super::RESTORING => "a lazy restore is still filling it: finish it first",
-            _ => "a lazy restore failed and part of it is lost",
-        };
-        return Err(SnapshotError::NotWhole {
-            region: r.guest_addr().0,
-            why,
-        });
-    }
-    let largest_page = regions.iter().map(|r| r.page_size()).max().unwrap_or(4096);
-    let mut layout = Vec::with_capacity(regions.len());
-    let mut file_offset = 0u64;
-    for r in regions {
-        layout.push(ManifestRegion {
-            guest_addr: r.guest_addr().0,
-            size: r.size(),
-            file_offset,
-            page_size: r.page_size(),
-            backing: r.backing().name(),
-        });
-        file_offset += r.size();
-    }
-    let (block_bytes, parent) = match &cfg.kind {
-        SaveKind::Full => {
-            if !cfg.block_bytes.is_power_of_two()
-                || cfg.block_bytes < IMAGE_PAGE_BYTES
-                || cfg.block_bytes > super::manifest::MAX_BLOCK_BYTES
-            {
-                return Err(SnapshotError::Layout(format!(
-                    "block size {:#x}: must be a power of two from 4 KiB to 1 GiB",
-                    cfg.block_bytes
-                )));
-            }
-            (cfg.block_bytes.max(largest_page), None)
-        }
+    // One save of a region at a time, in address order (every snapshot of a map lists its
+    // regions in that order, so two saves cannot deadlock).
+    let mut saved_as: Vec<MutexGuard<'_, Option<String>>> = regions
+        .iter()
+        .map(|r| {
+            r.snap_state
+                .saved_as
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+        })
+        .collect();
+    check_whole(regions)?;
+    let layout = layout_of(regions);
+    let memory_bytes = layout.last().map_or(0, |l| l.file_offset + l.size);
+    let target = Target::new(dir)?;
+    let base = match &cfg.kind {
+        SaveKind::Full => full_base(regions, cfg.block_bytes)?,
         SaveKind::Incremental { parent } => {
-            let p = super::image::read_manifest(&parent.join(MANIFEST_FILE))?;
-            super::image::same_layout(&p.regions, &layout, "the parent save", "this map")?;
-            for r in regions {
-                if r.dirty_bitmap().is_none() {
-                    return Err(SnapshotError::NotTracked {
-                        region: r.guest_addr().0,
-                    });
-                }
-            }
-            // The dirty bitmaps must count from this parent, or pages written between the
-            // parent and the save they count from would be missing.
-            for r in regions {
-                let from = r
-                    .snap_state
-                    .saved_as
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .clone();
-                if from.as_deref() != Some(p.id.as_str()) {
-                    return Err(SnapshotError::Layout(format!(
-                        "region at {:#x}: its dirty pages count from save {}, not from the parent {} ({})",
-                        r.guest_addr().0,
-                        from.as_deref().unwrap_or("(none: never saved)"),
-                        p.id,
-                        parent.display()
-                    )));
-                }
-            }
-            (p.block_bytes, Some((parent.clone(), p.id)))
+            incremental_base(regions, &layout, &saved_as, parent, &target)?
         }
     };
-
-    std::fs::create_dir_all(dir).map_err(file_err("create", dir))?;
-    let manifest_path = dir.join(MANIFEST_FILE);
-    if manifest_path.exists() {
-        return Err(SnapshotError::Exists {
-            dir: dir.to_path_buf(),
-        });
-    }
-    let mem_path = dir.join(MEMORY_FILE);
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&mem_path)
-        .map_err(file_err("create", &mem_path))?;
-    file.set_len(file_offset)
-        .map_err(file_err("size", &mem_path))?;
-
+    let staging = Staging::create(&target)?;
+    let mem_path = staging.dir.join(MEMORY_FILE);
+    let file = staging.dir.create_new(MEMORY_FILE)?;
+    file.set_len(memory_bytes)
+        .map_err(|source| SnapshotError::File {
+            op: "size",
+            path: mem_path.clone(),
+            source,
+        })?;
     // The dirty bits this save covers, taken (cleared) now, so a page written during the save
     // stays dirty for the next one; put back if the save fails.
-    let dirty: Vec<Option<Vec<u64>>> = regions
+    let dirty = take_dirty(regions);
+    let written = write_blocks(
+        regions,
+        &layout,
+        &dirty,
+        &base,
+        cfg.threads,
+        &file,
+        &mem_path,
+    )
+    .and_then(|mut w| {
+        let id = new_id();
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            version: VERSION,
+            id: id.clone(),
+            parent: base.parent.clone(),
+            memory_file: MEMORY_FILE.into(),
+            memory_bytes,
+            block_bytes: base.block_bytes,
+            regions: layout,
+            blocks: std::mem::take(&mut w.records),
+            working_set: Vec::new(),
+            meta: cfg.meta.clone(),
+        };
+        write_new_manifest(&staging.dir, &manifest)?;
+        staging.publish(&target)?;
+        Ok((w, id, manifest.blocks.len() as u64))
+    });
+    let (w, id, blocks) = match written {
+        Ok(done) => done,
+        Err(e) => {
+            put_back(regions, &dirty);
+            return Err(e);
+        }
+    };
+    // The dirty bitmaps count from this save now.
+    for g in &mut saved_as {
+        **g = Some(id.clone());
+    }
+    Ok(SaveReport {
+        dir: dir.to_path_buf(),
+        id,
+        memory_bytes,
+        bytes_written: w.bytes,
+        blocks,
+        threads: w.threads,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// Refuses regions a restore is filling or failed to fill.
+fn check_whole(regions: &[Arc<Region>]) -> Result<(), SnapshotError> {
+    for r in regions {
+        if let Some(why) = r.snap_state.restore.get().refusal() {
+            return Err(SnapshotError::NotWhole {
+                region: r.guest_addr().0,
+                why,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The regions as the manifest lists them, laid end to end in the memory file.
+fn layout_of(regions: &[Arc<Region>]) -> Vec<ManifestRegion> {
+    let mut file_offset = 0u64;
+    regions
+        .iter()
+        .map(|r| {
+            let l = ManifestRegion {
+                guest_addr: r.guest_addr().0,
+                size: r.size(),
+                file_offset,
+                page_size: r.page_size(),
+                backing: r.backing().name(),
+            };
+            file_offset += r.size();
+            l
+        })
+        .collect()
+}
+
+/// What a save builds on: its block size and, for an incremental save, its parent (whose
+/// directory stays locked while the save runs).
+struct Base {
+    block_bytes: u64,
+    parent: Option<ParentRef>,
+    _parent_lock: Option<Dir>,
+}
+
+fn full_base(regions: &[Arc<Region>], block_bytes: u64) -> Result<Base, SnapshotError> {
+    if !block_bytes.is_power_of_two()
+        || !(IMAGE_PAGE_BYTES..=MAX_SMALL_PAGE_BLOCK_BYTES).contains(&block_bytes)
+    {
+        return Err(SnapshotError::Layout(format!(
+            "block size {block_bytes:#x}: must be a power of two from 4 KiB to \
+             {MAX_SMALL_PAGE_BLOCK_BYTES:#x}"
+        )));
+    }
+    let largest_page = regions.iter().map(|r| r.page_size()).max().unwrap_or(4096);
+    Ok(Base {
+        block_bytes: block_bytes.max(largest_page),
+        parent: None,
+        _parent_lock: None,
+    })
+}
+
+/// Opens and locks the parent, and checks that this map's dirty bitmaps count from it.
+/// Runs under the regions' save locks (`saved_as`).
+fn incremental_base(
+    regions: &[Arc<Region>],
+    layout: &[ManifestRegion],
+    saved_as: &[MutexGuard<'_, Option<String>>],
+    parent: &Path,
+    target: &Target,
+) -> Result<Base, SnapshotError> {
+    let pdir = Dir::open(parent)?;
+    pdir.lock(true, true)
+        .map_err(|source| SnapshotError::File {
+            op: "lock",
+            path: parent.to_path_buf(),
+            source,
+        })?;
+    let p = read_manifest(&pdir)?;
+    same_layout(&p.regions, layout, "the parent save", "this map")?;
+    for r in regions {
+        if r.dirty_bitmap().is_none() {
+            return Err(SnapshotError::NotTracked {
+                region: r.guest_addr().0,
+            });
+        }
+    }
+    // The dirty bitmaps must count from this parent, or pages written between the parent and
+    // the save they count from would be missing.
+    for (r, from) in regions.iter().zip(saved_as) {
+        if from.as_deref() != Some(p.id.as_str()) {
+            return Err(SnapshotError::Layout(format!(
+                "region at {:#x}: its dirty pages count from save {}, not from the parent {} \
+                 ({}); another save of this map since the parent took them",
+                r.guest_addr().0,
+                from.as_deref().unwrap_or("(none: never saved)"),
+                p.id,
+                parent.display()
+            )));
+        }
+    }
+    Ok(Base {
+        block_bytes: p.block_bytes,
+        parent: Some(ParentRef {
+            dir: target.name_parent(parent),
+            id: p.id,
+        }),
+        _parent_lock: Some(pdir),
+    })
+}
+
+/// Takes (clears) every tracked region's dirty bits.
+fn take_dirty(regions: &[Arc<Region>]) -> Vec<Option<Vec<u64>>> {
+    regions
         .iter()
         .map(|r| {
             r.dirty_bitmap().map(|b| {
@@ -204,20 +307,41 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
                 w
             })
         })
-        .collect();
-    let put_back = || {
-        for (r, words) in regions.iter().zip(&dirty) {
-            if let (Some(b), Some(w)) = (r.dirty_bitmap(), words) {
-                let _ = b.merge_words(0, w);
-            }
-        }
-    };
-    let incremental = parent.is_some();
+        .collect()
+}
 
+/// Puts back the dirty bits a failed save took.
+fn put_back(regions: &[Arc<Region>], dirty: &[Option<Vec<u64>>]) {
+    for (r, words) in regions.iter().zip(dirty) {
+        if let (Some(b), Some(w)) = (r.dirty_bitmap(), words) {
+            let _ = b.merge_words(0, w);
+        }
+    }
+}
+
+/// What writing the blocks did.
+struct Written {
+    records: Vec<BlockRecord>,
+    bytes: u64,
+    threads: usize,
+}
+
+/// Writes every block (every dirty page of one, for an incremental save) on the job
+/// splitter, and syncs the file.
+fn write_blocks(
+    regions: &[Arc<Region>],
+    layout: &[ManifestRegion],
+    dirty: &[Option<Vec<u64>>],
+    base: &Base,
+    threads: usize,
+    file: &File,
+    mem_path: &Path,
+) -> Result<Written, SnapshotError> {
+    let block_bytes = base.block_bytes;
+    let incremental = base.parent.is_some();
     let mut blocks_of = Vec::new();
-    for (i, (r, l)) in regions.iter().zip(&layout).enumerate() {
-        let n = r.size().div_ceil(block_bytes);
-        for k in 0..n {
+    for (i, (r, l)) in regions.iter().zip(layout).enumerate() {
+        for k in 0..r.size().div_ceil(block_bytes) {
             let offset = k * block_bytes;
             blocks_of.push((
                 i,
@@ -228,12 +352,16 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
         }
     }
     let total_blocks = blocks_of.len() as u64;
-    let proc = ProcMem::open().map_err(file_err("open", Path::new("/proc/self/pagemap")))?;
+    let proc = ProcMem::open().map_err(|source| SnapshotError::File {
+        op: "open",
+        path: "/proc/self/pagemap".into(),
+        source,
+    })?;
     let records = Mutex::new(Vec::new());
     let written = std::sync::atomic::AtomicU64::new(0);
     let job = Job::over(vec![JobRange::new(0, total_blocks)])
         .expect("block count fits")
-        .with_max_threads(cfg.threads);
+        .with_max_threads(threads);
     let stats = job
         .run(|chunk| {
             let mut local = Vec::new();
@@ -245,13 +373,11 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
                     len,
                     file_offset: region_file_offset + offset,
                 };
-                let pages = if incremental {
+                let pages = incremental.then(|| {
                     let words = dirty[ri].as_ref().expect("checked tracked");
-                    Some(dirty_pages(words, offset, len, block_bytes))
-                } else {
-                    None
-                };
-                if let Some((rec, bytes)) = save_block(&at, b, pages, &proc, &file, &mem_path)? {
+                    dirty_pages(words, offset, len, block_bytes)
+                });
+                if let Some((rec, bytes)) = save_block(&at, b, pages, &proc, file, mem_path)? {
                     written.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
                     local.push(rec);
                 }
@@ -262,96 +388,207 @@ pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport,
                 .extend(local);
             Ok::<(), SnapshotError>(())
         })
-        .map_err(|f| f.error);
-    let stats = match stats.and_then(|s| {
-        file.sync_data().map_err(file_err("sync", &mem_path))?;
-        Ok(s)
-    }) {
-        Ok(s) => s,
-        Err(e) => {
-            put_back();
-            let _ = std::fs::remove_file(&mem_path);
-            return Err(e);
-        }
-    };
-
-    let mut blocks = records.into_inner().unwrap_or_else(|e| e.into_inner());
-    blocks.sort_by_key(|r: &BlockRecord| r.index);
-    let id = new_id();
-    let manifest = Manifest {
-        format: FORMAT.into(),
-        version: VERSION,
-        id: id.clone(),
-        parent: parent.map(|(p, pid)| ParentRef {
-            dir: relative_parent(dir, &p),
-            id: pid,
-        }),
-        memory_file: MEMORY_FILE.into(),
-        memory_bytes: file_offset,
-        block_bytes,
-        regions: layout,
-        blocks,
-        working_set: Vec::new(),
-        meta: cfg.meta.clone(),
-    };
-    let n_blocks = manifest.blocks.len() as u64;
-    if let Err(e) = write_manifest(dir, &manifest) {
-        put_back();
-        let _ = std::fs::remove_file(&mem_path);
-        return Err(e);
-    }
-    // The dirty bitmaps count from this save now.
-    for r in regions {
-        *r.snap_state
-            .saved_as
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(id.clone());
-    }
-    Ok(SaveReport {
-        dir: dir.to_path_buf(),
-        id,
-        memory_bytes: file_offset,
-        bytes_written: written.into_inner(),
-        blocks: n_blocks,
+        .map_err(|f| f.error)?;
+    file.sync_data().map_err(|source| SnapshotError::File {
+        op: "sync",
+        path: mem_path.to_path_buf(),
+        source,
+    })?;
+    let mut records = records.into_inner().unwrap_or_else(|e| e.into_inner());
+    records.sort_by_key(|r: &BlockRecord| r.index);
+    Ok(Written {
+        records,
+        bytes: written.into_inner(),
         threads: stats.threads,
-        seconds: t0.elapsed().as_secs_f64(),
     })
 }
 
-/// Writes `manifest` into `dir` through a temporary file and a rename.
-pub(crate) fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), SnapshotError> {
-    let path = dir.join(MANIFEST_FILE);
-    let tmp = dir.join(format!("{MANIFEST_FILE}.tmp"));
-    let err = |op, p: &Path| {
-        let p = p.to_path_buf();
-        move |source| SnapshotError::File {
-            op,
-            path: p,
-            source,
-        }
-    };
+/// Writes `manifest` as a new file in `dir` (a staging directory nobody reads yet), synced.
+fn write_new_manifest(dir: &Dir, manifest: &Manifest) -> Result<(), SnapshotError> {
+    use std::io::Write;
     let text = serde_json::to_vec_pretty(manifest).expect("a manifest serialises");
-    {
-        use std::io::Write;
-        let mut f = File::create(&tmp).map_err(err("create", &tmp))?;
-        f.write_all(&text).map_err(err("write", &tmp))?;
-        f.sync_all().map_err(err("sync", &tmp))?;
-    }
-    std::fs::rename(&tmp, &path).map_err(err("rename", &path))?;
-    // The rename itself must reach the disk.
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(err("sync", dir))
+    let path = dir.join(MANIFEST_FILE);
+    let err = |op| {
+        let path = path.clone();
+        move |source| SnapshotError::File { op, path, source }
+    };
+    let mut f = dir.create_new(MANIFEST_FILE)?;
+    f.write_all(&text).map_err(err("write"))?;
+    f.sync_all().map_err(err("sync"))
 }
 
-/// `parent` as the child in `dir` should name it: relative when both sit in one directory.
-fn relative_parent(dir: &Path, parent: &Path) -> PathBuf {
-    let (Ok(d), Ok(p)) = (dir.canonicalize(), parent.canonicalize()) else {
-        return parent.to_path_buf();
-    };
-    match (d.parent(), p.parent(), p.file_name()) {
-        (Some(a), Some(b), Some(name)) if a == b => Path::new("..").join(name),
-        _ => p,
+/// Where a save is published: the directory it goes in, and its name there.
+struct Target {
+    parent: Dir,
+    name: String,
+    path: PathBuf,
+}
+
+impl Target {
+    /// Refuses a target that exists as anything but an empty directory.
+    fn new(dir: &Path) -> Result<Target, SnapshotError> {
+        let (parent, name) = crate::files::split(dir)?;
+        if let Ok(meta) = std::fs::symlink_metadata(dir) {
+            let empty_dir =
+                meta.is_dir() && std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_none());
+            if !empty_dir {
+                return Err(SnapshotError::Exists {
+                    dir: dir.to_path_buf(),
+                });
+            }
+        }
+        Ok(Target {
+            parent: Dir::open(&parent)?,
+            name,
+            path: dir.to_path_buf(),
+        })
+    }
+
+    /// `parent` as the child published here should name it: `../NAME` when both sit in one
+    /// directory, else its absolute path.
+    fn name_parent(&self, parent: &Path) -> PathBuf {
+        let (Ok(here), Ok(p)) = (self.parent.path().canonicalize(), parent.canonicalize()) else {
+            return parent.to_path_buf();
+        };
+        match (p.parent(), p.file_name()) {
+            (Some(pp), Some(name)) if pp == here => Path::new("..").join(name),
+            _ => p,
+        }
+    }
+}
+
+/// A save in the making: a directory beside its target, named `.NAME.guestmem-save-*` and
+/// locked (`flock`) while its save runs, removed unless published.
+struct Staging {
+    dir: Dir,
+    name: String,
+    published: bool,
+}
+
+/// How old an unlocked staging directory must be before a later save removes it as the
+/// remains of a save that died (so one just made, not yet locked, is never taken).
+const STALE_STAGING_SECS: u64 = 60;
+
+impl Staging {
+    fn prefix(target: &Target) -> String {
+        format!(".{}.guestmem-save-", target.name)
+    }
+
+    fn create(target: &Target) -> Result<Staging, SnapshotError> {
+        Staging::sweep(target);
+        let name = format!(
+            "{}{}",
+            Staging::prefix(target),
+            crate::files::unique_suffix()
+        );
+        let path = target.parent.join(&name);
+        let ferr = |op| {
+            let path = path.clone();
+            move |source| SnapshotError::File { op, path, source }
+        };
+        target.parent.mkdir(&name).map_err(ferr("create"))?;
+        let mut staging = Staging {
+            dir: Dir::open(&path).inspect_err(|_| {
+                let _ = target.parent.rmdir(&name);
+            })?,
+            name,
+            published: false,
+        };
+        if let Err(e) = staging.dir.lock(true, true) {
+            staging.remove();
+            return Err(ferr("lock")(e));
+        }
+        Ok(staging)
+    }
+
+    /// Removes what saves that died left beside `target`: staging directories nobody holds
+    /// the lock of, older than [`STALE_STAGING_SECS`]. Best effort.
+    fn sweep(target: &Target) {
+        let prefix = Staging::prefix(target);
+        let Ok(entries) = std::fs::read_dir(target.parent.path()) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let Some(name) = e.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            let old = e
+                .metadata()
+                .ok()
+                .and_then(|m| m.modified().ok())
+                .is_some_and(|t| t.elapsed().is_ok_and(|a| a.as_secs() >= STALE_STAGING_SECS));
+            if !name.starts_with(&prefix) || !old {
+                continue;
+            }
+            let Ok(dir) = Dir::open(&target.parent.join(&name)) else {
+                continue;
+            };
+            if dir.lock(true, false).unwrap_or(false) {
+                Staging {
+                    dir,
+                    name,
+                    published: false,
+                }
+                .remove();
+            }
+        }
+    }
+
+    /// Moves the staging directory to the target in one rename that never replaces a
+    /// snapshot, then syncs the directory holding both.
+    fn publish(mut self, target: &Target) -> Result<(), SnapshotError> {
+        self.dir.sync()?;
+        let exists = || SnapshotError::Exists {
+            dir: target.path.clone(),
+        };
+        // An empty directory at the target is taken as a place to save into: removed just
+        // before the rename. If another save publishes there in between, one rename loses.
+        match target.parent.rmdir(&target.name) {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOTEMPTY) => return Err(exists()),
+            Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => return Err(exists()),
+            Err(source) => {
+                return Err(SnapshotError::File {
+                    op: "replace the empty directory",
+                    path: target.path.clone(),
+                    source,
+                })
+            }
+        }
+        match target.parent.rename(&self.name, &target.name, false) {
+            Ok(()) => {}
+            Err(e)
+                if matches!(
+                    e.source.raw_os_error(),
+                    Some(libc::EEXIST | libc::ENOTEMPTY)
+                ) =>
+            {
+                return Err(exists())
+            }
+            Err(e) => return Err(e.into()),
+        }
+        self.published = true;
+        target.parent.sync()?;
+        Ok(())
+    }
+
+    fn remove(&mut self) {
+        self.dir.unlink(MEMORY_FILE);
+        self.dir.unlink(MANIFEST_FILE);
+        // The directory's parent is where it was made; only its own name is removed.
+        if let Some(parent) = self.dir.path().parent() {
+            if let Ok(p) = Dir::open(parent) {
+                let _ = p.rmdir(&self.name);
+            }
+        }
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.published {
+            self.remove();
+        }
     }
 }
 
@@ -514,9 +751,11 @@ fn save_block(
     )))
 }
 
-/// Writes `working_set` into the manifest in `dir` (through a rename).
+/// Writes `working_set` into the manifest in `dir` (a new file renamed over the old).
 pub(crate) fn record_working_set(dir: &Path, working_set: &[u64]) -> Result<(), SnapshotError> {
-    let mut m = super::image::read_manifest(&dir.join(MANIFEST_FILE))?;
+    let mut m = read_manifest(&Dir::open(dir)?)?;
     m.working_set = working_set.to_vec();
-    write_manifest(dir, &m)
+    let text = serde_json::to_vec_pretty(&m).expect("a manifest serialises");
+    crate::files::publish_file(&dir.join(MANIFEST_FILE), &text)?;
+    Ok(())
 }

@@ -62,8 +62,9 @@ const BUSY: u8 = 1;
 const DONE: u8 = 2;
 const FAILED: u8 = 3;
 
-/// How long a handler waits in `poll` before looking at the stop flag again, ms.
-const POLL_MS: i32 = 100;
+/// How long a handler waits in `poll`: for ever (-1). Idle means blocked: the stop
+/// eventfd wakes it when it must go.
+const POLL_MS: i32 = -1;
 
 /// What a lazy restore did (so far, or in all).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
@@ -117,6 +118,8 @@ struct Lazy {
     by_host: Vec<(u64, u64, usize)>,
     uffd: Uffd,
     stop: OwnedFd,
+    /// Made readable when the restore fails or its peer goes (what a page server waits on).
+    changed: OwnedFd,
     state: Box<[AtomicU8]>,
     done: AtomicU64,
     total: u64,
@@ -237,13 +240,6 @@ impl LazyRestore {
             }
             registered.push(region.mapping());
         }
-        for lr in &lregions {
-            lr.region()
-                .expect("our own regions")
-                .snap_state
-                .restore
-                .store(crate::snapshot::RESTORING, Ordering::Release);
-        }
         let first = match cfg.prefetch {
             Prefetch::Recorded => Some(image.working_set().to_vec()),
             Prefetch::None => None,
@@ -272,12 +268,14 @@ impl LazyRestore {
         by_host.sort_unstable();
         let total = image.total_blocks();
         let stop = crate::sys::eventfd()?;
+        let changed = crate::sys::eventfd()?;
         let lazy = Arc::new(Lazy {
             image: image.clone(),
             regions: lregions,
             by_host,
             uffd,
             stop,
+            changed,
             state: (0..total).map(|_| AtomicU8::new(EMPTY)).collect(),
             done: AtomicU64::new(0),
             total,
@@ -349,17 +347,10 @@ impl LazyRestore {
         self.lazy.gone.load(Ordering::Acquire)
     }
 
-    /// Waits up to `timeout` for the restore to complete, fail or lose its peer.
-    pub(crate) fn wait_for(&self, timeout: std::time::Duration) {
-        let l = &self.lazy;
-        let g = l.wait.lock().unwrap_or_else(|e| e.into_inner());
-        if l.message.get().is_some()
-            || l.done.load(Ordering::Acquire) == l.total
-            || l.gone.load(Ordering::Acquire)
-        {
-            return;
-        }
-        let _ = l.cv.wait_timeout(g, timeout);
+    /// A descriptor that becomes readable (and stays so) once the restore has failed or
+    /// lost its peer: what a page server blocks on beside its socket.
+    pub(crate) fn changed_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.lazy.changed.as_fd()
     }
 
     /// Stops at once, leaving what is not in: prefetch cancelled, handlers stopped. For a
@@ -395,7 +386,8 @@ impl LazyRestore {
         self.halt();
         let l = self.lazy.clone();
         for r in l.regions.iter().filter_map(LRegion::region) {
-            r.snap_state.restore.store(0, Ordering::Release);
+            // The prefetch may have filled part of it: not whole, not to be saved.
+            r.snap_state.restore.lose();
             let _ = l.uffd.unregister(r.mapping());
         }
         self.finished = true;
@@ -528,9 +520,7 @@ impl LazyRestore {
                 std::mem::forget(Arc::clone(&l));
             }
             for r in l.regions.iter().filter_map(LRegion::region) {
-                r.snap_state
-                    .restore
-                    .store(crate::snapshot::LOST, Ordering::Release);
+                r.snap_state.restore.lose();
             }
             let e = l.error.lock().unwrap_or_else(|e| e.into_inner()).take();
             return Err(e.unwrap_or_else(|| {
@@ -538,7 +528,7 @@ impl LazyRestore {
             }));
         }
         for r in l.regions.iter().filter_map(LRegion::region) {
-            r.snap_state.restore.store(0, Ordering::Release);
+            r.snap_state.restore.complete();
             l.uffd
                 .unregister(r.mapping())
                 .map_err(|source| SnapshotError::Userfaultfd {

@@ -232,15 +232,19 @@ impl Lazy {
                 self.state[block as usize].store(FAILED, Ordering::Release);
                 self.gone.store(true, Ordering::Release);
                 self.cancel.store(true, Ordering::Release);
-                let _g = self.wait.lock().unwrap_or_else(|e| e.into_inner());
-                self.cv.notify_all();
+                {
+                    let _g = self.wait.lock().unwrap_or_else(|e| e.into_inner());
+                    self.cv.notify_all();
+                }
+                let _ = crate::sys::eventfd_signal(self.changed.as_fd());
             }
             Err(e) => {
                 self.state[block as usize].store(FAILED, Ordering::Release);
-                self.fail(e);
-                // Release the threads waiting in this block: a vCPU's KVM_RUN then reports
-                // the lost memory (SIGBUS, EINTR) instead of retrying the fault for ever.
+                // Release the threads waiting in this block first: a vCPU's KVM_RUN then
+                // reports the lost memory (SIGBUS, EINTR) instead of retrying the fault for
+                // ever, and a hook that touches the block gets SIGBUS, not a wait.
                 self.poison_block(block);
+                self.fail(e);
             }
         }
     }
@@ -343,8 +347,9 @@ impl Lazy {
         }
     }
 
-    /// Records the first failure, runs the hooks and wakes waiters; later failures are
-    /// dropped.
+    /// Records the first failure, wakes waiters and runs the hooks on a thread of their own
+    /// (a hook that blocks, on guest memory or anything else, holds up no handler and no
+    /// [`super::LazyRestore::finish`]); later failures are dropped.
     pub(super) fn fail(&self, e: SnapshotError) {
         if self.failed.swap(true, Ordering::AcqRel) {
             return;
@@ -356,12 +361,28 @@ impl Lazy {
             let _ = self.message.set(text.clone());
             std::mem::take(&mut *h)
         };
-        for hook in hooks {
-            // A panicking hook must not stop the failed block from being poisoned.
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(&text)));
+        {
+            let _g = self.wait.lock().unwrap_or_else(|p| p.into_inner());
+            self.cv.notify_all();
         }
-        let _g = self.wait.lock().unwrap_or_else(|p| p.into_inner());
-        self.cv.notify_all();
+        let _ = crate::sys::eventfd_signal(self.changed.as_fd());
+        if hooks.is_empty() {
+            return;
+        }
+        let run = move || {
+            for hook in hooks {
+                // One panicking hook must not keep the others from running.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(&text)));
+            }
+        };
+        let spawned = std::thread::Builder::new()
+            .name("guestmem-onfail".into())
+            .spawn(run);
+        if let Err(e) = spawned {
+            // No thread to be had: nothing to do but say so (running them here could block
+            // this handler on the memory it serves).
+            eprintln!("guestmem: lazy restore failure hooks not run: cannot spawn a thread: {e}");
+        }
     }
 
     /// Prefetches `first` (runs of it, in its order), then every other block.

@@ -6,6 +6,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::{Duration, Instant};
 
+use linux_raw_sys::general as uapi;
+
+use super::peer::PeerProcess;
 use super::ServeError;
 use crate::layout::MAX_REGIONS;
 use crate::uffd::Uffd;
@@ -102,10 +105,16 @@ pub fn parse_regions(json: &[u8]) -> Result<Vec<UffdRegion>, ServeError> {
                 w.size
             )));
         }
-        if w.offset % page != 0 || w.offset.checked_add(w.size).is_none() {
+        if w.offset % page != 0 {
             return Err(bad(format!(
                 "{at}: file offset {:#x} is not a multiple of its page size {page}",
                 w.offset
+            )));
+        }
+        if w.offset.checked_add(w.size).is_none() {
+            return Err(bad(format!(
+                "{at}: file offset {:#x} + size {:#x} overflows 64 bits",
+                w.offset, w.size
             )));
         }
         out.push(UffdRegion {
@@ -146,8 +155,26 @@ pub struct Handshake {
     pub(super) regions: Vec<UffdRegion>,
     pub(super) uffd: Uffd,
     pub(super) peer: UnixStream,
-    pub(super) peer_pid: Option<i32>,
+    pub(super) process: PeerProcess,
 }
+
+/// A handshake refused; `process` is the peer when it had sent a userfaultfd (it depends on
+/// a server now: Firecracker keeps its own reference and would wait on its faults for ever),
+/// `None` when it had not (a squatter, a probe: dropping it hurts nobody).
+#[derive(Debug)]
+pub(crate) struct Refused {
+    pub(crate) error: ServeError,
+    pub(crate) process: Option<PeerProcess>,
+}
+
+/// userfaultfd events a page server cannot follow: a fork hands it a new descriptor per
+/// child, a remap moves registered memory, an unmap takes it away. Firecracker asks for
+/// none of them (only `UFFD_EVENT_REMOVE`, with a balloon).
+const UNFOLLOWED_EVENTS: [(u32, &str); 3] = [
+    (uapi::UFFD_FEATURE_EVENT_FORK, "UFFD_FEATURE_EVENT_FORK"),
+    (uapi::UFFD_FEATURE_EVENT_REMAP, "UFFD_FEATURE_EVENT_REMAP"),
+    (uapi::UFFD_FEATURE_EVENT_UNMAP, "UFFD_FEATURE_EVENT_UNMAP"),
+];
 
 impl Handshake {
     /// Waits up to `wait` for a peer to connect to `listener`, then gives it `timeout` to
@@ -189,109 +216,143 @@ impl Handshake {
     /// more than one, or one that is not a userfaultfd), regions that do not hold together,
     /// or that disconnects before the JSON is whole.
     pub fn receive(stream: UnixStream, timeout: Duration) -> Result<Handshake, ServeError> {
-        let serr = |op: &str| {
-            let op = op.to_string();
-            move |source| ServeError::Socket { op, source }
-        };
-        let deadline = Instant::now() + timeout;
-        let left = || {
-            deadline
-                .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1))
-        };
-        stream
-            .set_read_timeout(Some(left()))
-            .map_err(serr("set a read timeout"))?;
-        let mut buf = vec![0u8; 64 << 10];
-        let (n, fds) = recv_with_fds(&stream, &mut buf).map_err(|e| match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ServeError::Handshake(format!(
-                "nothing received within {:.1} s",
-                timeout.as_secs_f64()
-            )),
-            _ => ServeError::Socket {
-                op: "receive the handshake".into(),
-                source: e,
-            },
-        })?;
-        let mut fds = fds?;
-        if n == 0 {
-            return Err(ServeError::Handshake(
-                "the peer disconnected before sending anything".into(),
-            ));
-        }
-        let uffd = match fds.len() {
-            0 => {
-                return Err(ServeError::Handshake(
-                    "no file descriptor came with the message (Firecracker sends its \
-                     userfaultfd with SCM_RIGHTS)"
-                        .into(),
-                ))
-            }
-            1 => fds.pop().expect("one"),
-            k => {
-                return Err(ServeError::Handshake(format!(
-                    "{k} file descriptors came with the message; Firecracker sends one"
-                )))
-            }
-        };
-        let mut json = buf[..n].to_vec();
-        let regions = loop {
-            match parse_regions(&json) {
-                Ok(r) => break r,
-                Err(e) => {
-                    // Only a JSON document cut short may continue in a later read.
-                    let cut = serde_json::from_slice::<serde_json::Value>(&json)
-                        .err()
-                        .is_some_and(|e| e.is_eof());
-                    if !cut {
-                        return Err(e);
-                    }
-                    if json.len() >= MAX_HANDSHAKE_BYTES {
-                        return Err(ServeError::Handshake(format!(
-                            "message longer than {MAX_HANDSHAKE_BYTES} bytes"
-                        )));
-                    }
-                    stream
-                        .set_read_timeout(Some(left()))
-                        .map_err(serr("set a read timeout"))?;
-                    let k = (&stream).read(&mut buf).map_err(|e| match e.kind() {
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-                            ServeError::Handshake(format!(
-                                "the JSON stopped after {} bytes and no more came within {:.1} s",
-                                json.len(),
-                                timeout.as_secs_f64()
-                            ))
-                        }
-                        _ => ServeError::Socket {
-                            op: "receive the handshake".into(),
-                            source: e,
-                        },
-                    })?;
-                    if k == 0 {
-                        return Err(ServeError::Handshake(format!(
-                            "the peer disconnected mid-handshake, after {} bytes of JSON",
-                            json.len()
-                        )));
-                    }
-                    json.extend_from_slice(&buf[..k]);
-                }
-            }
-        };
-        let uffd = Uffd::from_received(uffd).map_err(|e| {
-            ServeError::Handshake(format!("the descriptor sent is not usable: {e}"))
-        })?;
-        stream
-            .set_read_timeout(None)
-            .map_err(serr("clear the read timeout"))?;
-        let peer_pid = peer_pid(&stream);
-        Ok(Handshake {
+        receive_checked(stream, timeout).map_err(|r| r.error)
+    }
+}
+
+/// [`Handshake::receive`], saying of a refusal whether the peer had sent a userfaultfd.
+pub(crate) fn receive_checked(stream: UnixStream, timeout: Duration) -> Result<Handshake, Refused> {
+    // The peer as it connected: a pidfd now, before its pid could be reused.
+    let process = PeerProcess::of(&stream);
+    let mut got_uffd = false;
+    let refuse = |error: ServeError, got_uffd: bool, process: PeerProcess| Refused {
+        error,
+        process: got_uffd.then_some(process),
+    };
+    match receive_inner(&stream, timeout, &mut got_uffd) {
+        Ok((regions, uffd)) => Ok(Handshake {
             regions,
             uffd,
             peer: stream,
-            peer_pid,
-        })
+            process,
+        }),
+        Err(e) => Err(refuse(e, got_uffd, process)),
     }
+}
 
+/// Reads and checks the message; sets `got_uffd` once a descriptor that is a userfaultfd
+/// has come (from then on, a refusal leaves a VM without a server).
+fn receive_inner(
+    stream: &UnixStream,
+    timeout: Duration,
+    got_uffd: &mut bool,
+) -> Result<(Vec<UffdRegion>, Uffd), ServeError> {
+    let serr = |op: &str| {
+        let op = op.to_string();
+        move |source| ServeError::Socket { op, source }
+    };
+    let deadline = Instant::now() + timeout;
+    let left = || {
+        deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1))
+    };
+    stream
+        .set_read_timeout(Some(left()))
+        .map_err(serr("set a read timeout"))?;
+    let mut buf = vec![0u8; 64 << 10];
+    let (n, fds) = recv_with_fds(stream, &mut buf).map_err(|e| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ServeError::Handshake(format!(
+            "nothing received within {:.1} s",
+            timeout.as_secs_f64()
+        )),
+        _ => ServeError::Socket {
+            op: "receive the handshake".into(),
+            source: e,
+        },
+    })?;
+    let mut fds = fds?;
+    if n == 0 {
+        return Err(ServeError::Handshake(
+            "the peer disconnected before sending anything".into(),
+        ));
+    }
+    let uffd = match fds.len() {
+        0 => {
+            return Err(ServeError::Handshake(
+                "no file descriptor came with the message (Firecracker sends its \
+                     userfaultfd with SCM_RIGHTS)"
+                    .into(),
+            ))
+        }
+        1 => fds.pop().expect("one"),
+        k => {
+            return Err(ServeError::Handshake(format!(
+                "{k} file descriptors came with the message; Firecracker sends one"
+            )))
+        }
+    };
+    let uffd = Uffd::from_received(uffd)
+        .map_err(|e| ServeError::Handshake(format!("the descriptor sent is not usable: {e}")))?;
+    *got_uffd = true;
+    for (bit, name) in UNFOLLOWED_EVENTS {
+        if uffd.features() & u64::from(bit) != 0 {
+            return Err(ServeError::Handshake(format!(
+                "the peer's userfaultfd has {name} enabled; guestmem's page server does \
+                     not follow forks, remaps or unmaps (Firecracker enables none of them)"
+            )));
+        }
+    }
+    let mut json = buf[..n].to_vec();
+    let regions = loop {
+        match parse_regions(&json) {
+            Ok(r) => break r,
+            Err(e) => {
+                // Only a JSON document cut short may continue in a later read.
+                let cut = serde_json::from_slice::<serde_json::Value>(&json)
+                    .err()
+                    .is_some_and(|e| e.is_eof());
+                if !cut {
+                    return Err(e);
+                }
+                if json.len() >= MAX_HANDSHAKE_BYTES {
+                    return Err(ServeError::Handshake(format!(
+                        "message longer than {MAX_HANDSHAKE_BYTES} bytes"
+                    )));
+                }
+                stream
+                    .set_read_timeout(Some(left()))
+                    .map_err(serr("set a read timeout"))?;
+                let k = (&*stream).read(&mut buf).map_err(|e| match e.kind() {
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                        ServeError::Handshake(format!(
+                            "the JSON stopped after {} bytes and no more came within {:.1} s",
+                            json.len(),
+                            timeout.as_secs_f64()
+                        ))
+                    }
+                    _ => ServeError::Socket {
+                        op: "receive the handshake".into(),
+                        source: e,
+                    },
+                })?;
+                if k == 0 {
+                    return Err(ServeError::Handshake(format!(
+                        "the peer disconnected mid-handshake, after {} bytes of JSON",
+                        json.len()
+                    )));
+                }
+                json.extend_from_slice(&buf[..k]);
+            }
+        }
+    };
+    stream
+        .set_read_timeout(None)
+        .map_err(serr("clear the read timeout"))?;
+    Ok((regions, uffd))
+}
+
+impl Handshake {
     /// The regions, in the order the peer sent them.
     pub fn regions(&self) -> &[UffdRegion] {
         &self.regions
@@ -299,7 +360,7 @@ impl Handshake {
 
     /// The peer's process id, from the socket (`SO_PEERCRED`).
     pub fn peer_pid(&self) -> Option<i32> {
-        self.peer_pid
+        self.process.pid()
     }
 
     /// The checked regions, the descriptor and the socket, for a server of one's own (the
@@ -307,27 +368,6 @@ impl Handshake {
     pub fn into_parts(self) -> (Vec<UffdRegion>, OwnedFd, UnixStream) {
         (self.regions, self.uffd.into_fd(), self.peer)
     }
-}
-
-/// The peer's pid (`SO_PEERCRED`).
-fn peer_pid(s: &UnixStream) -> Option<i32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: cred is a live ucred and len its size; the kernel writes at most len bytes.
-    let r = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            &mut cred as *mut libc::ucred as *mut libc::c_void,
-            &mut len,
-        )
-    };
-    (r == 0 && cred.pid > 0).then_some(cred.pid)
 }
 
 /// Descriptors one message may bring before it counts as garbage.

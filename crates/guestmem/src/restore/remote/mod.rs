@@ -22,27 +22,55 @@
 //! keeps its registration; this side registers nothing and so leaves nothing registered,
 //! whether it stops cleanly or with an error.
 //!
-//! A failure while serving (the memory file unreadable) ends the server with an error that
-//! names the region, the peer's address and the file offset. Firecracker's vCPU would then
-//! wait on its fault for ever; [`PageServer::peer_pid`] names the process to stop (what
-//! `guestmem serve-uffd` does unless told not to).
+//! [`Listener::bind`] publishes the socket whole: bound and listening under a temporary name,
+//! then renamed into place, so a VMM that connects as soon as the path appears is never
+//! refused; a live server's socket is never replaced, and on exit the path is removed only
+//! if it still names this server's socket. [`serve_one`] takes connections until one is a
+//! VM: a connection that sends no userfaultfd, or nothing within the handshake timeout, is
+//! dropped and logged while the server listens on (handshakes run side by side, so a squatter
+//! does not hold up the real VM).
+//!
+//! Once a VM has sent its userfaultfd it depends on this server: Firecracker keeps its own
+//! reference, so a VM whose server stops serving waits on its faults for ever. Every refusal
+//! from then on (a handshake that does not hold together, a memory file shorter than the
+//! regions, a userfaultfd asking for fork, remap or unmap events) and every serving failure
+//! (the file unreadable) ends the VM as [`OnFailure`] says, through a pidfd taken when it
+//! connected (`SO_PEERPIDFD`, so a reused pid is never signalled), and logs why. Idle means
+//! blocked: handlers wait in `poll` without a timeout, and the server waits on the peer's
+//! socket and the engine's failure descriptor.
 
 mod handshake;
+mod listen;
+mod peer;
 
+use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use handshake::{parse_regions, Handshake, UffdRegion, MAX_HANDSHAKE_BYTES, PAGE_SIZES};
+pub use listen::Listener;
+pub use peer::PeerProcess;
 
 use super::lazy::LazyRestore;
 use super::LazyReport;
+use crate::files::Dir;
 use crate::snapshot::{Image, SnapshotError};
 
 /// Default block served per fault.
 pub const DEFAULT_BLOCK_BYTES: u64 = 1 << 20;
+/// Largest block served per fault: each handler and prefetch thread stages one block, so
+/// this bounds what a `block_bytes` can make the server allocate (Firecracker's largest page
+/// is 2 MiB).
+pub const MAX_BLOCK_BYTES: u64 = 64 << 20;
+/// Default time a connected peer has to send its whole handshake.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest working-set file read.
+pub const MAX_WORKING_SET_BYTES: u64 = 64 << 20;
+
 /// Why a handshake or a page server failed; each names the region, address, file or limit
 /// at fault.
 #[derive(Debug, thiserror::Error)]
@@ -66,7 +94,8 @@ pub enum ServeError {
         /// What is wrong.
         reason: String,
     },
-    /// A working-set file does not parse or names offsets outside the regions.
+    /// A working-set file does not parse, names offsets outside the regions, or cannot be
+    /// written where asked.
     #[error("working set {}: {reason}", path.display())]
     WorkingSet {
         /// The file.
@@ -74,9 +103,60 @@ pub enum ServeError {
         /// What is wrong.
         reason: String,
     },
+    /// A setting is out of its range.
+    #[error("{0}")]
+    Config(String),
     /// Serving failed: the first error, naming the region, address and file offset.
     #[error("serving the peer's memory: {0}")]
     Serve(#[source] SnapshotError),
+}
+
+/// What a page server does to a VM it can no longer serve (its vCPUs would wait for ever on
+/// memory that will not come).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnFailure {
+    /// `SIGKILL` the VM's process through the pidfd taken when it connected (the default):
+    /// it ends, with the reason logged, rather than hangs.
+    #[default]
+    Kill,
+    /// Leave it (it hangs on the memory that never arrives); the reason is logged.
+    Leave,
+}
+
+/// A log line's destination.
+type LogFn = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// Where a page server's log lines go: a callback per line, or nowhere.
+#[derive(Clone, Default)]
+pub struct ServeLog(Option<LogFn>);
+
+impl ServeLog {
+    /// Lines to standard error, each prefixed with `prefix`.
+    pub fn stderr(prefix: &'static str) -> ServeLog {
+        ServeLog(Some(Arc::new(move |m: &str| eprintln!("{prefix}{m}"))))
+    }
+
+    /// Lines to `f`.
+    pub fn to(f: impl Fn(&str) + Send + Sync + 'static) -> ServeLog {
+        ServeLog(Some(Arc::new(f)))
+    }
+
+    pub(crate) fn say(&self, line: &str) {
+        if let Some(f) = &self.0 {
+            f(line);
+        }
+    }
+}
+
+impl std::fmt::Debug for ServeLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "ServeLog(on)"
+        } else {
+            "ServeLog(off)"
+        })
+    }
 }
 
 /// How to serve.
@@ -88,8 +168,18 @@ pub struct ServeConfig {
     pub prefetch_threads: usize,
     /// Memory-file offsets to prefetch first, in order (a recorded working set).
     pub first: Vec<u64>,
-    /// Bytes served per fault (raised to the largest page size; a multiple of it).
+    /// Bytes served per fault (raised to the largest page size; a multiple of it; at most
+    /// [`MAX_BLOCK_BYTES`]).
     pub block_bytes: u64,
+    /// What to do to a VM that sent its userfaultfd and then cannot be served.
+    pub on_failure: OnFailure,
+    /// How long a connected peer has to send its whole handshake before it is dropped (and
+    /// the server listens on).
+    pub handshake_timeout: Duration,
+    /// How long to wait for a VM to connect (`None`: for ever).
+    pub accept_timeout: Option<Duration>,
+    /// Where log lines go: connections dropped, peers refused or ended, and why.
+    pub log: ServeLog,
 }
 
 impl Default for ServeConfig {
@@ -99,7 +189,81 @@ impl Default for ServeConfig {
             prefetch_threads: crate::populate::default_threads(),
             first: Vec::new(),
             block_bytes: DEFAULT_BLOCK_BYTES,
+            on_failure: OnFailure::Kill,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            accept_timeout: None,
+            log: ServeLog::default(),
         }
+    }
+}
+
+impl ServeConfig {
+    /// Checks the settings, before anything listens.
+    pub fn check(&self) -> Result<(), ServeError> {
+        if self.block_bytes == 0 || self.block_bytes > MAX_BLOCK_BYTES {
+            return Err(ServeError::Config(format!(
+                "block size {:#x}: must be from 1 byte (raised to a page) to {MAX_BLOCK_BYTES:#x} \
+                 (each serving thread stages one block)",
+                self.block_bytes
+            )));
+        }
+        if self.handler_threads == 0 || self.handler_threads > 1024 {
+            return Err(ServeError::Config(format!(
+                "{} handler threads: must be 1 to 1024",
+                self.handler_threads
+            )));
+        }
+        if self.prefetch_threads > 1024 {
+            return Err(ServeError::Config(format!(
+                "{} prefetch threads: at most 1024",
+                self.prefetch_threads
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A snapshot's memory file, opened and checked once (a regular file, no symlink followed,
+/// no FIFO waited on) before any VM connects: every read uses this descriptor, so a file
+/// renamed over the path later is not the one served.
+#[derive(Debug)]
+pub struct MemoryFile {
+    file: File,
+    len: u64,
+    path: PathBuf,
+}
+
+impl MemoryFile {
+    /// Opens `path`.
+    pub fn open(path: &Path) -> Result<MemoryFile, ServeError> {
+        let ferr = |reason: String| ServeError::MemoryFile {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let (dir, name) = crate::files::split(path).map_err(|e| ferr(e.source.to_string()))?;
+        let (file, len) = Dir::open(&dir)
+            .and_then(|d| d.open_regular(&name, u64::MAX))
+            .map_err(|e| ferr(e.source.to_string()))?;
+        Ok(MemoryFile {
+            file,
+            len,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Its length when opened, bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Its path, as given.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 }
 
@@ -124,79 +288,164 @@ pub struct PageServer {
     lazy: LazyRestore,
     image: Image,
     peer: UnixStream,
-    peer_pid: Option<i32>,
+    process: PeerProcess,
     regions: Vec<UffdRegion>,
     t0: Instant,
 }
 
+/// Waits for one VM on `listener`, serves it until it goes, and returns what was done.
+/// Connections that hand over no userfaultfd, or say nothing within
+/// [`ServeConfig::handshake_timeout`], are dropped with a log line while the server listens
+/// on. From the moment a VM has sent its userfaultfd, every refusal or serving failure ends
+/// it as [`ServeConfig::on_failure`] says (through the pidfd taken when it connected) and
+/// logs why; the error is returned.
+pub fn serve_one(
+    listener: &Listener,
+    mem: &MemoryFile,
+    cfg: &ServeConfig,
+) -> Result<ServeReport, ServeError> {
+    cfg.check()?;
+    let h = listener.next_vm(cfg)?;
+    cfg.log.say(&format!(
+        "peer {} sent {} regions ({} MiB)",
+        h.process.pid().map_or("?".into(), |p| p.to_string()),
+        h.regions.len(),
+        h.regions.iter().map(|r| r.size).sum::<u64>() >> 20
+    ));
+    let server = match PageServer::launch(h, mem, cfg) {
+        Ok(s) => s,
+        Err((e, process)) => {
+            end_peer(&process, cfg, &e);
+            return Err(e);
+        }
+    };
+    let (result, process) = server.wait_inner();
+    if let Err(e) = &result {
+        end_peer(&process, cfg, e);
+    }
+    result
+}
+
+/// Applies `cfg.on_failure` to a VM that cannot be served, and logs what was done and why.
+pub(crate) fn end_peer(process: &PeerProcess, cfg: &ServeConfig, why: &dyn std::fmt::Display) {
+    let who = process.pid().map_or("?".into(), |p| p.to_string());
+    match cfg.on_failure {
+        OnFailure::Kill => match process.kill() {
+            Ok(()) => cfg.log.say(&format!(
+                "killed the peer {who} (through its pidfd): its memory cannot be served: {why}"
+            )),
+            Err(e) => cfg.log.say(&format!(
+                "could not kill the peer {who} ({e}); it may wait for ever: {why}"
+            )),
+        },
+        OnFailure::Leave => cfg.log.say(&format!(
+            "left the peer {who} as --on-failure leave says; it waits on memory that will not \
+             come: {why}"
+        )),
+    }
+}
+
 impl PageServer {
-    /// Checks `mem_file` against the handshake's regions (refusing one that does not hold
-    /// them all, before anything is served) and starts serving.
+    /// Checks `mem` against the handshake's regions (refusing one that does not hold them
+    /// all, before anything is served) and starts serving. On failure the peer is not ended:
+    /// [`serve_one`] does that as its policy says.
     pub fn start(
         h: Handshake,
-        mem_file: &Path,
+        mem: &MemoryFile,
         cfg: &ServeConfig,
     ) -> Result<PageServer, ServeError> {
+        PageServer::launch(h, mem, cfg).map_err(|(e, _)| e)
+    }
+
+    fn launch(
+        h: Handshake,
+        mem: &MemoryFile,
+        cfg: &ServeConfig,
+    ) -> Result<PageServer, (ServeError, PeerProcess)> {
+        let Handshake {
+            regions,
+            uffd,
+            peer,
+            process,
+        } = h;
         let ferr = |reason: String| ServeError::MemoryFile {
-            path: mem_file.to_path_buf(),
+            path: mem.path.clone(),
             reason,
         };
-        let len = std::fs::metadata(mem_file)
-            .map_err(|e| ferr(format!("cannot stat it: {e}")))?
-            .len();
-        for (i, r) in h.regions.iter().enumerate() {
+        if let Err(e) = cfg.check() {
+            return Err((e, process));
+        }
+        let len = mem.len;
+        for (i, r) in regions.iter().enumerate() {
+            // parse_regions checked offset + size does not overflow.
             if r.offset + r.size > len {
-                return Err(ferr(format!(
-                    "holds {len:#x} bytes, but region {i} (host {:#x}, {:#x} bytes) needs \
-                     offsets {:#x}..{:#x}",
+                let e = ferr(format!(
+                    "holds {len:#x} bytes, but region {i} (peer host address {:#x}, {:#x} bytes) \
+                     needs offsets {:#x}..{:#x}",
                     r.base_host_virt_addr,
                     r.size,
                     r.offset,
                     r.offset + r.size
-                )));
+                ));
+                return Err((e, process));
             }
         }
-        let largest = h.regions.iter().map(|r| r.page_size).max().unwrap_or(4096);
+        let largest = regions.iter().map(|r| r.page_size).max().unwrap_or(4096);
         let block = cfg.block_bytes.max(largest).next_multiple_of(largest);
-        let spans: Vec<(u64, u64, u64, u64)> = h
-            .regions
+        let spans: Vec<(u64, u64, u64, u64)> = regions
             .iter()
             .map(|r| (r.base_host_virt_addr, r.size, r.offset, r.page_size))
             .collect();
-        let image = Image::raw(mem_file, &spans, block).map_err(|e| ferr(e.to_string()))?;
+        let file = match mem.file.try_clone() {
+            Ok(f) => f,
+            Err(e) => {
+                return Err((
+                    ferr(format!("cannot duplicate its descriptor: {e}")),
+                    process,
+                ))
+            }
+        };
+        let image = match Image::raw(file, &mem.path, &spans, block) {
+            Ok(i) => i,
+            Err(e) => return Err((ferr(e.to_string()), process)),
+        };
         let first = match cfg.prefetch_threads {
             0 => None,
             _ => Some(blocks_of(&image, &cfg.first)),
         };
-        let places: Vec<(u64, u64, u64)> = h
-            .regions
+        let places: Vec<(u64, u64, u64)> = regions
             .iter()
             .map(|r| (r.base_host_virt_addr, r.size, r.page_size))
             .collect();
-        let lazy = LazyRestore::start_remote(
+        let lazy = match LazyRestore::start_remote(
             &image,
             &places,
-            h.uffd,
+            uffd,
             (cfg.handler_threads, cfg.prefetch_threads),
             first,
-        )
-        .map_err(|source| ServeError::Socket {
-            op: "start the handler threads".into(),
-            source,
-        })?;
+        ) {
+            Ok(l) => l,
+            Err(source) => {
+                let e = ServeError::Socket {
+                    op: "start the handler threads".into(),
+                    source,
+                };
+                return Err((e, process));
+            }
+        };
         Ok(PageServer {
             lazy,
             image,
-            peer: h.peer,
-            peer_pid: h.peer_pid,
-            regions: h.regions,
+            peer,
+            process,
+            regions,
             t0: Instant::now(),
         })
     }
 
     /// The peer's process id (`SO_PEERCRED`).
     pub fn peer_pid(&self) -> Option<i32> {
-        self.peer_pid
+        self.process.pid()
     }
 
     /// The regions served.
@@ -230,8 +479,13 @@ impl PageServer {
 
     /// Serves until the peer goes away (it closes the socket or exits: `Ok`) or serving
     /// fails (the first error). Either way the handler and prefetch threads are stopped and
-    /// the descriptor closed when this returns.
-    pub fn wait(mut self) -> Result<ServeReport, ServeError> {
+    /// the descriptor closed when this returns. Blocks in `poll` on the peer's socket and
+    /// the engine's failure descriptor: an idle server uses no CPU.
+    pub fn wait(self) -> Result<ServeReport, ServeError> {
+        self.wait_inner().0
+    }
+
+    fn wait_inner(mut self) -> (Result<ServeReport, ServeError>, PeerProcess) {
         let ended = loop {
             if self.lazy.failure().is_some() {
                 break None;
@@ -239,13 +493,13 @@ impl PageServer {
             if self.lazy.peer_gone() {
                 break Some("peer exited");
             }
-            if peer_hung_up(&self.peer) {
-                break Some("peer closed the socket");
+            match wait_peer(&self.peer, self.lazy.changed_fd()) {
+                PeerState::HungUp => break Some("peer closed the socket"),
+                PeerState::Quiet => {}
             }
-            self.lazy.wait_for(Duration::from_millis(20));
         };
         let engine = self.lazy.halt();
-        match ended {
+        let result = match ended {
             Some(why) => Ok(ServeReport {
                 engine,
                 ended: why.into(),
@@ -255,7 +509,8 @@ impl PageServer {
             None => Err(ServeError::Serve(self.lazy.take_error().unwrap_or_else(
                 || SnapshotError::Stopped(self.lazy.failure().unwrap_or_default()),
             ))),
-        }
+        };
+        (result, self.process)
     }
 }
 
@@ -289,51 +544,87 @@ impl WorkingSetFile {
     /// The format's name.
     pub const FORMAT: &'static str = "guestmem-working-set";
 
-    /// Reads and checks `path`.
+    /// Reads and checks `path` (a regular file of at most [`MAX_WORKING_SET_BYTES`], no
+    /// symlink followed).
     pub fn read(path: &Path) -> Result<Vec<u64>, ServeError> {
         let werr = |reason: String| ServeError::WorkingSet {
             path: path.to_path_buf(),
             reason,
         };
-        let text = std::fs::read(path).map_err(|e| werr(e.to_string()))?;
-        let w: WorkingSetFile = serde_json::from_slice(&text).map_err(|e| werr(e.to_string()))?;
+        let (dir, name) = crate::files::split(path).map_err(|e| werr(e.source.to_string()))?;
+        let text = Dir::open(&dir)
+            .and_then(|d| d.read_capped(&name, MAX_WORKING_SET_BYTES))
+            .map_err(|e| werr(e.source.to_string()))?;
+        Self::parse(&text).map_err(werr)
+    }
+
+    /// Parses a working-set file's text.
+    pub fn parse(text: &[u8]) -> Result<Vec<u64>, String> {
+        let w: WorkingSetFile = serde_json::from_slice(text).map_err(|e| e.to_string())?;
         if w.format != Self::FORMAT {
-            return Err(werr(format!(
+            return Err(format!(
                 "format {:?}, expected {:?}",
                 w.format,
                 Self::FORMAT
-            )));
+            ));
         }
         Ok(w.offsets)
     }
 
-    /// Writes `offsets` to `path` (through a rename, so a reader never sees half of it).
-    pub fn write(path: &Path, offsets: &[u64]) -> io::Result<()> {
+    /// Checks, before serving starts, that [`WorkingSetFile::write`] can write `path`: its
+    /// directory exists and takes a new file, and nothing but a regular file is there.
+    pub fn check_writable(path: &Path) -> Result<(), ServeError> {
+        crate::files::check_publishable(path).map_err(|e| ServeError::WorkingSet {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Writes `offsets` to `path` whole or not at all: a new temporary file beside it,
+    /// synced and renamed over it (a symlink there is replaced, never written through).
+    pub fn write(path: &Path, offsets: &[u64]) -> Result<(), ServeError> {
         let w = WorkingSetFile {
             format: Self::FORMAT.into(),
             offsets: offsets.to_vec(),
         };
-        let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, serde_json::to_vec(&w).expect("serialises"))?;
-        std::fs::rename(&tmp, path)
+        let text = serde_json::to_vec(&w).expect("serialises");
+        crate::files::publish_file(path, &text).map_err(|e| ServeError::WorkingSet {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })
     }
 }
 
-/// Whether the peer closed its end (or reset it). Bytes it sends after the handshake are
-/// read and dropped (Firecracker sends none).
-fn peer_hung_up(s: &UnixStream) -> bool {
-    let mut pfd = libc::pollfd {
-        fd: s.as_raw_fd(),
-        events: libc::POLLIN | libc::POLLRDHUP,
-        revents: 0,
-    };
-    // SAFETY: one live pollfd; no waiting.
-    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
-    if n <= 0 {
-        return false;
+/// What waiting on a peer found.
+enum PeerState {
+    /// It closed its end (or reset it).
+    HungUp,
+    /// Something changed elsewhere (the engine failed or lost the peer), or the peer sent
+    /// bytes, which are read and dropped (Firecracker sends none).
+    Quiet,
+}
+
+/// Blocks until the peer hangs up or sends something, or `changed` becomes readable.
+fn wait_peer(s: &UnixStream, changed: std::os::fd::BorrowedFd<'_>) -> PeerState {
+    let mut fds = [
+        libc::pollfd {
+            fd: s.as_raw_fd(),
+            events: libc::POLLIN | libc::POLLRDHUP,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: changed.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    // SAFETY: two live pollfds; waits with no timeout (idle means blocked).
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+    if n <= 0 || fds[0].revents == 0 {
+        return PeerState::Quiet;
     }
-    if pfd.revents & (libc::POLLHUP | libc::POLLRDHUP | libc::POLLERR) != 0 {
-        return true;
+    if fds[0].revents & (libc::POLLHUP | libc::POLLRDHUP | libc::POLLERR) != 0 {
+        return PeerState::HungUp;
     }
     let mut buf = [0u8; 4096];
     // SAFETY: reads at most buf.len() bytes into buf; MSG_DONTWAIT never blocks.
@@ -345,5 +636,9 @@ fn peer_hung_up(s: &UnixStream) -> bool {
             libc::MSG_DONTWAIT,
         )
     };
-    k == 0
+    if k == 0 {
+        PeerState::HungUp
+    } else {
+        PeerState::Quiet
+    }
 }

@@ -1,0 +1,183 @@
+//! The process on the other end of a page server's socket, held by a pidfd taken when it
+//! connected: a signal sent through it reaches that process or none, never one that reused
+//! its pid.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+
+/// `SO_PEERPIDFD` (Linux 6.5): a pidfd of the process that connected, taken by the kernel at
+/// `connect` time. Not in the libc crate yet; the value is the kernel's
+/// (`include/uapi/asm-generic/socket.h`).
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// The peer of a connection: its pid and a pidfd for it.
+#[derive(Debug)]
+pub struct PeerProcess {
+    pid: Option<i32>,
+    pidfd: Option<OwnedFd>,
+}
+
+impl PeerProcess {
+    /// The process that connected `stream`: a pidfd from `SO_PEERPIDFD`, or, on kernels
+    /// without it, `pidfd_open` of the pid from `SO_PEERCRED` at once.
+    pub(crate) fn of(stream: &UnixStream) -> PeerProcess {
+        let pid = peer_pid(stream);
+        let pidfd = peer_pidfd(stream).or_else(|| pid.and_then(pidfd_open));
+        PeerProcess { pid, pidfd }
+    }
+
+    /// Its process id, as the socket told it.
+    pub fn pid(&self) -> Option<i32> {
+        self.pid
+    }
+
+    /// Whether a signal can reach it (a pidfd was had).
+    pub fn can_signal(&self) -> bool {
+        self.pidfd.is_some()
+    }
+
+    /// Sends `SIGKILL` through the pidfd. Refuses this very process (a peer in the same
+    /// process, as in tests and the lab) and a peer with no pidfd.
+    pub(crate) fn kill(&self) -> io::Result<()> {
+        if self.pid == Some(std::process::id() as i32) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "the peer is this process",
+            ));
+        }
+        let Some(fd) = &self.pidfd else {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "no pidfd for the peer (SO_PEERPIDFD and pidfd_open both failed)",
+            ));
+        };
+        // SAFETY: pidfd_send_signal takes a pidfd we own, a signal number, a null siginfo
+        // and no flags; it touches no memory of ours.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                fd.as_raw_fd(),
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+/// The peer's pid (`SO_PEERCRED`).
+fn peer_pid(s: &UnixStream) -> Option<i32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred is a live ucred and len its size; the kernel writes at most len bytes.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut libc::ucred as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    (r == 0 && cred.pid > 0).then_some(cred.pid)
+}
+
+/// A pidfd of the peer (`SO_PEERPIDFD`).
+fn peer_pidfd(s: &UnixStream) -> Option<OwnedFd> {
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: fd is a live c_int and len its size; the kernel writes at most len bytes.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            &mut fd as *mut libc::c_int as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    // SAFETY: on success the kernel installed a new descriptor that nothing else owns.
+    (r == 0 && fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// `pidfd_open(pid)`.
+fn pidfd_open(pid: i32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    // SAFETY: a new descriptor nothing else owns.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_in_this_process_is_held_by_pidfd_but_never_killed() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let p = PeerProcess::of(&a);
+        assert_eq!(p.pid(), Some(std::process::id() as i32));
+        assert!(
+            p.can_signal(),
+            "SO_PEERPIDFD or pidfd_open works on Linux >= 5.3"
+        );
+        let e = p.kill().unwrap_err();
+        assert!(e.to_string().contains("this process"), "{e}");
+    }
+
+    #[test]
+    fn a_child_is_killed_through_its_pidfd() {
+        let dir = std::env::temp_dir().join(format!("gm-peer-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("s");
+        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        // A child that connects and then waits for ever: its socket's peer is the child.
+        let mut child = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(format!(
+                "import socket,time; s=socket.socket(socket.AF_UNIX); s.connect({:?}); time.sleep(60)",
+                sock.to_str().unwrap()
+            ))
+            .spawn()
+            .unwrap();
+        struct Reap<'a>(&'a mut std::process::Child);
+        impl Drop for Reap<'_> {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let guard = Reap(&mut child);
+        // Accept with a deadline: a child that never connects fails the test, not hangs it.
+        listener.set_nonblocking(true).unwrap();
+        let t = std::time::Instant::now();
+        let s = loop {
+            match listener.accept() {
+                Ok((s, _)) => break s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    assert!(t.elapsed().as_secs() < 20, "the child never connected");
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(e) => panic!("accept: {e}"),
+            }
+        };
+        let p = PeerProcess::of(&s);
+        assert_eq!(p.pid(), Some(guard.0.id() as i32));
+        p.kill().unwrap();
+        let status = guard.0.wait().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
+        drop(guard);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,139 @@
+//! A region's restore state, owned here: one atomic word behind an enum and named moves, so
+//! no other module writes raw constants into it.
+//!
+//! ```text
+//!            begin              complete
+//!   Whole ──────────▶ Restoring ──────────▶ Whole
+//!     ▲                 │    │
+//!     └──── abort ──────┘    └── lose ──▶ Lost (for good)
+//! ```
+//!
+//! `begin` is a compare-and-swap from `Whole`, so two restores cannot fill one region at
+//! once. Populate, bring-up and save read the state and refuse a region that is not
+//! `Whole`: populating memory a restore is filling could discard restored data, and saving
+//! it could save memory that has not arrived.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// Where a region stands with respect to restores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RestoreState {
+    /// Its memory is whole: never restored, or restored completely.
+    Whole,
+    /// A restore is filling it.
+    Restoring,
+    /// A restore failed: part of it never arrived and is poisoned (reads raise `SIGBUS`).
+    Lost,
+}
+
+impl RestoreState {
+    const fn word(self) -> u8 {
+        match self {
+            RestoreState::Whole => 0,
+            RestoreState::Restoring => 1,
+            RestoreState::Lost => 2,
+        }
+    }
+
+    fn from_word(w: u8) -> RestoreState {
+        match w {
+            0 => RestoreState::Whole,
+            1 => RestoreState::Restoring,
+            _ => RestoreState::Lost,
+        }
+    }
+
+    /// Why a region in this state cannot be populated or saved, or `None` when it can.
+    pub(crate) fn refusal(self) -> Option<&'static str> {
+        match self {
+            RestoreState::Whole => None,
+            RestoreState::Restoring => {
+                Some("a restore is still filling it: wait for it (LazyRestore::finish) first")
+            }
+            RestoreState::Lost => Some("a restore failed and part of it is lost"),
+        }
+    }
+}
+
+/// A region's restore state (see the module docs for the moves).
+#[derive(Debug, Default)]
+pub(crate) struct RestoreCell(AtomicU8);
+
+impl RestoreCell {
+    /// The state now.
+    pub(crate) fn get(&self) -> RestoreState {
+        RestoreState::from_word(self.0.load(Ordering::Acquire))
+    }
+
+    /// `Whole` to `Restoring`; else the state that stood in the way.
+    pub(crate) fn begin(&self) -> Result<(), RestoreState> {
+        self.0
+            .compare_exchange(
+                RestoreState::Whole.word(),
+                RestoreState::Restoring.word(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .map(|_| ())
+            .map_err(RestoreState::from_word)
+    }
+
+    fn leave_restoring(&self, to: RestoreState) {
+        let _ = self.0.compare_exchange(
+            RestoreState::Restoring.word(),
+            to.word(),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    /// `Restoring` to `Whole`: every byte arrived.
+    pub(crate) fn complete(&self) {
+        self.leave_restoring(RestoreState::Whole);
+    }
+
+    /// `Restoring` to `Whole`: the restore was undone before it wrote anything the caller
+    /// keeps (a start that failed).
+    pub(crate) fn abort(&self) {
+        self.leave_restoring(RestoreState::Whole);
+    }
+
+    /// `Restoring` to `Lost`: the restore failed.
+    pub(crate) fn lose(&self) {
+        self.leave_restoring(RestoreState::Lost);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn moves_are_only_the_legal_ones() {
+        let c = RestoreCell::default();
+        assert_eq!(c.get(), RestoreState::Whole);
+        c.begin().unwrap();
+        assert_eq!(
+            c.begin(),
+            Err(RestoreState::Restoring),
+            "one restore at a time"
+        );
+        c.complete();
+        assert_eq!(c.get(), RestoreState::Whole);
+        c.lose(); // not restoring: no move
+        assert_eq!(c.get(), RestoreState::Whole);
+        c.begin().unwrap();
+        c.lose();
+        assert_eq!(c.get(), RestoreState::Lost);
+        assert_eq!(
+            c.begin(),
+            Err(RestoreState::Lost),
+            "lost memory is not restored over"
+        );
+        c.complete();
+        assert_eq!(c.get(), RestoreState::Lost, "lost is for good");
+        assert!(RestoreState::Lost.refusal().is_some());
+        assert!(RestoreState::Whole.refusal().is_none());
+    }
+}
