@@ -557,3 +557,190 @@ fn a_vm_that_cannot_be_served_is_killed_through_its_pidfd() {
     assert!(t.elapsed() < Duration::from_secs(20));
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// CPU time (user + system) the process has used, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name (which may hold spaces) start at ") ".
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the name.
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// Finding 8: once every block is in, the server blocks: over 3 s it uses under 5% of a
+/// core (it used a whole core, polling, before). BENCHMARKS.md has the measured figure.
+#[test]
+fn an_idle_server_blocks_instead_of_polling() {
+    need_uffd!();
+    let d = dir("idle");
+    let mem = mem_file(&d, 16 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let srv = server(
+        &socket,
+        &mem,
+        &["--threads", "2", "--prefetch-threads", "2"],
+    );
+    let mut vm = Standin::new(&[16 * MIB], false).unwrap();
+    vm.connect(&socket).unwrap();
+    vm.read_all(2);
+    assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
+    // Let the prefetch finish what the reads left; then nothing is left to do.
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: sysconf reads a constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    let before = cpu_ticks(srv.id());
+    std::thread::sleep(Duration::from_secs(3));
+    let used = cpu_ticks(srv.id()) - before;
+    assert!(
+        used * 100 < 5 * 3 * hz,
+        "an idle server used {used} ticks of {} in 3 s",
+        3 * hz
+    );
+    vm.disconnect();
+    let (code, out, err) = finish(srv);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("16 of 16 blocks in"), "{out}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Findings 10 and 15: the socket appears only once it listens (a VMM that connects the
+/// moment the path exists is never refused); a connection that says nothing is dropped
+/// after the handshake timeout while the server listens on, and one still pending does not
+/// hold up the real VM behind it.
+#[test]
+fn the_socket_listens_once_it_appears_and_squatters_hold_nobody_up() {
+    need_uffd!();
+    let d = dir("squat");
+    let mem = mem_file(&d, 8 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let srv = spawn_server(&socket, &mem, &["--handshake-timeout-s", "1"]);
+    let t = Instant::now();
+    while !socket.exists() {
+        assert!(t.elapsed() < Duration::from_secs(20), "no socket appeared");
+        std::hint::spin_loop();
+    }
+    // The first to connect, at once: never ECONNREFUSED. It sends nothing.
+    let early = std::os::unix::net::UnixStream::connect(&socket)
+        .expect("the socket listens as soon as its path exists");
+    // Dropped after the 1 s handshake timeout; the server listens on.
+    std::thread::sleep(Duration::from_millis(1500));
+    // A second squatter stays connected and silent while the real VM connects.
+    let squatter = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    let mut vm = Standin::new(&[8 * MIB], false).unwrap();
+    let t = Instant::now();
+    vm.connect(&socket).unwrap();
+    vm.read_all(2);
+    assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
+    // Served while the squatter's handshake was still pending (it has a second left at most
+    // when the VM connected; the VM did not wait for it to be dropped first).
+    let served = t.elapsed();
+    vm.disconnect();
+    let (code, out, err) = finish(srv);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("until the peer closed the socket"), "{out}");
+    assert!(
+        err.contains("dropped a connection that is not a VM's")
+            && err.contains("nothing received within 1.0 s"),
+        "{err}"
+    );
+    eprintln!("served 8 MiB in {served:?} beside a pending squatter");
+    drop((early, squatter));
+    assert!(!socket.exists());
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Finding 10: a second server on a live socket is refused and the first keeps it; a server
+/// removes the path on exit only while it still names its own socket; a path that is not a
+/// socket is never replaced.
+#[test]
+fn a_socket_is_never_taken_from_another_server_or_replaced_if_not_a_socket() {
+    need_uffd!();
+    let d = dir("sockets");
+    let mem = mem_file(&d, 4 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let first = server(&socket, &mem, &["--accept-timeout-s", "3"]);
+    let (code, _, err) = finish(spawn_server(&socket, &mem, &[]));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("another server listens there"), "{err}");
+    assert!(
+        std::os::unix::net::UnixStream::connect(&socket).is_ok(),
+        "the first keeps it"
+    );
+    // Another socket is moved over the path while the first server runs: on its exit the
+    // first must leave that one alone.
+    let other_path = d.join("other.sock");
+    let _other = std::os::unix::net::UnixListener::bind(&other_path).unwrap();
+    std::fs::rename(&other_path, &socket).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    let ino = std::fs::metadata(&socket).unwrap().ino();
+    let (code, _, err) = finish(first);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("no VM connected within 3.0 s"), "{err}");
+    assert_eq!(
+        std::fs::metadata(&socket).unwrap().ino(),
+        ino,
+        "not ours: left in place"
+    );
+    std::fs::remove_file(&socket).unwrap();
+    // A regular file at the path is refused, untouched.
+    std::fs::write(&socket, b"not a socket").unwrap();
+    let (code, _, err) = finish(spawn_server(&socket, &mem, &[]));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("exists and is not a socket"), "{err}");
+    assert_eq!(std::fs::read(&socket).unwrap(), b"not a socket");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Finding 11: `--record` is checked before the server listens (a missing directory, a
+/// symlink), and written whole (no temporary left).
+#[test]
+fn record_is_checked_before_listening_and_written_whole() {
+    need_uffd!();
+    let d = dir("record");
+    let mem = mem_file(&d, 4 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let victim = d.join("victim");
+    std::fs::write(&victim, b"keep").unwrap();
+    let link = d.join("link.json");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    for (record, says) in [
+        (d.join("missing/ws.json"), "missing"),
+        (link.clone(), "not a regular file"),
+    ] {
+        let (code, _, err) = finish(spawn_server(
+            &socket,
+            &mem,
+            &["--record", record.to_str().unwrap()],
+        ));
+        assert_eq!(code, 1, "{err}");
+        assert!(err.contains(says), "{err}");
+        assert!(
+            !err.contains("listening on"),
+            "refused before listening: {err}"
+        );
+        assert!(!socket.exists());
+    }
+    assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+    let record = d.join("ws.json");
+    let srv = server(&socket, &mem, &["--record", record.to_str().unwrap()]);
+    let mut vm = Standin::new(&[4 * MIB], false).unwrap();
+    vm.connect(&socket).unwrap();
+    vm.read_all(1);
+    vm.disconnect();
+    let (code, _, err) = finish(srv);
+    assert_eq!(code, 0, "{err}");
+    let ws: serde_json::Value = serde_json::from_slice(&std::fs::read(&record).unwrap()).unwrap();
+    assert_eq!(ws["offsets"].as_array().unwrap().len(), 4);
+    let mut names: Vec<String> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["link.json", "memory", "victim", "ws.json"],
+        "nothing else left"
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -526,3 +526,353 @@ fn saving_during_a_lazy_restore_is_refused() {
         .unwrap();
     });
 }
+
+// ---- Trust: each finding of the trust issue (17) as a test. ----
+
+/// Finding 1: two incremental saves of one map from one parent, at once: one succeeds, the
+/// other is refused naming the parent, and the chain that exists restores the map's memory.
+#[test]
+fn two_incremental_saves_from_one_parent_give_one_success_and_one_clear_error() {
+    let _s = serial();
+    let root = scratch("inc-race");
+    let specs = tracked(specs_plain());
+    for round in 0..5u8 {
+        let map = std::sync::Arc::new(GuestMap::from_specs(&specs).unwrap());
+        scribble(&map, 1 + round);
+        let parent = root.join(format!("p{round}"));
+        snapshot::save(&map.snapshot(), &parent, &SaveConfig::default()).unwrap();
+        scribble(&map, 100 + round);
+        let want = contents(&map);
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let runs: Vec<_> = (0..2)
+            .map(|k| {
+                let (map, barrier, parent) = (map.clone(), barrier.clone(), parent.clone());
+                let dir = root.join(format!("c{round}-{k}"));
+                std::thread::spawn(move || {
+                    let cfg = SaveConfig {
+                        kind: SaveKind::Incremental { parent },
+                        ..SaveConfig::default()
+                    };
+                    barrier.wait();
+                    (dir.clone(), snapshot::save(&map.snapshot(), &dir, &cfg))
+                })
+            })
+            .collect();
+        let results: Vec<_> = runs.into_iter().map(|h| h.join().unwrap()).collect();
+        let ok: Vec<_> = results.iter().filter(|(_, r)| r.is_ok()).collect();
+        assert_eq!(
+            ok.len(),
+            1,
+            "round {round}: exactly one incremental save succeeds"
+        );
+        let (_, err) = results.iter().find(|(_, r)| r.is_err()).unwrap();
+        let e = err.as_ref().unwrap_err().to_string();
+        assert!(e.contains("not from the parent"), "round {round}: {e}");
+        // The refused save left nothing where it was asked to save.
+        let refused = &results.iter().find(|(_, r)| r.is_err()).unwrap().0;
+        assert!(!refused.exists(), "round {round}: {}", refused.display());
+        check_restore(&ok[0].0, &specs, RestoreMode::Eager, &want);
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Finding 2: two full saves of two maps into one path, at once: one publishes, the other
+/// is refused, and the path restores exactly the winner's memory, never a mix.
+#[test]
+fn two_full_saves_into_one_path_publish_one_whole_snapshot() {
+    let _s = serial();
+    let root = scratch("full-race");
+    let maps: Vec<_> = (0..2u8)
+        .map(|k| {
+            let m = std::sync::Arc::new(GuestMap::from_specs(&specs_plain()).unwrap());
+            scribble(&m, 30 + k * 50);
+            m
+        })
+        .collect();
+    let wants: Vec<_> = maps.iter().map(|m| contents(m)).collect();
+    for round in 0..5 {
+        let target = root.join(format!("snap{round}"));
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let runs: Vec<_> = maps
+            .iter()
+            .map(|m| {
+                let (m, barrier, target) = (m.clone(), barrier.clone(), target.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    snapshot::save(&m.snapshot(), &target, &SaveConfig::default())
+                })
+            })
+            .collect();
+        let results: Vec<_> = runs.into_iter().map(|h| h.join().unwrap()).collect();
+        let winner = match (&results[0], &results[1]) {
+            (Ok(_), Err(SnapshotError::Exists { .. })) => 0,
+            (Err(SnapshotError::Exists { .. }), Ok(_)) => 1,
+            other => panic!("round {round}: one save publishes, one is refused: {other:?}"),
+        };
+        check_restore(&target, &specs_plain(), RestoreMode::Eager, &wants[winner]);
+        // Nothing but the snapshot is left: no staging directory, no temporary.
+        let left: Vec<_> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .filter(|n| n.starts_with('.'))
+            .collect();
+        assert!(left.is_empty(), "round {round}: left behind {left:?}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Finding 3: a save never overwrites a file, never writes through a symlink, and saves
+/// into an empty directory.
+#[test]
+fn a_save_never_overwrites_or_writes_through_a_symlink() {
+    let _s = serial();
+    let root = scratch("no-overwrite");
+    let map = GuestMap::from_specs(&specs_plain()).unwrap();
+    scribble(&map, 5);
+    let victim = root.join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    // A directory holding a memory file.
+    let holds = root.join("holds");
+    std::fs::create_dir(&holds).unwrap();
+    std::fs::write(holds.join("memory"), b"precious").unwrap();
+    // A directory whose memory file is a symlink to the victim.
+    let links = root.join("links");
+    std::fs::create_dir(&links).unwrap();
+    std::os::unix::fs::symlink(&victim, links.join("memory")).unwrap();
+    // The target itself a symlink to a directory.
+    let elsewhere = root.join("elsewhere");
+    std::fs::create_dir(&elsewhere).unwrap();
+    let dirlink = root.join("dirlink");
+    std::os::unix::fs::symlink(&elsewhere, &dirlink).unwrap();
+    for target in [&holds, &links, &dirlink, &victim] {
+        let e = snapshot::save(&map.snapshot(), target, &SaveConfig::default()).unwrap_err();
+        assert!(
+            matches!(e, SnapshotError::Exists { .. }),
+            "{}: {e}",
+            target.display()
+        );
+    }
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    assert_eq!(std::fs::read(holds.join("memory")).unwrap(), b"precious");
+    assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+    // An empty directory is a place to save into.
+    let empty = root.join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    snapshot::save(&map.snapshot(), &empty, &SaveConfig::default()).unwrap();
+    assert!(Image::open(&empty).is_ok());
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Rewrites `dir`'s manifest with `edit` applied to its JSON.
+fn edit_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("manifest.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+}
+
+/// Findings 4 and 5: crafted manifests and hostile files are refused by name before any
+/// large allocation or any wait: block sizes past the caps, a manifest past its size cap, a
+/// symlink to /dev/zero, FIFOs, a directory as the memory file.
+#[test]
+fn hostile_snapshot_files_are_refused_by_name_without_hanging_or_allocating() {
+    let _s = serial();
+    let base = saved("hostile-base");
+    let copy = |name: &str| {
+        let d = scratch(name);
+        for f in ["manifest.json", "memory"] {
+            std::fs::copy(base.join(f), d.join(f)).unwrap();
+        }
+        d
+    };
+    let mkfifo = |p: &Path| {
+        use std::os::unix::ffi::OsStrExt;
+        let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    };
+    let mut cases: Vec<(PathBuf, &str)> = Vec::new();
+    // 2 GiB blocks: past MAX_BLOCK_BYTES (each restoring thread would stage one).
+    let d = copy("hostile-2g");
+    edit_manifest(&d, |v| v["block_bytes"] = (2u64 << 30).into());
+    cases.push((d, "is not a power of two from 4 KiB to 0x40000000"));
+    // 1 GiB blocks over 4 KiB pages: past the small-page cap.
+    let d = copy("hostile-1g");
+    edit_manifest(&d, |v| v["block_bytes"] = (1u64 << 30).into());
+    cases.push((d, "at most 0x4000000"));
+    // A manifest past its size cap (sparse: nothing is written or read).
+    let d = copy("hostile-huge");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(d.join("manifest.json"))
+        .unwrap()
+        .set_len(snapshot::MAX_MANIFEST_BYTES + 1)
+        .unwrap();
+    cases.push((d, "more than the 268435456 allowed"));
+    // A symlink to /dev/zero as the manifest.
+    let d = copy("hostile-zero");
+    std::fs::remove_file(d.join("manifest.json")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", d.join("manifest.json")).unwrap();
+    cases.push((d, "is a symlink"));
+    // FIFOs: as the manifest and as the memory file.
+    let d = copy("hostile-fifo-manifest");
+    std::fs::remove_file(d.join("manifest.json")).unwrap();
+    mkfifo(&d.join("manifest.json"));
+    cases.push((d, "is a FIFO"));
+    let d = copy("hostile-fifo-memory");
+    std::fs::remove_file(d.join("memory")).unwrap();
+    mkfifo(&d.join("memory"));
+    cases.push((d, "is a FIFO"));
+    // A directory as the memory file.
+    let d = copy("hostile-dir-memory");
+    std::fs::remove_file(d.join("memory")).unwrap();
+    std::fs::create_dir(d.join("memory")).unwrap();
+    cases.push((d, "is a directory"));
+    // A memory file name that leaves the directory.
+    let d = copy("hostile-escape");
+    edit_manifest(&d, |v| v["memory_file"] = "../victim".into());
+    cases.push((d, "must be a plain name"));
+    for (dir, says) in cases {
+        let shown = dir.display().to_string();
+        let e = deadline(10, move || {
+            Image::open(&dir).map(|_| ()).unwrap_err().to_string()
+        });
+        assert!(e.contains(says), "{shown}: {e}");
+        let _ = std::fs::remove_dir_all(&shown);
+    }
+}
+
+/// Finding 6: a populate over a map whose lazy restore is still running is refused, and the
+/// restored data is intact after it.
+#[test]
+fn populate_during_a_lazy_restore_is_refused_and_restored_data_stays() {
+    let _s = serial();
+    let dir = saved("populate-during-lazy");
+    let image = Image::open(&dir).unwrap();
+    let map = GuestMap::from_specs(&specs_plain()).unwrap();
+    scribble(&map, 9);
+    let want = contents(&map);
+    drop(map);
+    deadline(30, move || {
+        let r = restore::restore(&image, &specs_plain(), &cfg(RestoreMode::Lazy)).unwrap();
+        let e = guestmem::populate(&r.map.snapshot(), &guestmem::PopulateConfig::default())
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("a restore is still filling it"),
+            "{e}"
+        );
+        assert_eq!(
+            r.map.snapshot().regions()[0].restore_state(),
+            restore::RestoreState::Restoring
+        );
+        assert_eq!(contents(&r.map), want);
+        r.lazy.unwrap().finish().unwrap();
+        assert_eq!(
+            r.map.snapshot().regions()[0].restore_state(),
+            restore::RestoreState::Whole
+        );
+        // Whole again: populating it now keeps the data.
+        guestmem::populate(&r.map.snapshot(), &guestmem::PopulateConfig::default()).unwrap();
+        assert_eq!(contents(&r.map), want);
+    });
+}
+
+/// Finding 7: a mapped restore maps the memory file `Image::open` checked, not one renamed
+/// over it since.
+#[test]
+fn a_mapped_restore_maps_the_file_that_was_checked() {
+    let _s = serial();
+    let dir = saved("mapped-swap");
+    let map = GuestMap::from_specs(&specs_plain()).unwrap();
+    scribble(&map, 9);
+    let want = contents(&map);
+    let image = Image::open(&dir).unwrap();
+    // Swap in a file of the same size holding other bytes.
+    let other = dir.join("other");
+    std::fs::write(&other, vec![0x5au8; 14 * MIB as usize]).unwrap();
+    std::fs::rename(&other, dir.join("memory")).unwrap();
+    let r = restore::restore(&image, &specs_plain(), &cfg(RestoreMode::Mapped)).unwrap();
+    assert_eq!(contents(&r.map), want);
+}
+
+/// Finding 13: a failure hook that reads the failed block does not hang `finish()` (the
+/// block is poisoned before the hooks run, on a thread of their own); the poisoned page
+/// raises SIGBUS with `BUS_ADRERR` in a process that touches it.
+#[test]
+fn a_hook_that_reads_the_failed_block_does_not_hang_finish() {
+    let _s = serial();
+    let dir = saved("hook-reads");
+    // Block 2 of the first region (guest 2 MiB): written by scribble, now corrupt.
+    flip(&dir, 2 * MIB + 100);
+    let image = Image::open(&dir).unwrap();
+    deadline(30, move || {
+        let cfg = RestoreConfig {
+            prefetch: Prefetch::Recorded,
+            threads: 1,
+            handler_threads: 1,
+            mode: RestoreMode::Lazy,
+        };
+        let r = restore::restore(&image, &specs_plain(), &cfg).unwrap();
+        let host = r.map.snapshot().regions()[0].host_addr() as usize + 2 * MIB as usize;
+        let (tx, rx) = mpsc::channel();
+        let lazy = r.lazy.unwrap();
+        lazy.on_failure(move |_| {
+            // Read the failed block through the kernel, as a device model might.
+            let mut buf = [0u8; 64];
+            let local = libc::iovec {
+                iov_base: buf.as_mut_ptr() as *mut libc::c_void,
+                iov_len: buf.len(),
+            };
+            let remote = libc::iovec {
+                iov_base: host as *mut libc::c_void,
+                iov_len: buf.len(),
+            };
+            // SAFETY: local is our own buffer; the remote range is read by the kernel from
+            // our address space, never dereferenced here.
+            let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+            let _ = tx.send(n);
+        });
+        let n = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the hook ran and its read returned");
+        assert_eq!(
+            n, -1,
+            "the failed block reads as lost memory, not data or zeros"
+        );
+        let e = lazy.finish().unwrap_err();
+        assert!(matches!(e, SnapshotError::Checksum { .. }), "{e}");
+        assert_eq!(
+            r.map.snapshot().regions()[0].restore_state(),
+            restore::RestoreState::Lost
+        );
+        assert_eq!(sigbus_code_reading(host), Some(libc::BUS_ADRERR));
+    });
+}
+
+/// Forks a child that reads the byte at `addr`; the `si_code` of the SIGBUS it took, or
+/// `None` if it read without one.
+fn sigbus_code_reading(addr: usize) -> Option<i32> {
+    extern "C" fn on_bus(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+        // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler; _exit is
+        // async-signal-safe.
+        unsafe { libc::_exit((*info).si_code) };
+    }
+    // SAFETY: the child only calls async-signal-safe functions (sigaction, a volatile read,
+    // _exit) before it exits; the parent waits for it.
+    unsafe {
+        let pid = libc::fork();
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_bus as usize;
+            sa.sa_flags = libc::SA_SIGINFO;
+            libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut());
+            let _ = std::ptr::read_volatile(addr as *const u8);
+            libc::_exit(100);
+        }
+        let mut status = 0;
+        libc::waitpid(pid, &mut status, 0);
+        let code = libc::WEXITSTATUS(status);
+        (code != 100).then_some(code)
+    }
+}

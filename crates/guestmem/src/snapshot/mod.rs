@@ -240,6 +240,19 @@ pub enum SnapshotError {
         /// The errno.
         source: io::Error,
     },
+    /// Serving another process's memory (a page server) failed. Addresses are the peer's
+    /// host addresses, not guest addresses: a Firecracker handshake names no guest address.
+    #[error("peer region at host address {region:#x}: host address {host_addr:#x} (memory-file offset {file_offset:#x}): {what}")]
+    Peer {
+        /// Host address of the region in the peer.
+        region: u64,
+        /// Host address of the block in the peer.
+        host_addr: u64,
+        /// Offset of the block in the memory file.
+        file_offset: u64,
+        /// What failed and, for a userfaultfd errno, what it means here.
+        what: String,
+    },
     /// The map to restore into holds memory already.
     #[error("region at {region:#x} holds resident pages: restore needs fresh, unpopulated memory")]
     Populated {

@@ -24,17 +24,24 @@
 //!
 //! A checksum mismatch, a short file or an I/O error while filling a block stops the
 //! restore: the first error is kept (it names the region, guest address and file offset),
-//! every [`LazyRestore::on_failure`] hook runs at once with its text (a VMM stops its vCPUs
-//! there), the failed block is poisoned (`UFFDIO_POISON`), prefetch stops, and
-//! [`LazyRestore::finish`] returns the error; the other blocks not in are poisoned then.
-//! A poisoned page reads as lost memory, never as a zero page standing in for missing data:
-//! a thread touching it gets `SIGBUS` (`BUS_MCEERR_AR`, as for a hardware memory error); a
-//! vCPU touching it leaves `KVM_RUN` with `EINTR` and a `SIGBUS` that KVM sends it, which a
-//! VMM handles as QEMU and Firecracker do hardware memory errors. Measured on this machine's
+//! the failed block is poisoned (`UFFDIO_POISON`) at once, then every
+//! [`LazyRestore::on_failure`] hook runs with its text on a thread of its own (a VMM stops
+//! its vCPUs there; a hook that blocks holds up no handler and no [`LazyRestore::finish`]),
+//! prefetch stops, and [`LazyRestore::finish`] returns the error; the other blocks not in are
+//! poisoned then. A poisoned page reads as lost memory, never as a zero page standing in for
+//! missing data: a thread touching it gets `SIGBUS` (with `si_code` `BUS_ADRERR` on Linux
+//! 6.18, as the test `a_hook_that_reads_the_failed_block_does_not_hang_finish` checks), a
+//! kernel read of it (`process_vm_readv`, `/proc/PID/mem`) fails with `EFAULT`, and a vCPU
+//! touching it leaves `KVM_RUN` with `EINTR` and a `SIGBUS` that KVM sends it, which a VMM
+//! handles as QEMU and Firecracker do hardware memory errors. Measured on this machine's
 //! nested KVM: a signal alone does not take a vCPU out of a fault it waits on (KVM retries
 //! the fault with the signal pending), the poisoned page does. Should the kernel lack
 //! `UFFDIO_POISON` (before Linux 6.6), the descriptor is kept open instead: such accesses
 //! wait forever rather than read zeros.
+//!
+//! Each region's restore state ([`super::RestoreState`]) is `Restoring` from the start until
+//! [`LazyRestore::finish`] makes it `Whole` (every block in) or `Lost` (the restore failed):
+//! populate, bring-up and save refuse it meanwhile.
 
 use std::cell::RefCell;
 use std::os::fd::{AsFd, OwnedFd};
@@ -404,9 +411,10 @@ impl LazyRestore {
         Ok(())
     }
 
-    /// Runs `hook` with the error's text when the restore fails (at once if it has): where a
-    /// VMM stops its vCPUs. Runs on the thread that found the failure: it must not block on
-    /// guest memory.
+    /// Runs `hook` with the error's text when the restore fails (at once, on this thread, if
+    /// it has): where a VMM stops its vCPUs. Hooks run on a thread of their own after the
+    /// failed block is poisoned, so one that touches that block gets `SIGBUS` (or `EFAULT`
+    /// through the kernel) rather than a wait, and one that blocks holds up nothing else.
     pub fn on_failure(&self, hook: impl Fn(&str) + Send + Sync + 'static) {
         let mut hooks = self.lazy.hooks.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(m) = self.lazy.message.get() {

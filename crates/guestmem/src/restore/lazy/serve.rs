@@ -240,12 +240,56 @@ impl Lazy {
             }
             Err(e) => {
                 self.state[block as usize].store(FAILED, Ordering::Release);
+                let e = if self.remote() {
+                    self.for_peer(block, e)
+                } else {
+                    e
+                };
                 // Release the threads waiting in this block first: a vCPU's KVM_RUN then
                 // reports the lost memory (SIGBUS, EINTR) instead of retrying the fault for
                 // ever, and a hook that touches the block gets SIGBUS, not a wait.
                 self.poison_block(block);
                 self.fail(e);
             }
+        }
+    }
+
+    /// Restates an error of a remote block in the peer's terms: host addresses, the
+    /// memory-file offset, and what a userfaultfd errno means for a page server.
+    fn for_peer(&self, block: u64, e: SnapshotError) -> SnapshotError {
+        let (ri, offset, _) = self.image.block_span(block);
+        let lr = &self.regions[ri];
+        let file_offset = self.image.regions()[ri].file_offset + offset;
+        let what = match &e {
+            SnapshotError::Memory { op, source, .. } => {
+                format!("{op}: {source}{}", uffd_hint(source.raw_os_error()))
+            }
+            SnapshotError::Io {
+                op,
+                path,
+                offset,
+                source,
+                ..
+            } => {
+                format!("{op} at offset {offset:#x} of {}: {source}", path.display())
+            }
+            SnapshotError::Truncated {
+                path,
+                offset,
+                file_len,
+                ..
+            } => format!(
+                "offset {offset:#x} of {} is past its end: it is only {file_len:#x} bytes \
+                 (truncated since the server started)",
+                path.display()
+            ),
+            other => other.to_string(),
+        };
+        SnapshotError::Peer {
+            region: lr.host,
+            host_addr: lr.host + offset,
+            file_offset,
+            what,
         }
     }
 
@@ -463,6 +507,22 @@ fn with_staging<T, E>(
         }
         f(cell.as_ref().expect("set above"))
     })
+}
+
+/// What a userfaultfd call's errno means when serving a peer.
+fn uffd_hint(errno: Option<i32>) -> &'static str {
+    match errno {
+        Some(libc::ENOENT) => {
+            " (the peer unmapped or moved this memory while it was served: no VMA is there)"
+        }
+        Some(libc::EINVAL) => {
+            " (the range is not registered with this userfaultfd, or not aligned to its page \
+             size: the handshake does not match the peer's registration)"
+        }
+        Some(libc::ESRCH) => " (the peer's address space is gone: it exited)",
+        Some(libc::ENOMEM) => " (the kernel could not allocate the pages)",
+        _ => "",
+    }
 }
 
 /// Whether a fill failed because the peer's address space is gone (`ESRCH`: the process
