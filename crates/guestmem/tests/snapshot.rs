@@ -864,7 +864,7 @@ fn sigbus_code_reading(addr: usize) -> Option<i32> {
         assert!(pid >= 0, "fork failed");
         if pid == 0 {
             let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_bus as usize;
+            sa.sa_sigaction = on_bus as *const () as usize;
             sa.sa_flags = libc::SA_SIGINFO;
             libc::sigaction(libc::SIGBUS, &sa, std::ptr::null_mut());
             let _ = std::ptr::read_volatile(addr as *const u8);
