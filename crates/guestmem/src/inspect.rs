@@ -69,7 +69,7 @@ impl RegionUsage {
 
 /// One VMA of smaps: its range and the fields guestmem reads, in bytes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-struct Vma {
+pub(crate) struct Vma {
     start: u64,
     end: u64,
     rss: u64,
@@ -91,7 +91,7 @@ fn parse_range(line: &str) -> Option<(u64, u64)> {
     ))
 }
 
-fn parse_smaps(text: &str) -> Vec<Vma> {
+pub(crate) fn parse_smaps(text: &str) -> Vec<Vma> {
     let mut out: Vec<Vma> = Vec::new();
     for line in text.lines() {
         if let Some((k, v)) = line.split_once(':') {
@@ -102,11 +102,15 @@ fn parse_smaps(text: &str) -> Vec<Vma> {
                 .strip_suffix("kB")
                 .and_then(|n| n.trim().parse::<u64>().ok());
             if let (Some(kb), Some(vma)) = (kb, out.last_mut()) {
-                let bytes = kb * 1024;
+                let bytes = kb.saturating_mul(1024);
                 match k {
                     "Rss" => vma.rss = bytes,
-                    "AnonHugePages" | "ShmemPmdMapped" | "FilePmdMapped" => vma.huge += bytes,
-                    "Shared_Hugetlb" | "Private_Hugetlb" => vma.hugetlb += bytes,
+                    "AnonHugePages" | "ShmemPmdMapped" | "FilePmdMapped" => {
+                        vma.huge = vma.huge.saturating_add(bytes)
+                    }
+                    "Shared_Hugetlb" | "Private_Hugetlb" => {
+                        vma.hugetlb = vma.hugetlb.saturating_add(bytes)
+                    }
                     "Locked" => vma.locked = bytes,
                     "KernelPageSize" => vma.page = bytes,
                     _ => {}
@@ -135,13 +139,13 @@ fn parse_smaps(text: &str) -> Vec<Vma> {
 
 /// One numa_maps line: where it starts and its resident bytes per node.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct NumaLine {
+pub(crate) struct NumaLine {
     start: u64,
     nodes: Vec<(u32, u64)>,
 }
 
 /// Every line of a numa_maps text, sorted by start address.
-fn parse_numa_maps(text: &str) -> Vec<NumaLine> {
+pub(crate) fn parse_numa_maps(text: &str) -> Vec<NumaLine> {
     let mut out: Vec<NumaLine> = text
         .lines()
         .filter_map(|line| {
@@ -157,7 +161,14 @@ fn parse_numa_maps(text: &str) -> Vec<NumaLine> {
                 .iter()
                 .filter_map(|w| {
                     let (n, pages) = w.strip_prefix('N')?.split_once('=')?;
-                    Some((n.parse().ok()?, pages.parse::<u64>().ok()? * page_kb * 1024))
+                    Some((
+                        n.parse().ok()?,
+                        pages
+                            .parse::<u64>()
+                            .ok()?
+                            .saturating_mul(page_kb)
+                            .saturating_mul(1024),
+                    ))
                 })
                 .collect();
             Some(NumaLine { start, nodes })
@@ -174,7 +185,8 @@ fn numa_in(lines: &[NumaLine], start: u64, end: u64) -> BTreeMap<u32, u64> {
     let mut nodes = BTreeMap::new();
     for l in lines[first..].iter().take_while(|l| l.start < end) {
         for &(n, bytes) in &l.nodes {
-            *nodes.entry(n).or_insert(0) += bytes;
+            let e: &mut u64 = nodes.entry(n).or_insert(0);
+            *e = e.saturating_add(bytes);
         }
     }
     nodes
@@ -219,9 +231,9 @@ fn usage_of(host: HostRange, vmas: &[Vma], numa: Option<&[NumaLine]>) -> RegionU
     };
     let first = vmas.partition_point(|v| v.start < start);
     for v in vmas[first..].iter().take_while(|v| v.end <= end) {
-        u.resident += v.rss + v.hugetlb;
-        u.huge += v.huge + v.hugetlb;
-        u.locked += v.locked;
+        u.resident = u.resident.saturating_add(v.rss.saturating_add(v.hugetlb));
+        u.huge = u.huge.saturating_add(v.huge.saturating_add(v.hugetlb));
+        u.locked = u.locked.saturating_add(v.locked);
     }
     let a = host.huge_align.max(1);
     let span_start = start.div_ceil(a).saturating_mul(a);
@@ -365,8 +377,8 @@ fn mappings_from(vmas: &[Vma], min_bytes: u64) -> Vec<MappingUsage> {
                 size: v.end - v.start,
                 name: v.name.clone(),
                 page_size: v.page,
-                resident: v.rss + v.hugetlb,
-                huge: v.huge + v.hugetlb,
+                resident: v.rss.saturating_add(v.hugetlb),
+                huge: v.huge.saturating_add(v.hugetlb),
                 locked: v.locked,
                 huge_span: (v.end / a * a).saturating_sub(v.start.div_ceil(a) * a),
                 offset_2m: v.start % a,

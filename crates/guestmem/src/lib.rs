@@ -159,6 +159,8 @@ pub mod layout;
 pub mod limits;
 pub mod map;
 pub mod mmap;
+#[cfg(test)]
+mod outside_input;
 pub mod plan;
 pub mod populate;
 pub mod region;

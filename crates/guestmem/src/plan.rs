@@ -218,8 +218,29 @@ pub fn read_layout_file(path: &Path) -> Result<Vec<RegionSpec>, PlanError> {
         path: path.to_path_buf(),
         reason,
     };
-    let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-    let entries: Vec<RegionEntry> = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|f| {
+            std::io::Read::read_to_string(
+                &mut std::io::Read::take(f, MAX_LAYOUT_BYTES + 1),
+                &mut text,
+            )
+        })
+        .map_err(|e| err(e.to_string()))?;
+    if text.len() as u64 > MAX_LAYOUT_BYTES {
+        return Err(err(format!("longer than {MAX_LAYOUT_BYTES} bytes")));
+    }
+    parse_layout(&text).map_err(err)
+}
+
+/// Largest layout file read (a JSON object per region; far more than `MAX_REGIONS` need).
+pub const MAX_LAYOUT_BYTES: u64 = 16 << 20;
+
+/// Parses a layout file's text (see [`read_layout_file`]); the error says which region and
+/// why.
+pub fn parse_layout(text: &str) -> Result<Vec<RegionSpec>, String> {
+    let err = |reason: String| reason;
+    let entries: Vec<RegionEntry> = serde_json::from_str(text).map_err(|e| err(e.to_string()))?;
     if entries.is_empty() {
         return Err(err("the layout lists no regions".into()));
     }

@@ -876,3 +876,110 @@ fn sigbus_code_reading(addr: usize) -> Option<i32> {
         (code != 100).then_some(code)
     }
 }
+
+/// Environment variable that makes this test binary a saver to be killed (see `crash_saver`).
+const CRASH_TARGET: &str = "GM_TEST_CRASH_SAVE_TARGET";
+/// The scribble seed the saver's memory holds.
+const CRASH_SEED: u8 = 77;
+
+/// Not a test of its own: run by `a_save_killed_at_any_point_leaves_no_snapshot_or_a_whole_one`
+/// as a child process, which it kills mid-save.
+#[test]
+fn crash_saver() {
+    let Ok(target) = std::env::var(CRASH_TARGET) else {
+        return;
+    };
+    let map = GuestMap::from_specs(&specs_plain()).unwrap();
+    scribble(&map, CRASH_SEED);
+    std::fs::write(format!("{target}.ready"), b"").unwrap();
+    let cfg = SaveConfig {
+        threads: 2,
+        ..SaveConfig::default()
+    };
+    snapshot::save(&map.snapshot(), Path::new(&target), &cfg).unwrap();
+    std::fs::write(format!("{target}.done"), b"").unwrap();
+}
+
+/// Deliver 1 (crash consistency): a save killed with SIGKILL at a random point, 50 times in
+/// a child process, leaves either no snapshot at its path or one that restores the saved
+/// memory whole; never a mix, never a half.
+#[test]
+fn a_save_killed_at_any_point_leaves_no_snapshot_or_a_whole_one() {
+    let _s = serial();
+    let root = scratch("crash");
+    let want = {
+        let map = GuestMap::from_specs(&specs_plain()).unwrap();
+        scribble(&map, CRASH_SEED);
+        contents(&map)
+    };
+    let spawn = |target: &Path| {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "crash_saver",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env(CRASH_TARGET, target)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    /// Kills and reaps the child however the test ends.
+    struct Reap(std::process::Child);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let wait_for = |p: &Path, secs: u64| {
+        let t = std::time::Instant::now();
+        while !p.exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(secs),
+                "{} never appeared",
+                p.display()
+            );
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    };
+    let marker = |target: &Path, what: &str| PathBuf::from(format!("{}.{what}", target.display()));
+    // How long a whole save takes here, from the child's "ready" to its "done".
+    let calibrate = root.join("calibrate");
+    let mut child = Reap(spawn(&calibrate));
+    wait_for(&marker(&calibrate, "ready"), 30);
+    let t = std::time::Instant::now();
+    wait_for(&marker(&calibrate, "done"), 30);
+    let save_us = t.elapsed().as_micros().max(1000) as u64;
+    assert!(child.0.wait().unwrap().success());
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ save_us;
+    let (mut whole, mut none) = (0, 0);
+    for i in 0..50 {
+        let target = root.join(format!("snap{i}"));
+        let mut child = Reap(spawn(&target));
+        wait_for(&marker(&target, "ready"), 30);
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        // Anywhere from the start of the save to a little past its usual end.
+        std::thread::sleep(Duration::from_micros(rng % (save_us * 3 / 2)));
+        // SAFETY: kill(2) on our own child's pid, not yet reaped (Reap waits on drop).
+        unsafe { libc::kill(child.0.id() as i32, libc::SIGKILL) };
+        let _ = child.0.wait();
+        if target.exists() {
+            let image = Image::open(&target)
+                .unwrap_or_else(|e| panic!("try {i}: a published snapshot must open: {e}"));
+            let r = restore::restore(&image, &specs_plain(), &cfg(RestoreMode::Eager))
+                .unwrap_or_else(|e| panic!("try {i}: a published snapshot must restore: {e}"));
+            assert!(contents(&r.map) == want, "try {i}: restored memory differs");
+            whole += 1;
+        } else {
+            none += 1;
+        }
+    }
+    eprintln!("50 saves killed: {whole} left a whole snapshot, {none} left none");
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -543,17 +543,22 @@ fn read_nodes(dir: &Path) -> Vec<NumaNode> {
     nodes
 }
 
-/// A kernel CPU list (`0-3,8,10-11`); malformed parts are skipped.
+/// CPU numbers past this are not read from a CPU list (the kernel's `NR_CPUS` is at most
+/// 8192): a malformed list cannot make the reader allocate without bound.
+const MAX_CPU_ID: usize = 1 << 16;
+
+/// A kernel CPU list (`0-3,8,10-11`); malformed parts, and CPUs past [`MAX_CPU_ID`], are
+/// skipped.
 pub(crate) fn parse_cpu_list(text: &str) -> Vec<usize> {
     let mut cpus = Vec::new();
     for part in text.trim().split(',').filter(|p| !p.is_empty()) {
         match part.split_once('-') {
             Some((a, b)) => {
                 if let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) {
-                    cpus.extend(a..=b);
+                    cpus.extend(a..=b.min(MAX_CPU_ID));
                 }
             }
-            None => cpus.extend(part.parse::<usize>().ok()),
+            None => cpus.extend(part.parse::<usize>().ok().filter(|&c| c <= MAX_CPU_ID)),
         }
     }
     cpus

@@ -45,14 +45,35 @@ pub(crate) struct Layer {
     pub(crate) manifest: Manifest,
 }
 
-/// Where a block's bytes come from.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum BlockPlan {
-    /// No save holds it: zero.
-    Zero,
-    /// These saves, oldest first: the first holds every page (or the block starts zero if
-    /// it does not), each later one the pages it lists.
-    Layers(Vec<Piece>),
+/// Where each block's bytes come from: for a block some save holds, those saves' pieces,
+/// oldest first (the first holds every page, or the block starts zero if it does not; each
+/// later one the pages it lists); a block no save holds is absent and reads as zero. Sparse,
+/// so what it costs follows the manifests' records (capped by their size), not the blocks
+/// the layout claims.
+pub(crate) type Plan = BTreeMap<u64, Vec<Piece>>;
+
+/// Resolves a chain's block records, oldest save first, into its [`Plan`]: a save that
+/// holds a whole block replaces what was under it, one that holds some pages goes on top.
+pub(crate) fn resolve_chain<'a>(
+    layers: impl IntoIterator<Item = &'a [super::BlockRecord]>,
+) -> Plan {
+    let mut plan = Plan::new();
+    for (layer, records) in layers.into_iter().enumerate() {
+        for rec in records {
+            let piece = Piece {
+                layer,
+                pages: rec.pages.clone(),
+                // Checked to be 16 hex digits when the manifest was read.
+                checksum: u64::from_str_radix(&rec.checksum, 16).unwrap_or(0),
+            };
+            let slot = plan.entry(rec.index).or_default();
+            if piece.pages.is_none() {
+                slot.clear();
+            }
+            slot.push(piece);
+        }
+    }
+    plan
 }
 
 /// One save's part of a block.
@@ -68,7 +89,8 @@ struct Inner {
     layers: Vec<Layer>,
     regions: Vec<ImageRegion>,
     block_bytes: u64,
-    plan: Vec<BlockPlan>,
+    plan: Plan,
+    total_blocks: u64,
     /// Whether blocks carry checksums to check (a raw memory file has none).
     checked: bool,
 }
@@ -169,30 +191,14 @@ impl Image {
             });
             first_block += r.size.div_ceil(block_bytes);
         }
-        let total = first_block as usize;
-        let mut plan = vec![BlockPlan::Zero; total];
-        for (li, layer) in layers.iter().enumerate() {
-            for rec in &layer.manifest.blocks {
-                let piece = Piece {
-                    layer: li,
-                    pages: rec.pages.clone(),
-                    checksum: u64::from_str_radix(&rec.checksum, 16).expect("checked"),
-                };
-                let slot = &mut plan[rec.index as usize];
-                match (slot, piece.pages.is_none()) {
-                    // A save that holds the whole block replaces what was under it.
-                    (s, true) => *s = BlockPlan::Layers(vec![piece]),
-                    (s @ BlockPlan::Zero, false) => *s = BlockPlan::Layers(vec![piece]),
-                    (BlockPlan::Layers(v), false) => v.push(piece),
-                }
-            }
-        }
+        let plan = resolve_chain(layers.iter().map(|l| &l.manifest.blocks[..]));
         Ok(Image {
             inner: Arc::new(Inner {
                 layers,
                 regions,
                 block_bytes,
                 plan,
+                total_blocks: first_block,
                 checked: true,
             }),
         })
@@ -212,9 +218,9 @@ impl Image {
     ) -> Result<Image, SnapshotError> {
         let mut iregions = Vec::with_capacity(regions.len());
         let mut mregions = Vec::with_capacity(regions.len());
-        let mut plan = Vec::new();
+        let mut plan = Plan::new();
+        let mut first_block = 0u64;
         for &(name, size, file_offset, page_size) in regions {
-            let first_block = plan.len() as u64;
             let data = crate::sys::data_ranges(file.as_fd(), file_offset, file_offset + size)
                 .map_err(|source| SnapshotError::File {
                     op: "find the data (SEEK_DATA) of",
@@ -222,21 +228,19 @@ impl Image {
                     source,
                 })?;
             let blocks = size.div_ceil(block_bytes);
-            let mut held = vec![false; blocks as usize];
             for (s, e) in data {
                 let (s, e) = (s - file_offset, e - file_offset);
                 for b in s / block_bytes..e.div_ceil(block_bytes).min(blocks) {
-                    held[b as usize] = true;
+                    plan.insert(
+                        first_block + b,
+                        vec![Piece {
+                            layer: 0,
+                            pages: None,
+                            checksum: 0,
+                        }],
+                    );
                 }
             }
-            plan.extend(held.into_iter().map(|h| match h {
-                false => BlockPlan::Zero,
-                true => BlockPlan::Layers(vec![Piece {
-                    layer: 0,
-                    pages: None,
-                    checksum: 0,
-                }]),
-            }));
             iregions.push(ImageRegion {
                 guest_addr: name,
                 size,
@@ -245,6 +249,7 @@ impl Image {
                 backing: "anonymous".into(),
                 first_block,
             });
+            first_block += blocks;
             mregions.push(super::ManifestRegion {
                 guest_addr: name,
                 size,
@@ -277,6 +282,7 @@ impl Image {
                 regions: iregions,
                 block_bytes,
                 plan,
+                total_blocks: first_block,
                 checked: false,
             }),
         })
@@ -294,16 +300,12 @@ impl Image {
 
     /// Blocks of all regions.
     pub fn total_blocks(&self) -> u64 {
-        self.inner.plan.len() as u64
+        self.inner.total_blocks
     }
 
     /// Blocks that hold data (the rest are zero).
     pub fn data_blocks(&self) -> u64 {
-        self.inner
-            .plan
-            .iter()
-            .filter(|p| matches!(p, BlockPlan::Layers(_)))
-            .count() as u64
+        self.inner.plan.len() as u64
     }
 
     /// Guest memory, bytes.
@@ -386,17 +388,16 @@ impl Image {
         self.inner.layers.last().expect("an image has a save")
     }
 
-    pub(crate) fn plan(&self, block: u64) -> &BlockPlan {
-        &self.inner.plan[block as usize]
+    /// The saves that hold `block`, oldest first; `None` when it reads as zero.
+    pub(crate) fn plan(&self, block: u64) -> Option<&[Piece]> {
+        self.inner.plan.get(&block).map(Vec::as_slice)
     }
 
     /// Whether a save at `layer` or above holds any of `block` (else it reads as zero, or as
     /// the saves below `layer` hold it).
     pub(crate) fn held_from(&self, block: u64, layer: usize) -> bool {
-        match self.plan(block) {
-            BlockPlan::Zero => false,
-            BlockPlan::Layers(p) => p.iter().any(|p| p.layer >= layer),
-        }
+        self.plan(block)
+            .is_some_and(|p| p.iter().any(|p| p.layer >= layer))
     }
 
     /// Region index, offset in the region and length of `block`.
@@ -425,7 +426,7 @@ impl Image {
     ) -> Result<(), SnapshotError> {
         let (ri, offset, len) = self.block_span(block);
         let region = &self.inner.regions[ri];
-        let BlockPlan::Layers(pieces) = self.plan(block) else {
+        let Some(pieces) = self.plan(block) else {
             if !dst_is_zero {
                 // SAFETY: dst..dst+len is writable (the caller's contract).
                 unsafe { std::ptr::write_bytes(dst, 0, len as usize) };
@@ -565,5 +566,44 @@ fn file_len(f: &File) -> std::io::Result<u64> {
         Err(std::io::Error::last_os_error())
     } else {
         Ok(end as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapshot::BlockRecord;
+
+    fn rec(index: u64, pages: Option<Vec<u64>>) -> BlockRecord {
+        BlockRecord {
+            index,
+            checksum: format!("{index:016x}"),
+            pages,
+        }
+    }
+
+    #[test]
+    fn a_chain_resolves_whole_blocks_over_and_page_lists_on_top() {
+        let base = [rec(0, None), rec(1, None)];
+        let inc1 = [rec(1, Some(vec![1])), rec(2, Some(vec![2]))];
+        let inc2 = [rec(1, None), rec(2, Some(vec![4]))];
+        let plan = resolve_chain([&base[..], &inc1[..], &inc2[..]]);
+        let layers = |b: u64| -> Vec<usize> { plan[&b].iter().map(|p| p.layer).collect() };
+        // Block 0: only the base holds it.
+        assert_eq!(layers(0), [0]);
+        // Block 1: the second incremental save holds it whole: what was under it goes.
+        assert_eq!(layers(1), [2]);
+        // Block 2: two page lists, oldest first, over zero.
+        assert_eq!(layers(2), [1, 2]);
+        assert_eq!(plan[&2][1].pages, Some(vec![4]));
+        assert_eq!(plan[&2][0].checksum, 2);
+        // Block 3: nobody holds it: absent, reads as zero.
+        assert!(!plan.contains_key(&3));
+    }
+
+    #[test]
+    fn an_empty_chain_plans_nothing() {
+        let none: [&[BlockRecord]; 0] = [];
+        assert!(resolve_chain(none).is_empty());
     }
 }

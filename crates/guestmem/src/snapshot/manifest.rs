@@ -198,3 +198,113 @@ pub(crate) fn same_layout(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn good() -> serde_json::Value {
+        serde_json::json!({
+            "format": FORMAT, "version": VERSION, "id": "00ff", "memory_file": "memory",
+            "memory_bytes": 3 << 20, "block_bytes": 1 << 20,
+            "regions": [
+                {"guest_addr": 0, "size": 2 << 20, "file_offset": 0, "page_size": 4096, "backing": "anonymous"},
+                {"guest_addr": 4 << 20, "size": 1 << 20, "file_offset": 2 << 20, "page_size": 4096, "backing": "memfd"}
+            ],
+            "blocks": [{"index": 0, "checksum": "0123456789abcdef"},
+                       {"index": 2, "checksum": "0000000000000001", "pages": [1, 2, 3, 4]}],
+            "working_set": [2, 1]
+        })
+    }
+
+    fn parse(v: &serde_json::Value) -> Result<Manifest, String> {
+        parse_manifest(&serde_json::to_vec(v).unwrap(), Path::new("m.json"))
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_manifest_guestmem_writes_parses_with_its_block_arithmetic() {
+        let m = parse(&good()).unwrap();
+        assert_eq!(m.total_blocks(), 3);
+        assert_eq!(m.region_blocks(&m.regions[0]), 2);
+        assert_eq!(m.working_set, [2, 1]);
+    }
+
+    #[test]
+    fn each_bad_field_is_refused_naming_it() {
+        type Edit = fn(&mut serde_json::Value);
+        let cases: [(Edit, &str); 15] = [
+            (|v| v["format"] = "other".into(), "format \"other\""),
+            (|v| v["version"] = 2.into(), "version 2"),
+            (|v| v["id"] = "xyz".into(), "id \"xyz\""),
+            (|v| v["block_bytes"] = 3000.into(), "block size 0xbb8"),
+            (
+                |v| v["block_bytes"] = (1u64 << 31).into(),
+                "block size 0x80000000",
+            ),
+            (|v| v["regions"] = serde_json::json!([]), "no region"),
+            (
+                |v| v["regions"][1]["guest_addr"] = (1u64 << 20).into(),
+                "overlapping",
+            ),
+            (
+                |v| v["regions"][1]["file_offset"] = 0.into(),
+                "file offset 0x0",
+            ),
+            (
+                |v| v["regions"][0]["page_size"] = 512.into(),
+                "page size 0x200",
+            ),
+            (|v| v["memory_bytes"] = 1.into(), "memory_bytes 0x1"),
+            (
+                |v| v["blocks"][1]["index"] = 3.into(),
+                "block 3: out of range",
+            ),
+            (
+                |v| v["blocks"][1]["checksum"] = "12".into(),
+                "not 16 hex digits",
+            ),
+            (
+                |v| v["blocks"][1]["pages"] = serde_json::json!([1]),
+                "page list of the wrong length",
+            ),
+            (
+                |v| v["working_set"] = serde_json::json!([9]),
+                "working set names block 9",
+            ),
+            (|v| v["memory_file"] = "../x".into(), "must be a plain name"),
+        ];
+        for (edit, says) in cases {
+            let mut v = good();
+            edit(&mut v);
+            let e = parse(&v).unwrap_err();
+            assert!(e.contains(says), "{says}: {e}");
+            assert!(e.contains("m.json"), "names the file: {e}");
+        }
+    }
+
+    #[test]
+    fn large_blocks_need_large_pages() {
+        let mut v = good();
+        v["block_bytes"] = (128u64 << 20).into();
+        v["regions"] = serde_json::json!([{"guest_addr": 0, "size": 128u64 << 20, "file_offset": 0,
+            "page_size": 4096, "backing": "anonymous"}]);
+        v["memory_bytes"] = (128u64 << 20).into();
+        v["blocks"] = serde_json::json!([]);
+        v["working_set"] = serde_json::json!([]);
+        assert!(parse(&v).unwrap_err().contains("at most 0x4000000"));
+        // 1 GiB hugetlb pages: 1 GiB blocks are the page itself.
+        v["block_bytes"] = (1u64 << 30).into();
+        v["regions"][0]["size"] = (1u64 << 30).into();
+        v["regions"][0]["page_size"] = (1u64 << 30).into();
+        v["memory_bytes"] = (1u64 << 30).into();
+        parse(&v).unwrap();
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let mut v = good();
+        v["extra"] = 1.into();
+        assert!(parse(&v).unwrap_err().contains("unknown field"));
+    }
+}

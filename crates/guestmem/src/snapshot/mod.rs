@@ -36,7 +36,7 @@
 
 mod hash;
 mod image;
-mod manifest;
+pub(crate) mod manifest;
 mod save;
 
 use std::collections::BTreeMap;

@@ -759,3 +759,27 @@ pub(crate) fn record_working_set(dir: &Path, working_set: &[u64]) -> Result<(), 
     crate::files::publish_file(&dir.join(MANIFEST_FILE), &text)?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dirty_pages_cut_a_block_out_of_the_region_bitmap_at_full_block_length() {
+        // Region pages 0..256 (1 MiB); dirty: 3, 64, 200, 255.
+        let mut words = vec![0u64; 4];
+        for p in [3u64, 64, 200, 255] {
+            words[(p / 64) as usize] |= 1 << (p % 64);
+        }
+        // The block at 256 KiB (pages 64..128): only page 64, as the block's page 0.
+        let b = dirty_pages(&words, 256 << 10, 256 << 10, 256 << 10);
+        assert_eq!(b, [1]);
+        // A short last block (pages 192..256 of a 512 KiB block) has the whole block's
+        // length: pages 200 and 255 at 8 and 63.
+        let b = dirty_pages(&words, 768 << 10, 256 << 10, 512 << 10);
+        assert_eq!(b.len(), 2);
+        assert_eq!(b[0], (1 << 8) | (1 << 63));
+        // Past the bitmap: nothing.
+        assert_eq!(dirty_pages(&words, 2 << 20, 4096, 4096), [0]);
+    }
+}
