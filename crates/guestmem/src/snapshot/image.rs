@@ -298,6 +298,13 @@ impl Image {
         self.inner.block_bytes
     }
 
+    /// The largest block of the image, bytes: the block size, or the largest region when
+    /// every region is smaller (what one thread stages to restore a block).
+    pub fn largest_block(&self) -> u64 {
+        let largest_region = self.inner.regions.iter().map(|r| r.size).max().unwrap_or(0);
+        self.inner.block_bytes.min(largest_region)
+    }
+
     /// Blocks of all regions.
     pub fn total_blocks(&self) -> u64 {
         self.inner.total_blocks

@@ -315,7 +315,9 @@ impl Lazy {
             }
             None => {
                 let scratch = SCRATCH.take();
-                let bb = self.image.block_bytes() as usize;
+                // Sized once per thread by the largest block the image holds (a block is cut
+                // at its region's end), capped by the manifest's block-size limits.
+                let bb = self.image.largest_block() as usize;
                 with_staging(bb, mem_err("map a staging buffer"), |staging| {
                     let mut scratch = scratch;
                     // SAFETY: the staging mapping is this thread's own, at least a block
