@@ -13,6 +13,10 @@
 //!   [`limits`] checks the request first and [`bringup`] runs both and reports.
 //! - [`dirty`]: word-level atomic dirty bitmaps; [`kvm`]: memslots and dirty-log harvesting.
 //! - [`inspect`]: what the kernel really did (smaps, numa_maps, status).
+//! - [`snapshot`]: saving a map's memory to a directory published whole, and opening one
+//!   (every file checked before it is read); [`restore`]: eager, mapped or lazy
+//!   (userfaultfd) restores, and [`restore::remote`], a page server for Firecracker.
+//! - [`plan`]: sizes, layouts and layout files as people write them.
 //! - vm-memory: [`map::Snapshot`] and [`translate::Translator`] implement
 //!   `GuestMemoryBackend`, [`map::GuestMap`] implements `GuestAddressSpace` (in the private
 //!   module `vm_memory_impl`).

@@ -286,6 +286,12 @@ impl From<crate::files::FileError> for SnapshotError {
 }
 
 impl Manifest {
+    /// Parses and checks a manifest's text as [`Image::open`] does (every field bounded and
+    /// checked against the others; not against a memory file). For tools and fuzzers.
+    pub fn from_json(text: &[u8]) -> Result<Manifest, SnapshotError> {
+        manifest::parse_manifest(text, std::path::Path::new(MANIFEST_FILE))
+    }
+
     /// Blocks of `region` (its size over the block size, rounded up).
     pub fn region_blocks(&self, region: &ManifestRegion) -> u64 {
         region.size.div_ceil(self.block_bytes)
