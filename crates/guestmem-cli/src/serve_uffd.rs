@@ -101,8 +101,7 @@ pub fn run(a: Args) -> Result<()> {
     cfg.check()?;
     let listener = Listener::bind(&a.socket)?;
     eprintln!("guestmem serve-uffd: listening on {}", a.socket.display());
-    let report = remote::serve_one(&listener, &mem, &cfg)?;
-    drop(listener);
+    let report = remote::serve_one(listener, &mem, &cfg)?;
     if let Some(path) = &a.record {
         WorkingSetFile::write(path, &report.working_set)?;
     }

@@ -642,6 +642,9 @@ fn the_socket_listens_once_it_appears_and_squatters_hold_nobody_up() {
     // Served while the squatter's handshake was still pending (it has a second left at most
     // when the VM connected; the VM did not wait for it to be dropped first).
     let served = t.elapsed();
+    // A one-VM server stops listening once it has its VM: a second VM is refused at
+    // connect, not left waiting on a server that will never serve it.
+    assert!(std::os::unix::net::UnixStream::connect(&socket).is_err());
     vm.disconnect();
     let (code, out, err) = finish(srv);
     assert_eq!(code, 0, "{err}");

@@ -47,6 +47,16 @@ impl Dir {
     /// Opens `path` as a directory (following symlinks in the path itself: the caller named
     /// it).
     pub(crate) fn open(path: &Path) -> Result<Dir, FileError> {
+        Dir::open_flags(path, 0)
+    }
+
+    /// Opens `path` as a directory, refusing a symlink as its last component (for entries
+    /// found by listing a directory, which nobody named).
+    pub(crate) fn open_nofollow(path: &Path) -> Result<Dir, FileError> {
+        Dir::open_flags(path, libc::O_NOFOLLOW)
+    }
+
+    fn open_flags(path: &Path, extra: libc::c_int) -> Result<Dir, FileError> {
         let err = |source| FileError {
             op: "open the directory",
             path: path.to_path_buf(),
@@ -57,7 +67,7 @@ impl Dir {
         let fd = unsafe {
             libc::open(
                 c.as_ptr(),
-                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC | extra,
             )
         };
         if fd < 0 {

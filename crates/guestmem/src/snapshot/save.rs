@@ -89,7 +89,8 @@ struct BlockAt<'a> {
 }
 
 /// Saves the memory of `snap` as a new snapshot at `dir`, which must not exist (or be an
-/// empty directory): a save never overwrites anything.
+/// empty directory): a save never overwrites anything. The snapshot directory is made with
+/// mode 0700: it holds guest memory.
 ///
 /// The snapshot is written into a uniquely named staging directory beside `dir`, synced,
 /// and published with one `renameat2(RENAME_NOREPLACE)`: a reader (or a crash) sees no
@@ -512,6 +513,11 @@ impl Staging {
             let Some(name) = e.file_name().to_str().map(str::to_string) else {
                 continue;
             };
+            // Only real directories: an entry is never followed through a symlink (a link
+            // named like a staging directory must not make this sweep delete elsewhere).
+            if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
             let old = e
                 .metadata()
                 .ok()
@@ -520,7 +526,7 @@ impl Staging {
             if !name.starts_with(&prefix) || !old {
                 continue;
             }
-            let Ok(dir) = Dir::open(&target.parent.join(&name)) else {
+            let Ok(dir) = Dir::open_nofollow(&target.parent.join(&name)) else {
                 continue;
             };
             if dir.lock(true, false).unwrap_or(false) {

@@ -293,19 +293,22 @@ pub struct PageServer {
     t0: Instant,
 }
 
-/// Waits for one VM on `listener`, serves it until it goes, and returns what was done.
+/// Waits for one VM on `listener`, stops listening (the socket is closed and its path
+/// removed, so a second VM that tries it is refused at `connect` rather than left waiting),
+/// serves the VM until it goes, and returns what was done.
 /// Connections that hand over no userfaultfd, or say nothing within
 /// [`ServeConfig::handshake_timeout`], are dropped with a log line while the server listens
 /// on. From the moment a VM has sent its userfaultfd, every refusal or serving failure ends
 /// it as [`ServeConfig::on_failure`] says (through the pidfd taken when it connected) and
 /// logs why; the error is returned.
 pub fn serve_one(
-    listener: &Listener,
+    listener: Listener,
     mem: &MemoryFile,
     cfg: &ServeConfig,
 ) -> Result<ServeReport, ServeError> {
     cfg.check()?;
     let h = listener.next_vm(cfg)?;
+    drop(listener);
     cfg.log.say(&format!(
         "peer {} sent {} regions ({} MiB)",
         h.process.pid().map_or("?".into(), |p| p.to_string()),
