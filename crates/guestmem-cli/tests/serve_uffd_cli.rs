@@ -174,6 +174,8 @@ const CHILD_SIZE: &str = "GM_TEST_STANDIN_SIZE";
 const CHILD_FEATURES: &str = "GM_TEST_STANDIN_FEATURES";
 const CHILD_DOES: &str = "GM_TEST_STANDIN_DOES";
 const CHILD_GO: &str = "GM_TEST_STANDIN_GO";
+/// A stand-in child's exit code when the server refused its connection.
+const CHILD_REFUSED: i32 = 3;
 
 /// Not a test of its own: run by `vm_child` as a separate process, so that a server that
 /// kills its peer kills the child, not the test.
@@ -185,9 +187,13 @@ fn standin_child() {
     let size: usize = std::env::var(CHILD_SIZE).unwrap().parse().unwrap();
     let features: u64 = std::env::var(CHILD_FEATURES).unwrap().parse().unwrap();
     let mut vm = Standin::with_features(&[size], features).unwrap();
-    match std::env::var(CHILD_DOES).unwrap().as_str() {
-        "Garbage" => vm.send(Path::new(&socket), b"[{not json", true).unwrap(),
-        _ => vm.connect(Path::new(&socket)).unwrap(),
+    let sent = match std::env::var(CHILD_DOES).unwrap().as_str() {
+        "Garbage" => vm.send(Path::new(&socket), b"[{not json", true),
+        _ => vm.connect(Path::new(&socket)),
+    };
+    if sent.is_err() {
+        // Refused at connect: exit with a code of its own.
+        std::process::exit(CHILD_REFUSED);
     }
     println!("SENT");
     let go = PathBuf::from(std::env::var(CHILD_GO).unwrap());
@@ -769,5 +775,114 @@ fn a_block_past_the_cap_is_refused_before_listening() {
         "{err}"
     );
     assert!(!socket.exists());
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// A one-VM server with two VMs at its door: it serves one and ends the other through its
+/// pidfd (neither is left waiting on a server that will never serve it).
+#[test]
+fn a_second_vm_at_once_is_ended_not_left_hung() {
+    need_uffd!();
+    let d = dir("two-vms");
+    let mem = mem_file(&d, 4 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let go = d.join("go");
+    let srv = server(&socket, &mem, &[]);
+    let mut a = vm_child(&socket, 4 * MIB, 0, ChildDoes::Handshake, &go);
+    let mut b = vm_child(&socket, 4 * MIB, 0, ChildDoes::Handshake, &go);
+    std::fs::write(&go, b"").unwrap();
+    // One of them is killed; the other is served and stays up.
+    let t = Instant::now();
+    let killed = loop {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "neither VM was ended"
+        );
+        if !a.running() {
+            break 'a';
+        }
+        if !b.running() {
+            break 'b';
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let (dead, alive) = if killed == 'a' {
+        (&mut a, &mut b)
+    } else {
+        (&mut b, &mut a)
+    };
+    // Ended: killed through its pidfd if its handshake reached the server, or refused at
+    // connect if it came after the server stopped listening.
+    let st = dead.wait_exit(5);
+    let was_killed = st.signal() == Some(libc::SIGKILL);
+    eprintln!(
+        "the second VM was {}",
+        if was_killed {
+            "killed"
+        } else {
+            "refused at connect"
+        }
+    );
+    assert!(was_killed || st.code() == Some(CHILD_REFUSED), "{st:?}");
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(alive.running(), "the VM being served is left alone");
+    // The served VM goes away: the server ends cleanly.
+    drop(std::mem::replace(alive, Guard(None)));
+    let (code, _, err) = finish(srv);
+    assert_eq!(code, 0, "{err}");
+    if was_killed {
+        assert!(err.contains("serves one VM and has it"), "{err}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// The handshake timeout is for the whole handshake: a peer that trickles its JSON a byte at
+/// a time is cut off when it runs out, not kept for as long as it keeps trickling.
+#[test]
+fn a_trickling_handshake_is_cut_off_at_its_deadline() {
+    need_uffd!();
+    let d = dir("trickle");
+    let mem = mem_file(&d, 4 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let srv = server(
+        &socket,
+        &mem,
+        &["--handshake-timeout-s", "1", "--on-failure", "leave"],
+    );
+    let mut vm = Standin::new(&[4 * MIB], false).unwrap();
+    vm.send(&socket, b"[", true).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let trickler = {
+        let (stop, socket) = (stop.clone(), socket.clone());
+        // A second, plain connection cannot add to the first's stream: the stand-in's own
+        // socket is written through a duplicate of its descriptor.
+        let s = vm.socket_clone().unwrap();
+        std::thread::spawn(move || {
+            let _ = socket;
+            let t = Instant::now();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && t.elapsed() < Duration::from_secs(10)
+            {
+                if (&s).write_all(b" ").is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    let t = Instant::now();
+    let (code, _, err) = finish(srv);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    trickler.join().unwrap();
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("the handshake was not whole within 1.0 s"),
+        "{err}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(8),
+        "cut off at its deadline"
+    );
+    vm.release().unwrap();
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -147,6 +147,14 @@ impl Standin {
         Ok(())
     }
 
+    /// A second handle on the socket to the server (for a test that writes more to it).
+    pub fn socket_clone(&self) -> io::Result<UnixStream> {
+        self.sock
+            .as_ref()
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotConnected))?
+            .try_clone()
+    }
+
     /// Closes the socket: to a server, the VM has gone.
     pub fn disconnect(&mut self) {
         self.sock = None;

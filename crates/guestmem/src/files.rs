@@ -50,12 +50,6 @@ impl Dir {
         Dir::open_flags(path, 0)
     }
 
-    /// Opens `path` as a directory, refusing a symlink as its last component (for entries
-    /// found by listing a directory, which nobody named).
-    pub(crate) fn open_nofollow(path: &Path) -> Result<Dir, FileError> {
-        Dir::open_flags(path, libc::O_NOFOLLOW)
-    }
-
     fn open_flags(path: &Path, extra: libc::c_int) -> Result<Dir, FileError> {
         let err = |source| FileError {
             op: "open the directory",
@@ -78,6 +72,66 @@ impl Dir {
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
             path: path.to_path_buf(),
         })
+    }
+
+    /// The directory `name` inside this one, opened relative to this descriptor and never
+    /// through a symlink.
+    pub(crate) fn open_child(&self, name: &str) -> Result<Dir, FileError> {
+        let fd = self
+            .openat(name, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+            .map_err(|source| FileError {
+                op: "open the directory",
+                path: self.join(name),
+                source,
+            })?;
+        Ok(Dir {
+            fd,
+            path: self.join(name),
+        })
+    }
+
+    /// A second descriptor of the same directory.
+    pub(crate) fn try_clone(&self) -> io::Result<Dir> {
+        Ok(Dir {
+            fd: self.fd.try_clone()?,
+            path: self.path.clone(),
+        })
+    }
+
+    /// Whether `name` in this directory is, right now, the very directory `other` is open
+    /// on (same device and inode; a symlink there is not).
+    pub(crate) fn names(&self, name: &str, other: &Dir) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(here) = std::fs::symlink_metadata(self.join(name)) else {
+            return false;
+        };
+        // SAFETY: fstat into a zeroed stat we own, on a descriptor we own.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstat(other.fd.as_raw_fd(), &mut st) } != 0 {
+            return false;
+        }
+        here.is_dir() && here.dev() == st.st_dev && here.ino() == st.st_ino
+    }
+
+    /// Checks the directory is this process's own (its owner is our effective uid) and
+    /// private (no group or other bits): one made to hold guest memory, not one swapped in.
+    pub(crate) fn check_private(&self) -> io::Result<()> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = File::from(self.fd.try_clone()?).metadata()?;
+        // SAFETY: geteuid takes nothing and cannot fail.
+        let euid = unsafe { libc::geteuid() };
+        if meta.uid() != euid || meta.mode() & 0o077 != 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "is owned by uid {} with mode {:o}, not ours with mode 0700: swapped in by someone else?",
+                    meta.uid(),
+                    meta.mode() & 0o7777
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// The path it was opened by (for messages).
@@ -241,6 +295,17 @@ impl Dir {
             cstr(OsStr::new(to)).map_err(err)?,
         );
         let flags = if replace { 0 } else { libc::RENAME_NOREPLACE };
+        let err = |source: io::Error| {
+            if !replace && source.raw_os_error() == Some(libc::EINVAL) {
+                // renameat2 refuses flags the filesystem does not implement.
+                return err(io::Error::new(
+                    io::ErrorKind::Unsupported,
+                    "this filesystem cannot rename without replacing (RENAME_NOREPLACE): \
+                     save to a local filesystem (ext4, xfs, btrfs, tmpfs)",
+                ));
+            }
+            err(source)
+        };
         // SAFETY: both names are NUL-terminated and live across the call; the descriptor is
         // ours.
         let r = unsafe {

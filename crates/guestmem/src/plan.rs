@@ -219,13 +219,19 @@ pub fn read_layout_file(path: &Path) -> Result<Vec<RegionSpec>, PlanError> {
         reason,
     };
     let mut text = String::new();
-    std::fs::File::open(path)
-        .and_then(|f| {
-            std::io::Read::read_to_string(
-                &mut std::io::Read::take(f, MAX_LAYOUT_BYTES + 1),
-                &mut text,
-            )
-        })
+    // O_NONBLOCK: a FIFO named as the layout cannot hang the open; only a regular file is read.
+    let f = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .map_err(|e| err(e.to_string()))?
+    };
+    if !f.metadata().is_ok_and(|m| m.is_file()) {
+        return Err(err("not a regular file".into()));
+    }
+    std::io::Read::read_to_string(&mut std::io::Read::take(f, MAX_LAYOUT_BYTES + 1), &mut text)
         .map_err(|e| err(e.to_string()))?;
     if text.len() as u64 > MAX_LAYOUT_BYTES {
         return Err(err(format!("longer than {MAX_LAYOUT_BYTES} bytes")));

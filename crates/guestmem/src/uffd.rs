@@ -149,13 +149,12 @@ impl Uffd {
                 format!("the descriptor is {}, not a userfaultfd", link.display()),
             ));
         }
-        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))?;
-        let features = parse_fdinfo_features(&info).ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidInput,
-                "its fdinfo shows no enabled API (UFFDIO_API was never called on it)",
-            )
-        })?;
+        // Unknown (0) when /proc does not say: the events the server refuses cannot then be
+        // seen, and nothing is assumed enabled.
+        let features = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd()))
+            .ok()
+            .and_then(|info| parse_fdinfo_features(&info))
+            .unwrap_or(0);
         // SAFETY: fcntl on a descriptor we own touches no memory.
         let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
         if fl < 0 {
@@ -399,6 +398,15 @@ impl Uffd {
         if fds[1].revents != 0 {
             return Ok(false);
         }
+        if fds[0].revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+            // The kernel reports POLLERR on a userfaultfd whose O_NONBLOCK flag was cleared
+            // (the peer shares the open file and can clear it): it would stay "ready" and
+            // every handler spin. A failure, not a spin.
+            return Err(io::Error::other(
+                "the userfaultfd reports an error to poll (its O_NONBLOCK flag was cleared by \
+                 another holder, or it is no longer valid)",
+            ));
+        }
         if fds[0].revents & libc::POLLIN == 0 {
             return Ok(true);
         }
@@ -457,15 +465,15 @@ impl Uffd {
 }
 
 /// The features of a userfaultfd as `/proc/PID/fdinfo` shows them (`API:\t<api>:<features>:
-/// <ioctls>`, hex), less the kernel's own "initialised" bit; `None` when the API was never
-/// enabled or the line is missing.
+/// <ioctls>`, hex), less the kernel's own "initialised" bit (shown by newer kernels); `None`
+/// when the line is missing or does not parse.
 pub(crate) fn parse_fdinfo_features(info: &str) -> Option<u64> {
     const INITIALIZED: u64 = 1 << 31;
     let line = info.lines().find_map(|l| l.strip_prefix("API:"))?;
     let mut parts = line.trim().split(':');
     let _api = parts.next()?;
     let features = u64::from_str_radix(parts.next()?.trim(), 16).ok()?;
-    (features & INITIALIZED != 0).then_some(features & !INITIALIZED)
+    Some(features & !INITIALIZED)
 }
 
 /// `offset..offset+len` of `mapping` as a uffd range, once checked to lie in its body.
@@ -484,10 +492,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fdinfo_features_are_read_and_an_unenabled_api_is_none() {
+    fn fdinfo_features_are_read_and_garbage_is_none() {
         let enabled = "pos:\t0\nflags:\t02004000\npending:\t0\ntotal:\t0\nAPI:\taa:8000000a:80000000000001ff\n";
         assert_eq!(parse_fdinfo_features(enabled), Some(0xa));
-        assert_eq!(parse_fdinfo_features("API:\taa:0:0\n"), None);
+        assert_eq!(parse_fdinfo_features("API:\taa:0:0\n"), Some(0));
         assert_eq!(parse_fdinfo_features("pos:\t0\n"), None);
         assert_eq!(parse_fdinfo_features("API:\taa:zz:0\n"), None);
     }

@@ -691,6 +691,8 @@ fn hostile_snapshot_files_are_refused_by_name_without_hanging_or_allocating() {
         // SAFETY: a NUL-terminated path.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
     };
+    const TOO_BIG: &str = "more than the 67108864 allowed";
+    assert!(TOO_BIG.contains(&snapshot::MAX_MANIFEST_BYTES.to_string()));
     let mut cases: Vec<(PathBuf, &str)> = Vec::new();
     // 2 GiB blocks: past MAX_BLOCK_BYTES (each restoring thread would stage one).
     let d = copy("hostile-2g");
@@ -708,7 +710,7 @@ fn hostile_snapshot_files_are_refused_by_name_without_hanging_or_allocating() {
         .unwrap()
         .set_len(snapshot::MAX_MANIFEST_BYTES + 1)
         .unwrap();
-    cases.push((d, "more than the 268435456 allowed"));
+    cases.push((d, TOO_BIG));
     // A symlink to /dev/zero as the manifest.
     let d = copy("hostile-zero");
     std::fs::remove_file(d.join("manifest.json")).unwrap();
@@ -981,5 +983,37 @@ fn a_save_killed_at_any_point_leaves_no_snapshot_or_a_whole_one() {
         }
     }
     eprintln!("50 saves killed: {whole} left a whole snapshot, {none} left none");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// What a killed save leaves (an unlocked staging directory) is removed by a later save
+/// beside it once it is over a minute old; a symlink named like one is never followed.
+#[test]
+fn dead_saves_are_swept_and_symlinks_named_like_them_are_not_followed() {
+    let _s = serial();
+    let root = scratch("sweep");
+    let dead = root.join(".snap.guestmem-save-dead");
+    std::fs::create_dir(&dead).unwrap();
+    std::fs::write(dead.join("memory"), b"half a save").unwrap();
+    let old = std::time::SystemTime::now() - Duration::from_secs(120);
+    std::fs::File::open(&dead)
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    let victim = root.join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    std::fs::write(victim.join("memory"), b"precious").unwrap();
+    std::fs::write(victim.join("manifest.json"), b"precious").unwrap();
+    std::os::unix::fs::symlink(&victim, root.join(".snap.guestmem-save-link")).unwrap();
+    let map = GuestMap::from_specs(&specs_plain()).unwrap();
+    scribble(&map, 3);
+    snapshot::save(&map.snapshot(), &root.join("snap"), &SaveConfig::default()).unwrap();
+    assert!(!dead.exists(), "the dead save's staging directory is swept");
+    assert_eq!(std::fs::read(victim.join("memory")).unwrap(), b"precious");
+    assert_eq!(
+        std::fs::read(victim.join("manifest.json")).unwrap(),
+        b"precious"
+    );
+    assert!(Image::open(&root.join("snap")).is_ok());
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -187,37 +187,12 @@ fn restore_mode(
 ) -> Result<Option<LazyRestore>, SnapshotError> {
     let regions: Vec<Arc<Region>> = map.snapshot().regions().to_vec();
     check_region_layout(image, &regions)?;
-    if cfg.mode != RestoreMode::Mapped {
-        let proc = crate::sys::ProcMem::open().map_err(|source| SnapshotError::File {
-            op: "open",
-            path: "/proc/self/pagemap".into(),
-            source,
-        })?;
-        for r in &regions {
-            let err = |op, source| SnapshotError::Memory {
-                region: r.guest_addr().0,
-                guest_addr: r.guest_addr().0,
-                op,
-                source,
-            };
-            // Private memory: faulted in, present or swapped (mincore misses swapped pages).
-            // Shared memory: in the page cache, however it got there.
-            let resident = match r.backing() {
-                Backing::Anonymous => proc
-                    .faulted_in(r.mapping(), 0, r.size() as usize)
-                    .map_err(|e| err("read /proc/self/pagemap", e))?
-                    .contains(&true),
-                _ => r
-                    .mapping()
-                    .any_resident(0, r.size() as usize)
-                    .map_err(|e| err("mincore", e.into_io()))?,
-            };
-            if resident {
-                return Err(SnapshotError::Populated {
-                    region: r.guest_addr().0,
-                });
-            }
-        }
+    // The regions are this restore's from here (a second restore, or a populate, is
+    // refused), and only then are they checked fresh and their dirty base changed.
+    begin(&regions)?;
+    if let Err(e) = check_fresh(&regions, cfg.mode) {
+        regions.iter().for_each(|r| r.snap_state.restore.abort());
+        return Err(e);
     }
     // Restored memory is the image's top save: dirty bitmaps count from it.
     for r in &regions {
@@ -226,7 +201,6 @@ fn restore_mode(
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(image.id().to_string());
     }
-    begin(&regions)?;
     let eager_from = match cfg.mode {
         RestoreMode::Lazy => {
             // The lazy restore owns the regions' state from here: complete or lose.
@@ -247,6 +221,45 @@ fn restore_mode(
         }
     }
     done.map(|()| None)
+}
+
+/// Refuses regions that hold memory already (but for a mapped restore, whose memory is the
+/// file's).
+fn check_fresh(regions: &[Arc<Region>], mode: RestoreMode) -> Result<(), SnapshotError> {
+    if mode == RestoreMode::Mapped {
+        return Ok(());
+    }
+    let proc = crate::sys::ProcMem::open().map_err(|source| SnapshotError::File {
+        op: "open",
+        path: "/proc/self/pagemap".into(),
+        source,
+    })?;
+    for r in regions {
+        let err = |op, source| SnapshotError::Memory {
+            region: r.guest_addr().0,
+            guest_addr: r.guest_addr().0,
+            op,
+            source,
+        };
+        // Private memory: faulted in, present or swapped (mincore misses swapped pages).
+        // Shared memory: in the page cache, however it got there.
+        let resident = match r.backing() {
+            Backing::Anonymous => proc
+                .faulted_in(r.mapping(), 0, r.size() as usize)
+                .map_err(|e| err("read /proc/self/pagemap", e))?
+                .contains(&true),
+            _ => r
+                .mapping()
+                .any_resident(0, r.size() as usize)
+                .map_err(|e| err("mincore", e.into_io()))?,
+        };
+        if resident {
+            return Err(SnapshotError::Populated {
+                region: r.guest_addr().0,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Moves every region to `Restoring`, or none: a region another restore is filling (or

@@ -16,10 +16,10 @@ pub const MAX_BLOCK_BYTES: u64 = 1 << 30;
 pub const MAX_SMALL_PAGE_BLOCK_BYTES: u64 = 64 << 20;
 /// Most blocks an image may have (64 TiB of 1 MiB blocks).
 pub const MAX_BLOCKS: u64 = 1 << 26;
-/// Largest `manifest.json` read: a manifest is read into memory whole, so this bounds what
-/// a file (or a symlink to `/dev/zero`, which is refused anyway) can make a reader allocate.
-/// 256 MiB holds the block records of ~2 TiB of data in 1 MiB blocks.
-pub const MAX_MANIFEST_BYTES: u64 = 256 << 20;
+/// Largest `manifest.json` read: a manifest is read into memory whole and parsed (page lists
+/// grow up to ~8x from text to words), so this bounds what a file can make a reader allocate
+/// (~0.5 GiB at worst). 64 MiB holds the block records of ~600 GiB of data in 1 MiB blocks.
+pub const MAX_MANIFEST_BYTES: u64 = 64 << 20;
 /// Longest save id read (guestmem writes 16 hex digits).
 const MAX_ID_CHARS: usize = 64;
 

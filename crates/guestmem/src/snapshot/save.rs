@@ -461,6 +461,8 @@ impl Target {
 /// A save in the making: a directory beside its target, named `.NAME.guestmem-save-*` and
 /// locked (`flock`) while its save runs, removed unless published.
 struct Staging {
+    /// The directory it was made in.
+    parent: Dir,
     dir: Dir,
     name: String,
     published: bool,
@@ -488,10 +490,25 @@ impl Staging {
             move |source| SnapshotError::File { op, path, source }
         };
         target.parent.mkdir(&name).map_err(ferr("create"))?;
-        let mut staging = Staging {
-            dir: Dir::open(&path).inspect_err(|_| {
+        let opened = target.parent.open_child(&name).and_then(|d| {
+            d.check_private()
+                .map_err(|source| crate::files::FileError {
+                    op: "check",
+                    path: path.clone(),
+                    source,
+                })?;
+            Ok(d)
+        });
+        let dir = match opened {
+            Ok(d) => d,
+            Err(e) => {
                 let _ = target.parent.rmdir(&name);
-            })?,
+                return Err(e.into());
+            }
+        };
+        let mut staging = Staging {
+            parent: target.parent.try_clone().map_err(ferr("open"))?,
+            dir,
             name,
             published: false,
         };
@@ -526,11 +543,17 @@ impl Staging {
             if !name.starts_with(&prefix) || !old {
                 continue;
             }
-            let Ok(dir) = Dir::open_nofollow(&target.parent.join(&name)) else {
+            let Ok(dir) = target.parent.open_child(&name) else {
                 continue;
             };
-            if dir.lock(true, false).unwrap_or(false) {
+            // Locked, and the name still names it: its save died. (A save that published
+            // it since has renamed it away; one that still runs holds the lock.)
+            if dir.lock(true, false).unwrap_or(false) && target.parent.names(&name, &dir) {
+                let Ok(parent) = target.parent.try_clone() else {
+                    continue;
+                };
                 Staging {
+                    parent,
                     dir,
                     name,
                     published: false,
@@ -581,12 +604,7 @@ impl Staging {
     fn remove(&mut self) {
         self.dir.unlink(MEMORY_FILE);
         self.dir.unlink(MANIFEST_FILE);
-        // The directory's parent is where it was made; only its own name is removed.
-        if let Some(parent) = self.dir.path().parent() {
-            if let Ok(p) = Dir::open(parent) {
-                let _ = p.rmdir(&self.name);
-            }
-        }
+        let _ = self.parent.rmdir(&self.name);
     }
 }
 

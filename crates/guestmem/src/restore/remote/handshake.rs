@@ -292,9 +292,12 @@ fn receive_inner(
             )))
         }
     };
+    // From here the peer may be a VM that depends on us: one descriptor came, and it is a
+    // userfaultfd (or /proc cannot say what it is, which is treated the same).
+    *got_uffd = std::fs::read_link(format!("/proc/self/fd/{}", uffd.as_raw_fd()))
+        .map_or(true, |l| l.as_os_str() == "anon_inode:[userfaultfd]");
     let uffd = Uffd::from_received(uffd)
         .map_err(|e| ServeError::Handshake(format!("the descriptor sent is not usable: {e}")))?;
-    *got_uffd = true;
     for (bit, name) in UNFOLLOWED_EVENTS {
         if uffd.features() & u64::from(bit) != 0 {
             return Err(ServeError::Handshake(format!(
@@ -304,16 +307,36 @@ fn receive_inner(
         }
     }
     let mut json = buf[..n].to_vec();
+    let mut first = true;
     let regions = loop {
-        match parse_regions(&json) {
+        // A JSON array can only be whole once it ends in `]`: after the first read, the text
+        // is parsed again only then (a peer sending a byte at a time costs no re-parse each).
+        let whole = first || json.trim_ascii_end().ends_with(b"]");
+        first = false;
+        let parsed = if whole {
+            parse_regions(&json)
+        } else {
+            Err(ServeError::Handshake("incomplete".into()))
+        };
+        match parsed {
             Ok(r) => break r,
             Err(e) => {
                 // Only a JSON document cut short may continue in a later read.
-                let cut = serde_json::from_slice::<serde_json::Value>(&json)
-                    .err()
-                    .is_some_and(|e| e.is_eof());
+                let cut = !whole
+                    || serde_json::from_slice::<serde_json::Value>(&json)
+                        .err()
+                        .is_some_and(|e| e.is_eof());
                 if !cut {
                     return Err(e);
+                }
+                // The timeout is for the whole handshake: a peer trickling bytes is cut off.
+                if Instant::now() >= deadline {
+                    return Err(ServeError::Handshake(format!(
+                        "the JSON stopped after {} bytes: the handshake was not whole within \
+                         {:.1} s",
+                        json.len(),
+                        timeout.as_secs_f64()
+                    )));
                 }
                 if json.len() >= MAX_HANDSHAKE_BYTES {
                     return Err(ServeError::Handshake(format!(
@@ -326,7 +349,8 @@ fn receive_inner(
                 let k = (&*stream).read(&mut buf).map_err(|e| match e.kind() {
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
                         ServeError::Handshake(format!(
-                            "the JSON stopped after {} bytes and no more came within {:.1} s",
+                            "the JSON stopped after {} bytes: the handshake was not whole within \
+                             {:.1} s",
                             json.len(),
                             timeout.as_secs_f64()
                         ))

@@ -1,20 +1,21 @@
 //! The page server's socket: published whole, removed only while it is still ours, and an
 //! accept loop that runs handshakes side by side until one is a VM's.
 
+use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::handshake::{receive_checked, Handshake, Refused};
 use super::{end_peer, ServeConfig, ServeError};
 use crate::files::{split, unique_suffix, Dir};
 
-/// Most handshakes read at once; a connection past them is dropped at once (logged).
+/// Most handshakes read at once; past them, connections wait in the backlog.
 const MAX_PENDING_HANDSHAKES: usize = 16;
 
 /// A listening Unix socket at a path, published atomically. Dropping it closes the socket
@@ -46,21 +47,37 @@ impl Listener {
                     "--socket {shown}: exists and is not a socket; refusing to replace it"
                 )))
             }
-            Ok(_) => {
-                if UnixStream::connect(path).is_ok() {
+            Ok(_) => match UnixStream::connect(path) {
+                Ok(_) => {
                     return Err(ServeError::Config(format!(
                         "--socket {shown}: another server listens there"
-                    )));
+                    )))
                 }
-                true
-            }
+                // Nobody listens: a socket left by a server that died, replaced below.
+                Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => true,
+                Err(e) => {
+                    return Err(ServeError::Config(format!(
+                        "--socket {shown}: cannot tell whether a server listens there ({e}); \
+                         refusing to replace it"
+                    )))
+                }
+            },
         };
         let tmp = format!(".{name}.{}", unique_suffix());
         let tmp_path = dir.join(&tmp);
-        let socket = UnixListener::bind(&tmp_path).map_err(serr(format!(
-            "bind {} (beside --socket)",
-            tmp_path.display()
-        )))?;
+        let socket = UnixListener::bind(&tmp_path).map_err(|e| {
+            let hint = if e.raw_os_error() == Some(libc::EINVAL) {
+                " (a socket path is at most 107 bytes, and the temporary name beside --socket \
+                 is longer than it: use a shorter path)"
+            } else {
+                ""
+            };
+            serr(format!("bind {}{hint}", tmp_path.display()))(e)
+        })?;
+        if let Err(e) = socket.set_nonblocking(true) {
+            dir.unlink(&tmp);
+            return Err(serr("make the socket non-blocking".into())(e));
+        }
         let published = (|| {
             let m = std::fs::symlink_metadata(&tmp_path)?;
             // A stale socket is replaced in one rename; otherwise nothing may be.
@@ -81,9 +98,6 @@ impl Listener {
                 });
             }
         };
-        socket
-            .set_nonblocking(true)
-            .map_err(serr("make the socket non-blocking".into()))?;
         Ok(Listener {
             socket,
             path: path.to_path_buf(),
@@ -100,114 +114,176 @@ impl Listener {
 
     /// Accepts connections until one completes a VM's handshake, or
     /// [`ServeConfig::accept_timeout`] passes with none in progress. Each connection's
-    /// handshake runs on a thread of its own, so a squatter does not hold up the real VM.
-    /// A connection that hands over no userfaultfd is dropped with a log line; one that did
-    /// and is then refused is ended as [`ServeConfig::on_failure`] says, and its refusal
-    /// returned (this server had a VM and cannot serve it). A VM whose handshake completes
-    /// after another won is ended the same way (a one-VM server has its VM).
+    /// handshake runs on a thread of its own (at most [`MAX_PENDING_HANDSHAKES`] at once;
+    /// past that the server stops accepting until one ends), so a squatter does not hold up
+    /// the real VM. A connection that hands over no userfaultfd is dropped with a log line;
+    /// one that did and is then refused is ended as [`ServeConfig::on_failure`] says, and its
+    /// refusal returned (this server had a VM and cannot serve it). Every VM that completes
+    /// its handshake after another won, or waits in the backlog then, is ended the same way
+    /// (a one-VM server has its VM).
     pub(crate) fn next_vm(&self, cfg: &ServeConfig) -> Result<Handshake, ServeError> {
-        let (tx, rx) = mpsc::channel::<Result<Handshake, Refused>>();
+        let mailbox = Arc::new(Mailbox::default());
         let notify = Arc::new(crate::sys::eventfd().map_err(|source| ServeError::Socket {
             op: "make an eventfd".into(),
             source,
         })?);
-        let pending = Arc::new(AtomicUsize::new(0));
         let deadline = cfg.accept_timeout.map(|d| Instant::now() + d);
-        loop {
-            while let Ok(r) = rx.try_recv() {
-                match r {
-                    Ok(h) => return Ok(h),
-                    Err(Refused {
-                        error,
-                        process: Some(p),
-                    }) => {
-                        end_peer(&p, cfg, &error);
-                        return Err(error);
-                    }
-                    Err(Refused {
-                        error,
-                        process: None,
-                    }) => cfg.log.say(&format!(
-                        "dropped a connection that is not a VM's (it sent no userfaultfd): {error}"
-                    )),
-                }
+        let outcome = loop {
+            if let Some(done) = decide(cfg, &mailbox) {
+                break done;
             }
+            let pending = mailbox.pending.load(Ordering::Acquire);
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            if left.is_some_and(|l| l.is_zero()) && pending.load(Ordering::Acquire) == 0 {
-                return Err(ServeError::Handshake(format!(
+            if left.is_some_and(|l| l.is_zero()) && pending == 0 {
+                break Err(ServeError::Handshake(format!(
                     "no VM connected within {:.1} s",
                     cfg.accept_timeout.unwrap_or_default().as_secs_f64()
                 )));
             }
-            // With handshakes in flight past the deadline, wait for them (each is bounded by
+            // With handshakes in flight past the deadline, wait for them (each ends within
             // the handshake timeout).
             let ms = match left {
                 Some(l) if !l.is_zero() => l.as_millis().clamp(1, i32::MAX as u128) as i32,
                 _ => -1,
             };
-            if wait_two(self.socket.as_fd(), notify.as_fd(), ms)? {
-                self.accept_one(cfg, &tx, &notify, &pending);
+            // At the cap the listener is not watched: connections wait in the backlog.
+            let listen = (pending < MAX_PENDING_HANDSHAKES).then(|| self.socket.as_fd());
+            match wait_two(listen, notify.as_fd(), ms) {
+                Ok(true) => {
+                    self.accept_one(cfg, &mailbox, &notify);
+                }
+                Ok(false) => {}
+                Err(e) => break Err(e),
             }
             drain(notify.as_fd());
-        }
+        };
+        // Whatever happens next, no handshake thread hands this loop a VM any more: each
+        // ends its own. VMs already waiting in the backlog get the same.
+        mailbox.close(cfg);
+        while self.accept_one(cfg, &mailbox, &notify) {}
+        outcome
     }
 
-    /// Accepts one waiting connection (if any) and starts its handshake thread.
-    fn accept_one(
-        &self,
-        cfg: &ServeConfig,
-        tx: &mpsc::Sender<Result<Handshake, Refused>>,
-        notify: &Arc<OwnedFd>,
-        pending: &Arc<AtomicUsize>,
-    ) {
+    /// Accepts one waiting connection (if any; whether one was) and starts its handshake
+    /// thread.
+    fn accept_one(&self, cfg: &ServeConfig, mailbox: &Arc<Mailbox>, notify: &Arc<OwnedFd>) -> bool {
         let stream = match self.socket.accept() {
             Ok((s, _)) => s,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return false,
             Err(e) => {
-                cfg.log.say(&format!("accept failed: {e}"));
-                return;
+                // Out of descriptors, say: the connection stays queued; wait a little rather
+                // than spin on a listener that stays readable.
+                cfg.log
+                    .say(&format!("accept failed: {e}; trying again in 100 ms"));
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                return false;
             }
         };
-        if pending.load(Ordering::Acquire) >= MAX_PENDING_HANDSHAKES {
-            cfg.log.say(&format!(
-                "dropped a connection: {MAX_PENDING_HANDSHAKES} handshakes are in progress already"
-            ));
-            return;
-        }
         if stream.set_nonblocking(false).is_err() {
-            return;
+            return true;
         }
-        pending.fetch_add(1, Ordering::AcqRel);
-        let (tx, notify, pending2, cfg2) =
-            (tx.clone(), notify.clone(), pending.clone(), cfg.clone());
+        mailbox.pending.fetch_add(1, Ordering::AcqRel);
+        let (mailbox2, notify, cfg2) = (mailbox.clone(), notify.clone(), cfg.clone());
         let spawned = std::thread::Builder::new()
             .name("guestmem-handshake".into())
             .spawn(move || {
                 let r = receive_checked(stream, cfg2.handshake_timeout);
-                if let Err(mpsc::SendError(r)) = tx.send(r) {
-                    // The server has its VM (or gave up): a VM that arrives now is refused.
-                    let late = match r {
-                        Ok(h) => Some((
-                            h.process,
-                            ServeError::Handshake(
-                                "a second VM connected to a server that serves one".into(),
-                            ),
-                        )),
-                        Err(Refused { error, process }) => process.map(|p| (p, error)),
-                    };
-                    if let Some((p, why)) = late {
-                        end_peer(&p, &cfg2, &why);
-                    }
-                }
-                pending2.fetch_sub(1, Ordering::AcqRel);
+                mailbox2.deliver(r, &cfg2);
                 let _ = crate::sys::eventfd_signal(notify.as_fd());
             });
         if let Err(e) = spawned {
-            pending.fetch_sub(1, Ordering::AcqRel);
+            mailbox.pending.fetch_sub(1, Ordering::AcqRel);
             cfg.log.say(&format!(
                 "dropped a connection: no thread for its handshake: {e}"
             ));
         }
+        true
+    }
+}
+
+/// The first result in the mailbox that settles the wait, if any; drops non-VM peers.
+fn decide(cfg: &ServeConfig, mailbox: &Mailbox) -> Option<Result<Handshake, ServeError>> {
+    loop {
+        match mailbox.take_one()? {
+            Ok(h) => return Some(Ok(h)),
+            Err(Refused {
+                error,
+                process: Some(p),
+            }) => {
+                end_peer(&p, cfg, &error);
+                return Some(Err(error));
+            }
+            Err(Refused {
+                error,
+                process: None,
+            }) => cfg.log.say(&format!(
+                "dropped a connection that is not a VM's (it sent no userfaultfd): {error}"
+            )),
+        }
+    }
+}
+
+/// Where handshake threads leave their results while the server still waits for its VM.
+/// Once closed, a thread ends its own VM instead: no result is left unread.
+#[derive(Default)]
+struct Mailbox {
+    inner: Mutex<MailboxInner>,
+    /// Handshakes still being read.
+    pending: AtomicUsize,
+}
+
+#[derive(Default)]
+struct MailboxInner {
+    closed: bool,
+    results: VecDeque<Result<Handshake, Refused>>,
+}
+
+impl Mailbox {
+    fn deliver(&self, r: Result<Handshake, Refused>, cfg: &ServeConfig) {
+        let mut m = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        if m.closed {
+            drop(m);
+            end_late(r, cfg);
+        } else {
+            m.results.push_back(r);
+        }
+        self.pending.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn take_one(&self) -> Option<Result<Handshake, Refused>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .results
+            .pop_front()
+    }
+
+    /// Closes it and ends every VM still in it.
+    fn close(&self, cfg: &ServeConfig) {
+        let left: Vec<_> = {
+            let mut m = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            m.closed = true;
+            m.results.drain(..).collect()
+        };
+        for r in left {
+            end_late(r, cfg);
+        }
+    }
+}
+
+/// Ends a VM whose handshake settled after the server had its VM (or had given up).
+fn end_late(r: Result<Handshake, Refused>, cfg: &ServeConfig) {
+    let late = match r {
+        Ok(h) => Some((
+            h.process,
+            ServeError::Handshake(
+                "a VM connected to a server that serves one VM and has it (or gave up)".into(),
+            ),
+        )),
+        Err(Refused { error, process }) => process.map(|p| (p, error)),
+    };
+    if let Some((p, why)) = late {
+        end_peer(&p, cfg, &why);
     }
 }
 
@@ -220,15 +296,17 @@ impl Drop for Listener {
     }
 }
 
-/// Waits up to `ms` (-1: for ever) for `a` or `b` to be readable; whether `a` is.
+/// Waits up to `ms` (-1: for ever) for `a` (when given) or `b` to be readable; whether `a`
+/// is.
 fn wait_two(
-    a: std::os::fd::BorrowedFd<'_>,
+    a: Option<std::os::fd::BorrowedFd<'_>>,
     b: std::os::fd::BorrowedFd<'_>,
     ms: i32,
 ) -> Result<bool, ServeError> {
     let mut fds = [
         libc::pollfd {
-            fd: a.as_raw_fd(),
+            // A negative descriptor is skipped by poll.
+            fd: a.map_or(-1, |a| a.as_raw_fd()),
             events: libc::POLLIN,
             revents: 0,
         },

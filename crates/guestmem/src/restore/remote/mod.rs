@@ -35,7 +35,8 @@
 //! from then on (a handshake that does not hold together, a memory file shorter than the
 //! regions, a userfaultfd asking for fork, remap or unmap events) and every serving failure
 //! (the file unreadable) ends the VM as [`OnFailure`] says, through a pidfd taken when it
-//! connected (`SO_PEERPIDFD`, so a reused pid is never signalled), and logs why. Idle means
+//! connected (`SO_PEERPIDFD`, so a reused pid is never signalled; see [`PeerProcess`] for
+//! older kernels), and logs why. Idle means
 //! blocked: handlers wait in `poll` without a timeout, and the server waits on the peer's
 //! socket and the engine's failure descriptor.
 

@@ -1,6 +1,8 @@
-//! The process on the other end of a page server's socket, held by a pidfd taken when it
-//! connected: a signal sent through it reaches that process or none, never one that reused
-//! its pid.
+//! The process on the other end of a page server's socket, held by a pidfd: a signal sent
+//! through it reaches that process or none, never one that reused its pid. The pidfd comes
+//! from `SO_PEERPIDFD` (Linux 6.5), which the kernel takes at `connect`; on older kernels it
+//! is `pidfd_open` of `SO_PEERCRED`'s pid at accept, which leaves a window (the peer exits
+//! and its pid is reused before the accept) that only `SO_PEERPIDFD` closes.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
