@@ -277,6 +277,14 @@ fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_s
     let dir = std::env::temp_dir().join(format!("gm-fc-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
+    /// Removes the folder however the test ends (its processes are guarded and go first).
+    struct Remove(PathBuf);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _remove = Remove(dir.clone());
     let guest = build_guest(&dir);
 
     // Boot, fill, snapshot.

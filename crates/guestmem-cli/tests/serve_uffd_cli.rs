@@ -36,12 +36,34 @@ macro_rules! need_uffd {
     };
 }
 
-/// A fresh folder for one test.
-fn dir(name: &str) -> PathBuf {
+/// A fresh folder for one test, removed when dropped (a failing test leaves nothing either).
+fn dir(name: &str) -> Scratch {
     let d = std::env::temp_dir().join(format!("gm-serve-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
-    d
+    Scratch(d)
+}
+
+/// A test's folder: removed on drop.
+struct Scratch(PathBuf);
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// The word at byte `at` of the test memory file: a mix of the offset, never zero.
