@@ -532,3 +532,17 @@ fn uffd_hint(errno: Option<i32>) -> &'static str {
 fn peer_gone(e: &SnapshotError) -> bool {
     matches!(e, SnapshotError::Memory { source, .. } if source.raw_os_error() == Some(libc::ESRCH))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn userfaultfd_errnos_are_explained_for_a_page_server() {
+        assert!(uffd_hint(Some(libc::ENOENT)).contains("unmapped or moved"));
+        assert!(uffd_hint(Some(libc::EINVAL)).contains("not registered"));
+        assert!(uffd_hint(Some(libc::ESRCH)).contains("exited"));
+        assert_eq!(uffd_hint(Some(libc::EIO)), "");
+        assert_eq!(uffd_hint(None), "");
+    }
+}

@@ -501,6 +501,10 @@ mod tests {
                 br#"[{"base_host_virt_addr":18446744073709547520,"size":8192,"offset":0}]"#,
                 "past the end of user address space",
             ),
+            (
+                br#"[{"base_host_virt_addr":4096,"size":8192,"offset":18446744073709547520}]"#,
+                "+ size 0x2000 overflows 64 bits",
+            ),
         ] {
             let e = parse_regions(bad).unwrap_err().to_string();
             assert!(e.contains(says), "{e}");
