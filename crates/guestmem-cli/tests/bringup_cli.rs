@@ -118,15 +118,15 @@ impl TestCgroup {
             )
         };
         if let Err(e) = std::fs::create_dir(&dir) {
-            println!(
-                "skip: cannot make a memory cgroup at {} ({e}); needs root and cgroupfs",
+            guestmem_testkit::skip(format_args!(
+                "cannot make a memory cgroup at {} ({e}); needs root and cgroupfs",
                 dir.display()
-            );
+            ));
             return None;
         }
         let cg = TestCgroup { dir };
         if let Err(e) = std::fs::write(cg.dir.join(file), limit.to_string()) {
-            println!("skip: cannot set {file} ({e})");
+            guestmem_testkit::skip(format_args!("cannot set {file} ({e})"));
             return None;
         }
         Some(cg)
@@ -169,7 +169,9 @@ fn bringup_pin_auto_without_cap_ipc_lock_goes_on_unpinned_and_up_front_refuses()
     let available = Command::new("setpriv").arg("--version").output().is_ok()
         && Command::new("prlimit").arg("--version").output().is_ok();
     if !available {
-        println!("skip: needs setpriv and prlimit (util-linux) to drop CAP_IPC_LOCK");
+        guestmem_testkit::skip(format_args!(
+            "needs setpriv and prlimit (util-linux) to drop CAP_IPC_LOCK"
+        ));
         return;
     }
     let run = |pin: &str| {

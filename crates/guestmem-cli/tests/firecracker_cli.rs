@@ -12,7 +12,9 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{ChildStdin, Command, Stdio};
+
+use guestmem_testkit::{ChildGuard as Guard, Scratch};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -59,43 +61,13 @@ fn missing() -> Option<String> {
     None
 }
 
-/// A process killed and reaped when dropped.
-struct Guard(Option<Child>);
-
-impl Guard {
-    fn wait_exit(&mut self, secs: u64) -> std::process::ExitStatus {
-        let c = self.0.as_mut().expect("running");
-        let t = Instant::now();
-        loop {
-            if let Some(s) = c.try_wait().unwrap() {
-                return s;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(secs),
-                "process {} did not exit within {secs} s",
-                c.id()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+/// Its stderr, once it has exited.
+fn stderr(g: &mut Guard) -> String {
+    let mut s = String::new();
+    if let Some(mut e) = g.child().stderr.take() {
+        let _ = e.read_to_string(&mut s);
     }
-
-    /// Its stderr, once it has exited.
-    fn stderr(&mut self) -> String {
-        let mut s = String::new();
-        if let Some(mut e) = self.0.as_mut().and_then(|c| c.stderr.take()) {
-            let _ = e.read_to_string(&mut s);
-        }
-        s
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
+    s
 }
 
 /// Builds the shared guest with a `REGION_MB` region into `dir`.
@@ -176,7 +148,7 @@ impl Firecracker {
             std::thread::sleep(Duration::from_millis(10));
         }
         Firecracker {
-            proc: Guard(Some(child)),
+            proc: Guard::new(child),
             api,
             stdin,
             lines,
@@ -254,13 +226,13 @@ fn serve(socket: &Path, mem: &Path) -> Guard {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut g = Guard(Some(child));
+    let mut g = Guard::new(child);
     let t = Instant::now();
     while !socket.exists() {
         assert!(
-            g.0.as_mut().unwrap().try_wait().unwrap().is_none(),
+            g.running(),
             "the server exited before listening: {}",
-            g.stderr()
+            stderr(&mut g)
         );
         assert!(t.elapsed() < Duration::from_secs(20), "no socket appeared");
         std::thread::sleep(Duration::from_millis(5));
@@ -271,20 +243,10 @@ fn serve(socket: &Path, mem: &Path) -> Guard {
 #[test]
 fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_served() {
     if let Some(why) = missing() {
-        eprintln!("skipped: {why}");
+        guestmem_testkit::skip(format_args!("{why}"));
         return;
     }
-    let dir = std::env::temp_dir().join(format!("gm-fc-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    /// Removes the folder however the test ends (its processes are guarded and go first).
-    struct Remove(PathBuf);
-    impl Drop for Remove {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    let _remove = Remove(dir.clone());
+    let dir = Scratch::new("firecracker");
     let guest = build_guest(&dir);
 
     // Boot, fill, snapshot.
@@ -339,7 +301,7 @@ fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_s
     assert!(pass.ends_with(" BAD 0"), "{pass}");
     drop(fc);
     let st = srv.wait_exit(20);
-    let err = srv.stderr();
+    let err = stderr(&mut srv);
     eprintln!("guest: {touch}, {pass}\nserver: {err}");
     assert!(st.success(), "{err}");
     assert!(
@@ -365,7 +327,7 @@ fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_s
     assert_eq!(st.signal(), Some(libc::SIGKILL), "{st:?} (load said {r:?})");
     assert!(t.elapsed() < Duration::from_secs(30));
     let st = srv.wait_exit(20);
-    let err = srv.stderr();
+    let err = stderr(&mut srv);
     assert_eq!(st.code(), Some(1), "{err}");
     assert!(
         err.contains("killed the peer") && err.contains("but region 0"),

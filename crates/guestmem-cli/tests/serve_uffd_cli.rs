@@ -5,10 +5,11 @@
 use std::io::{Read, Write};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use guestmem_lab::fc_standin::{Standin, PAGE};
+use guestmem_testkit::{ChildGuard as Guard, Scratch};
 
 const MIB: usize = 1 << 20;
 
@@ -30,7 +31,7 @@ fn missing() -> Option<String> {
 macro_rules! need_uffd {
     () => {
         if let Some(why) = missing() {
-            eprintln!("skipped: {why}");
+            guestmem_testkit::skip(format_args!("{why}"));
             return;
         }
     };
@@ -38,32 +39,7 @@ macro_rules! need_uffd {
 
 /// A fresh folder for one test, removed when dropped (a failing test leaves nothing either).
 fn dir(name: &str) -> Scratch {
-    let d = std::env::temp_dir().join(format!("gm-serve-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    Scratch(d)
-}
-
-/// A test's folder: removed on drop.
-struct Scratch(PathBuf);
-
-impl std::ops::Deref for Scratch {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl AsRef<Path> for Scratch {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+    Scratch::new(&format!("serve-{name}"))
 }
 
 /// The word at byte `at` of the test memory file: a mix of the offset, never zero.
@@ -93,57 +69,12 @@ fn mem_file(d: &Path, size: usize, hole: Option<usize>) -> PathBuf {
     p
 }
 
-/// A child process that is killed and reaped when dropped, however the test ends.
-struct Guard(Option<Child>);
-
-impl Guard {
-    fn id(&self) -> u32 {
-        self.0.as_ref().expect("running").id()
-    }
-
-    /// Waits (at most `secs`) for it to exit; its status.
-    fn wait_exit(&mut self, secs: u64) -> std::process::ExitStatus {
-        let c = self.0.as_mut().expect("running");
-        let t = Instant::now();
-        loop {
-            if let Some(s) = c.try_wait().unwrap() {
-                return s;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(secs),
-                "process {} did not exit within {secs} s",
-                c.id()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Whether it still runs.
-    fn running(&mut self) -> bool {
-        self.0
-            .as_mut()
-            .expect("running")
-            .try_wait()
-            .unwrap()
-            .is_none()
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// Starts `guestmem serve-uffd` without waiting for its socket. `GUESTMEM_BIN` names
 /// another build to test instead (an A/B of two commits).
 fn spawn_server(socket: &Path, mem: &Path, extra: &[&str]) -> Guard {
     let bin =
         std::env::var_os("GUESTMEM_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_guestmem").into());
-    Guard(Some(
+    Guard::new(
         Command::new(bin)
             .arg("serve-uffd")
             .arg("--socket")
@@ -155,7 +86,7 @@ fn spawn_server(socket: &Path, mem: &Path, extra: &[&str]) -> Guard {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap(),
-    ))
+    )
 }
 
 /// Starts `guestmem serve-uffd` and waits for its socket.
@@ -173,7 +104,7 @@ fn server(socket: &Path, mem: &Path, extra: &[&str]) -> Guard {
 /// Waits (at most 20 s) for the server to exit; its status, stdout and stderr.
 fn finish(mut g: Guard) -> (i32, String, String) {
     let status = g.wait_exit(20);
-    let c = g.0.as_mut().expect("running");
+    let c = g.child();
     let (mut out, mut err) = (String::new(), String::new());
     c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
     c.stderr.take().unwrap().read_to_string(&mut err).unwrap();
@@ -233,7 +164,7 @@ fn standin_child() {
 /// A stand-in VM in a child process: `does` to `socket`, with `size` bytes of memory and the
 /// userfaultfd `features`; it reads its memory once `go` exists.
 fn vm_child(socket: &Path, size: usize, features: u64, does: ChildDoes, go: &Path) -> Guard {
-    Guard(Some(
+    Guard::new(
         Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",
@@ -251,7 +182,7 @@ fn vm_child(socket: &Path, size: usize, features: u64, does: ChildDoes, go: &Pat
             .stderr(Stdio::null())
             .spawn()
             .unwrap(),
-    ))
+    )
 }
 
 #[test]
@@ -849,7 +780,7 @@ fn a_second_vm_at_once_is_ended_not_left_hung() {
     std::thread::sleep(Duration::from_millis(200));
     assert!(alive.running(), "the VM being served is left alone");
     // The served VM goes away: the server ends cleanly.
-    drop(std::mem::replace(alive, Guard(None)));
+    drop(std::mem::replace(alive, Guard::none()));
     let (code, _, err) = finish(srv);
     assert_eq!(code, 0, "{err}");
     if was_killed {

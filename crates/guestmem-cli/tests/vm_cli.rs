@@ -6,7 +6,7 @@ use std::process::Command;
 #[test]
 fn vm_json_reports_every_pass_with_exact_dirty_pages() {
     if let Some(why) = guestmem::kvm::unavailable_reason(Path::new("/dev/kvm")) {
-        println!("skip: {why}");
+        guestmem_testkit::skip(format_args!("{why}"));
         return;
     }
     let out = Command::new(env!("CARGO_BIN_EXE_guestmem"))
@@ -43,7 +43,7 @@ fn vm_refuses_a_split_that_does_not_fit() {
 #[test]
 fn vm_prefault_modes_report_prefault_and_guest_start() {
     if let Some(why) = guestmem::kvm::unavailable_reason(Path::new("/dev/kvm")) {
-        println!("skip: {why}");
+        guestmem_testkit::skip(format_args!("{why}"));
         return;
     }
     for mode in ["none", "blocking", "background"] {

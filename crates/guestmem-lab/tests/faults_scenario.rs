@@ -5,11 +5,6 @@ use guestmem_lab::faults::{run_faults, FaultKind, FaultsLabConfig};
 use guestmem_lab::report::{write_run, LabReport};
 use guestmem_lab::run::{Order, Protocol};
 
-/// The tests of this file map plain anonymous memory, which the kernel may merge with a
-/// neighbouring mapping of a test running at the same time and so hide from the per-VMA
-/// figures they check: they run one at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 const TINY_BYTES: u64 = 32 << 20;
 const PAGE_BYTES: u64 = 4096;
 
@@ -28,7 +23,7 @@ fn tiny() -> FaultsLabConfig {
 
 #[test]
 fn faults_tiny_every_page_faulted_in_small_pages_with_expected_vmas() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = guestmem_testkit::host_lock();
     let result = run_faults(&tiny()).expect("scenario runs");
 
     let names: Vec<&str> = result
@@ -74,7 +69,7 @@ fn faults_tiny_every_page_faulted_in_small_pages_with_expected_vmas() {
 
 #[test]
 fn faults_size_that_does_not_split_is_refused() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = guestmem_testkit::host_lock();
     let cfg = FaultsLabConfig {
         size: 3 * PAGE_BYTES,
         ..tiny()
@@ -84,7 +79,7 @@ fn faults_size_that_does_not_split_is_refused() {
 
 #[test]
 fn faults_tiny_writes_json_and_markdown_run_folder() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = guestmem_testkit::host_lock();
     let cfg = FaultsLabConfig {
         threads: vec![2],
         ..tiny()

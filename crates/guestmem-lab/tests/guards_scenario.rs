@@ -5,11 +5,6 @@ use guestmem_lab::guards::{run_guards, GuardsLabConfig, MIN_REGION_BYTES};
 use guestmem_lab::report::{write_run, LabReport};
 use guestmem_lab::run::{Order, Protocol};
 
-/// The tests of this file map plain anonymous memory, which the kernel may merge with a
-/// neighbouring mapping of a test running at the same time and so hide from the per-VMA
-/// figures they check: they run one at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 const TINY_BYTES: u64 = 16 << 20;
 const THP_BYTES: u64 = 2 << 20;
 const VARIANTS: [&str; 4] = [
@@ -39,7 +34,7 @@ fn thp_enabled() -> bool {
 
 #[test]
 fn guards_tiny_guestmem_covers_its_span_and_tcg_guard_costs_a_huge_page() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = guestmem_testkit::host_lock();
     let result = run_guards(&tiny()).expect("scenario runs");
 
     let names: Vec<&str> = result
@@ -83,7 +78,7 @@ fn guards_tiny_guestmem_covers_its_span_and_tcg_guard_costs_a_huge_page() {
 
 #[test]
 fn guards_too_small_region_is_refused() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = guestmem_testkit::host_lock();
     let cfg = GuardsLabConfig {
         size: MIN_REGION_BYTES - THP_BYTES,
         ..tiny()
@@ -93,7 +88,7 @@ fn guards_too_small_region_is_refused() {
 
 #[test]
 fn guards_tiny_writes_json_and_markdown_run_folder() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = guestmem_testkit::host_lock();
     let result = run_guards(&tiny()).expect("scenario runs");
     let base = std::env::temp_dir().join(format!("guestmem-lab-guards-{}", std::process::id()));
 

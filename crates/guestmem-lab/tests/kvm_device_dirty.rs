@@ -85,7 +85,9 @@ impl Debugfs {
             .status()
             .is_ok_and(|s| s.success());
         if !ok || !kvm.exists() {
-            println!("skip: KVM's debugfs statistics are not available (needs root and debugfs)");
+            guestmem_testkit::skip(format_args!(
+                "KVM's debugfs statistics are not available (needs root and debugfs)"
+            ));
             return None;
         }
         Some(Debugfs { mounted_here: true })

@@ -189,9 +189,9 @@ fn io_error_mid_lazy_restore_stops_the_guest() {
     ) {
         Ok(fs) => fs,
         Err(e) => {
-            eprintln!(
-                "skipping: cannot mount a FUSE filesystem here ({e}); needs root and /dev/fuse"
-            );
+            guestmem_testkit::skip(format_args!(
+                "cannot mount a FUSE filesystem here ({e}); needs root and /dev/fuse"
+            ));
             return;
         }
     };
@@ -201,7 +201,9 @@ fn io_error_mid_lazy_restore_stops_the_guest() {
     let bind = match BindMount::new(&fs.path(), &snap.join("memory")) {
         Ok(b) => b,
         Err(e) => {
-            eprintln!("skipping: cannot bind-mount the FUSE file ({e}); needs root");
+            guestmem_testkit::skip(format_args!(
+                "cannot bind-mount the FUSE file ({e}); needs root"
+            ));
             return;
         }
     };

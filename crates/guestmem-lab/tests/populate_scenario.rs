@@ -7,11 +7,6 @@ use guestmem_lab::populate::{run_populate, LayoutKind, PopulateLabConfig};
 use guestmem_lab::report::write_run;
 use guestmem_lab::run::{Order, Protocol};
 
-/// The tests of this file map plain anonymous memory, which the kernel may merge with a
-/// neighbouring mapping of a test running at the same time and so hide from the per-VMA
-/// figures they check: they run one at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 const TINY_BYTES: u64 = 64 << 20;
 const VARIANTS: [&str; 5] = [
     "guestmem-1",
@@ -38,7 +33,7 @@ fn tiny() -> PopulateLabConfig {
 
 #[test]
 fn populate_tiny_every_variant_populates_every_byte() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = guestmem_testkit::host_lock();
     let result = run_populate(&tiny()).expect("scenario runs");
 
     assert_eq!(result.body.layouts.len(), 2);
@@ -68,7 +63,7 @@ fn populate_tiny_every_variant_populates_every_byte() {
 
 #[test]
 fn populate_tiny_writes_json_and_markdown_run_folder() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = guestmem_testkit::host_lock();
     let result = run_populate(&PopulateLabConfig {
         layouts: vec![LayoutKind::Unequal],
         ..tiny()

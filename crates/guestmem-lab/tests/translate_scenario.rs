@@ -6,11 +6,6 @@ use guestmem_lab::report::{write_run, LabReport};
 use guestmem_lab::run::{Order, Protocol};
 use guestmem_lab::translate::{run_translate, LookupKind, TranslateLabConfig, LOOKUPS_PER_VISIT};
 
-/// The tests of this file map plain anonymous memory, which the kernel may merge with a
-/// neighbouring mapping of a test running at the same time and so hide from the per-VMA
-/// figures they check: they run one at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 fn tiny() -> TranslateLabConfig {
     TranslateLabConfig {
         region_counts: vec![1, 3, 8],
@@ -27,7 +22,7 @@ fn tiny() -> TranslateLabConfig {
 
 #[test]
 fn translate_tiny_every_kind_and_thread_count_runs_with_right_answers() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = guestmem_testkit::host_lock();
     let result = run_translate(&tiny()).expect("every lookup found its region");
 
     let counts: Vec<usize> = result
@@ -67,7 +62,7 @@ fn translate_tiny_every_kind_and_thread_count_runs_with_right_answers() {
 
 #[test]
 fn translate_lookups_not_a_whole_number_of_visits_is_refused() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = guestmem_testkit::host_lock();
     let cfg = TranslateLabConfig {
         lookups_per_thread: LOOKUPS_PER_VISIT + 1,
         ..tiny()
@@ -77,7 +72,7 @@ fn translate_lookups_not_a_whole_number_of_visits_is_refused() {
 
 #[test]
 fn translate_tiny_writes_json_and_markdown_run_folder() {
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = guestmem_testkit::host_lock();
     let cfg = TranslateLabConfig {
         region_counts: vec![4],
         ..tiny()

@@ -134,13 +134,15 @@ fn file_region_truncated_by_someone_else_is_named_not_a_signal() {
 fn layout_past_max_map_count_is_refused_before_mapping() {
     let host = Host::read();
     let Some(limit) = host.max_map_count else {
-        println!("skip: vm.max_map_count is unreadable here");
+        guestmem_testkit::skip(format_args!("vm.max_map_count is unreadable here"));
         return;
     };
     // Each guarded region adds 3 mappings: enough regions to pass the limit.
     let n = (limit.saturating_sub(host.map_count) / 3 + 1) as usize;
     if n > guestmem::MAX_REGIONS {
-        println!("skip: vm.max_map_count ({limit}) allows more regions than a map holds");
+        guestmem_testkit::skip(format_args!(
+            "vm.max_map_count ({limit}) allows more regions than a map holds"
+        ));
         return;
     }
     let specs: Vec<RegionSpec> = (0..n as u64)

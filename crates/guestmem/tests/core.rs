@@ -10,13 +10,8 @@ use guestmem::{
     Backing, Guard, GuestAddress, GuestMap, MapError, RegionSpec, Thp, TranslateError, MAX_REGIONS,
 };
 
-/// Tests here read smaps per VMA. A region without guards may merge with a neighbouring
-/// mapping another test makes at the same time, which hides its figures: they run one at a
-/// time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+    guestmem_testkit::host_lock()
 }
 
 const MIB: u64 = 1 << 20;
@@ -150,7 +145,9 @@ fn populate(map: &GuestMap) {
 fn thp_region_populated_is_fully_huge_with_and_without_guards() {
     let _serial = serial();
     if !thp_available() {
-        println!("skip: THP is disabled on this kernel (transparent_hugepage/enabled = never)");
+        guestmem_testkit::skip(format_args!(
+            "THP is disabled on this kernel (transparent_hugepage/enabled = never)"
+        ));
         return;
     }
     for guard in [Guard::On, Guard::Off] {
@@ -176,7 +173,7 @@ fn thp_region_without_advice_gets_no_huge_pages_in_madvise_mode() {
     let _serial = serial();
     let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap();
     if !mode.contains("[madvise]") {
-        println!("skip: THP mode is not madvise ({})", mode.trim());
+        guestmem_testkit::skip(format_args!("THP mode is not madvise ({})", mode.trim()));
         return;
     }
     let map = GuestMap::from_specs(&[
@@ -290,7 +287,7 @@ fn translator_errors_name_the_address() {
 fn inspect_process_sees_a_populated_region_as_the_kernel_maps_it() {
     let _serial = serial();
     if !thp_available() {
-        println!("skip: THP is disabled on this kernel");
+        guestmem_testkit::skip(format_args!("THP is disabled on this kernel"));
         return;
     }
     let map =

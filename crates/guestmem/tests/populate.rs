@@ -19,10 +19,8 @@ use guestmem::{
 const MIB: u64 = 1 << 20;
 const POOL_2M: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages";
 
-static SERIAL: Mutex<()> = Mutex::new(());
-
 fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+    guestmem_testkit::host_lock()
 }
 
 /// Free, unreserved pages in a hugetlb pool, or `None` if the pool does not exist.
@@ -42,18 +40,24 @@ impl PoolGuard {
         let old: u64 = std::fs::read_to_string(POOL_2M).ok()?.trim().parse().ok()?;
         let avail = hugetlb_available(HugePageSize::Size2M)?;
         if avail > pages {
-            eprintln!("skipped: the 2 MiB pool already has {avail} free pages (> {pages})");
+            guestmem_testkit::skip(format_args!(
+                "the 2 MiB pool already has {avail} free pages (> {pages})"
+            ));
             return None;
         }
         if let Err(e) = std::fs::write(POOL_2M, (old + pages - avail).to_string()) {
-            eprintln!("skipped: cannot grow the hugetlb pool ({e}); needs root");
+            guestmem_testkit::skip(format_args!(
+                "cannot grow the hugetlb pool ({e}); needs root"
+            ));
             return None;
         }
         let guard = PoolGuard { old };
         match hugetlb_available(HugePageSize::Size2M) {
             Some(n) if n == pages => Some(guard),
             n => {
-                eprintln!("skipped: asked for {pages} free 2 MiB pages, pool has {n:?}");
+                guestmem_testkit::skip(format_args!(
+                    "asked for {pages} free 2 MiB pages, pool has {n:?}"
+                ));
                 None
             }
         }

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::MutexGuard;
 use std::time::Duration;
 
 use guestmem::host::Host;
@@ -18,10 +18,8 @@ const MIB: u64 = 1 << 20;
 const POOL_2M: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages";
 const MODES: [RestoreMode; 3] = [RestoreMode::Eager, RestoreMode::Mapped, RestoreMode::Lazy];
 
-static SERIAL: Mutex<()> = Mutex::new(());
-
 fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+    guestmem_testkit::host_lock()
 }
 
 /// A fresh directory under the target dir, removed first if a run before left it.
@@ -53,7 +51,9 @@ impl Pool {
     fn grow(pages: u64) -> Option<Pool> {
         let old: u64 = std::fs::read_to_string(POOL_2M).ok()?.trim().parse().ok()?;
         if let Err(e) = std::fs::write(POOL_2M, (old + pages).to_string()) {
-            eprintln!("skipped: cannot grow the hugetlb pool ({e}); needs root");
+            guestmem_testkit::skip(format_args!(
+                "cannot grow the hugetlb pool ({e}); needs root"
+            ));
             return None;
         }
         let pool = Pool { old };
@@ -63,7 +63,9 @@ impl Pool {
         {
             Some(n) if n >= pages => Some(pool),
             n => {
-                eprintln!("skipped: asked for {pages} free 2 MiB pages, the pool has {n:?}");
+                guestmem_testkit::skip(format_args!(
+                    "asked for {pages} free 2 MiB pages, the pool has {n:?}"
+                ));
                 None
             }
         }
@@ -929,14 +931,7 @@ fn a_save_killed_at_any_point_leaves_no_snapshot_or_a_whole_one() {
             .spawn()
             .unwrap()
     };
-    /// Kills and reaps the child however the test ends.
-    struct Reap(std::process::Child);
-    impl Drop for Reap {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
+    use guestmem_testkit::ChildGuard;
     let wait_for = |p: &Path, secs: u64| {
         let t = std::time::Instant::now();
         while !p.exists() {
@@ -951,26 +946,25 @@ fn a_save_killed_at_any_point_leaves_no_snapshot_or_a_whole_one() {
     let marker = |target: &Path, what: &str| PathBuf::from(format!("{}.{what}", target.display()));
     // How long a whole save takes here, from the child's "ready" to its "done".
     let calibrate = root.join("calibrate");
-    let mut child = Reap(spawn(&calibrate));
+    let mut child = ChildGuard::new(spawn(&calibrate));
     wait_for(&marker(&calibrate, "ready"), 30);
     let t = std::time::Instant::now();
     wait_for(&marker(&calibrate, "done"), 30);
     let save_us = t.elapsed().as_micros().max(1000) as u64;
-    assert!(child.0.wait().unwrap().success());
+    assert!(child.wait_exit(60).success());
     let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ save_us;
     let (mut whole, mut none) = (0, 0);
     for i in 0..50 {
         let target = root.join(format!("snap{i}"));
-        let mut child = Reap(spawn(&target));
+        let mut child = ChildGuard::new(spawn(&target));
         wait_for(&marker(&target, "ready"), 30);
         rng ^= rng << 13;
         rng ^= rng >> 7;
         rng ^= rng << 17;
         // Anywhere from the start of the save to a little past its usual end.
         std::thread::sleep(Duration::from_micros(rng % (save_us * 3 / 2)));
-        // SAFETY: kill(2) on our own child's pid, not yet reaped (Reap waits on drop).
-        unsafe { libc::kill(child.0.id() as i32, libc::SIGKILL) };
-        let _ = child.0.wait();
+        let _ = child.child().kill();
+        let _ = child.child().wait();
         if target.exists() {
             let image = Image::open(&target)
                 .unwrap_or_else(|e| panic!("try {i}: a published snapshot must open: {e}"));

@@ -15,7 +15,7 @@ pub fn kvm_usable() -> bool {
     match guestmem::kvm::unavailable_reason(std::path::Path::new(KVM_PATH)) {
         None => true,
         Some(why) => {
-            eprintln!("skipping: {why}");
+            guestmem_testkit::skip(format_args!("{why}"));
             false
         }
     }

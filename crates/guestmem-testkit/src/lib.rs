@@ -1,0 +1,195 @@
+//! Test support shared by the tests of every guestmem crate. Not library API: a
+//! dev-dependency only, and it depends on no guestmem crate (so a crate's own tests can use
+//! it without a second copy of that crate).
+//!
+//! - [`host_lock`]: one lock for what the host holds for everyone (hugetlb pools, memory
+//!   mappings that may merge with a neighbour's, cgroups): tests that touch them take it.
+//! - [`skip`] and [`skip_unless!`]: a test that cannot run here says why on the terminal
+//!   (written past the test harness's capture, so it shows without `--nocapture`) and in
+//!   `target/test-skips.log`, which `.ci/run` counts and prints at the end.
+//! - [`ChildGuard`] and [`Scratch`]: a child process killed and reaped, a folder removed,
+//!   however the test ends.
+#![deny(missing_docs)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ExitStatus};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+static HOST: Mutex<()> = Mutex::new(());
+
+/// Takes the one lock for host-wide resources (held until the guard drops). A test that
+/// panicked while holding it does not poison it for the others.
+pub fn host_lock() -> MutexGuard<'static, ()> {
+    HOST.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Where skips are recorded: `$GUESTMEM_SKIP_LOG`, else `test-skips.log` in the cargo
+/// target directory this test binary was built in.
+pub fn skip_log() -> PathBuf {
+    if let Some(p) = std::env::var_os("GUESTMEM_SKIP_LOG") {
+        return PathBuf::from(p);
+    }
+    // target/<profile>/deps/<test binary>
+    std::env::current_exe()
+        .ok()
+        .and_then(|e| e.ancestors().nth(3).map(Path::to_path_buf))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("test-skips.log")
+}
+
+/// Records that the calling test does not run here, and why: a line on the terminal and one
+/// in [`skip_log`]. The caller returns after it.
+pub fn skip(why: impl std::fmt::Display) {
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("(unnamed test)")
+        .to_string();
+    let line = format!("SKIPPED {test}: {why}\n");
+    // Straight to descriptor 2: the harness captures `eprintln!`, not the descriptor.
+    // SAFETY: writes a live buffer of its own length to stderr.
+    unsafe { libc::write(2, line.as_ptr() as *const libc::c_void, line.len()) };
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(skip_log())
+    {
+        let _ = f.write_all(line.as_bytes());
+    }
+}
+
+/// `skip_unless!(why)` with `why: Option<impl Display>`: when it is `Some`, records the skip
+/// (see [`skip`]) and returns from the test.
+#[macro_export]
+macro_rules! skip_unless {
+    ($why:expr) => {
+        if let Some(why) = $why {
+            $crate::skip(why);
+            return;
+        }
+    };
+}
+
+/// A child process that is killed and reaped when dropped, however the test ends.
+#[derive(Debug)]
+pub struct ChildGuard(Option<Child>);
+
+impl ChildGuard {
+    /// Guards `child`.
+    pub fn new(child: Child) -> ChildGuard {
+        ChildGuard(Some(child))
+    }
+
+    /// An empty guard (nothing to kill).
+    pub fn none() -> ChildGuard {
+        ChildGuard(None)
+    }
+
+    /// The child, while guarded.
+    pub fn child(&mut self) -> &mut Child {
+        self.0.as_mut().expect("a guarded child")
+    }
+
+    /// Its process id.
+    pub fn id(&self) -> u32 {
+        self.0.as_ref().expect("a guarded child").id()
+    }
+
+    /// Whether it still runs.
+    pub fn running(&mut self) -> bool {
+        self.child().try_wait().map_or(false, |s| s.is_none())
+    }
+
+    /// Waits at most `secs` for it to exit (panics past that: the guard then kills it).
+    pub fn wait_exit(&mut self, secs: u64) -> ExitStatus {
+        let t = Instant::now();
+        loop {
+            if let Some(s) = self.child().try_wait().expect("try_wait") {
+                return s;
+            }
+            let id = self.id();
+            assert!(
+                t.elapsed() < Duration::from_secs(secs),
+                "process {id} did not exit within {secs} s"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A fresh folder for one test (under the system's temporary directory, named by the
+/// process and `name`), removed when dropped.
+#[derive(Debug)]
+pub struct Scratch(PathBuf);
+
+impl Scratch {
+    /// Makes it, removing what a run before may have left.
+    pub fn new(name: &str) -> Scratch {
+        let d = std::env::temp_dir().join(format!("gm-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).expect("create a scratch folder");
+        Scratch(d)
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_skip_is_written_to_the_log_with_the_test_name() {
+        let log = Scratch::new("testkit-skip");
+        let path = log.join("skips.log");
+        std::env::set_var("GUESTMEM_SKIP_LOG", &path);
+        skip(format_args!("no {} here", "widget"));
+        std::env::remove_var("GUESTMEM_SKIP_LOG");
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            text,
+            "SKIPPED tests::a_skip_is_written_to_the_log_with_the_test_name: no widget here\n"
+        );
+    }
+
+    #[test]
+    fn a_guarded_child_is_killed_and_reaped_on_drop() {
+        let child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        drop(ChildGuard::new(child));
+        // Reaped: the pid is no longer ours to wait on.
+        // SAFETY: waitpid with WNOHANG on a pid; touches only `status`.
+        let r = unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+        assert_eq!(r, -1);
+    }
+}
