@@ -270,7 +270,7 @@ pub fn run_faults(cfg: &FaultsLabConfig) -> Result<FaultsResult, LabError> {
         return Err(bad("thread counts must be given and non-zero".into()));
     }
     for &t in &cfg.threads {
-        if cfg.size == 0 || cfg.size % (t as u64 * page) != 0 {
+        if cfg.size == 0 || !cfg.size.is_multiple_of(t as u64 * page) {
             return Err(bad(format!(
                 "size {:#x} must split into {t} equal non-empty shares of whole pages",
                 cfg.size

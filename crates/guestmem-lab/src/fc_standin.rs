@@ -195,7 +195,7 @@ impl Standin {
     /// The word at byte `at` of guest memory (a fault the server answers if not yet in).
     pub fn word(&self, at: usize) -> u64 {
         assert!(
-            at % 8 == 0 && at + 8 <= self.size(),
+            at.is_multiple_of(8) && at + 8 <= self.size(),
             "a word inside guest memory"
         );
         word_at(&self.ranges(), at)

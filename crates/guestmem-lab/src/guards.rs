@@ -263,7 +263,7 @@ fn measure(variant: Variant, cfg: &GuardsLabConfig) -> Result<GuardsSample, LabE
 /// Runs the scenario and returns its result; writes nothing (see [`crate::report::write_run`]).
 pub fn run_guards(cfg: &GuardsLabConfig) -> Result<GuardsResult, LabError> {
     cfg.protocol.validate(SCENARIO)?;
-    if cfg.size < MIN_REGION_BYTES || cfg.size % THP_BYTES != 0 {
+    if cfg.size < MIN_REGION_BYTES || !cfg.size.is_multiple_of(THP_BYTES) {
         return Err(LabError::Config {
             scenario: SCENARIO,
             reason: format!(

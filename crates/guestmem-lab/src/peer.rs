@@ -54,7 +54,7 @@ pub fn advise(peer: &'static str, m: &Mapping, advice: Advice) -> Result<(), Pee
 
 /// Whether the mapping starts on a 2 MiB (THP) boundary.
 pub fn is_thp_aligned(m: &Mapping) -> bool {
-    m.as_ptr() as u64 % THP_BYTES == 0
+    (m.as_ptr() as u64).is_multiple_of(THP_BYTES)
 }
 
 /// The mapping's body, for [`guestmem::inspect::inspect_host_ranges`].
@@ -119,7 +119,7 @@ pub fn placed(
         peer,
         size: len as u64,
     };
-    if past_thp >= thp || past_thp % page != 0 || mapped > len {
+    if past_thp >= thp || !past_thp.is_multiple_of(page) || mapped > len {
         return Err(size_err());
     }
     // One page below for a neighbour, up to 2 MiB to reach a boundary, `past_thp`, the

@@ -92,7 +92,7 @@ impl LayoutKind {
             LayoutKind::Unequal => THP_BYTES << UNEQUAL_SHARES_LOG2.iter().max().unwrap_or(&0),
             LayoutKind::Dimms => DIMM_BYTES,
         };
-        if size == 0 || size % granule != 0 {
+        if size == 0 || !size.is_multiple_of(granule) {
             return Err(LabError::Config {
                 scenario: SCENARIO,
                 reason: format!(
@@ -316,7 +316,7 @@ fn measure(variant: Variant, sizes: &[u64]) -> Result<Sample, LabError> {
             let aligned = snap
                 .regions()
                 .iter()
-                .filter(|r| r.host_addr() as u64 % THP_BYTES == 0)
+                .filter(|r| (r.host_addr() as u64).is_multiple_of(THP_BYTES))
                 .count();
             let phase = report.seconds("lock") + report.seconds("populate");
             Ok(sample(

@@ -492,7 +492,7 @@ impl LabReport for RestoreResult {
         let mut groups: Vec<BarGroup> = Vec::new();
         for v in &self.body.variants {
             let title = format!("{} MiB, {} vCPUs", v.size >> 20, v.vcpus);
-            if groups.last().map_or(true, |g| g.title != title) {
+            if groups.last().is_none_or(|g| g.title != title) {
                 groups.push(BarGroup {
                     title,
                     bars: Vec::new(),

@@ -329,7 +329,7 @@ pub fn run_translate(cfg: &TranslateLabConfig) -> Result<TranslateResult, LabErr
     if cfg.region_counts.is_empty() || cfg.region_counts.contains(&0) {
         return Err(bad("region counts must be given and non-zero".into()));
     }
-    if cfg.lookups_per_thread == 0 || cfg.lookups_per_thread % LOOKUPS_PER_VISIT != 0 {
+    if cfg.lookups_per_thread == 0 || !cfg.lookups_per_thread.is_multiple_of(LOOKUPS_PER_VISIT) {
         return Err(bad(format!(
             "lookups per thread must be a non-zero multiple of {LOOKUPS_PER_VISIT}"
         )));

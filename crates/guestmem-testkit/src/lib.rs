@@ -98,7 +98,7 @@ impl ChildGuard {
 
     /// Whether it still runs.
     pub fn running(&mut self) -> bool {
-        self.child().try_wait().map_or(false, |s| s.is_none())
+        self.child().try_wait().is_ok_and(|s| s.is_none())
     }
 
     /// Waits at most `secs` for it to exit (panics past that: the guard then kills it).

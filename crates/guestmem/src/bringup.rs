@@ -243,7 +243,7 @@ impl BringupHandle {
 
     /// Whether it has ended, well or not.
     pub fn is_finished(&self) -> bool {
-        self.thread.as_ref().map_or(true, |t| t.is_finished())
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
     }
 
     /// Waits for the end: the report, or the failure with the region, address and errno.

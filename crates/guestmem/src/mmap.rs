@@ -185,7 +185,7 @@ impl Reservation {
     pub fn trim(self, offset: usize, len: usize) -> Result<Reservation, MmapError> {
         check(offset, len, self.len, "reservation")?;
         let page = crate::sys::base_page_size() as usize;
-        if offset % page != 0 || len % page != 0 {
+        if !offset.is_multiple_of(page) || !len.is_multiple_of(page) {
             return Err(MmapError::OutOfRange {
                 offset,
                 len,

@@ -133,7 +133,7 @@ impl EvenLayout {
             count: self.regions,
             granule,
         };
-        if self.regions == 0 || self.size % granule != 0 {
+        if self.regions == 0 || !self.size.is_multiple_of(granule) {
             return Err(bad());
         }
         let units = self.size / granule;

@@ -409,7 +409,7 @@ fn check_spec(spec: &RegionSpec, base_page: u64) -> Result<Checked, RegionError>
         return Err(RegionError::ZeroSize { addr });
     }
     let page = spec.page_size();
-    if size % page != 0 || addr % page != 0 {
+    if !size.is_multiple_of(page) || !addr.is_multiple_of(page) {
         return Err(RegionError::Unaligned { addr, size, page });
     }
     if spec.guest_end().is_none() {

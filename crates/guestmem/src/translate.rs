@@ -209,7 +209,9 @@ impl Translator {
     #[inline]
     fn lookup(&self, addr: u64) -> Option<(usize, Span)> {
         let streak = self.miss_streak.get();
-        if streak >= MISS_STREAK_TO_BYPASS && (addr >> 12) % BYPASS_PROBE_ONE_IN_PAGES != 0 {
+        if streak >= MISS_STREAK_TO_BYPASS
+            && !(addr >> 12).is_multiple_of(BYPASS_PROBE_ONE_IN_PAGES)
+        {
             let i = self.snap.find_index(GuestAddress(addr))?;
             return Some((i, self.snap.spans()[i]));
         }

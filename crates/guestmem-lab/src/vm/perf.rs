@@ -171,7 +171,7 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
     let data_base = data_gpa(config.mode);
     if data_base
         .checked_add(config.memory_bytes)
-        .map_or(true, |end| end > limit)
+        .is_none_or(|end| end > limit)
     {
         return Err(VmError::Config(format!(
             "{:#x} bytes from {data_base:#x} asked for; a {:?} guest reaches below {limit:#x} only",

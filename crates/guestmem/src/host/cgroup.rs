@@ -43,7 +43,7 @@ pub(super) fn read_memory_cgroup() -> Option<MemoryCgroup> {
             limit,
             usage,
         };
-        if best.as_ref().map_or(true, |b| cg.headroom() < b.headroom()) {
+        if best.as_ref().is_none_or(|b| cg.headroom() < b.headroom()) {
             best = Some(cg);
         }
     }

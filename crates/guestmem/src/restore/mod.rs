@@ -297,7 +297,7 @@ fn check_region_layout(image: &Image, regions: &[Arc<Region>]) -> Result<(), Sna
         "the map",
     )?;
     for (r, ir) in regions.iter().zip(image.regions()) {
-        if image.block_bytes() % r.page_size() != 0 {
+        if !image.block_bytes().is_multiple_of(r.page_size()) {
             return Err(SnapshotError::Layout(format!(
                 "region at {:#x}: page size {:#x} does not divide the image's block size {:#x}",
                 ir.guest_addr,

@@ -501,7 +501,7 @@ fn with_staging<T, E>(
 ) -> Result<T, E> {
     STAGING.with(|cell| {
         let mut cell = cell.borrow_mut();
-        if cell.as_ref().map_or(true, |m| m.len() < len) {
+        if cell.as_ref().is_none_or(|m| m.len() < len) {
             let m = Mapping::anonymous(len).map_err(|e| map_err(e.into_io()))?;
             // Best effort: only saves the first copy's page faults.
             let _ = m.advise(0, len, Advice::PopulateWrite);

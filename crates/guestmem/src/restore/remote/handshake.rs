@@ -99,7 +99,7 @@ pub fn parse_regions(json: &[u8]) -> Result<Vec<UffdRegion>, ServeError> {
                 w.size
             )));
         }
-        if end.map_or(true, |e| e > USER_ADDR_END) {
+        if end.is_none_or(|e| e > USER_ADDR_END) {
             return Err(bad(format!(
                 "{at}: size {:#x} runs past the end of user address space",
                 w.size
