@@ -246,7 +246,9 @@ impl Standin {
                 start: m.as_ptr() as u64,
                 len: m.len() as u64,
             };
-            ioctl(&self.uffd, nr::UFFDIO_UNREGISTER, &mut r)?;
+            // SAFETY: a uffdio_range for UFFDIO_UNREGISTER: one of this stand-in's own
+            // mappings.
+            unsafe { ioctl(&self.uffd, nr::UFFDIO_UNREGISTER, &mut r) }?;
         }
         Ok(())
     }

@@ -9,8 +9,13 @@ use linux_raw_sys::general as uapi;
 use linux_raw_sys::ioctl as nr;
 
 /// One ioctl on a userfaultfd.
-pub(crate) fn ioctl<T>(fd: &OwnedFd, req: u32, arg: &mut T) -> io::Result<()> {
-    // SAFETY: `arg` is the uapi struct `req` names, borrowed for the call.
+///
+/// # Safety
+/// `arg` must be the uapi struct `req` names (the kernel reads and writes that struct through
+/// the pointer), and every address in it one the call may use: a range this descriptor has
+/// registered, a source buffer live and readable for its whole length.
+pub(crate) unsafe fn ioctl<T>(fd: &OwnedFd, req: u32, arg: &mut T) -> io::Result<()> {
+    // SAFETY: the caller's contract: `arg` is the struct `req` expects, borrowed for the call.
     let r = unsafe { libc::ioctl(fd.as_raw_fd(), req as _, arg as *mut T) };
     if r == 0 {
         Ok(())
@@ -33,7 +38,8 @@ pub(crate) fn open(features: u64) -> io::Result<OwnedFd> {
         features,
         ioctls: 0,
     };
-    ioctl(&uffd, nr::UFFDIO_API, &mut api)?;
+    // SAFETY: a uffdio_api for UFFDIO_API; it names no memory.
+    unsafe { ioctl(&uffd, nr::UFFDIO_API, &mut api) }?;
     Ok(uffd)
 }
 
@@ -44,5 +50,7 @@ pub(crate) fn register_missing(uffd: &OwnedFd, start: u64, len: u64) -> io::Resu
         mode: u64::from(uapi::UFFDIO_REGISTER_MODE_MISSING),
         ioctls: 0,
     };
-    ioctl(uffd, nr::UFFDIO_REGISTER, &mut reg)
+    // SAFETY: a uffdio_register for UFFDIO_REGISTER; the kernel checks the range is mapped
+    // and the caller names its own memory.
+    unsafe { ioctl(uffd, nr::UFFDIO_REGISTER, &mut reg) }
 }

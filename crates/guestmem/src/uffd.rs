@@ -96,10 +96,17 @@ impl Target for RemoteRange {
     }
 }
 
-fn ioctl<T>(fd: &OwnedFd, request: u32, arg: &mut T) -> io::Result<()> {
-    // SAFETY: `arg` is the struct the request expects (each caller passes the uapi struct
-    // named by the request), borrowed mutably for the call; the kernel reads and writes only
-    // that struct.
+/// One ioctl on a userfaultfd.
+///
+/// # Safety
+/// `arg` must be the uapi struct that `request` names (`uffdio_copy` for `UFFDIO_COPY`, and
+/// so on): the kernel reads and writes `size_of` of that struct through the pointer. Any
+/// address inside it must be one the call may use: a destination range this descriptor has
+/// registered (checked by the kernel, and by [`Target`] here), a source buffer that is live
+/// and readable for its whole length during the call.
+unsafe fn ioctl<T>(fd: &OwnedFd, request: u32, arg: &mut T) -> io::Result<()> {
+    // SAFETY: the caller's contract: `arg` is the struct `request` expects, borrowed
+    // mutably for the call, and the addresses in it may be used.
     let ret = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, arg as *mut T) };
     if ret == 0 {
         Ok(())
@@ -134,7 +141,8 @@ impl Uffd {
             features,
             ioctls: 0,
         };
-        ioctl(&fd, nr::UFFDIO_API, &mut api)?;
+        // SAFETY: a uffdio_api for UFFDIO_API; it names no memory.
+        unsafe { ioctl(&fd, nr::UFFDIO_API, &mut api) }?;
         Ok((Uffd { fd, features }, api.features))
     }
 
@@ -196,13 +204,16 @@ impl Uffd {
             mode: u64::from(mode),
             ioctls: 0,
         };
-        ioctl(&self.fd, nr::UFFDIO_REGISTER, &mut reg)
+        // SAFETY: a uffdio_register for UFFDIO_REGISTER, over the mapping's own range
+        // (`range` checked it).
+        unsafe { ioctl(&self.fd, nr::UFFDIO_REGISTER, &mut reg) }
     }
 
     /// Unregisters the whole body of `mapping`; threads waiting on it are woken.
     pub(crate) fn unregister(&self, mapping: &Mapping) -> io::Result<()> {
         let mut r = range(mapping, 0, mapping.len())?;
-        ioctl(&self.fd, nr::UFFDIO_UNREGISTER, &mut r)
+        // SAFETY: a uffdio_range for UFFDIO_UNREGISTER, the mapping's own range.
+        unsafe { ioctl(&self.fd, nr::UFFDIO_UNREGISTER, &mut r) }
     }
 
     /// Copies `src` into `offset..offset + src.len()` of `target` (pages that must not be
@@ -228,7 +239,9 @@ impl Uffd {
                 mode: 0,
                 copy: 0,
             };
-            match ioctl(&self.fd, nr::UFFDIO_COPY, &mut c) {
+            // SAFETY: a uffdio_copy for UFFDIO_COPY: `dst` lies in the target (checked above),
+            // `src` is the rest of `src`, live and borrowed for the call.
+            match unsafe { ioctl(&self.fd, nr::UFFDIO_COPY, &mut c) } {
                 Ok(()) => done += c.copy as usize,
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
                     // The mm changed under the copy: `copy` says how far it got.
@@ -261,7 +274,9 @@ impl Uffd {
                 mode: 0,
                 zeropage: 0,
             };
-            match ioctl(&self.fd, nr::UFFDIO_ZEROPAGE, &mut z) {
+            // SAFETY: a uffdio_zeropage for UFFDIO_ZEROPAGE over a range of the target
+            // (checked above).
+            match unsafe { ioctl(&self.fd, nr::UFFDIO_ZEROPAGE, &mut z) } {
                 Ok(()) => return Ok(()),
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
                     let n = z.zeropage.max(0) as u64;
@@ -294,7 +309,9 @@ impl Uffd {
                 mode: 0,
                 mapped: 0,
             };
-            let r = ioctl(&self.fd, nr::UFFDIO_CONTINUE, &mut c);
+            // SAFETY: a uffdio_continue for UFFDIO_CONTINUE over a range of the target
+            // (step_range checked it).
+            let r = unsafe { ioctl(&self.fd, nr::UFFDIO_CONTINUE, &mut c) };
             (r, c.mapped)
         })
     }
@@ -316,7 +333,9 @@ impl Uffd {
                 mode: 0,
                 updated: 0,
             };
-            let r = ioctl(&self.fd, UFFDIO_POISON, &mut p);
+            // SAFETY: a uffdio_poison for UFFDIO_POISON over a range of the target
+            // (step_range checked it).
+            let r = unsafe { ioctl(&self.fd, UFFDIO_POISON, &mut p) };
             (r, p.updated)
         })
     }
@@ -357,7 +376,8 @@ impl Uffd {
     /// Wakes the threads waiting at `offset..offset + len` of `target`.
     pub(crate) fn wake(&self, target: &dyn Target, offset: usize, len: usize) -> io::Result<()> {
         let mut r = target.uffd_range(offset, len)?;
-        ioctl(&self.fd, nr::UFFDIO_WAKE, &mut r)
+        // SAFETY: a uffdio_range for UFFDIO_WAKE, inside the target (checked above).
+        unsafe { ioctl(&self.fd, nr::UFFDIO_WAKE, &mut r) }
     }
 
     /// Waits up to `timeout_ms` (or until `stop` is readable) and reads what is pending into

@@ -6,13 +6,14 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use guestmem::Region;
+use guestmem::mmap::{MapSource, Mapping, Reservation};
+use guestmem::{Region, Reserve};
 use linux_raw_sys::general as uapi;
 use linux_raw_sys::ioctl as nr;
 
@@ -27,17 +28,13 @@ pub struct FcPeer {
     thread: Option<JoinHandle<io::Result<()>>>,
 }
 
-/// The private read-only mapping of the memory file the server copies from.
+/// The private mapping of the memory file the server copies from, owned (unmapped on
+/// drop) as every guestmem mapping is.
 struct FileMap {
+    /// Keeps it mapped while the server copies from `addr`.
+    _map: Mapping,
     addr: usize,
     len: usize,
-}
-
-impl Drop for FileMap {
-    fn drop(&mut self) {
-        // SAFETY: our own mapping, unmapped once.
-        unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
-    }
 }
 
 impl FcPeer {
@@ -141,27 +138,23 @@ impl Drop for FcPeer {
     }
 }
 
-/// `path` mapped privately, read-only.
+/// `path` mapped privately.
 fn map_file(path: &Path) -> io::Result<FileMap> {
     let file = File::open(path)?;
     let len = file.metadata()?.len() as usize;
-    // SAFETY: a fresh private read-only mapping where the kernel chooses; checked below.
-    let addr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_PRIVATE,
-            file.as_raw_fd(),
-            0,
-        )
+    let res = Reservation::new(len).map_err(|e| e.into_io())?;
+    let source = MapSource::PrivateFile {
+        fd: file.as_fd(),
+        offset: 0,
     };
-    if addr == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
+    // SAFETY: the file is the lab's own memory file, which nothing truncates while a run
+    // serves from it (it must not shrink under the mapping).
+    let map =
+        unsafe { res.place_file(0, len, source, Reserve::Reserve) }.map_err(|e| e.into_io())?;
     Ok(FileMap {
-        addr: addr as usize,
+        addr: map.as_ptr() as usize,
         len,
+        _map: map,
     })
 }
 
@@ -218,7 +211,10 @@ fn serve(
             mode: 0,
             copy: 0,
         };
-        match ioctl(&uffd, nr::UFFDIO_COPY, &mut c) {
+        // SAFETY: a uffdio_copy for UFFDIO_COPY: `dst` is the faulting page, inside a range
+        // this descriptor registered; `src` lies in the file mapping (every region's offset
+        // plus size was checked against its length), which `src` keeps mapped.
+        match unsafe { ioctl(&uffd, nr::UFFDIO_COPY, &mut c) } {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
             Err(e) => return Err(e),
