@@ -181,7 +181,7 @@ pub fn run(args: Args) -> Result<()> {
         bar.finish_and_clear();
     }
     let (map, report) = result?;
-    let snap = map.snapshot();
+    let snap = map.view();
     let out = Output {
         layout: snap
             .regions()

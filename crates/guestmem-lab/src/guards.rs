@@ -218,7 +218,7 @@ fn measure(variant: Variant, cfg: &GuardsLabConfig) -> Result<GuardsSample, LabE
         Variant::Guestmem(guard) => {
             let spec = RegionSpec::new(GuestAddress(0), cfg.size).with_guard(guard);
             let map = GuestMap::from_specs(&[spec])?;
-            let snap = map.snapshot();
+            let snap = map.view();
             // One thread, one chunk: a single MADV_POPULATE_WRITE over the region.
             let one_call = PopulateConfig {
                 threads: 1,

@@ -309,7 +309,7 @@ fn measure(variant: Variant, sizes: &[u64]) -> Result<Sample, LabError> {
             };
             let t = Instant::now();
             let map = GuestMap::from_specs(&specs)?;
-            let snap = map.snapshot();
+            let snap = map.view();
             let report = bringup(&snap, &cfg)?;
             let seconds = t.elapsed().as_secs_f64();
             let usage = inspect::inspect(&snap)?;

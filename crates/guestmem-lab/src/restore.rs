@@ -199,7 +199,7 @@ fn pattern(at: u64) -> u64 {
 fn make_image(dir: &Path, size: u64) -> Result<(Image, u64), LabError> {
     let _ = std::fs::remove_dir_all(dir);
     let map = GuestMap::from_specs(&[RegionSpec::new(GuestAddress(0), size)]).map_err(err)?;
-    let snap = map.snapshot();
+    let snap = map.view();
     let mut digest = 0;
     for p in 0..size / PAGE as u64 {
         let at = p * PAGE as u64;
@@ -311,7 +311,7 @@ fn restored(
     };
     let t0 = Instant::now();
     let r = restore(image, &image.specs(), &cfg).map_err(err)?;
-    let snap = r.map.snapshot();
+    let snap = r.map.view();
     let ranges: Vec<(usize, usize)> = snap
         .regions()
         .iter()

@@ -10,7 +10,7 @@
 //!
 //! - `guestmem-translator`: each thread's own [`guestmem::Translator`] (`find`), with its
 //!   last-used-region cache.
-//! - `guestmem-snapshot`: one shared [`guestmem::Snapshot`] (`find`): binary search, no cache.
+//! - `guestmem-snapshot`: one shared [`guestmem::MapView`] (`find`): binary search, no cache.
 //! - `vm-memory`: one shared `GuestMemoryMmap` (`find_region`): binary search, no cache.
 //!
 //! Every lookup's region start is summed and checked against the expected sum, so no
@@ -94,7 +94,7 @@ impl Default for TranslateLabConfig {
 pub enum LookupKind {
     /// A per-thread guestmem `Translator` (cached).
     GuestmemTranslator,
-    /// A shared guestmem `Snapshot` (binary search).
+    /// A shared guestmem `MapView` (binary search).
     GuestmemSnapshot,
     /// A shared vm-memory `GuestMemoryMmap::find_region` (binary search).
     VmMemory,
@@ -247,7 +247,7 @@ fn expected_sum(regions: std::ops::Range<usize>, lookups: usize) -> u64 {
 struct Maps {
     n: usize,
     guestmem: GuestMap,
-    snapshot: Arc<guestmem::Snapshot>,
+    snapshot: Arc<guestmem::MapView>,
     vmm: GuestMemoryMmap<()>,
 }
 
@@ -267,7 +267,7 @@ fn build(n: usize) -> Result<Maps, LabError> {
         GuestMemoryMmap::from_ranges(&ranges).map_err(|e| LabError::VmMemory(e.to_string()))?;
     Ok(Maps {
         n,
-        snapshot: guestmem.snapshot(),
+        snapshot: guestmem.view(),
         guestmem,
         vmm,
     })

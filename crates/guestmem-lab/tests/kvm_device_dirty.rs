@@ -25,7 +25,7 @@ fn vm_with(data: RegionSpec, logging: DirtyLogging) -> (Arc<KvmVm>, GuestMap, Me
         ..MemslotConfig::default()
     };
     let mut slots = Memslots::new(vm.clone(), cfg).unwrap();
-    slots.sync(&map.snapshot()).unwrap();
+    slots.sync(&map.view()).unwrap();
     (vm, map, slots)
 }
 
@@ -64,7 +64,7 @@ fn harvest_is_the_union_of_guest_and_device_writes_no_more_no_fewer() {
     let union: BTreeSet<u64> = guest.union(&device).copied().collect();
     assert_eq!(harvested(&mut slots), union);
     // The region's own bitmap is the slot's: one set.
-    assert!(map.snapshot().regions()[1].dirty_bitmap().unwrap().count() == 0);
+    assert!(map.view().regions()[1].dirty_bitmap().unwrap().count() == 0);
 }
 
 /// debugfs mounted for the test's length (and unmounted after, if the test mounted it).
@@ -149,8 +149,8 @@ fn dirty_logging_switches_at_run_time_and_leaves_the_host_huge_pages() {
     // 64 MiB of THP memory, congruent and populated with huge pages before the guest runs.
     let data = RegionSpec::new(GuestAddress(DATA_GPA), 64 << 20);
     let (vm, map, mut slots) = vm_with(data, DirtyLogging::Off);
-    guestmem::populate(&map.snapshot(), &guestmem::PopulateConfig::default()).unwrap();
-    let data_region = map.snapshot().regions()[1].clone();
+    guestmem::populate(&map.view(), &guestmem::PopulateConfig::default()).unwrap();
+    let data_region = map.view().regions()[1].clone();
     let host_huge = || {
         guestmem::inspect::inspect_region(&data_region)
             .unwrap()

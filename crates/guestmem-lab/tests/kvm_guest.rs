@@ -112,8 +112,8 @@ fn long_mode_guest_writes_above_4gib_and_verifies_host_writes() {
         },
     )
     .unwrap();
-    slots.sync(&map.snapshot()).unwrap();
-    let data: Vec<_> = map.snapshot().regions()[1..].to_vec();
+    slots.sync(&map.view()).unwrap();
+    let data: Vec<_> = map.view().regions()[1..].to_vec();
     let config = WorkloadConfig {
         vcpus: 2,
         partition: Partition::PerSlot,

@@ -41,7 +41,7 @@ fn hot_add_and_remove_while_vcpus_run_keeps_guest_passes_correct() {
                 .map
                 .add(&RegionSpec::new(GuestAddress(HOT_GPA), 4 << 20))
                 .unwrap();
-            let added = s.slots.sync(&s.map.snapshot()).unwrap();
+            let added = s.slots.sync(&s.map.view()).unwrap();
             assert_eq!(added.added.len(), 1);
             assert_eq!(added.added[0].guest_addr, HOT_GPA);
             assert!(added.removed.is_empty());
@@ -57,7 +57,7 @@ fn hot_add_and_remove_while_vcpus_run_keeps_guest_passes_correct() {
             s.map.remove(GuestAddress(HOT_GPA)).unwrap();
             // The registry still holds the region: KVM maps it until sync deletes the slot.
             assert!(Arc::strong_count(&r) >= 2);
-            let removed = s.slots.sync(&s.map.snapshot()).unwrap();
+            let removed = s.slots.sync(&s.map.view()).unwrap();
             assert_eq!(removed.removed.len(), 1);
             assert!(removed.added.is_empty());
             assert_eq!(Arc::strong_count(&r), 1, "only this handle is left");
@@ -112,7 +112,7 @@ fn sync_more_slots_than_allowed_is_refused_before_registering() {
     )
     .unwrap();
 
-    let e = slots.sync(&map.snapshot()).unwrap_err();
+    let e = slots.sync(&map.view()).unwrap_err();
 
     assert!(
         matches!(
@@ -142,7 +142,7 @@ fn sync_region_kvm_refuses_names_it_and_undoes_the_call() {
     ]);
     let mut slots = Memslots::new(vm, MemslotConfig::default()).unwrap();
 
-    let e = slots.sync(&map.snapshot()).unwrap_err();
+    let e = slots.sync(&map.view()).unwrap_err();
 
     assert!(
         matches!(e, KvmError::Slot { addr, .. } if addr == bad),
@@ -152,7 +152,7 @@ fn sync_region_kvm_refuses_names_it_and_undoes_the_call() {
     assert!(slots.slots().is_empty());
     // The slot numbers were given back: a good map registers from slot 0 again.
     map.remove(GuestAddress(bad)).unwrap();
-    let r = slots.sync(&map.snapshot()).unwrap();
+    let r = slots.sync(&map.view()).unwrap();
     let mut ids: Vec<u32> = r.added.iter().map(|i| i.slot).collect();
     ids.sort_unstable();
     assert_eq!(ids, [0, 1]);
@@ -173,7 +173,7 @@ fn sync_read_only_region_gets_readonly_flag_and_no_logging() {
     };
     let mut slots = Memslots::new(vm, logging).unwrap();
 
-    slots.sync(&map.snapshot()).unwrap();
+    slots.sync(&map.view()).unwrap();
 
     let flags: Vec<u32> = slots.slots().iter().map(|s| s.flags).collect();
     assert_eq!(
@@ -203,12 +203,12 @@ fn a_vm_has_one_memslots_registry_at_a_time() {
     }
     let (vm, map) = vm_and_map(&[RegionSpec::new(GuestAddress(0), 4096)]);
     let mut first = Memslots::new(vm.clone(), MemslotConfig::default()).unwrap();
-    first.sync(&map.snapshot()).unwrap();
+    first.sync(&map.view()).unwrap();
     // A second registry would number slots on its own and trust its buffers for slots the
     // first one reuses: refused.
     let e = Memslots::new(vm.clone(), MemslotConfig::default()).unwrap_err();
     assert!(matches!(e, KvmError::MemslotsTaken), "{e}");
     drop(first);
     let mut again = Memslots::new(vm, MemslotConfig::default()).unwrap();
-    assert_eq!(again.sync(&map.snapshot()).unwrap().added.len(), 1);
+    assert_eq!(again.sync(&map.view()).unwrap().added.len(), 1);
 }

@@ -52,7 +52,7 @@ fn bench(c: &mut Criterion) {
     let vmm_bitmap: GuestMemoryMmap<AtomicBitmap> = GuestMemoryMmap::from_ranges(&ranges).unwrap();
     // Fault everything in first: the bench measures the access path, not first touches.
     for m in [&plain, &tracked] {
-        m.snapshot()
+        m.view()
             .write_slice(&vec![1u8; REGION_BYTES as usize], GuestAddress(0))
             .unwrap();
     }
@@ -63,15 +63,15 @@ fn bench(c: &mut Criterion) {
         .unwrap();
 
     let mut g = c.benchmark_group("write_obj");
-    write(&mut g, "guestmem-untracked", &*plain.snapshot());
-    write(&mut g, "guestmem-tracked", &*tracked.snapshot());
+    write(&mut g, "guestmem-untracked", &*plain.view());
+    write(&mut g, "guestmem-tracked", &*tracked.view());
     write(&mut g, "guestmem-tracked-translator", &tracked.translator());
     write(&mut g, "vm-memory", &vmm);
     write(&mut g, "vm-memory-AtomicBitmap", &vmm_bitmap);
     g.finish();
 
     let mut g = c.benchmark_group("mark_512_pages");
-    let snap = tracked.snapshot();
+    let snap = tracked.view();
     let ours = snap.regions()[0].clone();
     let theirs = vmm_bitmap.find_region(GuestAddress(0)).unwrap();
     let offset = |i: u64| MemoryRegionAddress((i % 31) * SLICE_BYTES as u64);

@@ -27,7 +27,7 @@ fn map_of(n: u64) -> GuestMap {
         pin: PinStrategy::None,
         ..PopulateConfig::default()
     };
-    populate(&map.snapshot(), &cfg).expect("populate");
+    populate(&map.view(), &cfg).expect("populate");
     map
 }
 
@@ -36,7 +36,7 @@ fn phases(c: &mut Criterion) {
     g.sample_size(20);
     for n in [1_000u64, 8_000] {
         let map = map_of(n);
-        let snap = map.snapshot();
+        let snap = map.view();
         g.bench_with_input(BenchmarkId::new("check", n), &n, |b, _| {
             b.iter(|| limits::check(&snap, PinStrategy::UpFront).expect("check"))
         });

@@ -21,7 +21,7 @@ fn image() -> Image {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-restore");
     let _ = std::fs::remove_dir_all(&dir);
     let map = GuestMap::from_specs(&[RegionSpec::new(GuestAddress(0), SIZE)]).unwrap();
-    let snap = map.snapshot();
+    let snap = map.view();
     for p in 0..SIZE / 4096 {
         snap.write_slice(&(p as u32 + 1).to_le_bytes(), GuestAddress(p * 4096))
             .unwrap();
@@ -37,7 +37,7 @@ fn touch_all(map: &GuestMap, threads: u64) {
     std::thread::scope(|s| {
         for t in 0..threads {
             s.spawn(move || {
-                let snap = map.snapshot();
+                let snap = map.view();
                 let per = SIZE / threads;
                 let mut b = [0u8; 4];
                 for at in (t * per..(t + 1) * per).step_by(4096) {

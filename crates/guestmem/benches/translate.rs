@@ -97,7 +97,7 @@ fn bench(c: &mut Criterion) {
             let mut g = c.benchmark_group(format!("lookup/{pattern}"));
             g.throughput(Throughput::Elements(BATCH as u64));
             let t = map.translator();
-            let snap = map.snapshot();
+            let snap = map.view();
             run(&mut g, n, &batches, "guestmem-translate", |a| {
                 black_box(t.translate(a, 8).unwrap());
             });

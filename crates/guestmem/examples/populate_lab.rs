@@ -62,7 +62,7 @@ fn main() {
                 pin_policy: guestmem::PinPolicy::Required,
                 verify: Verify::Off,
             };
-            let r = bringup(&map.snapshot(), &cfg).expect("bringup");
+            let r = bringup(&map.view(), &cfg).expect("bringup");
             if round > 0 {
                 secs[i].push(r.seconds("lock") + r.seconds("populate"));
             }

@@ -16,7 +16,7 @@ use crate::host::{Host, HostError};
 use crate::inspect::{self, InspectError, ProcessMemory, RegionUsage};
 use crate::layout::RegionSpec;
 use crate::limits::{self, LimitError};
-use crate::map::{GuestMap, MapError, Snapshot};
+use crate::map::{GuestMap, MapError, MapView};
 use crate::populate::{self, Method, PinStrategy, PopulateConfig, PopulateError, Undo};
 
 /// Bytes per decimal gigabyte, for throughput figures (GB/s, as published populate rates are).
@@ -146,7 +146,7 @@ struct Prepared {
 }
 
 /// The checks, and the pinning decision of [`PinPolicy`]: nothing is touched.
-fn prepare(snap: &Snapshot, cfg: &BringupConfig) -> Result<Prepared, BringupError> {
+fn prepare(snap: &MapView, cfg: &BringupConfig) -> Result<Prepared, BringupError> {
     let t = Instant::now();
     let host = &Host::read();
     let mut pin_note = None;
@@ -173,7 +173,7 @@ fn prepare(snap: &Snapshot, cfg: &BringupConfig) -> Result<Prepared, BringupErro
 
 /// The verify phase and the report.
 fn finish(
-    snap: &Snapshot,
+    snap: &MapView,
     cfg: &BringupConfig,
     prepared: Prepared,
     pop: populate::PopulateReport,
@@ -219,8 +219,8 @@ fn finish(
 }
 
 /// Checks, populates and pins every region of `snap` (for a [`crate::GuestMap`], pass
-/// `&map.snapshot()`), then reads back what the kernel did.
-pub fn bringup(snap: &Snapshot, cfg: &BringupConfig) -> Result<BringupReport, BringupError> {
+/// `&map.view()`), then reads back what the kernel did.
+pub fn bringup(snap: &MapView, cfg: &BringupConfig) -> Result<BringupReport, BringupError> {
     let prepared = prepare(snap, cfg)?;
     let pop = populate::populate(snap, &prepared.populate)?;
     finish(snap, cfg, prepared, pop)
@@ -292,7 +292,7 @@ pub fn bringup_background(
             "the touch fallback cannot run beside a guest: it writes each page it faults and could undo a guest's first write to it; use Method::PopulateWrite",
         ));
     }
-    let snap = map.snapshot();
+    let snap = map.view();
     let mut prepared = prepare(&snap, cfg)?;
     let done = Arc::new(AtomicU64::new(0));
     let counter = done.clone();
@@ -340,7 +340,7 @@ pub fn bringup_specs(
     crate::plan::check_layout(specs, &host)?;
     let map = GuestMap::from_specs_on(specs, &host)?;
     let map_seconds = t.elapsed().as_secs_f64();
-    let mut report = bringup(&map.snapshot(), cfg)?;
+    let mut report = bringup(&map.view(), cfg)?;
     report.phases.insert(
         0,
         Phase {

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::io;
 
-use crate::map::Snapshot;
+use crate::map::MapView;
 use crate::region::Region;
 
 /// Why an inspection failed.
@@ -247,7 +247,7 @@ fn usage_of(host: HostRange, vmas: &[Vma], numa: Option<&[NumaLine]>) -> RegionU
 
 /// The kernel's account of every region of `snap`, from one read of smaps and one of
 /// numa_maps: linear in the number of regions (each found by binary search).
-pub fn inspect(snap: &Snapshot) -> Result<Vec<RegionUsage>, InspectError> {
+pub fn inspect(snap: &MapView) -> Result<Vec<RegionUsage>, InspectError> {
     inspect_regions(snap.regions())
 }
 

@@ -5,7 +5,7 @@
 //!   or advised, each call checked against its owner first.
 //! - [`layout`]: where each region goes in the host address space, huge-page congruent, with
 //!   guard pages outside its aligned span; [`region`] maps one, all-or-nothing.
-//! - [`map`]: the guest physical map as immutable, generation-numbered snapshots (RCU).
+//! - [`map`]: the guest physical map as immutable, generation-numbered views (RCU).
 //! - [`translate`]: per-thread guest-to-host translation with a last-used-region cache.
 //! - [`jobs`]: the one job splitter for parallel work, after padata, on [`workers`] started
 //!   behind one gate.
@@ -17,7 +17,7 @@
 //!   (every file checked before it is read); [`restore`]: eager, mapped or lazy
 //!   (userfaultfd) restores, and [`restore::remote`], a page server for Firecracker.
 //! - [`plan`]: sizes, layouts and layout files as people write them.
-//! - vm-memory: [`map::Snapshot`] and [`translate::Translator`] implement
+//! - vm-memory: [`map::MapView`] and [`translate::Translator`] implement
 //!   `GuestMemoryBackend`, [`map::GuestMap`] implements `GuestAddressSpace` (in the private
 //!   module `vm_memory_impl`).
 //!
@@ -33,7 +33,7 @@
 //! ```
 //! let map = guestmem::GuestMap::from_specs(&[guestmem::RegionSpec::new(
 //!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
-//! let snap = map.snapshot();
+//! let snap = map.view();
 //! let region = &snap.regions()[0];
 //! let _host: *mut u8 = region.host_addr(); // a raw pointer: using it needs `unsafe`
 //! ```
@@ -41,7 +41,7 @@
 //! ```compile_fail,E0603
 //! let map = guestmem::GuestMap::from_specs(&[guestmem::RegionSpec::new(
 //!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
-//! let snap = map.snapshot();
+//! let snap = map.view();
 //! let region = &snap.regions()[0];
 //! guestmem::sys::base_page_size(); // `sys` is private: no safe munmap or madvise to reach
 //! ```
@@ -49,7 +49,7 @@
 //! ```compile_fail,E0599
 //! let map = guestmem::GuestMap::from_specs(&[guestmem::RegionSpec::new(
 //!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
-//! let snap = map.snapshot();
+//! let snap = map.view();
 //! let region = &snap.regions()[0];
 //! let _range = region.host_range(); // no `Copy` range of a region's memory is handed out
 //! ```
@@ -106,14 +106,14 @@
 //! let m = r.place_file(0, 4096, source, guestmem::Reserve::Reserve); // the file could shrink
 //! ```
 //!
-//! Guest memory handed to device code borrows the snapshot or translator that keeps its
+//! Guest memory handed to device code borrows the view or translator that keeps its
 //! region mapped:
 //!
 //! ```
 //! use guestmem::vm_memory::{Bytes, GuestMemory, Permissions};
 //! let map = guestmem::GuestMap::from_specs(&[guestmem::RegionSpec::new(
 //!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
-//! let snap = map.snapshot();
+//! let snap = map.view();
 //! let mut slices = snap.get_slices(guestmem::GuestAddress(0), 16, Permissions::Write).unwrap();
 //! let slice = slices.next().unwrap().unwrap();
 //! slice.write_obj(1u8, 0).unwrap();
@@ -129,11 +129,11 @@
 //! use guestmem::vm_memory::{Bytes, GuestMemory, Permissions};
 //! let map = guestmem::GuestMap::from_specs(&[guestmem::RegionSpec::new(
 //!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
-//! let snap = map.snapshot();
+//! let snap = map.view();
 //! let mut slices = snap.get_slices(guestmem::GuestAddress(0), 16, Permissions::Write).unwrap();
 //! let slice = slices.next().unwrap().unwrap();
 //! drop(slices);
-//! drop(snap); // the snapshot keeps the region mapped: the slice may not outlive it
+//! drop(snap); // the view keeps the region mapped: the slice may not outlive it
 //! slice.write_obj(1u8, 0).unwrap();
 //! ```
 //!
@@ -143,7 +143,7 @@
 //!     guestmem::GuestAddress(0), 1 << 20)]).unwrap();
 //! let t = map.translator();
 //! let slice = t.translate(guestmem::GuestAddress(0), 16).unwrap();
-//! drop(t); // the translator pins the snapshot: the slice may not outlive it
+//! drop(t); // the translator pins the view: the slice may not outlive it
 //! slice.write_obj(1u8, 0).unwrap();
 //! ```
 #![deny(missing_docs)]
@@ -185,7 +185,7 @@ pub use jobs::{Chunk, Job, JobRange, Numa};
 pub use layout::{
     Access, Backing, DirtyTracking, Guard, HugePageSize, RegionSpec, Reserve, Thp, MAX_REGIONS,
 };
-pub use map::{GuestMap, MapError, Snapshot};
+pub use map::{GuestMap, MapError, MapView};
 pub use populate::{
     populate, Method, PinStrategy, PopulateConfig, PopulateError, PopulateReport, Selection, Undo,
 };

@@ -11,7 +11,7 @@
 
 use crate::host::{Demand, Host, HostError, Needs, Stage};
 use crate::inspect::{self, InspectError, RegionUsage};
-use crate::map::Snapshot;
+use crate::map::MapView;
 
 use crate::populate::PinStrategy;
 use crate::region::Region;
@@ -47,7 +47,7 @@ fn demand(region: &Region, usage: &RegionUsage) -> Demand {
 /// Checks pinning (by `pin`) and populating every region of `snap` against the host's limits:
 /// memory not yet resident against `MemAvailable` and the memory cgroup, `MAP_NORESERVE`
 /// hugetlb pages against their pools, and locked memory against `RLIMIT_MEMLOCK`.
-pub fn check(snap: &Snapshot, pin: PinStrategy) -> Result<Needs, LimitError> {
+pub fn check(snap: &MapView, pin: PinStrategy) -> Result<Needs, LimitError> {
     check_regions(snap.regions(), pin, &Host::read())
 }
 

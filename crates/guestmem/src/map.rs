@@ -1,13 +1,13 @@
-//! The guest physical address map: sorted, non-overlapping regions in immutable snapshots.
+//! The guest physical address map: sorted, non-overlapping regions in immutable views.
 //!
-//! Readers load the current [`Snapshot`] (an `Arc`, through `arc-swap`, which never blocks
+//! Readers load the current [`MapView`] (an `Arc`, through `arc-swap`, which never blocks
 //! and is never blocked by a writer) and keep it as long as they like. Hot-add and
-//! hot-remove build a new snapshot under a writer mutex and publish it with a new
-//! generation number; a removed region stays mapped until the last snapshot (or handle) that
+//! hot-remove build a new view under a writer mutex and publish it with a new
+//! generation number; a removed region stays mapped until the last view (or handle) that
 //! holds it is dropped, so a reader can never touch unmapped memory. This is RCU, with
 //! reference counts standing in for grace periods.
 //!
-//! The snapshot keeps the hot part of every region (start, end, host address) in one dense
+//! The view keeps the hot part of every region (start, end, host address) in one dense
 //! array, so the binary search touches one cache line per step and no `Arc` at all.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -57,7 +57,7 @@ pub enum MapError {
     Host(#[from] HostError),
 }
 
-/// The part of a region that translation reads, kept densely in a snapshot (and copied into
+/// The part of a region that translation reads, kept densely in a view (and copied into
 /// each translator's cache), so a lookup never follows a region's `Arc`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Span {
@@ -67,18 +67,18 @@ pub(crate) struct Span {
     pub(crate) host: usize,
     /// Whether the guest may only read it.
     pub(crate) read_only: bool,
-    /// The region's dirty bitmap, if it tracks writes. Valid while the snapshot that made
-    /// the span holds the region's `Arc` (every holder of a span also holds that snapshot).
+    /// The region's dirty bitmap, if it tracks writes. Valid while the view that made
+    /// the span holds the region's `Arc` (every holder of a span also holds that view).
     pub(crate) dirty: Option<std::ptr::NonNull<crate::dirty::DirtyBitmap>>,
 }
 
 // SAFETY: a Span is plain data about a region; the bitmap pointer is only dereferenced by
-// holders of the snapshot that keeps the region (and its bitmap, which is Sync) alive.
+// holders of the view that keeps the region (and its bitmap, which is Sync) alive.
 unsafe impl Send for Span {}
 // SAFETY: as above.
 unsafe impl Sync for Span {}
 
-/// The regions of one snapshot, sorted, with the dense arrays lookups search: vm-memory's
+/// The regions of one view, sorted, with the dense arrays lookups search: vm-memory's
 /// `GuestMemoryBackend` over them is the reference for what the device view does across
 /// region edges (see `vm_memory_impl`).
 #[derive(Debug)]
@@ -138,14 +138,14 @@ impl RegionTable {
 /// (a write into a read-only region is refused, nothing written) and every write marked in
 /// the region's dirty bitmap if it tracks writes.
 #[derive(Debug)]
-pub struct Snapshot {
+pub struct MapView {
     generation: u64,
     table: RegionTable,
 }
 
-impl Snapshot {
-    fn new(generation: u64, regions: Vec<Arc<Region>>) -> Snapshot {
-        Snapshot {
+impl MapView {
+    fn new(generation: u64, regions: Vec<Arc<Region>>) -> MapView {
+        MapView {
             generation,
             table: RegionTable::new(regions),
         }
@@ -164,7 +164,7 @@ impl Snapshot {
 
     /// The regions as vm-memory's `GuestMemoryBackend`: vm-memory's own semantics with no
     /// permission check, for host-side code that means it (loading a ROM image, say). Device
-    /// code takes the snapshot itself.
+    /// code takes the view itself.
     #[inline]
     pub fn table(&self) -> &RegionTable {
         &self.table
@@ -214,7 +214,7 @@ impl Snapshot {
 }
 
 pub(crate) struct Shared {
-    pub(crate) current: ArcSwap<Snapshot>,
+    pub(crate) current: ArcSwap<MapView>,
     /// Mirrors `current.generation`, so a translator can learn it is stale with one load.
     pub(crate) generation: AtomicU64,
     writer: Mutex<()>,
@@ -229,7 +229,7 @@ pub struct GuestMap {
 impl std::fmt::Debug for GuestMap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GuestMap")
-            .field("snapshot", &self.snapshot())
+            .field("view", &self.view())
             .finish()
     }
 }
@@ -245,7 +245,7 @@ impl GuestMap {
     pub fn new() -> GuestMap {
         GuestMap {
             shared: Arc::new(Shared {
-                current: ArcSwap::from_pointee(Snapshot::new(0, Vec::new())),
+                current: ArcSwap::from_pointee(MapView::new(0, Vec::new())),
                 generation: AtomicU64::new(0),
                 writer: Mutex::new(()),
             }),
@@ -294,12 +294,12 @@ impl GuestMap {
             .map(|s| Region::map_on(s, host).map(Arc::new))
             .collect::<Result<Vec<_>, _>>()?;
         let map = GuestMap::new();
-        map.publish(Snapshot::new(1, regions));
+        map.publish(MapView::new(1, regions));
         Ok(map)
     }
 
-    /// The current snapshot. Cheap; never blocks.
-    pub fn snapshot(&self) -> Arc<Snapshot> {
+    /// The current view. Cheap; never blocks.
+    pub fn view(&self) -> Arc<MapView> {
         self.shared.current.load_full()
     }
 
@@ -308,7 +308,7 @@ impl GuestMap {
         self.shared.generation.load(Ordering::Acquire)
     }
 
-    fn publish(&self, snap: Snapshot) {
+    fn publish(&self, snap: MapView) {
         let generation = snap.generation;
         self.shared.current.store(Arc::new(snap));
         self.shared.generation.store(generation, Ordering::Release);
@@ -322,7 +322,7 @@ impl GuestMap {
             size: spec.size(),
         })?;
         // Refuse early, before mapping anything; `insert` checks again under the lock.
-        self.check_fits(&self.snapshot(), addr, end)?;
+        self.check_fits(&self.view(), addr, end)?;
         let region = Arc::new(Region::map(spec)?);
         self.insert(region.clone())?;
         Ok(region)
@@ -336,11 +336,11 @@ impl GuestMap {
         self.check_fits(&cur, region.guest_addr().0, region.guest_end())?;
         let mut regions = cur.regions().to_vec();
         regions.push(region);
-        self.publish(Snapshot::new(cur.generation + 1, regions));
+        self.publish(MapView::new(cur.generation + 1, regions));
         Ok(())
     }
 
-    fn check_fits(&self, cur: &Snapshot, addr: u64, end: u64) -> Result<(), MapError> {
+    fn check_fits(&self, cur: &MapView, addr: u64, end: u64) -> Result<(), MapError> {
         if cur.len() >= MAX_REGIONS {
             return Err(MapError::TooManyRegions {
                 addr,
@@ -359,7 +359,7 @@ impl GuestMap {
     }
 
     /// Removes the region that starts at `addr` and publishes the map without it
-    /// (hot-remove). It stays mapped until the returned handle and every snapshot that holds
+    /// (hot-remove). It stays mapped until the returned handle and every view that holds
     /// it are dropped.
     pub fn remove(&self, addr: GuestAddress) -> Result<Arc<Region>, MapError> {
         let _w = self.shared.writer.lock().unwrap_or_else(|e| e.into_inner());
@@ -371,7 +371,7 @@ impl GuestMap {
             .ok_or(MapError::NotFound { addr: addr.0 })?;
         let mut regions = cur.regions().to_vec();
         let removed = regions.remove(i);
-        self.publish(Snapshot::new(cur.generation + 1, regions));
+        self.publish(MapView::new(cur.generation + 1, regions));
         Ok(removed)
     }
 }
@@ -407,23 +407,23 @@ mod tests {
         let e = map.add(&spec(0x1f000, 0x2000)).unwrap_err();
         assert!(matches!(e, MapError::Overlap { .. }), "{e}");
         assert_eq!(map.generation(), g);
-        assert_eq!(map.snapshot().len(), 1);
+        assert_eq!(map.view().len(), 1);
     }
 
     #[test]
-    fn remove_keeps_region_mapped_for_old_snapshot() {
+    fn remove_keeps_region_mapped_for_old_view() {
         let map = GuestMap::from_specs(&[spec(0, 0x10000), spec(0x20000, 0x10000)]).unwrap();
-        let old = map.snapshot();
+        let old = map.view();
         let r = &old.regions()[1];
         // SAFETY: the region maps 0x10000 writable bytes and this test is its only user.
         unsafe { r.host_addr().write_volatile(7) };
         let removed = map.remove(GuestAddress(0x20000)).unwrap();
         drop(removed);
-        assert_eq!(map.snapshot().len(), 1);
-        // Still mapped: the old snapshot holds it.
+        assert_eq!(map.view().len(), 1);
+        // Still mapped: the old view holds it.
         // SAFETY: as above; `old` keeps the mapping alive.
         assert_eq!(unsafe { r.host_addr().read_volatile() }, 7);
-        assert!(map.snapshot().find(GuestAddress(0x20000)).is_none());
+        assert!(map.view().find(GuestAddress(0x20000)).is_none());
     }
 
     #[test]

@@ -51,7 +51,7 @@ use std::time::Instant;
 use crate::host::Host;
 use crate::jobs::{Chunk, Job, JobError, JobRange, JobStats, Numa};
 use crate::layout::{Backing, Reserve};
-use crate::map::Snapshot;
+use crate::map::MapView;
 use crate::mmap::{Advice, Lock, MmapError};
 use crate::region::Region;
 use crate::sys::{self, ProcMem};
@@ -319,7 +319,7 @@ fn cause(region: &Region, source: &io::Error) -> Option<String> {
 }
 
 /// The regions of `snap` that `selection` names, in address order, each once.
-pub fn selected(snap: &Snapshot, selection: &Selection) -> Result<Vec<Arc<Region>>, PopulateError> {
+pub fn selected(snap: &MapView, selection: &Selection) -> Result<Vec<Arc<Region>>, PopulateError> {
     match selection {
         Selection::All => Ok(snap.regions().to_vec()),
         Selection::Starting(addrs) => {
@@ -341,7 +341,7 @@ pub fn selected(snap: &Snapshot, selection: &Selection) -> Result<Vec<Arc<Region
 
 /// Populates (and pins, per `cfg.pin`) every region of `snap` in one job. Checks no limits:
 /// see [`crate::limits::check`]. On failure, undoes everything it did before returning.
-pub fn populate(snap: &Snapshot, cfg: &PopulateConfig) -> Result<PopulateReport, PopulateError> {
+pub fn populate(snap: &MapView, cfg: &PopulateConfig) -> Result<PopulateReport, PopulateError> {
     let regions = selected(snap, &cfg.regions)?;
     let regions = &regions[..];
     // Memory a restore is filling is the restore's: populating it would fault blocks in out

@@ -2,14 +2,14 @@
 //!
 //! Seed 004: a vCPU touches one memslot over and over, so KVM keeps each vCPU's last-used
 //! slot and checks it before binary-searching (2.8 s -> 0.3 s per dirty pass with 64 slots).
-//! A [`Translator`] is that cache for a userspace thread. It pins one [`Snapshot`], so every
+//! A [`Translator`] is that cache for a userspace thread. It pins one [`MapView`], so every
 //! slice it hands out stays mapped while the translator lives; [`Translator::refresh`] moves
-//! it to the newest snapshot at a point where the thread holds no slice (a vCPU exit, a
+//! it to the newest view at a point where the thread holds no slice (a vCPU exit, a
 //! device worker's next request), much as KVM's vCPUs pick up new memslots between SRCU
 //! read sections.
 //!
 //! The cached entry is a (generation, index) pair. Before use it is checked against the
-//! pinned snapshot's generation and read with a bounds-checked `get`, so a stale or
+//! pinned view's generation and read with a bounds-checked `get`, so a stale or
 //! out-of-range index can only miss, never read past the region array; the review of seed
 //! 004 asked for exactly this clamp against speculative out-of-bounds loads.
 
@@ -20,7 +20,7 @@ use vm_memory::bitmap::RefSlice;
 use vm_memory::{GuestAddress, VolatileSlice};
 
 use crate::dirty::DirtyBitmap;
-use crate::map::{GuestMap, Snapshot, Span};
+use crate::map::{GuestMap, MapView, Span};
 use crate::region::Region;
 
 /// A region's dirty bitmap as a slice at some offset, or nothing when it tracks no writes:
@@ -35,7 +35,7 @@ pub type GuestSlice<'a> = VolatileSlice<'a, DirtySlice<'a>>;
 ///
 /// # Safety
 /// `host..host+len` must lie in the region `span` describes, and `span` must come from a
-/// snapshot that keeps the region (and its bitmap) alive for `'a`.
+/// view that keeps the region (and its bitmap) alive for `'a`.
 #[inline]
 pub(crate) unsafe fn guest_slice<'a>(
     host: usize,
@@ -44,7 +44,7 @@ pub(crate) unsafe fn guest_slice<'a>(
     offset: u64,
 ) -> GuestSlice<'a> {
     let bitmap = span.dirty.map(|p| {
-        // SAFETY: the bitmap belongs to the region, which the span's snapshot keeps alive for
+        // SAFETY: the bitmap belongs to the region, which the span's view keeps alive for
         // 'a (this function's contract); it is only read through a shared reference.
         let b: &'a DirtyBitmap = unsafe { p.as_ref() };
         RefSlice::new(b, offset as usize)
@@ -112,7 +112,7 @@ struct LastUsed {
 /// A per-thread translator. Not `Sync`: give every thread its own (they are cheap).
 pub struct Translator {
     map: GuestMap,
-    snap: Arc<Snapshot>,
+    snap: Arc<MapView>,
     /// `snap.generation()`, kept beside the cache so validating it needs no pointer chase.
     generation: u64,
     last: Cell<LastUsed>,
@@ -148,9 +148,9 @@ impl GuestMap {
 }
 
 impl Translator {
-    /// A translator over `map`, pinned to its current snapshot.
+    /// A translator over `map`, pinned to its current view.
     pub fn new(map: GuestMap) -> Translator {
-        let snap = map.snapshot();
+        let snap = map.view();
         Translator {
             map,
             generation: snap.generation(),
@@ -170,20 +170,20 @@ impl Translator {
         }
     }
 
-    /// Moves to the newest snapshot if the map changed; returns whether it did. One atomic
+    /// Moves to the newest view if the map changed; returns whether it did. One atomic
     /// load when nothing changed.
     pub fn refresh(&mut self) -> bool {
         if self.map.generation() == self.snap.generation() {
             return false;
         }
-        self.snap = self.map.snapshot();
+        self.snap = self.map.view();
         self.generation = self.snap.generation();
         true
     }
 
-    /// The snapshot this translator reads.
+    /// The view this translator reads.
     #[inline]
-    pub fn snapshot(&self) -> &Snapshot {
+    pub fn view(&self) -> &MapView {
         &self.snap
     }
 
@@ -216,7 +216,7 @@ impl Translator {
             return Some((i, self.snap.spans()[i]));
         }
         let last = self.last.get();
-        // The entry counts only if it was filled from the snapshot this translator pins;
+        // The entry counts only if it was filled from the view this translator pins;
         // then one unsigned compare tells whether `addr` lies in start..end.
         if last.generation == self.generation
             && addr.wrapping_sub(last.span.start) < last.span.end - last.span.start
@@ -296,7 +296,7 @@ impl Translator {
     ) -> Result<GuestSlice<'_>, TranslateError> {
         let (host, span) = self.host_range(addr, len)?;
         // SAFETY: host..host+len lies in the region of `span` (checked in host_range, without
-        // overflow), which came from `self.snap`; the snapshot holds the region's Arc, so the
+        // overflow), which came from `self.snap`; the view holds the region's Arc, so the
         // mapping and bitmap outlive the returned slice, which borrows `self`.
         Ok(unsafe { guest_slice(host, len, &span, addr.0 - span.start) })
     }
@@ -318,7 +318,7 @@ impl Translator {
             });
         }
         // SAFETY: as in `translate`: the range was checked to lie in the region of `span`,
-        // which the pinned snapshot keeps mapped.
+        // which the pinned view keeps mapped.
         Ok(unsafe { guest_slice(host, len, &span, addr.0 - span.start) })
     }
 

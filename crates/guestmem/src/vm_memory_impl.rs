@@ -2,7 +2,7 @@
 //! `Bytes<GuestAddress>` are expected (virtio-queue, vhost-user backends, linux-loader), and
 //! keeps two promises vm-memory's own types cannot.
 //!
-//! Design choice, after vm-memory's `IommuMemory`: what device code gets, [`Snapshot`] (what
+//! Design choice, after vm-memory's `IommuMemory`: what device code gets, [`MapView`] (what
 //! [`GuestMap`]'s `GuestAddressSpace::memory` returns) and [`Translator`], implements
 //! vm-memory's `GuestMemory` directly, not `GuestMemoryBackend`, because only `GuestMemory`
 //! sees the access mode (`Permissions`) of every access, and every `Bytes` method goes
@@ -17,7 +17,7 @@
 //!
 //! Everything else is vm-memory's own behaviour: an access that stays in one region is served
 //! by one slice (found by binary search, or through the translator's cache), and anything
-//! else is handed to vm-memory's own `GuestMemoryBackend::get_slices` over the snapshot's
+//! else is handed to vm-memory's own `GuestMemoryBackend::get_slices` over the view's
 //! [`RegionTable`], so holes, region edges and partial accesses behave exactly as over
 //! `GuestMemoryMmap`. `physical_memory()` returns `None`, so nothing reaches the table
 //! through the device view; host code that means to (loading a ROM image) takes
@@ -35,7 +35,7 @@ use vm_memory::{
 };
 
 use crate::dirty::DirtyBitmap;
-use crate::map::{GuestMap, RegionTable, Snapshot, Span};
+use crate::map::{GuestMap, MapView, RegionTable, Span};
 use crate::region::Region;
 use crate::translate::{guest_slice, DirtySlice, GuestSlice, Translator};
 
@@ -238,7 +238,7 @@ impl<'a> Iterator for ViewSlices<'a> {
         };
         // SAFETY: addr..addr+len lies in the region of `span` (`addr` is in it: the lookup
         // found it there; `len` is at most its distance to the region's end), and `span` came
-        // from the snapshot `table` belongs to, which keeps the region alive for 'a.
+        // from the view `table` belongs to, which keeps the region alive for 'a.
         Some(Ok(unsafe {
             guest_slice(span.host + offset as usize, len, span, offset)
         }))
@@ -280,7 +280,7 @@ fn slices<'a>(
     })
 }
 
-impl GuestMemory for Snapshot {
+impl GuestMemory for MapView {
     type PhysicalMemory = RegionTable;
     type Bitmap = Option<DirtyBitmap>;
 
@@ -307,7 +307,7 @@ impl GuestMemory for Translator {
     type Bitmap = Option<DirtyBitmap>;
 
     fn check_range(&self, addr: GuestAddress, count: usize, access: Permissions) -> bool {
-        GuestMemory::check_range(self.snapshot(), addr, count, access)
+        GuestMemory::check_range(self.view(), addr, count, access)
     }
 
     #[inline]
@@ -317,8 +317,8 @@ impl GuestMemory for Translator {
         count: usize,
         access: Permissions,
     ) -> GmResult<impl GuestMemorySliceIterator<'a, BS<'a, Self::Bitmap>>> {
-        let table = self.snapshot().table();
-        // The cached index belongs to the snapshot this translator pins: `get` keeps even a
+        let table = self.view().table();
+        // The cached index belongs to the view this translator pins: `get` keeps even a
         // stale one in bounds.
         let found = self.region_index(addr).and_then(|i| table.spans().get(i));
         slices(table, found, addr, count, access)
@@ -326,10 +326,10 @@ impl GuestMemory for Translator {
 }
 
 impl GuestAddressSpace for GuestMap {
-    type M = Snapshot;
-    type T = Arc<Snapshot>;
+    type M = MapView;
+    type T = Arc<MapView>;
 
-    fn memory(&self) -> Arc<Snapshot> {
-        self.snapshot()
+    fn memory(&self) -> Arc<MapView> {
+        self.view()
     }
 }

@@ -21,7 +21,7 @@ fn memfd_region_refuses_shrinking_and_growing_and_stays_usable() {
     let t = map.translator();
     t.write_in_region(GuestAddress(4 * MIB - 8), b"lastpage")
         .unwrap();
-    let snap = map.snapshot();
+    let snap = map.view();
     let file = snap.regions()[0].file_offset().unwrap().file();
 
     for len in [0, MIB, 8 * MIB] {
@@ -54,7 +54,7 @@ fn memfd_seals_hold_for_a_duplicated_descriptor() {
         RegionSpec::new(GuestAddress(0), 2 * MIB).with_backing(Backing::Memfd)
     ])
     .unwrap();
-    let snap = map.snapshot();
+    let snap = map.view();
     // What a VMM hands a vhost-user backend: a duplicate of the region's descriptor.
     let dup = snap.regions()[0]
         .file_offset()
@@ -83,7 +83,7 @@ fn file_region_truncated_by_someone_else_is_named_not_a_signal() {
         offset: 4 * MIB,
     });
     let map = GuestMap::from_specs(&[spec]).unwrap();
-    let snap = map.snapshot();
+    let snap = map.view();
     assert!(snap.regions()[0].check_backing().is_ok());
 
     // Someone else shrinks the file to 5 MiB: 3 MiB of the region are gone.

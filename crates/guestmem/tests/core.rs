@@ -48,7 +48,7 @@ fn every_backing_reads_and_writes_through_translator_and_bytes() {
     let map = GuestMap::from_specs(&specs).unwrap();
     std::fs::remove_file(&file).unwrap();
     let t = map.translator();
-    let snap = map.snapshot();
+    let snap = map.view();
     for (i, r) in snap.regions().iter().enumerate() {
         let base = r.guest_addr().0;
         let last = base + r.size() - 8;
@@ -138,7 +138,7 @@ fn populate(map: &GuestMap) {
         pin: guestmem::PinStrategy::None,
         ..guestmem::PopulateConfig::default()
     };
-    guestmem::populate(&map.snapshot(), &cfg).unwrap();
+    guestmem::populate(&map.view(), &cfg).unwrap();
 }
 
 #[test]
@@ -155,7 +155,7 @@ fn thp_region_populated_is_fully_huge_with_and_without_guards() {
             RegionSpec::new(GuestAddress(0x4000_0000), 64 * MIB).with_guard(guard)
         ])
         .unwrap();
-        let r = map.snapshot().regions()[0].clone();
+        let r = map.view().regions()[0].clone();
         populate(&map);
         let u = inspect_region(&r).unwrap();
         assert_eq!(u.huge_span, 64 * MIB);
@@ -180,7 +180,7 @@ fn thp_region_without_advice_gets_no_huge_pages_in_madvise_mode() {
         RegionSpec::new(GuestAddress(0x4000_0000), 8 * MIB).with_thp(Thp::Default)
     ])
     .unwrap();
-    let r = map.snapshot().regions()[0].clone();
+    let r = map.view().regions()[0].clone();
     populate(&map);
     let u = inspect_region(&r).unwrap();
     assert_eq!(u.resident, 8 * MIB);
@@ -238,7 +238,7 @@ fn translator_threads_never_see_wrong_region_during_hot_add_remove() {
                                 hits.fetch_add(1, Ordering::Relaxed);
                             }
                             Err(TranslateError::Unmapped { .. }) => {
-                                assert!(t.snapshot().find(GuestAddress(addr)).is_none());
+                                assert!(t.view().find(GuestAddress(addr)).is_none());
                                 misses.fetch_add(1, Ordering::Relaxed);
                             }
                             Err(e) => panic!("{e}"),
@@ -292,7 +292,7 @@ fn inspect_process_sees_a_populated_region_as_the_kernel_maps_it() {
     }
     let map =
         GuestMap::from_specs(&[RegionSpec::new(GuestAddress(0x8000_0000), 32 * MIB)]).unwrap();
-    let r = map.snapshot().regions()[0].clone();
+    let r = map.view().regions()[0].clone();
     populate(&map);
     let all = guestmem::inspect::inspect_process(None, 16 * MIB).unwrap();
     let m = all

@@ -140,7 +140,7 @@ fn bytes_operations_match_vm_memory_on_every_layout() {
     for (name, regions) in layouts() {
         let theirs = bytes_ops(&vm_memory_map(&regions), &regions);
         let map = guestmem_map(&regions);
-        let snap_ops = bytes_ops(&*map.snapshot(), &regions);
+        let snap_ops = bytes_ops(&*map.view(), &regions);
         assert_same(&format!("{name} snapshot"), &snap_ops, &theirs);
         let map = guestmem_map(&regions);
         let t = map.translator();
@@ -240,11 +240,7 @@ fn virtio_queue_matches_vm_memory_with_rings_and_buffers_across_edges() {
     for (ring, bufs) in scenarios {
         let theirs = virtio_run(&vm_memory_map(&regions), ring, &bufs);
         let map = guestmem_map(&regions);
-        assert_same(
-            "snapshot",
-            &virtio_run(&*map.snapshot(), ring, &bufs),
-            &theirs,
-        );
+        assert_same("snapshot", &virtio_run(&*map.view(), ring, &bufs), &theirs);
         let map = guestmem_map(&regions);
         assert_same(
             "translator",
@@ -262,7 +258,7 @@ fn rom_map() -> GuestMap {
     ])
     .unwrap();
     // The host loads the image through the region's own Bytes (the host's way in).
-    let snap = map.snapshot();
+    let snap = map.view();
     snap.regions()[1]
         .write_slice(&[0xa5; 64], MemoryRegionAddress(0))
         .unwrap();
@@ -328,7 +324,7 @@ fn rom_writes_refused<M: GuestMemory>(mem: &M) {
 #[test]
 fn rom_writes_are_refused_on_every_path_and_name_the_region() {
     let map = rom_map();
-    rom_writes_refused(&*map.snapshot());
+    rom_writes_refused(&*map.view());
     let map = rom_map();
     rom_writes_refused(&map.translator());
 }
@@ -340,7 +336,7 @@ fn device_writes_mark_the_regions_dirty_bitmap() {
         RegionSpec::new(GuestAddress(1 << 20), 1 << 20),
     ])
     .unwrap();
-    let snap = map.snapshot();
+    let snap = map.view();
     let t = map.translator();
     // Through each path a device takes: Bytes on the snapshot and translator, a straddling
     // write, a virtio-queue used-ring update, and the translator's own write.

@@ -88,7 +88,7 @@ fn spec(addr: u64, size: u64) -> RegionSpec {
 
 /// Writes `byte` at `offset` of the map's region `i`.
 fn poke(map: &GuestMap, i: usize, offset: u64, byte: u8) {
-    let snap = map.snapshot();
+    let snap = map.view();
     let r = &snap.regions()[i];
     assert!(offset < r.size());
     // SAFETY: the region maps `size` writable bytes at host_addr, `offset` is inside, and no
@@ -97,7 +97,7 @@ fn poke(map: &GuestMap, i: usize, offset: u64, byte: u8) {
 }
 
 fn peek(map: &GuestMap, i: usize, offset: u64) -> u8 {
-    let snap = map.snapshot();
+    let snap = map.view();
     let r = &snap.regions()[i];
     assert!(offset < r.size());
     // SAFETY: as in `poke`.
@@ -110,8 +110,8 @@ fn populate_anon_thp_64m_each_method_is_fully_huge() {
     for method in [Method::PopulateWrite, Method::Touch] {
         let map = GuestMap::from_specs(&[spec(0x1_0000_0000, 64 * MIB)]).unwrap();
         poke(&map, 0, 5 * MIB + 123, 0xa5);
-        let report = populate(&map.snapshot(), &cfg(method, PinStrategy::None)).unwrap();
-        let u = &inspect(&map.snapshot()).unwrap()[0];
+        let report = populate(&map.view(), &cfg(method, PinStrategy::None)).unwrap();
+        let u = &inspect(&map.view()).unwrap()[0];
         assert_eq!(u.resident, 64 * MIB, "{method:?}");
         assert_eq!(u.huge_span, 64 * MIB);
         assert_eq!(u.huge_coverage(), 1.0, "{method:?}: {u:?}");
@@ -126,8 +126,8 @@ fn populate_memfd_each_method_is_resident_and_keeps_data() {
     for method in [Method::PopulateWrite, Method::Touch] {
         let map = GuestMap::from_specs(&[spec(0, 32 * MIB).with_backing(Backing::Memfd)]).unwrap();
         poke(&map, 0, 7 * MIB, 0x5a);
-        populate(&map.snapshot(), &cfg(method, PinStrategy::None)).unwrap();
-        let u = &inspect(&map.snapshot()).unwrap()[0];
+        populate(&map.view(), &cfg(method, PinStrategy::None)).unwrap();
+        let u = &inspect(&map.view()).unwrap()[0];
         assert_eq!(u.resident, 32 * MIB, "{method:?}");
         assert_eq!(peek(&map, 0, 7 * MIB), 0x5a, "{method:?}");
     }
@@ -146,9 +146,9 @@ fn populate_hugetlb_2m_each_method_takes_its_pages() {
         let huge = unsafe { huge.with_reserve(Reserve::NoReserve) };
         let map = GuestMap::from_specs(&[huge]).unwrap();
         let before = ProcessMemory::read().unwrap();
-        populate(&map.snapshot(), &cfg(method, PinStrategy::UpFront)).unwrap();
+        populate(&map.view(), &cfg(method, PinStrategy::UpFront)).unwrap();
         let after = ProcessMemory::read().unwrap();
-        let u = &inspect(&map.snapshot()).unwrap()[0];
+        let u = &inspect(&map.view()).unwrap()[0];
         assert_eq!((u.resident, u.huge), (16 * MIB, 16 * MIB), "{method:?}");
         assert_eq!(after.hugetlb - before.hugetlb, 16 * MIB);
         assert_eq!(hugetlb_available(HugePageSize::Size2M), Some(0));
@@ -169,10 +169,10 @@ fn pin_each_strategy_locks_exactly_the_region_bytes() {
                 spec(0x4000_0000, 32 * MIB).with_backing(Backing::Memfd),
             ])
             .unwrap();
-            populate(&map.snapshot(), &cfg(method, pin)).unwrap();
+            populate(&map.view(), &cfg(method, pin)).unwrap();
             let after = ProcessMemory::read().unwrap();
             assert_eq!(after.locked - before.locked, 96 * MIB, "{pin:?} {method:?}");
-            for u in inspect(&map.snapshot()).unwrap() {
+            for u in inspect(&map.view()).unwrap() {
                 assert_eq!(
                     (u.resident, u.locked),
                     (u.size, u.size),
@@ -201,7 +201,7 @@ fn populate_hugetlb_pool_dry_fails_and_undoes_everything() {
             // never a signal) and read through smaps; no CPU access reaches it.
             let huge = unsafe { huge.with_reserve(Reserve::NoReserve) };
             let map = GuestMap::from_specs(&[spec(0, 32 * MIB), huge]).unwrap();
-            let snap = map.snapshot();
+            let snap = map.view();
 
             // The check step sees it coming, with the numbers...
             let e = limits::check(&snap, pin).unwrap_err();
@@ -314,7 +314,7 @@ fn bringup_checks_populates_pins_and_reports() {
         pin_policy: guestmem::PinPolicy::Required,
         verify: Verify::On,
     };
-    let r = bringup(&map.snapshot(), &cfg).unwrap();
+    let r = bringup(&map.view(), &cfg).unwrap();
     assert_eq!((r.regions, r.bytes, r.threads), (2, 80 * MIB, 2));
     assert_eq!(done.load(std::sync::atomic::Ordering::Relaxed), 80 * MIB);
     assert_eq!(r.needs.memlock_bytes, before.locked + 80 * MIB);
@@ -335,8 +335,8 @@ fn populate_read_only_region_is_populated_anyway() {
     let map =
         GuestMap::from_specs(&[spec(0, 8 * MIB).with_access(guestmem::Access::ReadOnly)]).unwrap();
     for method in [Method::PopulateWrite, Method::Touch] {
-        populate(&map.snapshot(), &cfg(method, PinStrategy::None)).unwrap();
-        assert_eq!(inspect(&map.snapshot()).unwrap()[0].resident, 8 * MIB);
+        populate(&map.view(), &cfg(method, PinStrategy::None)).unwrap();
+        assert_eq!(inspect(&map.view()).unwrap()[0].resident, 8 * MIB);
     }
 }
 
@@ -362,7 +362,7 @@ fn from_specs_hugetlb_regions_beyond_pool_refused_naming_first_that_does_not_fit
     assert_eq!(ProcessMemory::read().unwrap().hugetlb, before.hugetlb);
     // The two that fit map fine.
     let map = GuestMap::from_specs(&[huge(0), huge(0x100_0000)]).unwrap();
-    assert_eq!(map.snapshot().len(), 2);
+    assert_eq!(map.view().len(), 2);
 }
 
 #[test]
@@ -376,7 +376,7 @@ fn hugetlb_region_refuses_shrinking_and_stays_usable() {
     ])
     .unwrap();
     poke(&map, 0, 4 * MIB - 1, 0x5a);
-    let snap = map.snapshot();
+    let snap = map.view();
     let file = snap.regions()[0].file_offset().unwrap().file();
     for len in [0, 2 * MIB, 8 * MIB] {
         let e = file.set_len(len).unwrap_err();
@@ -412,7 +412,7 @@ fn failed_populate_keeps_reserved_hugetlb_pages_and_their_data() {
         min_chunk: 2 * MIB,
         ..cfg(Method::PopulateWrite, PinStrategy::None)
     };
-    assert!(populate(&map.snapshot(), &c).is_err());
+    assert!(populate(&map.view(), &c).is_err());
     // A's page is still its own: its data reads back, and the pool did not get it back to
     // give to someone else.
     assert_eq!(peek(&map, 0, 0x100), 0x77);
@@ -435,7 +435,7 @@ fn panicking_progress_leaves_nothing_locked() {
             progress: Some(std::sync::Arc::new(|_| panic!("progress callback fails"))),
             ..cfg(Method::PopulateWrite, pin)
         };
-        let snap = map.snapshot();
+        let snap = map.view();
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| populate(&snap, &c)));
         assert!(r.is_err(), "{pin:?}: the panic reaches the caller");
         assert_eq!(ProcessMemory::read().unwrap().locked, before, "{pin:?}");
@@ -450,7 +450,7 @@ fn populate_selected_regions_under_running_translators_never_discards_data() {
     // Region A is up, pinned, and in use by two device threads that write and verify it.
     let map = GuestMap::from_specs(&[spec(0, 16 * MIB)]).unwrap();
     populate(
-        &map.snapshot(),
+        &map.view(),
         &cfg(Method::PopulateWrite, PinStrategy::UpFront),
     )
     .unwrap();
@@ -485,9 +485,9 @@ fn populate_selected_regions_under_running_translators_never_discards_data() {
             regions: Selection::Starting(vec![GuestAddress(0), b]),
             ..cfg(Method::PopulateWrite, PinStrategy::UpFront)
         };
-        let e = populate(&map.snapshot(), &both).unwrap_err();
+        let e = populate(&map.view(), &both).unwrap_err();
         assert!(e.to_string().contains("region at 0x40000000"), "{e}");
-        let a = &inspect(&map.snapshot()).unwrap()[0];
+        let a = &inspect(&map.view()).unwrap()[0];
         assert_eq!((a.resident, a.locked), (16 * MIB, 16 * MIB), "A kept");
         assert_eq!(ProcessMemory::read().unwrap().locked, locked_before);
         map.remove(b).unwrap();
@@ -501,9 +501,9 @@ fn populate_selected_regions_under_running_translators_never_discards_data() {
             undo: Undo::Keep,
             ..cfg(Method::PopulateWrite, PinStrategy::None)
         };
-        let r = populate(&map.snapshot(), &only_c).unwrap();
+        let r = populate(&map.view(), &only_c).unwrap();
         assert_eq!((r.regions, r.bytes), (1, 8 * MIB));
-        let u = inspect(&map.snapshot()).unwrap();
+        let u = inspect(&map.view()).unwrap();
         assert_eq!(u[1].resident, 8 * MIB, "C populated");
         assert_eq!(
             (u[0].resident, u[0].locked),
@@ -516,7 +516,7 @@ fn populate_selected_regions_under_running_translators_never_discards_data() {
             ..cfg(Method::PopulateWrite, PinStrategy::None)
         };
         assert!(matches!(
-            populate(&map.snapshot(), &bad),
+            populate(&map.view(), &bad),
             Err(PopulateError::NoSuchRegion { addr: 0x1000 })
         ));
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -649,7 +649,7 @@ fn failed_populate_keeps_memfd_data_written_through_its_descriptor() {
     // A VMM (or a vhost-user peer) loads an image through the memfd, never through this
     // process's mapping: smaps shows nothing resident, but the data is there.
     let map = GuestMap::from_specs(&[spec(0, 4 * MIB).with_backing(Backing::Memfd)]).unwrap();
-    let snap = map.snapshot();
+    let snap = map.view();
     let file = snap.regions()[0].file_offset().unwrap().file();
     file.write_at(b"kernel image", 0x1000).unwrap();
     let path = failing_file_region(&map, 1 << 30);
@@ -658,7 +658,7 @@ fn failed_populate_keeps_memfd_data_written_through_its_descriptor() {
             threads: 1,
             ..cfg(method, PinStrategy::None)
         };
-        assert!(populate(&map.snapshot(), &c).is_err(), "{method:?}");
+        assert!(populate(&map.view(), &c).is_err(), "{method:?}");
         let mut b = [0u8; 12];
         file.read_exact_at(&mut b, 0x1000).unwrap();
         assert_eq!(&b, b"kernel image", "{method:?}: data released");

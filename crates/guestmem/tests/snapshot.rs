@@ -96,7 +96,7 @@ fn tracked(specs: Vec<RegionSpec>) -> Vec<RegionSpec> {
 /// Writes a pattern over some pages of every region (`seed` changes it), zeroes a page it
 /// wrote, leaves others untouched.
 fn scribble(map: &GuestMap, seed: u8) {
-    let snap = map.snapshot();
+    let snap = map.view();
     for r in snap.regions() {
         let base = r.guest_addr().0;
         let pages = r.size() / 4096;
@@ -114,7 +114,7 @@ fn scribble(map: &GuestMap, seed: u8) {
 }
 
 fn contents(map: &GuestMap) -> Vec<Vec<u8>> {
-    let snap = map.snapshot();
+    let snap = map.view();
     snap.regions()
         .iter()
         .map(|r| {
@@ -165,7 +165,7 @@ fn round_trip(backing: Backing, name: &str) {
     scribble(&map, 0x40);
     let want = contents(&map);
     let dir = scratch(name);
-    let rep = snapshot::save(&map.snapshot(), &dir, &SaveConfig::default()).unwrap();
+    let rep = snapshot::save(&map.view(), &dir, &SaveConfig::default()).unwrap();
     // Sparse: a third of the pages were never written, one more is zero again.
     assert!(rep.bytes_written < rep.memory_bytes * 3 / 4, "{rep:?}");
     let blocks_on_disk = std::fs::metadata(dir.join("memory")).unwrap();
@@ -204,8 +204,8 @@ fn incremental_chain_of_three_restores_the_last_state() {
     let map = GuestMap::from_specs(&specs).unwrap();
     let root = scratch("chain");
     scribble(&map, 1);
-    snapshot::save(&map.snapshot(), &root.join("s0"), &SaveConfig::default()).unwrap();
-    let snap = map.snapshot();
+    snapshot::save(&map.view(), &root.join("s0"), &SaveConfig::default()).unwrap();
+    let snap = map.view();
     // Save 1: a few pages of region 0. Save 2: a page of each, one rewritten to zero.
     snap.write_slice(&[0xAB; 8192], GuestAddress(5 * 4096))
         .unwrap();
@@ -235,7 +235,7 @@ fn incremental_chain_of_three_restores_the_last_state() {
     let r = restore::restore(&image, &plain, &cfg(RestoreMode::Eager)).unwrap();
     let mut b = [0u8; 1];
     r.map
-        .snapshot()
+        .view()
         .read_slice(&mut b, GuestAddress(6 * 4096))
         .unwrap();
     assert_eq!(b[0], 0xAB);
@@ -250,7 +250,7 @@ fn saved(name: &str) -> PathBuf {
     let map = GuestMap::from_specs(&specs_plain()).unwrap();
     scribble(&map, 9);
     let dir = scratch(name);
-    snapshot::save(&map.snapshot(), &dir, &SaveConfig::default()).unwrap();
+    snapshot::save(&map.view(), &dir, &SaveConfig::default()).unwrap();
     dir
 }
 
@@ -357,7 +357,7 @@ fn foreign_layout_and_populated_maps_are_refused() {
         );
     }
     let map = GuestMap::from_specs(&specs_plain()).unwrap();
-    map.snapshot()
+    map.view()
         .write_slice(&[1u8], GuestAddress(64 * MIB + 4096))
         .unwrap();
     for mode in [RestoreMode::Eager, RestoreMode::Lazy] {
@@ -369,9 +369,9 @@ fn foreign_layout_and_populated_maps_are_refused() {
     }
     // The refused lazy restore registered nothing: the map still faults normally.
     let mut b = [0u8; 1];
-    map.snapshot().read_slice(&mut b, GuestAddress(0)).unwrap();
+    map.view().read_slice(&mut b, GuestAddress(0)).unwrap();
     // Saving over a snapshot is refused.
-    let e = snapshot::save(&map.snapshot(), &dir, &SaveConfig::default()).unwrap_err();
+    let e = snapshot::save(&map.view(), &dir, &SaveConfig::default()).unwrap_err();
     assert!(matches!(e, SnapshotError::Exists { .. }), "{e}");
 }
 
@@ -391,7 +391,7 @@ fn lazy_restore_serves_concurrent_readers_and_records_their_order() {
             .map(|t| {
                 let map = map.clone();
                 std::thread::spawn(move || {
-                    let snap = map.snapshot();
+                    let snap = map.view();
                     let mut out = Vec::new();
                     for reg in snap.regions() {
                         let mut v = vec![0u8; reg.size() as usize];
@@ -444,7 +444,7 @@ fn a_page_dropped_after_a_lazy_restore_reads_as_zero_not_a_hang() {
         let r = restore::restore(&image, &specs_plain(), &c).unwrap();
         let lazy = r.lazy.unwrap();
         lazy.wait_complete().unwrap();
-        let snap = r.map.snapshot();
+        let snap = r.map.view();
         let region = &snap.regions()[0];
         let mut b = [0u8; 1];
         snap.read_slice(&mut b, GuestAddress(0)).unwrap();
@@ -476,8 +476,8 @@ fn incremental_saves_check_their_parent_and_short_last_blocks_reopen() {
     let map = GuestMap::from_specs(&specs).unwrap();
     scribble(&map, 3);
     let root = scratch("parent-check");
-    snapshot::save(&map.snapshot(), &root.join("a"), &SaveConfig::default()).unwrap();
-    let snap = map.snapshot();
+    snapshot::save(&map.view(), &root.join("a"), &SaveConfig::default()).unwrap();
+    let snap = map.view();
     // One page of the short last block.
     snap.write_slice(&[7u8; 4096], GuestAddress(64 * MIB + 6 * MIB + 4096))
         .unwrap();
@@ -509,7 +509,7 @@ fn saving_during_a_lazy_restore_is_refused() {
     deadline(30, move || {
         let r = restore::restore(&image, &specs_plain(), &cfg(RestoreMode::Lazy)).unwrap();
         let e = snapshot::save(
-            &r.map.snapshot(),
+            &r.map.view(),
             &scratch("save-during-lazy-out"),
             &SaveConfig::default(),
         )
@@ -521,7 +521,7 @@ fn saving_during_a_lazy_restore_is_refused() {
         r.lazy.unwrap().finish().unwrap();
         // Once finished the memory is whole, and a save of it works.
         snapshot::save(
-            &r.map.snapshot(),
+            &r.map.view(),
             &scratch("save-after-lazy"),
             &SaveConfig::default(),
         )
@@ -542,7 +542,7 @@ fn two_incremental_saves_from_one_parent_give_one_success_and_one_clear_error() 
         let map = std::sync::Arc::new(GuestMap::from_specs(&specs).unwrap());
         scribble(&map, 1 + round);
         let parent = root.join(format!("p{round}"));
-        snapshot::save(&map.snapshot(), &parent, &SaveConfig::default()).unwrap();
+        snapshot::save(&map.view(), &parent, &SaveConfig::default()).unwrap();
         scribble(&map, 100 + round);
         let want = contents(&map);
         let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
@@ -556,7 +556,7 @@ fn two_incremental_saves_from_one_parent_give_one_success_and_one_clear_error() 
                         ..SaveConfig::default()
                     };
                     barrier.wait();
-                    (dir.clone(), snapshot::save(&map.snapshot(), &dir, &cfg))
+                    (dir.clone(), snapshot::save(&map.view(), &dir, &cfg))
                 })
             })
             .collect();
@@ -601,7 +601,7 @@ fn two_full_saves_into_one_path_publish_one_whole_snapshot() {
                 let (m, barrier, target) = (m.clone(), barrier.clone(), target.clone());
                 std::thread::spawn(move || {
                     barrier.wait();
-                    snapshot::save(&m.snapshot(), &target, &SaveConfig::default())
+                    snapshot::save(&m.view(), &target, &SaveConfig::default())
                 })
             })
             .collect();
@@ -647,7 +647,7 @@ fn a_save_never_overwrites_or_writes_through_a_symlink() {
     let dirlink = root.join("dirlink");
     std::os::unix::fs::symlink(&elsewhere, &dirlink).unwrap();
     for target in [&holds, &links, &dirlink, &victim] {
-        let e = snapshot::save(&map.snapshot(), target, &SaveConfig::default()).unwrap_err();
+        let e = snapshot::save(&map.view(), target, &SaveConfig::default()).unwrap_err();
         assert!(
             matches!(e, SnapshotError::Exists { .. }),
             "{}: {e}",
@@ -660,7 +660,7 @@ fn a_save_never_overwrites_or_writes_through_a_symlink() {
     // An empty directory is a place to save into.
     let empty = root.join("empty");
     std::fs::create_dir(&empty).unwrap();
-    snapshot::save(&map.snapshot(), &empty, &SaveConfig::default()).unwrap();
+    snapshot::save(&map.view(), &empty, &SaveConfig::default()).unwrap();
     assert!(Image::open(&empty).is_ok());
     let _ = std::fs::remove_dir_all(&root);
 }
@@ -759,24 +759,24 @@ fn populate_during_a_lazy_restore_is_refused_and_restored_data_stays() {
     drop(map);
     deadline(30, move || {
         let r = restore::restore(&image, &specs_plain(), &cfg(RestoreMode::Lazy)).unwrap();
-        let e = guestmem::populate(&r.map.snapshot(), &guestmem::PopulateConfig::default())
-            .unwrap_err();
+        let e =
+            guestmem::populate(&r.map.view(), &guestmem::PopulateConfig::default()).unwrap_err();
         assert!(
             e.to_string().contains("a restore is still filling it"),
             "{e}"
         );
         assert_eq!(
-            r.map.snapshot().regions()[0].restore_state(),
+            r.map.view().regions()[0].restore_state(),
             restore::RestoreState::Restoring
         );
         assert_eq!(contents(&r.map), want);
         r.lazy.unwrap().finish().unwrap();
         assert_eq!(
-            r.map.snapshot().regions()[0].restore_state(),
+            r.map.view().regions()[0].restore_state(),
             restore::RestoreState::Whole
         );
         // Whole again: populating it now keeps the data.
-        guestmem::populate(&r.map.snapshot(), &guestmem::PopulateConfig::default()).unwrap();
+        guestmem::populate(&r.map.view(), &guestmem::PopulateConfig::default()).unwrap();
         assert_eq!(contents(&r.map), want);
     });
 }
@@ -817,7 +817,7 @@ fn a_hook_that_reads_the_failed_block_does_not_hang_finish() {
             mode: RestoreMode::Lazy,
         };
         let r = restore::restore(&image, &specs_plain(), &cfg).unwrap();
-        let host = r.map.snapshot().regions()[0].host_addr() as usize + 2 * MIB as usize;
+        let host = r.map.view().regions()[0].host_addr() as usize + 2 * MIB as usize;
         let (tx, rx) = mpsc::channel();
         let lazy = r.lazy.unwrap();
         lazy.on_failure(move |_| {
@@ -846,7 +846,7 @@ fn a_hook_that_reads_the_failed_block_does_not_hang_finish() {
         let e = lazy.finish().unwrap_err();
         assert!(matches!(e, SnapshotError::Checksum { .. }), "{e}");
         assert_eq!(
-            r.map.snapshot().regions()[0].restore_state(),
+            r.map.view().regions()[0].restore_state(),
             restore::RestoreState::Lost
         );
         assert_eq!(sigbus_code_reading(host), Some(libc::BUS_ADRERR));
@@ -900,7 +900,7 @@ fn crash_saver() {
         threads: 2,
         ..SaveConfig::default()
     };
-    snapshot::save(&map.snapshot(), Path::new(&target), &cfg).unwrap();
+    snapshot::save(&map.view(), Path::new(&target), &cfg).unwrap();
     std::fs::write(format!("{target}.done"), b"").unwrap();
 }
 
@@ -1001,7 +1001,7 @@ fn dead_saves_are_swept_and_symlinks_named_like_them_are_not_followed() {
     std::os::unix::fs::symlink(&victim, root.join(".snap.guestmem-save-link")).unwrap();
     let map = GuestMap::from_specs(&specs_plain()).unwrap();
     scribble(&map, 3);
-    snapshot::save(&map.snapshot(), &root.join("snap"), &SaveConfig::default()).unwrap();
+    snapshot::save(&map.view(), &root.join("snap"), &SaveConfig::default()).unwrap();
     assert!(!dead.exists(), "the dead save's staging directory is swept");
     assert_eq!(std::fs::read(victim.join("memory")).unwrap(), b"precious");
     assert_eq!(

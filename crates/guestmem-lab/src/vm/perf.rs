@@ -205,7 +205,7 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
             max_slots: None,
         },
     )?;
-    let snap = map.snapshot();
+    let snap = map.view();
     let warnings = slots.sync(&snap)?.warnings;
     let data: Vec<_> = snap
         .regions()

@@ -101,7 +101,7 @@ pub(crate) fn start(run: &RestoreRun, t0: Instant) -> Result<(GuestMap, Started)
             ));
         }
         let map = GuestMap::from_specs(&image.specs())?;
-        let peer = FcPeer::start(map.snapshot().regions(), image.memory_path())
+        let peer = FcPeer::start(map.view().regions(), image.memory_path())
             .map_err(|e| VmError::Config(format!("starting the Firecracker-style peer: {e}")))?;
         (map, None, Some(peer))
     } else {
@@ -236,7 +236,7 @@ pub(crate) fn save(
         meta,
         ..SaveConfig::default()
     };
-    Ok(snapshot::save(&map.snapshot(), dir, &cfg)?)
+    Ok(snapshot::save(&map.view(), dir, &cfg)?)
 }
 
 /// THP or hugetlb bytes over the bytes of `regions`.

@@ -40,11 +40,11 @@ pub fn setup(bytes: u64, slots: usize) -> Setup {
         ..MemslotConfig::default()
     };
     let mut memslots = Memslots::new(vm.clone(), logging).unwrap();
-    let report = memslots.sync(&map.snapshot()).unwrap();
+    let report = memslots.sync(&map.view()).unwrap();
     assert_eq!(report.added.len(), slots + 1);
     assert!(report.warnings.is_empty(), "{:?}", report.warnings);
     let data = map
-        .snapshot()
+        .view()
         .regions()
         .iter()
         .filter(|r| r.guest_addr().0 >= DATA_GPA)

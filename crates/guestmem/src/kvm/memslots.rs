@@ -24,7 +24,7 @@ use super::dirty::SlotLog;
 use super::{KvmError, KvmVm};
 use crate::dirty::DirtyBitmap;
 use crate::layout::Access;
-use crate::map::Snapshot;
+use crate::map::MapView;
 use crate::region::Region;
 
 pub use crate::dirty::DIRTY_PAGE_BYTES;
@@ -185,7 +185,7 @@ impl Memslots {
 
     /// Makes the slots mirror `snap`: deletes slots whose region left it, adds its new
     /// regions. On error nothing this call added stays registered.
-    pub fn sync(&mut self, snap: &Snapshot) -> Result<SyncReport, KvmError> {
+    pub fn sync(&mut self, snap: &MapView) -> Result<SyncReport, KvmError> {
         let wanted = snap.regions();
         let to_add: Vec<&Arc<Region>> = wanted
             .iter()

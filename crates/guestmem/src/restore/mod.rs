@@ -185,7 +185,7 @@ fn restore_mode(
     cfg: &RestoreConfig,
     t0: Instant,
 ) -> Result<Option<LazyRestore>, SnapshotError> {
-    let regions: Vec<Arc<Region>> = map.snapshot().regions().to_vec();
+    let regions: Vec<Arc<Region>> = map.view().regions().to_vec();
     check_region_layout(image, &regions)?;
     // The regions are this restore's from here (a second restore, or a populate, is
     // refused), and only then are they checked fresh and their dirty base changed.

@@ -16,7 +16,7 @@ use super::{
 use crate::files::Dir;
 use crate::jobs::{Job, JobRange};
 use crate::layout::Backing;
-use crate::map::Snapshot;
+use crate::map::MapView;
 use crate::region::Region;
 use crate::sys::ProcMem;
 
@@ -102,7 +102,7 @@ struct BlockAt<'a> {
 /// The guest must be paused (vCPUs out of `KVM_RUN`, devices quiet) for the image to be
 /// consistent; memory written during the save may be saved either way, and for an
 /// incremental save, a page written after its dirty bit was read stays dirty for the next.
-pub fn save(snap: &Snapshot, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport, SnapshotError> {
+pub fn save(snap: &MapView, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport, SnapshotError> {
     let t0 = Instant::now();
     let regions = snap.regions();
     if regions.is_empty() {
