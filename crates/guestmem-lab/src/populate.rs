@@ -25,8 +25,8 @@
 use std::time::{Duration, Instant};
 
 use guestmem::inspect::{self, RegionUsage};
+use guestmem::jobs::default_threads;
 use guestmem::layout::THP_BYTES;
-use guestmem::populate::default_threads;
 use guestmem::{
     bringup, BringupConfig, GuestAddress, GuestMap, PinPolicy, PinStrategy, PopulateConfig,
     RegionSpec, Verify,

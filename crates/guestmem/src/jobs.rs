@@ -43,6 +43,18 @@ pub const CHUNKS_PER_THREAD: u64 = 4;
 /// Most threads one job runs on, whatever the caller asks.
 pub const MAX_JOB_THREADS: usize = 1024;
 
+/// Most threads a job uses by default (QEMU and Cloud Hypervisor stop at 16 too); the
+/// caller may ask for more.
+pub const DEFAULT_MAX_THREADS: usize = 16;
+
+/// The default thread count of every parallel operation (populate, save, restore, the page
+/// server): this host's CPUs, at most [`DEFAULT_MAX_THREADS`].
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(DEFAULT_MAX_THREADS)
+}
+
 /// Stack size of a worker thread, in bytes: workers only make syscalls.
 pub const WORKER_STACK_BYTES: usize = 256 << 10;
 

@@ -14,6 +14,8 @@ use std::path::PathBuf;
 
 use vm_memory::GuestAddress;
 
+pub use crate::mmap::Reserve;
+
 /// Most regions one map may hold.
 ///
 /// 32,764 is the number of user memslots x86 KVM accepts (`KVM_USER_MEM_SLOTS`); a map larger
@@ -144,18 +146,6 @@ pub enum Access {
     /// The guest may only read (KVM `KVM_MEM_READONLY`; the translator refuses writes).
     /// The host mapping stays writable so the VMM can load an image into it.
     ReadOnly,
-}
-
-/// How the kernel reserves hugetlb pages for a region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Reserve {
-    /// Reserve every page at map time, so a pool that is too small fails the map (default).
-    Reserve,
-    /// `MAP_NORESERVE`: pages are taken when first touched, so population can fail part-way,
-    /// and a CPU touch of a page the pool cannot supply raises `SIGBUS`: opting in is
-    /// `unsafe` ([`RegionSpec::with_reserve`]).
-    NoReserve,
 }
 
 /// Whether a region records which pages are written through vm-memory (device code) in a

@@ -160,6 +160,7 @@ pub mod jobs;
 #[cfg(feature = "kvm")]
 pub mod kvm;
 pub mod layout;
+mod lifecycle;
 pub mod limits;
 pub mod map;
 pub mod mmap;

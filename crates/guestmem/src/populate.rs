@@ -9,7 +9,7 @@
 //!   kernel faults the whole chunk in under one hold of the address-space lock (seed 001),
 //!   and reports failure (`EFAULT` when the hugetlb pool runs dry, `ENOMEM`) as an error.
 //! - **[`Method::Touch`]** (fallback for kernels before 5.14): one write per page, made through
-//!   `/proc/self/mem` ([`crate::sys::ProcMem`]) rather than by a CPU store. A CPU store to a
+//!   `/proc/self/mem` ([`crate::mmap::ProcMem`]) rather than by a CPU store. A CPU store to a
 //!   `MAP_NORESERVE` hugetlb page the pool cannot supply raises `SIGBUS`, and Rust has no sound
 //!   way to recover from it (no `sigsetjmp`/`siglongjmp`); the kernel's own access fails the
 //!   `pwrite` with `EIO` instead. Each page gets back the byte it holds (read first, as QEMU's
@@ -52,19 +52,16 @@ use crate::host::Host;
 use crate::jobs::{Chunk, Job, JobError, JobRange, JobStats, Numa};
 use crate::layout::{Backing, Reserve};
 use crate::map::MapView;
+use crate::mmap::ProcMem;
 use crate::mmap::{Advice, Lock, MmapError};
 use crate::region::Region;
-use crate::sys::{self, ProcMem};
+use crate::sys;
 use vm_memory::GuestAddress;
 
 /// Default smallest chunk worth a thread, in bytes. Creating a thread costs tens of
 /// microseconds; populating 64 MiB costs milliseconds even at the fastest published rates, so
 /// a thread per 64 MiB (QEMU's heuristic too) always pays for itself.
 pub const DEFAULT_MIN_CHUNK_BYTES: u64 = 64 << 20;
-
-/// Most threads used by default (QEMU and Cloud Hypervisor stop at 16 too); the caller may
-/// ask for more.
-pub const DEFAULT_MAX_THREADS: usize = 16;
 
 /// Bytes of a chunk whose `/proc/self/pagemap` entries the touch fallback reads at once.
 pub const TOUCH_PAGEMAP_BATCH_BYTES: usize = 2 << 20;
@@ -162,17 +159,10 @@ impl std::fmt::Debug for PopulateConfig {
     }
 }
 
-/// This host's CPUs, at most [`DEFAULT_MAX_THREADS`].
-pub fn default_threads() -> usize {
-    std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(DEFAULT_MAX_THREADS)
-}
-
 impl Default for PopulateConfig {
     fn default() -> Self {
         PopulateConfig {
-            threads: default_threads(),
+            threads: crate::jobs::default_threads(),
             min_chunk: DEFAULT_MIN_CHUNK_BYTES,
             method: Method::default(),
             pin: PinStrategy::default(),
@@ -347,7 +337,7 @@ pub fn populate(snap: &MapView, cfg: &PopulateConfig) -> Result<PopulateReport, 
     // Memory a restore is filling is the restore's: populating it would fault blocks in out
     // of order, and undoing a failed populate would discard restored data.
     for r in regions {
-        if let Some(why) = r.snap_state.restore.get().refusal() {
+        if let Some(why) = r.lifecycle.restore.get().refusal() {
             return Err(PopulateError::Restoring {
                 region: guest(r),
                 why,

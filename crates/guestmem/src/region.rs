@@ -154,7 +154,7 @@ pub struct Region {
     warnings: Vec<String>,
     /// Snapshot bookkeeping: whether a lazy restore is filling the region, and which save
     /// its dirty bitmap counts from.
-    pub(crate) snap_state: crate::snapshot::RegionSnapState,
+    pub(crate) lifecycle: crate::lifecycle::Lifecycle,
 }
 
 /// A spec that passed its checks, with the numbers mapping needs.
@@ -220,7 +220,7 @@ impl Region {
             file: opened.file,
             dirty,
             warnings,
-            snap_state: Default::default(),
+            lifecycle: Default::default(),
         })
     }
 
@@ -333,8 +333,8 @@ impl Region {
     }
 
     /// Whether a restore is filling the region, or failed to ([`crate::restore`]).
-    pub fn restore_state(&self) -> crate::restore::RestoreState {
-        self.snap_state.restore.get()
+    pub fn restore_state(&self) -> crate::lifecycle::RestoreState {
+        self.lifecycle.restore.get()
     }
 
     /// Hints that failed while mapping (e.g. THP advice), for the caller to report.

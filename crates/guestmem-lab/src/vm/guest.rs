@@ -28,6 +28,20 @@ use guestmem::plan::EvenLayout;
 use guestmem::GuestMap;
 use guestmem::Region;
 
+/// Guest address where the data regions start.
+pub const DATA_GPA: u64 = 1 << 30;
+/// Where they start in long mode: above 4 GiB, clear of the 32-bit MMIO hole (the local
+/// APIC at 0xfee00000 would turn a guest write into an MMIO exit).
+pub const HIGH_DATA_GPA: u64 = 4 << 30;
+
+/// Where the data regions start in `mode`.
+pub fn data_gpa(mode: GuestMode) -> u64 {
+    match mode {
+        GuestMode::Protected32 => DATA_GPA,
+        GuestMode::Long64 => HIGH_DATA_GPA,
+    }
+}
+
 /// Guest address of the control region (code, parameter blocks, page tables).
 pub const CONTROL_GPA: u64 = 0;
 /// Size of the control region.

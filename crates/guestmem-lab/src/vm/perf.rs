@@ -29,19 +29,7 @@ use guestmem::{
     bringup, bringup_background, BringupConfig, GuestMap, PinStrategy, PopulateConfig, Verify,
 };
 
-/// Guest address where the data regions start.
-pub const DATA_GPA: u64 = 1 << 30;
-/// Where they start in long mode: above 4 GiB, clear of the 32-bit MMIO hole (the local
-/// APIC at 0xfee00000 would turn a guest write into an MMIO exit).
-pub const HIGH_DATA_GPA: u64 = 4 << 30;
-
-/// Where the data regions start in `mode`.
-pub fn data_gpa(mode: GuestMode) -> u64 {
-    match mode {
-        GuestMode::Protected32 => DATA_GPA,
-        GuestMode::Long64 => HIGH_DATA_GPA,
-    }
-}
+pub use super::guest::{data_gpa, DATA_GPA, HIGH_DATA_GPA};
 
 /// What to run.
 #[derive(Debug, Clone, PartialEq, Eq)]

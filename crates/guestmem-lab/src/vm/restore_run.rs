@@ -11,8 +11,8 @@ use guestmem::snapshot::{self, Image, ImageRegion, SaveConfig, SaveReport};
 use guestmem::{GuestAddress, GuestMap, Region};
 
 use super::fc_peer::FcPeer;
+use super::guest::DATA_GPA;
 use super::guest::{self, Workload};
-use super::perf::DATA_GPA;
 use super::VmError;
 
 /// The manifest note holding the tag of the guest's last write pass.

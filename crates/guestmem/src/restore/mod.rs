@@ -23,13 +23,12 @@
 
 mod lazy;
 pub mod remote;
-pub(crate) mod state;
 
 use std::sync::Arc;
 use std::time::Instant;
 
+pub use crate::lifecycle::RestoreState;
 pub use lazy::{LazyReport, LazyRestore};
-pub use state::RestoreState;
 
 use crate::jobs::{Job, JobRange};
 use crate::layout::{Backing, RegionSpec};
@@ -82,8 +81,8 @@ impl Default for RestoreConfig {
     fn default() -> Self {
         RestoreConfig {
             mode: RestoreMode::Lazy,
-            threads: crate::populate::default_threads(),
-            handler_threads: crate::populate::default_threads(),
+            threads: crate::jobs::default_threads(),
+            handler_threads: crate::jobs::default_threads(),
             prefetch: Prefetch::Recorded,
         }
     }
@@ -191,12 +190,12 @@ fn restore_mode(
     // refused), and only then are they checked fresh and their dirty base changed.
     begin(&regions)?;
     if let Err(e) = check_fresh(&regions, cfg.mode) {
-        regions.iter().for_each(|r| r.snap_state.restore.abort());
+        regions.iter().for_each(|r| r.lifecycle.restore.abort());
         return Err(e);
     }
     // Restored memory is the image's top save: dirty bitmaps count from it.
     for r in &regions {
-        *r.snap_state
+        *r.lifecycle
             .saved_as
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = Some(image.id().to_string());
@@ -206,7 +205,7 @@ fn restore_mode(
             // The lazy restore owns the regions' state from here: complete or lose.
             return LazyRestore::start(image, regions.clone(), cfg, t0)
                 .map(Some)
-                .inspect_err(|_| regions.iter().for_each(|r| r.snap_state.restore.abort()));
+                .inspect_err(|_| regions.iter().for_each(|r| r.lifecycle.restore.abort()));
         }
         RestoreMode::Eager => Some(0),
         // The base save is the mapped file; later saves of a chain go on top.
@@ -215,9 +214,9 @@ fn restore_mode(
     let done = eager_from.map_or(Ok(()), |from| eager(image, &regions, cfg.threads, from));
     for r in &regions {
         match &done {
-            Ok(()) => r.snap_state.restore.complete(),
+            Ok(()) => r.lifecycle.restore.complete(),
             // Part of the map holds the image and part does not: the caller drops it.
-            Err(_) => r.snap_state.restore.lose(),
+            Err(_) => r.lifecycle.restore.lose(),
         }
     }
     done.map(|()| None)
@@ -229,7 +228,7 @@ fn check_fresh(regions: &[Arc<Region>], mode: RestoreMode) -> Result<(), Snapsho
     if mode == RestoreMode::Mapped {
         return Ok(());
     }
-    let proc = crate::sys::ProcMem::open().map_err(|source| SnapshotError::File {
+    let proc = crate::mmap::ProcMem::open().map_err(|source| SnapshotError::File {
         op: "open",
         path: "/proc/self/pagemap".into(),
         source,
@@ -266,10 +265,10 @@ fn check_fresh(regions: &[Arc<Region>], mode: RestoreMode) -> Result<(), Snapsho
 /// lost) is refused.
 fn begin(regions: &[Arc<Region>]) -> Result<(), SnapshotError> {
     for (i, r) in regions.iter().enumerate() {
-        if let Err(state) = r.snap_state.restore.begin() {
+        if let Err(state) = r.lifecycle.restore.begin() {
             regions[..i]
                 .iter()
-                .for_each(|r| r.snap_state.restore.abort());
+                .for_each(|r| r.lifecycle.restore.abort());
             return Err(SnapshotError::NotWhole {
                 region: r.guest_addr().0,
                 why: state.refusal().unwrap_or("its restore state changed"),

@@ -303,18 +303,6 @@ impl Manifest {
     }
 }
 
-/// What a region remembers for snapshots.
-#[derive(Debug, Default)]
-pub(crate) struct RegionSnapState {
-    /// Whether a restore is filling it, or failed ([`crate::restore::RestoreState`]).
-    pub(crate) restore: crate::restore::state::RestoreCell,
-    /// The id of the save its dirty bitmap counts from (the last save of it). Held for the
-    /// whole of a save, so two saves of one region run one after the other and each sees
-    /// the id the other left: an incremental save checks its parent and takes the dirty set
-    /// under this one lock.
-    pub(crate) saved_as: std::sync::Mutex<Option<String>>,
-}
-
 /// A fresh id: the time, the process and a counter, mixed.
 fn new_id() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};

@@ -17,8 +17,8 @@ use crate::files::Dir;
 use crate::jobs::{Job, JobRange};
 use crate::layout::Backing;
 use crate::map::MapView;
+use crate::mmap::ProcMem;
 use crate::region::Region;
-use crate::sys::ProcMem;
 
 /// Full or incremental.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -51,7 +51,7 @@ pub struct SaveConfig {
 impl Default for SaveConfig {
     fn default() -> Self {
         SaveConfig {
-            threads: crate::populate::default_threads(),
+            threads: crate::jobs::default_threads(),
             block_bytes: DEFAULT_BLOCK_BYTES,
             kind: SaveKind::Full,
             meta: BTreeMap::new(),
@@ -113,7 +113,7 @@ pub fn save(snap: &MapView, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport, 
     let mut saved_as: Vec<MutexGuard<'_, Option<String>>> = regions
         .iter()
         .map(|r| {
-            r.snap_state
+            r.lifecycle
                 .saved_as
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -194,7 +194,7 @@ pub fn save(snap: &MapView, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport, 
 /// Refuses regions a restore is filling or failed to fill.
 fn check_whole(regions: &[Arc<Region>]) -> Result<(), SnapshotError> {
     for r in regions {
-        if let Some(why) = r.snap_state.restore.get().refusal() {
+        if let Some(why) = r.lifecycle.restore.get().refusal() {
             return Err(SnapshotError::NotWhole {
                 region: r.guest_addr().0,
                 why,

@@ -394,7 +394,7 @@ impl LazyRestore {
         let l = self.lazy.clone();
         for r in l.regions.iter().filter_map(LRegion::region) {
             // The prefetch may have filled part of it: not whole, not to be saved.
-            r.snap_state.restore.lose();
+            r.lifecycle.restore.lose();
             let _ = l.uffd.unregister(r.mapping());
         }
         self.finished = true;
@@ -528,7 +528,7 @@ impl LazyRestore {
                 std::mem::forget(Arc::clone(&l));
             }
             for r in l.regions.iter().filter_map(LRegion::region) {
-                r.snap_state.restore.lose();
+                r.lifecycle.restore.lose();
             }
             let e = l.error.lock().unwrap_or_else(|e| e.into_inner()).take();
             return Err(e.unwrap_or_else(|| {
@@ -536,7 +536,7 @@ impl LazyRestore {
             }));
         }
         for r in l.regions.iter().filter_map(LRegion::region) {
-            r.snap_state.restore.complete();
+            r.lifecycle.restore.complete();
             l.uffd
                 .unregister(r.mapping())
                 .map_err(|source| SnapshotError::Userfaultfd {

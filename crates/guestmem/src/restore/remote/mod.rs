@@ -186,8 +186,8 @@ pub struct ServeConfig {
 impl Default for ServeConfig {
     fn default() -> Self {
         ServeConfig {
-            handler_threads: crate::populate::default_threads(),
-            prefetch_threads: crate::populate::default_threads(),
+            handler_threads: crate::jobs::default_threads(),
+            prefetch_threads: crate::jobs::default_threads(),
             first: Vec::new(),
             block_bytes: DEFAULT_BLOCK_BYTES,
             on_failure: OnFailure::Kill,

@@ -1,5 +1,10 @@
-//! A region's restore state, owned here: one atomic word behind an enum and named moves, so
-//! no other module writes raw constants into it.
+//! What a region's memory has been through, held by the region for the modules that own it:
+//! its restore state (moved only by [`crate::restore`], read by populate, bring-up and save)
+//! and the save its dirty bits count from (kept by [`crate::snapshot`]). A leaf module, so
+//! `region` depends on neither of them.
+//!
+//! The restore state is one atomic word behind an enum and named moves, so no module writes
+//! raw constants into it.
 //!
 //! ```text
 //!            begin              complete
@@ -14,6 +19,19 @@
 //! it could save memory that has not arrived.
 
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Mutex;
+
+/// What a region remembers for restores and snapshots.
+#[derive(Debug, Default)]
+pub(crate) struct Lifecycle {
+    /// Whether a restore is filling it, or failed.
+    pub(crate) restore: RestoreCell,
+    /// The id of the save its dirty bitmap counts from (the last save of it). Held for the
+    /// whole of a save, so two saves of one region run one after the other and each sees
+    /// the id the other left: an incremental save checks its parent and takes the dirty set
+    /// under this one lock.
+    pub(crate) saved_as: Mutex<Option<String>>,
+}
 
 /// Where a region stands with respect to restores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
