@@ -16,8 +16,8 @@
 //!   the protocol every scenario measures with (warm-up, interleaved rounds) and the
 //!   statistics (median, minimum, maximum) every result is quoted with.
 //!
-//! Peers are reproduced from the behaviour `DESIGN.md` ("Peers") documents, each in its own
-//! module, never tuned to lose. Timings on a VM whose host backs memory lazily are noisy, so
+//! Peers are reproduced from the behaviour of the VMMs they stand for (each module's docs say
+//! what, and from which source), each in its own module, never tuned to lose. Timings on a VM whose host backs memory lazily are noisy, so
 //! scenarios warm up, interleave variants round by round and report spreads and ratios.
 #![deny(missing_docs)]
 

@@ -1,5 +1,5 @@
 //! The Cloud Hypervisor peer: how `create_ram_region_raw` brings up anonymous guest RAM,
-//! reproduced from `DESIGN.md` ("Peers (the anchors)"):
+//! reproduced from Cloud Hypervisor's `vmm/src/memory_manager.rs` as it reads today:
 //!
 //! - Each region is one plain `mmap`: no address alignment (it takes what the kernel gives,
 //!   4 KiB aligned by contract; recent kernels often place large anonymous mappings on a

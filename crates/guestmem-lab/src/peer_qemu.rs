@@ -1,5 +1,5 @@
 //! The QEMU peer: how `qemu_prealloc_mem` brings up anonymous guest RAM, reproduced from
-//! `DESIGN.md` ("Peers (the anchors)"):
+//! QEMU's `util/oslib-posix.c` as it reads today:
 //!
 //! - Each RAM block is its own mapping, 2 MiB aligned (QEMU aligns RAM blocks), and advised
 //!   `MADV_HUGEPAGE` before it is populated.
