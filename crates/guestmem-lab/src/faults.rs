@@ -13,7 +13,7 @@
 //!   `MADV_POPULATE_WRITE` on its share (faults taken in the kernel, no user-mode trap).
 //!
 //! **What is timed**: from the first worker's start to the last worker's end; workers are
-//! created and wait at a gate first (see [`crate::workers`]). Mapping, advice, inspection
+//! created and wait at a gate first (see `workers.rs`). Mapping, advice, inspection
 //! and unmapping are not timed. Minor faults are counted from `/proc/self/stat` (`minflt`)
 //! around the timed part; VMAs are counted in `/proc/self/maps` afterwards.
 

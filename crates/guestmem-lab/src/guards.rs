@@ -18,7 +18,7 @@
 //!   partial 2 MiB cannot have one.
 //!
 //! **What is timed**: the `MADV_POPULATE_WRITE` call only (for guestmem, its own
-//! [`guestmem::populate`] on one thread, which makes that one call over the region). Coverage is read from smaps
+//! [`guestmem::populate()`] on one thread, which makes that one call over the region). Coverage is read from smaps
 //! (`AnonHugePages`) after populate, as bytes, as a share of the region and as a share of the
 //! region's own 2 MiB-aligned span (the most huge pages could cover).
 
@@ -185,7 +185,7 @@ pub struct GuardsSettings {
 /// What the scenario found.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GuardsFindings {
-    /// The variants, in [`VARIANTS`] order.
+    /// The variants, in `VARIANTS` order.
     pub variants: Vec<GuardsVariant>,
 }
 

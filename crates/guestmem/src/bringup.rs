@@ -1,6 +1,6 @@
 //! Bring-up: check a layout against the host's limits, map it, populate and pin it in one
 //! job, and (optionally) read back what the kernel did. This is the policy over the mechanism
-//! in [`crate::populate`]: it never touches memory before the checks of [`crate::host`] and
+//! in [`mod@crate::populate`]: it never touches memory before the checks of [`crate::host`] and
 //! [`crate::limits`] pass, it decides whether to pin ([`PinPolicy`]), and it reports every
 //! phase's duration, so a caller (the CLI, the lab, a VMM) prints, never measures.
 //!

@@ -208,7 +208,7 @@ fn usage_from(region: &Region, vmas: &[Vma], numa: Option<&[NumaLine]>) -> Regio
 }
 
 /// A host address range mapped by someone other than a [`Region`] (a peer VMM's way of
-/// mapping, reproduced in the lab), to inspect with [`inspect_host_range`].
+/// mapping, reproduced in the lab), to inspect with [`inspect_host_ranges`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostRange {
     /// First host address; smaps VMAs wholly inside `start..start+len` are counted.

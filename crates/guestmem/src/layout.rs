@@ -235,7 +235,7 @@ impl RegionSpec {
     /// With [`Reserve::NoReserve`] a hugetlb region's pages come from the pool at first
     /// touch, and a CPU access to a page the pool cannot supply raises `SIGBUS` (through the
     /// translator, vm-memory's `Bytes`, or a vCPU). The caller must populate the region
-    /// successfully ([`crate::populate`] turns a dry pool into an error, never a signal)
+    /// successfully ([`mod@crate::populate`] turns a dry pool into an error, never a signal)
     /// before anything accesses its memory.
     pub unsafe fn with_reserve(mut self, reserve: Reserve) -> Self {
         self.reserve = reserve;

@@ -9,8 +9,8 @@
 //! - [`translate`]: per-thread guest-to-host translation with a last-used-region cache.
 //! - [`jobs`]: the one job splitter for parallel work, after padata, on [`workers`] started
 //!   behind one gate.
-//! - [`populate`]: populate and pin any regions of a map in one job, transactionally;
-//!   [`limits`] checks the request first and [`bringup`] runs both and reports.
+//! - [`mod@populate`]: populate and pin any regions of a map in one job, transactionally;
+//!   [`limits`] checks the request first and [`mod@bringup`] runs both and reports.
 //! - [`dirty`]: word-level atomic dirty bitmaps; [`kvm`]: memslots and dirty-log harvesting.
 //! - [`inspect`]: what the kernel really did (smaps, numa_maps, status).
 //! - [`snapshot`]: saving a map's memory to a directory published whole, and opening one

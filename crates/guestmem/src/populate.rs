@@ -9,7 +9,7 @@
 //!   kernel faults the whole chunk in under one hold of the address-space lock (seed 001),
 //!   and reports failure (`EFAULT` when the hugetlb pool runs dry, `ENOMEM`) as an error.
 //! - **[`Method::Touch`]** (fallback for kernels before 5.14): one write per page, made through
-//!   `/proc/self/mem` ([`crate::mmap::ProcMem`]) rather than by a CPU store. A CPU store to a
+//!   `/proc/self/mem` (`mmap::ProcMem`) rather than by a CPU store. A CPU store to a
 //!   `MAP_NORESERVE` hugetlb page the pool cannot supply raises `SIGBUS`, and Rust has no sound
 //!   way to recover from it (no `sigsetjmp`/`siglongjmp`); the kernel's own access fails the
 //!   `pwrite` with `EIO` instead. Each page gets back the byte it holds (read first, as QEMU's

@@ -198,9 +198,9 @@ impl Translator {
     /// A thread whose lookups jump between regions (a device worker serving many buffers)
     /// would pay for the cache without profit: a 50/50 bounds branch, and a store whose
     /// value the next lookup's check must wait for. Measured here, that made random lookups
-    /// 2x slower than a plain binary search. So after [`MISS_STREAK_TO_BYPASS`] misses in a
+    /// 2x slower than a plain binary search. So after `MISS_STREAK_TO_BYPASS` misses in a
     /// row the cache steps aside, and only lookups on one guest page in
-    /// [`BYPASS_PROBE_ONE_IN_PAGES`] still try it; the first hit turns it back on.
+    /// `BYPASS_PROBE_ONE_IN_PAGES` still try it; the first hit turns it back on.
     #[inline]
     pub fn region_index(&self, addr: GuestAddress) -> Option<usize> {
         self.lookup(addr.0).map(|(i, _)| i)

@@ -7,7 +7,7 @@
 //! without KVM (slot count, read-only support) is made before any slot is touched; if KVM
 //! refuses a region, the slots this call added are deleted again before the error returns.
 //!
-//! Each slot with dirty logging owns a [`DirtyBitmap`] and a reused [`SlotLog`];
+//! Each slot with dirty logging owns a [`DirtyBitmap`] and a reused `SlotLog`;
 //! [`Memslots::harvest`] moves KVM's log into the bitmaps, and [`Memslots::mark`] records
 //! the VMM's own writes in the same bitmaps, so a migration sees both.
 

@@ -1,7 +1,7 @@
 //! The guest map registered with KVM: what a VMM needs, and nothing a test rig does.
 //!
 //! - [`KvmVm`]: `/dev/kvm` opened, one VM created, the capabilities that matter read once.
-//! - [`memslots::Memslots`]: every region of a [`crate::Snapshot`] as one memslot, kept in
+//! - [`memslots::Memslots`]: every region of a [`crate::MapView`] as one memslot, kept in
 //!   sync with hot-add and hot-remove; it holds each registered region's `Arc`, so a region
 //!   is never unmapped while KVM still maps it.
 //! - Dirty-log harvesting ([`Memslots::harvest`]): `KVM_GET_DIRTY_LOG` and

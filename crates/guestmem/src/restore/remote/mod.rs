@@ -13,7 +13,7 @@
 //! touched.
 //!
 //! [`Handshake::receive`] reads and checks that message: exactly one descriptor, which must
-//! be a userfaultfd; JSON that parses; 1 to [`MAX_REGIONS`] regions, each page-aligned,
+//! be a userfaultfd; JSON that parses; 1 to [`crate::MAX_REGIONS`] regions, each page-aligned,
 //! non-empty and of a page size Firecracker uses (4 KiB or 2 MiB); no two regions overlapping
 //! in the peer's address space or in the memory file. [`PageServer::start`] then refuses a
 //! memory file shorter than the regions before serving anything, and serves with the lazy
