@@ -1,18 +1,19 @@
 //! `guestmem lab`: runs a lab scenario, writes its run folder, prints its Markdown table.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Args as ClapArgs, Subcommand, ValueEnum};
 use guestmem::plan::parse_size;
+use guestmem_lab::all::{run_all, AllConfig, Profile};
 use guestmem_lab::faults::{run_faults, FaultsLabConfig};
 use guestmem_lab::guards::{run_guards, GuardsLabConfig};
 use guestmem_lab::populate::{run_populate, LayoutKind, PopulateLabConfig, DEFAULT_SETTLE};
 use guestmem_lab::report::{write_run, LabReport, LabResult};
 use guestmem_lab::restore::{run_restore, RestoreLabConfig};
-use guestmem_lab::run::{prepare_out, run_folder, Order as RunOrder, Protocol, RunInfo};
+use guestmem_lab::run::{prepare_out, Order as RunOrder, Protocol};
 use guestmem_lab::translate::{run_translate, TranslateLabConfig};
 
 /// Where run folders go unless `--out` says otherwise.
@@ -278,173 +279,23 @@ pub fn run(args: Args) -> Result<()> {
     }
 }
 
-/// One scenario of `lab all`: its name and what runs it into a folder with the command line
-/// to record (returning the run folder and the report).
-type Step = (
-    &'static str,
-    Box<dyn Fn(&Path, String) -> Result<(PathBuf, String)>>,
-);
-
-/// Runs `result` into `base` as `emit` does, without printing; the folder and report.
-fn written<S, B>(result: LabResult<S, B>, base: &Path) -> Result<(PathBuf, String)>
-where
-    S: serde::Serialize,
-    B: serde::Serialize,
-    LabResult<S, B>: LabReport,
-{
-    let dir = write_run(&result, base)?;
-    Ok((dir, result.markdown()))
-}
-
 /// `guestmem lab all`: every scenario into one run folder, then its index.md.
 fn all(a: AllArgs) -> Result<()> {
-    let q = a.quick;
-    let one = Protocol {
-        warmup: 0,
-        rounds: 1,
-        order: RunOrder::Rotate,
+    let cfg = AllConfig {
+        out: a.out.clone(),
+        profile: if a.quick {
+            Profile::Quick
+        } else {
+            Profile::Full
+        },
+        command: command_line(),
     };
-    let cmd = command_line();
-    let steps: Vec<Step> = vec![
-        (
-            "populate",
-            Box::new(move |base: &Path, cmd: String| {
-                let d = PopulateLabConfig::default();
-                let cfg = if q {
-                    PopulateLabConfig {
-                        size: 256 << 20,
-                        layouts: vec![LayoutKind::Single],
-                        protocol: one,
-                        command: cmd,
-                        ..d
-                    }
-                } else {
-                    PopulateLabConfig {
-                        layouts: vec![LayoutKind::Single, LayoutKind::Unequal, LayoutKind::Dimms],
-                        command: cmd,
-                        ..d
-                    }
-                };
-                written(run_populate(&cfg)?, base)
-            }),
-        ),
-        (
-            "guards",
-            Box::new(move |base: &Path, cmd: String| {
-                let d = GuardsLabConfig::default();
-                let cfg = GuardsLabConfig {
-                    size: if q { 8 << 20 } else { d.size },
-                    protocol: if q { one } else { d.protocol },
-                    command: cmd,
-                    ..d
-                };
-                written(run_guards(&cfg)?, base)
-            }),
-        ),
-        (
-            "faults",
-            Box::new(move |base: &Path, cmd: String| {
-                let d = FaultsLabConfig::default();
-                let cfg = FaultsLabConfig {
-                    size: if q { 16 << 20 } else { d.size },
-                    protocol: if q { one } else { d.protocol },
-                    command: cmd,
-                    ..d
-                };
-                written(run_faults(&cfg)?, base)
-            }),
-        ),
-        (
-            "translate",
-            Box::new(move |base: &Path, cmd: String| {
-                let d = TranslateLabConfig::default();
-                let cfg = if q {
-                    TranslateLabConfig {
-                        region_counts: vec![1, 8],
-                        lookups_per_thread: 1 << 12,
-                        protocol: one,
-                        command: cmd,
-                        ..d
-                    }
-                } else {
-                    TranslateLabConfig { command: cmd, ..d }
-                };
-                written(run_translate(&cfg)?, base)
-            }),
-        ),
-        (
-            "restore",
-            Box::new(move |base: &Path, cmd: String| {
-                let d = RestoreLabConfig::default();
-                let cfg = RestoreLabConfig {
-                    sizes: if q { vec![8 << 20] } else { d.sizes.clone() },
-                    protocol: if q { one } else { d.protocol },
-                    command: cmd,
-                    ..d
-                };
-                written(run_restore(&cfg)?, base)
-            }),
-        ),
-    ];
-    let info = RunInfo::collect(cmd.clone());
-    let base =
-        run_folder(&a.out, &info, "all").with_context(|| format!("--out {}", a.out.display()))?;
-    let mut index = format!(
-        "# guestmem lab, every scenario\n\n`{}` | commit {}{} | {} | {} ({} CPUs){}\n\n",
-        info.command,
-        info.git_commit.as_deref().unwrap_or("unknown"),
-        if info.git_dirty == Some(true) {
-            " (dirty)"
-        } else {
-            ""
-        },
-        info.kernel,
-        info.cpu_model,
-        info.cpus,
-        if q {
-            " | --quick: tiny sizes, one round: a check, not a measurement"
-        } else {
-            ""
-        },
-    );
-    let mut failed = 0;
-    for (name, step) in &steps {
-        eprintln!("guestmem lab all: {name} ...");
-        let t = std::time::Instant::now();
-        match step(&base, cmd.clone()) {
-            Ok((dir, md)) => {
-                let rel = dir
-                    .strip_prefix(&base)
-                    .unwrap_or(&dir)
-                    .display()
-                    .to_string();
-                // Each report's title becomes a section of the index.
-                let body = md.replacen("# ", "## ", 1);
-                index.push_str(&body);
-                let plot = dir.join("plot.svg");
-                if plot.exists() {
-                    index.push_str(&format!("\n![{name}]({rel}/plot.svg)\n"));
-                }
-                index.push_str(&format!(
-                    "\nRun folder: `{rel}/` (result.json holds every sample); took {:.0} s.\n\n",
-                    t.elapsed().as_secs_f64()
-                ));
-            }
-            Err(e) => {
-                failed += 1;
-                index.push_str(&format!(
-                    "## {name}\n\nNot measured: {}\n\n",
-                    super::message(&e)
-                ));
-            }
-        }
-    }
-    let p = base.join("index.md");
-    std::fs::write(&p, &index).with_context(|| format!("write {}", p.display()))?;
+    let report = run_all(&cfg, &|name| eprintln!("guestmem lab all: {name} ..."))
+        .with_context(|| format!("--out {}", a.out.display()))?;
     let mut out = std::io::stdout().lock();
-    write!(out, "{index}")?;
-    writeln!(out, "\nwritten to {}", base.display())?;
-    if failed == steps.len() {
+    write!(out, "{}", report.index)?;
+    writeln!(out, "\nwritten to {}", report.dir.display())?;
+    if report.failed == report.total {
         anyhow::bail!("no scenario ran");
     }
     Ok(())

@@ -21,6 +21,7 @@
 //! scenarios warm up, interleave variants round by round and report spreads and ratios.
 #![deny(missing_docs)]
 
+pub mod all;
 pub mod error;
 pub mod faults;
 pub mod fc_standin;
