@@ -34,142 +34,166 @@ pub(crate) fn read_manifest(dir: &Dir) -> Result<Manifest, SnapshotError> {
 /// Parses and checks a manifest's text; `path` names it in errors. Every field is bounded
 /// and checked against the others; the memory file's length is checked by the opener.
 pub(crate) fn parse_manifest(text: &[u8], path: &Path) -> Result<Manifest, SnapshotError> {
-    let m: Manifest = serde_json::from_slice(text).map_err(|e| SnapshotError::Manifest {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })?;
     let bad = |reason: String| SnapshotError::Manifest {
         path: path.to_path_buf(),
         reason,
     };
+    let m: Manifest = serde_json::from_slice(text).map_err(|e| bad(e.to_string()))?;
+    check_header(&m).map_err(bad)?;
+    let memory_bytes = check_regions(&m).map_err(bad)?;
+    check_sizes(&m, memory_bytes).map_err(bad)?;
+    check_blocks(&m).map_err(bad)?;
+    check_references(&m).map_err(bad)?;
+    Ok(m)
+}
+
+/// Whether `s` is 1 to [`MAX_ID_CHARS`] hex digits (an id), or exactly `len` of them.
+fn hex(s: &str, len: Option<usize>) -> bool {
+    let n = s.len();
+    len.map_or(n > 0 && n <= MAX_ID_CHARS, |l| n == l) && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// Format, version, block size, id.
+fn check_header(m: &Manifest) -> Result<(), String> {
     if m.format != FORMAT {
-        return Err(bad(format!("format {:?}, not {FORMAT:?}", m.format)));
+        return Err(format!("format {:?}, not {FORMAT:?}", m.format));
     }
     if m.version != VERSION {
-        return Err(bad(format!(
-            "version {}, this build reads {VERSION}",
-            m.version
-        )));
+        return Err(format!("version {}, this build reads {VERSION}", m.version));
     }
     if !m.block_bytes.is_power_of_two()
-        || m.block_bytes < IMAGE_PAGE_BYTES
-        || m.block_bytes > MAX_BLOCK_BYTES
+        || !(IMAGE_PAGE_BYTES..=MAX_BLOCK_BYTES).contains(&m.block_bytes)
     {
-        return Err(bad(format!(
+        return Err(format!(
             "block size {:#x} is not a power of two from 4 KiB to {MAX_BLOCK_BYTES:#x}",
             m.block_bytes
-        )));
+        ));
     }
-    if m.id.is_empty() || m.id.len() > MAX_ID_CHARS || !m.id.bytes().all(|b| b.is_ascii_hexdigit())
-    {
-        return Err(bad(format!(
+    if !hex(&m.id, None) {
+        return Err(format!(
             "id {:?} is not 1 to {MAX_ID_CHARS} hex digits",
             m.id
-        )));
+        ));
     }
+    Ok(())
+}
+
+/// The regions: in order, aligned, apart, laid end to end in the file, pages that fit a
+/// block. Returns the bytes they hold.
+fn check_regions(m: &Manifest) -> Result<u64, String> {
     if m.regions.is_empty() {
-        return Err(bad("no region".into()));
+        return Err("no region".into());
     }
     let mut offset = 0u64;
     let mut prev_end = 0u64;
     for (i, r) in m.regions.iter().enumerate() {
         let end = r.guest_addr.checked_add(r.size);
         if r.size == 0
-            || r.size % IMAGE_PAGE_BYTES != 0
-            || r.guest_addr % IMAGE_PAGE_BYTES != 0
+            || !r.size.is_multiple_of(IMAGE_PAGE_BYTES)
+            || !r.guest_addr.is_multiple_of(IMAGE_PAGE_BYTES)
             || end.is_none()
             || (i > 0 && r.guest_addr < prev_end)
         {
-            return Err(bad(format!(
+            return Err(format!(
                 "region {i} at {:#x} size {:#x}: empty, unaligned, overflowing or overlapping",
                 r.guest_addr, r.size
-            )));
+            ));
         }
         if r.file_offset != offset {
-            return Err(bad(format!(
+            return Err(format!(
                 "region {i} at {:#x}: file offset {:#x}, the regions before it end at {offset:#x}",
                 r.guest_addr, r.file_offset
-            )));
+            ));
         }
         if !r.page_size.is_power_of_two()
             || r.page_size < IMAGE_PAGE_BYTES
             || r.page_size > m.block_bytes
-            || r.size % r.page_size != 0
+            || !r.size.is_multiple_of(r.page_size)
         {
-            return Err(bad(format!(
+            return Err(format!(
                 "region {i} at {:#x}: page size {:#x} does not fit the block size {:#x}",
                 r.guest_addr, r.page_size, m.block_bytes
-            )));
+            ));
         }
-        offset = offset
-            .checked_add(r.size)
-            .ok_or_else(|| bad("sizes overflow".into()))?;
+        offset = offset.checked_add(r.size).ok_or("sizes overflow")?;
         prev_end = end.unwrap_or(u64::MAX);
     }
+    Ok(offset)
+}
+
+/// The block size against the pages (what a restoring thread stages), the memory size
+/// against the regions, the block count against its cap.
+fn check_sizes(m: &Manifest, memory_bytes: u64) -> Result<(), String> {
     let largest_page = m.regions.iter().map(|r| r.page_size).max().unwrap_or(0);
     if m.block_bytes > MAX_SMALL_PAGE_BLOCK_BYTES.max(largest_page) {
-        return Err(bad(format!(
+        return Err(format!(
             "block size {:#x}: at most {MAX_SMALL_PAGE_BLOCK_BYTES:#x} (each restoring thread \
              stages a block), or the largest page size {largest_page:#x}",
             m.block_bytes
-        )));
+        ));
     }
-    if m.memory_bytes != offset {
-        return Err(bad(format!(
-            "memory_bytes {:#x}, the regions hold {offset:#x}",
+    if m.memory_bytes != memory_bytes {
+        return Err(format!(
+            "memory_bytes {:#x}, the regions hold {memory_bytes:#x}",
             m.memory_bytes
-        )));
+        ));
     }
     let total = m.total_blocks();
     if total > MAX_BLOCKS {
-        return Err(bad(format!(
+        return Err(format!(
             "{total} blocks, more than {MAX_BLOCKS}: use larger blocks"
-        )));
+        ));
     }
+    Ok(())
+}
+
+/// The block records: in range, in order, 16-hex-digit checksums, page lists a block long.
+fn check_blocks(m: &Manifest) -> Result<(), String> {
+    let total = m.total_blocks();
     let words = (m.block_bytes / IMAGE_PAGE_BYTES).div_ceil(64) as usize;
     let mut last = None;
     for b in &m.blocks {
         if b.index >= total || last.is_some_and(|l| l >= b.index) {
-            return Err(bad(format!(
+            return Err(format!(
                 "block {}: out of range (of {total}) or out of order",
                 b.index
-            )));
+            ));
         }
         last = Some(b.index);
-        if u64::from_str_radix(&b.checksum, 16).is_err() || b.checksum.len() != 16 {
-            return Err(bad(format!(
+        if !hex(&b.checksum, Some(16)) {
+            return Err(format!(
                 "block {}: checksum {:?} is not 16 hex digits",
                 b.index, b.checksum
-            )));
+            ));
         }
         if b.pages.as_ref().is_some_and(|p| p.len() != words) {
-            return Err(bad(format!(
-                "block {}: page list of the wrong length",
-                b.index
-            )));
+            return Err(format!("block {}: page list of the wrong length", b.index));
         }
     }
+    Ok(())
+}
+
+/// What the manifest names: working-set blocks, the parent, the memory file.
+fn check_references(m: &Manifest) -> Result<(), String> {
+    let total = m.total_blocks();
     if let Some(w) = m.working_set.iter().find(|&&w| w >= total) {
-        return Err(bad(format!("working set names block {w}, of {total}")));
+        return Err(format!("working set names block {w}, of {total}"));
     }
     if let Some(p) = &m.parent {
-        if p.id.is_empty()
-            || p.id.len() > MAX_ID_CHARS
-            || !p.id.bytes().all(|b| b.is_ascii_hexdigit())
-        {
-            return Err(bad(format!("parent id {:?} is not hex digits", p.id)));
+        if !hex(&p.id, None) {
+            return Err(format!("parent id {:?} is not hex digits", p.id));
         }
         if p.dir.as_os_str().is_empty() {
-            return Err(bad("parent directory is empty".into()));
+            return Err("parent directory is empty".into());
         }
     }
     if m.memory_file.contains('/') || m.memory_file.is_empty() {
-        return Err(bad(format!(
+        return Err(format!(
             "memory file {:?} must be a plain name",
             m.memory_file
-        )));
+        ));
     }
-    Ok(m)
+    Ok(())
 }
 
 /// Checks two layouts agree region by region (address and size).

@@ -47,7 +47,7 @@ struct WireRegion {
 
 /// Parses and checks the JSON of a handshake: see the module docs for what is refused.
 pub fn parse_regions(json: &[u8]) -> Result<Vec<UffdRegion>, ServeError> {
-    let bad = |s: String| ServeError::Handshake(s);
+    let bad = ServeError::Handshake;
     let wire: Vec<WireRegion> = serde_json::from_slice(json).map_err(|e| {
         bad(format!(
             "not Firecracker's JSON array of regions ({e}; {} bytes received)",
@@ -63,89 +63,107 @@ pub fn parse_regions(json: &[u8]) -> Result<Vec<UffdRegion>, ServeError> {
             wire.len()
         )));
     }
-    let mut out = Vec::with_capacity(wire.len());
-    for (i, w) in wire.iter().enumerate() {
-        let at = format!("region {i} (host {:#x})", w.base_host_virt_addr);
-        // page_size_kib held KiB in Firecracker 1.7-1.10 and holds bytes since: the page
-        // sizes in KiB (4, 2048) and in bytes (4096, 2 MiB) do not collide.
-        let kib = match w.page_size_kib {
-            None => None,
-            Some(4) | Some(4096) => Some(4096),
-            Some(2048) | Some(0x20_0000) => Some(0x20_0000),
-            Some(v) => return Err(bad(format!("{at}: page_size_kib {v} is no page size"))),
-        };
-        let page = match (w.page_size, kib) {
-            (Some(p), Some(k)) if p != k => {
-                return Err(bad(format!(
-                    "{at}: page_size {p} and page_size_kib {k} disagree"
-                )))
-            }
-            (Some(p), _) => p,
-            (None, Some(k)) => k,
-            (None, None) => 4096,
-        };
-        if !PAGE_SIZES.contains(&page) {
-            return Err(bad(format!(
-                "{at}: page size {page}; Firecracker's memory has 4 KiB or 2 MiB pages"
-            )));
-        }
-        let end = w.base_host_virt_addr.checked_add(w.size);
-        if w.base_host_virt_addr % page != 0 {
-            return Err(bad(format!("{at}: not at a {page}-byte page boundary")));
-        }
-        if w.size == 0 || w.size % page != 0 {
-            return Err(bad(format!(
-                "{at}: size {:#x} is not a non-zero number of {page}-byte pages",
-                w.size
-            )));
-        }
-        if end.is_none_or(|e| e > USER_ADDR_END) {
-            return Err(bad(format!(
-                "{at}: size {:#x} runs past the end of user address space",
-                w.size
-            )));
-        }
-        if w.offset % page != 0 {
-            return Err(bad(format!(
-                "{at}: file offset {:#x} is not a multiple of its page size {page}",
-                w.offset
-            )));
-        }
-        if w.offset.checked_add(w.size).is_none() {
-            return Err(bad(format!(
-                "{at}: file offset {:#x} + size {:#x} overflows 64 bits",
-                w.offset, w.size
-            )));
-        }
-        out.push(UffdRegion {
-            base_host_virt_addr: w.base_host_virt_addr,
-            size: w.size,
-            offset: w.offset,
-            page_size: page,
-        });
-    }
-    let by = |key: fn(&UffdRegion) -> u64, what: &str| -> Result<(), ServeError> {
-        let mut idx: Vec<usize> = (0..out.len()).collect();
-        idx.sort_unstable_by_key(|&i| key(&out[i]));
-        for w in idx.windows(2) {
-            let (a, b) = (&out[w[0]], &out[w[1]]);
-            if key(a) + a.size > key(b) {
-                return Err(bad(format!(
-                    "regions {} and {} overlap in the {what} ({:#x}+{:#x} and {:#x}+{:#x})",
-                    w[0],
-                    w[1],
-                    key(a),
-                    a.size,
-                    key(b),
-                    b.size
-                )));
-            }
-        }
-        Ok(())
-    };
-    by(|r| r.base_host_virt_addr, "peer's address space")?;
-    by(|r| r.offset, "memory file")?;
+    let out = wire
+        .iter()
+        .enumerate()
+        .map(|(i, w)| check_region(i, w).map_err(bad))
+        .collect::<Result<Vec<_>, _>>()?;
+    apart(&out, |r| r.base_host_virt_addr, "peer's address space").map_err(bad)?;
+    apart(&out, |r| r.offset, "memory file").map_err(bad)?;
     Ok(out)
+}
+
+/// The page size a region declares: `page_size`, or `page_size_kib` (KiB in Firecracker
+/// 1.7-1.10, bytes since: the page sizes in KiB, 4 and 2048, and in bytes, 4096 and 2 MiB,
+/// do not collide), or 4 KiB when it declares neither (the oldest releases).
+fn page_size_of(w: &WireRegion, at: &str) -> Result<u64, String> {
+    let kib = match w.page_size_kib {
+        None => None,
+        Some(4) | Some(4096) => Some(4096),
+        Some(2048) | Some(0x20_0000) => Some(0x20_0000),
+        Some(v) => return Err(format!("{at}: page_size_kib {v} is no page size")),
+    };
+    let page = match (w.page_size, kib) {
+        (Some(p), Some(k)) if p != k => {
+            return Err(format!(
+                "{at}: page_size {p} and page_size_kib {k} disagree"
+            ))
+        }
+        (Some(p), _) => p,
+        (None, Some(k)) => k,
+        (None, None) => 4096,
+    };
+    if !PAGE_SIZES.contains(&page) {
+        return Err(format!(
+            "{at}: page size {page}; Firecracker's memory has 4 KiB or 2 MiB pages"
+        ));
+    }
+    Ok(page)
+}
+
+/// One region, checked on its own: aligned, non-empty, inside user address space, its file
+/// range without overflow.
+fn check_region(i: usize, w: &WireRegion) -> Result<UffdRegion, String> {
+    let at = format!("region {i} (host {:#x})", w.base_host_virt_addr);
+    let page = page_size_of(w, &at)?;
+    if !w.base_host_virt_addr.is_multiple_of(page) {
+        return Err(format!("{at}: not at a {page}-byte page boundary"));
+    }
+    if w.size == 0 || !w.size.is_multiple_of(page) {
+        return Err(format!(
+            "{at}: size {:#x} is not a non-zero number of {page}-byte pages",
+            w.size
+        ));
+    }
+    if w.base_host_virt_addr
+        .checked_add(w.size)
+        .is_none_or(|e| e > USER_ADDR_END)
+    {
+        return Err(format!(
+            "{at}: size {:#x} runs past the end of user address space",
+            w.size
+        ));
+    }
+    if !w.offset.is_multiple_of(page) {
+        return Err(format!(
+            "{at}: file offset {:#x} is not a multiple of its page size {page}",
+            w.offset
+        ));
+    }
+    if w.offset.checked_add(w.size).is_none() {
+        return Err(format!(
+            "{at}: file offset {:#x} + size {:#x} overflows 64 bits",
+            w.offset, w.size
+        ));
+    }
+    Ok(UffdRegion {
+        base_host_virt_addr: w.base_host_virt_addr,
+        size: w.size,
+        offset: w.offset,
+        page_size: page,
+    })
+}
+
+/// Checks no two regions overlap by `key` (their start in the peer's address space, or in
+/// the memory file), naming `what`.
+fn apart(out: &[UffdRegion], key: fn(&UffdRegion) -> u64, what: &str) -> Result<(), String> {
+    let mut idx: Vec<usize> = (0..out.len()).collect();
+    idx.sort_unstable_by_key(|&i| key(&out[i]));
+    for w in idx.windows(2) {
+        let (a, b) = (&out[w[0]], &out[w[1]]);
+        if key(a) + a.size > key(b) {
+            return Err(format!(
+                "regions {} and {} overlap in the {what} ({:#x}+{:#x} and {:#x}+{:#x})",
+                w[0],
+                w[1],
+                key(a),
+                a.size,
+                key(b),
+                b.size
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A peer's handshake, received and checked: its userfaultfd and regions, and the socket it
@@ -247,133 +265,160 @@ fn receive_inner(
     timeout: Duration,
     got_uffd: &mut bool,
 ) -> Result<(Vec<UffdRegion>, Uffd), ServeError> {
-    let serr = |op: &str| {
-        let op = op.to_string();
-        move |source| ServeError::Socket { op, source }
+    let mut r = Reader {
+        stream,
+        deadline: Instant::now() + timeout,
+        timeout,
+        buf: vec![0u8; 64 << 10],
     };
-    let deadline = Instant::now() + timeout;
-    let left = || {
-        deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1))
-    };
-    stream
-        .set_read_timeout(Some(left()))
-        .map_err(serr("set a read timeout"))?;
-    let mut buf = vec![0u8; 64 << 10];
-    let (n, fds) = recv_with_fds(stream, &mut buf).map_err(|e| match e.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ServeError::Handshake(format!(
-            "nothing received within {:.1} s",
-            timeout.as_secs_f64()
-        )),
-        _ => ServeError::Socket {
-            op: "receive the handshake".into(),
-            source: e,
-        },
-    })?;
-    let mut fds = fds?;
-    if n == 0 {
-        return Err(ServeError::Handshake(
-            "the peer disconnected before sending anything".into(),
-        ));
-    }
-    let uffd = match fds.len() {
-        0 => {
-            return Err(ServeError::Handshake(
-                "no file descriptor came with the message (Firecracker sends its \
-                     userfaultfd with SCM_RIGHTS)"
-                    .into(),
-            ))
-        }
-        1 => fds.pop().expect("one"),
-        k => {
-            return Err(ServeError::Handshake(format!(
-                "{k} file descriptors came with the message; Firecracker sends one"
-            )))
-        }
-    };
+    let (n, fd) = r.first()?;
     // From here the peer may be a VM that depends on us: one descriptor came, and it is a
     // userfaultfd (or /proc cannot say what it is, which is treated the same).
-    *got_uffd = std::fs::read_link(format!("/proc/self/fd/{}", uffd.as_raw_fd()))
+    *got_uffd = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
         .map_or(true, |l| l.as_os_str() == "anon_inode:[userfaultfd]");
-    let uffd = Uffd::from_received(uffd)
+    let uffd = Uffd::from_received(fd)
         .map_err(|e| ServeError::Handshake(format!("the descriptor sent is not usable: {e}")))?;
     for (bit, name) in UNFOLLOWED_EVENTS {
         if uffd.features() & u64::from(bit) != 0 {
             return Err(ServeError::Handshake(format!(
                 "the peer's userfaultfd has {name} enabled; guestmem's page server does \
-                     not follow forks, remaps or unmaps (Firecracker enables none of them)"
+                 not follow forks, remaps or unmaps (Firecracker enables none of them)"
             )));
         }
     }
-    let mut json = buf[..n].to_vec();
-    let mut first = true;
-    let regions = loop {
-        // A JSON array can only be whole once it ends in `]`: after the first read, the text
-        // is parsed again only then (a peer sending a byte at a time costs no re-parse each).
-        let whole = first || json.trim_ascii_end().ends_with(b"]");
-        first = false;
-        let parsed = if whole {
-            parse_regions(&json)
-        } else {
-            Err(ServeError::Handshake("incomplete".into()))
-        };
-        match parsed {
-            Ok(r) => break r,
-            Err(e) => {
-                // Only a JSON document cut short may continue in a later read.
-                let cut = !whole
-                    || serde_json::from_slice::<serde_json::Value>(&json)
-                        .err()
-                        .is_some_and(|e| e.is_eof());
-                if !cut {
-                    return Err(e);
-                }
-                // The timeout is for the whole handshake: a peer trickling bytes is cut off.
-                if Instant::now() >= deadline {
-                    return Err(ServeError::Handshake(format!(
-                        "the JSON stopped after {} bytes: the handshake was not whole within \
-                         {:.1} s",
-                        json.len(),
-                        timeout.as_secs_f64()
-                    )));
-                }
-                if json.len() >= MAX_HANDSHAKE_BYTES {
-                    return Err(ServeError::Handshake(format!(
-                        "message longer than {MAX_HANDSHAKE_BYTES} bytes"
-                    )));
-                }
-                stream
-                    .set_read_timeout(Some(left()))
-                    .map_err(serr("set a read timeout"))?;
-                let k = (&*stream).read(&mut buf).map_err(|e| match e.kind() {
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
-                        ServeError::Handshake(format!(
-                            "the JSON stopped after {} bytes: the handshake was not whole within \
-                             {:.1} s",
-                            json.len(),
-                            timeout.as_secs_f64()
-                        ))
-                    }
-                    _ => ServeError::Socket {
-                        op: "receive the handshake".into(),
-                        source: e,
-                    },
-                })?;
-                if k == 0 {
-                    return Err(ServeError::Handshake(format!(
-                        "the peer disconnected mid-handshake, after {} bytes of JSON",
-                        json.len()
-                    )));
-                }
-                json.extend_from_slice(&buf[..k]);
-            }
-        }
-    };
+    let first = r.buf[..n].to_vec();
+    let regions = r.rest_of_json(first)?;
     stream
         .set_read_timeout(None)
-        .map_err(serr("clear the read timeout"))?;
+        .map_err(|source| ServeError::Socket {
+            op: "clear the read timeout".into(),
+            source,
+        })?;
     Ok((regions, uffd))
+}
+
+/// A handshake being read, within one deadline for the whole of it.
+struct Reader<'a> {
+    stream: &'a UnixStream,
+    deadline: Instant,
+    timeout: Duration,
+    buf: Vec<u8>,
+}
+
+impl Reader<'_> {
+    fn arm(&self) -> Result<(), ServeError> {
+        let left = self
+            .deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
+        self.stream
+            .set_read_timeout(Some(left))
+            .map_err(|source| ServeError::Socket {
+                op: "set a read timeout".into(),
+                source,
+            })
+    }
+
+    /// The first message: its length in `buf`, and its one descriptor.
+    fn first(&mut self) -> Result<(usize, OwnedFd), ServeError> {
+        self.arm()?;
+        let timeout = self.timeout;
+        let (n, fds) = recv_with_fds(self.stream, &mut self.buf).map_err(|e| match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ServeError::Handshake(format!(
+                "nothing received within {:.1} s",
+                timeout.as_secs_f64()
+            )),
+            _ => ServeError::Socket {
+                op: "receive the handshake".into(),
+                source: e,
+            },
+        })?;
+        let mut fds = fds?;
+        if n == 0 {
+            return Err(ServeError::Handshake(
+                "the peer disconnected before sending anything".into(),
+            ));
+        }
+        match fds.len() {
+            0 => Err(ServeError::Handshake(
+                "no file descriptor came with the message (Firecracker sends its \
+                 userfaultfd with SCM_RIGHTS)"
+                    .into(),
+            )),
+            1 => Ok((n, fds.pop().expect("one"))),
+            k => Err(ServeError::Handshake(format!(
+                "{k} file descriptors came with the message; Firecracker sends one"
+            ))),
+        }
+    }
+
+    fn cut_off(&self, json: &[u8]) -> ServeError {
+        ServeError::Handshake(format!(
+            "the JSON stopped after {} bytes: the handshake was not whole within {:.1} s",
+            json.len(),
+            self.timeout.as_secs_f64()
+        ))
+    }
+
+    /// Reads until `json` parses as the regions, a refusal, or the deadline.
+    fn rest_of_json(&mut self, mut json: Vec<u8>) -> Result<Vec<UffdRegion>, ServeError> {
+        let mut first = true;
+        loop {
+            // A JSON array can only be whole once it ends in `]`: after the first read, the
+            // text is parsed again only then (a peer sending a byte at a time costs no
+            // re-parse each).
+            let whole = first || json.trim_ascii_end().ends_with(b"]");
+            first = false;
+            if whole {
+                match parse_regions(&json) {
+                    Ok(r) => return Ok(r),
+                    // Only a JSON document cut short may continue in a later read.
+                    Err(e)
+                        if !serde_json::from_slice::<serde_json::Value>(&json)
+                            .err()
+                            .is_some_and(|e| e.is_eof()) =>
+                    {
+                        return Err(e)
+                    }
+                    Err(_) => {}
+                }
+            }
+            // The timeout is for the whole handshake: a peer trickling bytes is cut off.
+            if Instant::now() >= self.deadline {
+                return Err(self.cut_off(&json));
+            }
+            if json.len() >= MAX_HANDSHAKE_BYTES {
+                return Err(ServeError::Handshake(format!(
+                    "message longer than {MAX_HANDSHAKE_BYTES} bytes"
+                )));
+            }
+            self.arm()?;
+            let k = match (&*self.stream).read(&mut self.buf) {
+                Ok(k) => k,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Err(self.cut_off(&json))
+                }
+                Err(source) => {
+                    return Err(ServeError::Socket {
+                        op: "receive the handshake".into(),
+                        source,
+                    })
+                }
+            };
+            if k == 0 {
+                return Err(ServeError::Handshake(format!(
+                    "the peer disconnected mid-handshake, after {} bytes of JSON",
+                    json.len()
+                )));
+            }
+            json.extend_from_slice(&self.buf[..k]);
+        }
+    }
 }
 
 impl Handshake {
