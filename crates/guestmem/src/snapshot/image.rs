@@ -95,6 +95,81 @@ struct Inner {
     checked: bool,
 }
 
+impl Layer {
+    /// Opens the save in `at`, checked against `child`, the save above it (whose parent it
+    /// must be: its id, layout and block size). The memory file is opened once: every later
+    /// read (and a mapped restore's mapping) uses this descriptor, never the path again.
+    fn open(at: &Path, child: Option<&Layer>) -> Result<Layer, SnapshotError> {
+        let mpath = at.join(MANIFEST_FILE);
+        let dir = Dir::open(at)?;
+        let m = read_manifest(&dir)?;
+        if let Some(child) = child {
+            let bad = |reason: String| SnapshotError::Manifest {
+                path: mpath.clone(),
+                reason,
+            };
+            let want = child.manifest.parent.as_ref().map(|p| p.id.as_str());
+            if want != Some(m.id.as_str()) {
+                return Err(bad(format!(
+                    "id {}, the save above names its parent {}",
+                    m.id,
+                    want.unwrap_or("(none)")
+                )));
+            }
+            same_layout(&m.regions, &child.manifest.regions, "a parent", "its child")?;
+            if m.block_bytes != child.manifest.block_bytes {
+                return Err(bad("block size differs from its child's".into()));
+            }
+        }
+        let (file, len) = dir.open_regular(&m.memory_file, u64::MAX)?;
+        let path = dir.join(&m.memory_file);
+        if len < m.memory_bytes {
+            // Name the first region the file does not hold whole.
+            let r = m
+                .regions
+                .iter()
+                .find(|r| r.file_offset + r.size > len)
+                .expect("some region ends past the file");
+            return Err(SnapshotError::Truncated {
+                region: r.guest_addr,
+                guest_addr: r.guest_addr + len.saturating_sub(r.file_offset),
+                path,
+                offset: len.max(r.file_offset),
+                file_len: len,
+            });
+        }
+        Ok(Layer {
+            dir: at.to_path_buf(),
+            path,
+            file,
+            manifest: m,
+        })
+    }
+}
+
+/// The base save's regions with the global index of each one's first block, and the
+/// blocks in all.
+fn image_regions(base: &Manifest) -> (Vec<ImageRegion>, u64) {
+    let mut first_block = 0;
+    let regions = base
+        .regions
+        .iter()
+        .map(|r| {
+            let ir = ImageRegion {
+                guest_addr: r.guest_addr,
+                size: r.size,
+                file_offset: r.file_offset,
+                page_size: r.page_size,
+                backing: r.backing.clone(),
+                first_block,
+            };
+            first_block += r.size.div_ceil(base.block_bytes);
+            ir
+        })
+        .collect();
+    (regions, first_block)
+}
+
 /// An opened snapshot: its manifest checked, its memory file open, and for an incremental
 /// save the chain of saves under it, each checked against the next (ids, layout, sizes).
 /// Cheap to clone (shared).
@@ -106,9 +181,8 @@ pub struct Image {
 impl Image {
     /// Opens the snapshot in `dir` and every save under it.
     pub fn open(dir: &Path) -> Result<Image, SnapshotError> {
-        let mut layers = Vec::new();
+        let mut layers: Vec<Layer> = Vec::new();
         let mut at = dir.to_path_buf();
-        let mut want_id: Option<String> = None;
         loop {
             if layers.len() == MAX_CHAIN {
                 return Err(SnapshotError::Manifest {
@@ -116,81 +190,19 @@ impl Image {
                     reason: format!("chain longer than {MAX_CHAIN} saves"),
                 });
             }
-            let mpath = at.join(MANIFEST_FILE);
-            let dir = Dir::open(&at)?;
-            let m = read_manifest(&dir)?;
-            if let Some(id) = &want_id {
-                if &m.id != id {
-                    return Err(SnapshotError::Manifest {
-                        path: mpath,
-                        reason: format!("id {}, the save above names its parent {id}", m.id),
-                    });
-                }
-            }
-            if let Some(top) = layers.last() {
-                let top: &Layer = top;
-                same_layout(&m.regions, &top.manifest.regions, "a parent", "its child")?;
-                if m.block_bytes != top.manifest.block_bytes {
-                    return Err(SnapshotError::Manifest {
-                        path: mpath,
-                        reason: "block size differs from its child's".into(),
-                    });
-                }
-            }
-            // The memory file as it is now, opened once: every later read (and a mapped
-            // restore's mapping) uses this descriptor, never the path again.
-            let (file, len) = dir.open_regular(&m.memory_file, u64::MAX)?;
-            let path = dir.join(&m.memory_file);
-            if len < m.memory_bytes {
-                // Name the first region the file does not hold whole.
-                let r = m
-                    .regions
-                    .iter()
-                    .find(|r| r.file_offset + r.size > len)
-                    .expect("some region ends past the file");
-                return Err(SnapshotError::Truncated {
-                    region: r.guest_addr,
-                    guest_addr: r.guest_addr + len.saturating_sub(r.file_offset),
-                    path,
-                    offset: len.max(r.file_offset),
-                    file_len: len,
-                });
-            }
-            let parent = m.parent.clone();
-            layers.push(Layer {
-                dir: at.clone(),
-                path,
-                file,
-                manifest: m,
-            });
+            let layer = Layer::open(&at, layers.last())?;
+            let parent = layer.manifest.parent.clone();
+            layers.push(layer);
             match parent {
                 None => break,
-                Some(p) => {
-                    want_id = Some(p.id);
-                    at = if p.dir.is_absolute() {
-                        p.dir
-                    } else {
-                        at.join(p.dir)
-                    };
-                }
+                Some(p) if p.dir.is_absolute() => at = p.dir,
+                Some(p) => at = at.join(p.dir),
             }
         }
         layers.reverse();
         let base = &layers[0].manifest;
         let block_bytes = base.block_bytes;
-        let mut regions = Vec::with_capacity(base.regions.len());
-        let mut first_block = 0;
-        for r in &base.regions {
-            regions.push(ImageRegion {
-                guest_addr: r.guest_addr,
-                size: r.size,
-                file_offset: r.file_offset,
-                page_size: r.page_size,
-                backing: r.backing.clone(),
-                first_block,
-            });
-            first_block += r.size.div_ceil(block_bytes);
-        }
+        let (regions, total_blocks) = image_regions(base);
         let plan = resolve_chain(layers.iter().map(|l| &l.manifest.blocks[..]));
         Ok(Image {
             inner: Arc::new(Inner {
@@ -198,7 +210,7 @@ impl Image {
                 regions,
                 block_bytes,
                 plan,
-                total_blocks: first_block,
+                total_blocks,
                 checked: true,
             }),
         })

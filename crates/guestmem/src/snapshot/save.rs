@@ -697,22 +697,58 @@ fn save_block(
         op: "read page state",
         source,
     })?;
-    let base = r.host_addr() as usize + at.offset as usize;
-    let mut h = BlockHasher::default();
-    let mut nonzero = vec![false; n];
-    for i in 0..n {
-        if wanted[i] && there[i] {
-            // SAFETY: the page lies in the region's mapping (the block is inside the region),
-            // which `r` keeps mapped; hashing reads it with volatile loads.
-            nonzero[i] = unsafe { h.update_volatile((base + i * page) as *const u8, page) };
-        } else {
-            h.update_zeros(page);
-        }
-    }
+    let (nonzero, checksum) = hash_pages(at, &wanted, &there);
     if dirty.is_none() && !nonzero.iter().any(|&z| z) {
         // A full save leaves an all-zero block out: no record reads as zero.
         return Ok(None);
     }
+    let bytes = write_runs(at, &nonzero, file, path)?;
+    let pages = match dirty {
+        Some(words) if wanted.iter().any(|&w| !w) => Some(words),
+        _ => None,
+    };
+    Ok(Some((
+        BlockRecord {
+            index,
+            checksum: format!("{checksum:016x}"),
+            pages,
+        },
+        bytes,
+    )))
+}
+
+/// Hashes a block as the file will hold it (pages not wanted, or holding no data, as
+/// zeros); which of its pages are non-zero, and the checksum.
+fn hash_pages(at: &BlockAt<'_>, wanted: &[bool], there: &[bool]) -> (Vec<bool>, u64) {
+    let page = IMAGE_PAGE_BYTES as usize;
+    let base = at.region.host_addr() as usize + at.offset as usize;
+    let mut h = BlockHasher::default();
+    let nonzero = (0..wanted.len())
+        .map(|i| {
+            if wanted[i] && there[i] {
+                // SAFETY: the page lies in the region's mapping (the block is inside the
+                // region), which the region keeps mapped; hashing reads it with volatile
+                // loads.
+                unsafe { h.update_volatile((base + i * page) as *const u8, page) }
+            } else {
+                h.update_zeros(page);
+                false
+            }
+        })
+        .collect();
+    (nonzero, h.finish())
+}
+
+/// Writes each run of non-zero pages of a block to its place in the file; the bytes written.
+fn write_runs(
+    at: &BlockAt<'_>,
+    nonzero: &[bool],
+    file: &File,
+    path: &Path,
+) -> Result<u64, SnapshotError> {
+    let page = IMAGE_PAGE_BYTES as usize;
+    let base = at.region.host_addr() as usize + at.offset as usize;
+    let n = nonzero.len();
     let mut bytes = 0u64;
     let mut i = 0;
     while i < n {
@@ -724,55 +760,63 @@ fn save_block(
         while i < n && nonzero[i] {
             i += 1;
         }
-        let len = (i - run_start) * page;
-        let mut done = 0usize;
-        while done < len {
-            let off = at.file_offset + (run_start * page + done) as u64;
-            let src = base + run_start * page + done;
-            // SAFETY: src..src+len-done lies in the region's mapping, kept mapped by `r`;
-            // the kernel reads it into the file (no Rust reference to guest memory is made).
-            let ret = unsafe {
-                libc::pwrite(
-                    file.as_raw_fd(),
-                    src as *const libc::c_void,
-                    len - done,
-                    off as libc::off_t,
-                )
-            };
-            if ret <= 0 {
-                let source = if ret == 0 {
-                    std::io::Error::from(std::io::ErrorKind::WriteZero)
-                } else {
-                    std::io::Error::last_os_error()
-                };
-                if source.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(SnapshotError::Io {
-                    region: r.guest_addr().0,
-                    guest_addr: r.guest_addr().0 + at.offset + (run_start * page + done) as u64,
-                    op: "write",
-                    path: path.to_path_buf(),
-                    offset: off,
-                    source,
-                });
-            }
-            done += ret as usize;
-        }
+        let (from, len) = (run_start * page, (i - run_start) * page);
+        // SAFETY: base+from..base+from+len lies in the region's mapping (the block is inside
+        // the region), which the region keeps mapped.
+        unsafe { pwrite_all(at, file, path, base + from, len, from) }?;
         bytes += len as u64;
     }
-    let pages = match dirty {
-        Some(words) if wanted.iter().any(|&w| !w) => Some(words),
-        _ => None,
-    };
-    Ok(Some((
-        BlockRecord {
-            index,
-            checksum: format!("{:016x}", h.finish()),
-            pages,
-        },
-        bytes,
-    )))
+    Ok(bytes)
+}
+
+/// Writes `len` bytes of guest memory at host address `src` to the file, at the block's
+/// file offset plus `from`.
+///
+/// # Safety
+/// `src..src + len` must be mapped, readable memory for the whole call.
+unsafe fn pwrite_all(
+    at: &BlockAt<'_>,
+    file: &File,
+    path: &Path,
+    src: usize,
+    len: usize,
+    from: usize,
+) -> Result<(), SnapshotError> {
+    let mut done = 0usize;
+    while done < len {
+        let off = at.file_offset + (from + done) as u64;
+        // SAFETY: src+done..src+len is readable (the caller's contract); the kernel reads it
+        // into the file (no Rust reference to guest memory is made).
+        let ret = unsafe {
+            libc::pwrite(
+                file.as_raw_fd(),
+                (src + done) as *const libc::c_void,
+                len - done,
+                off as libc::off_t,
+            )
+        };
+        if ret <= 0 {
+            let source = if ret == 0 {
+                std::io::Error::from(std::io::ErrorKind::WriteZero)
+            } else {
+                std::io::Error::last_os_error()
+            };
+            if source.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            let region = at.region.guest_addr().0;
+            return Err(SnapshotError::Io {
+                region,
+                guest_addr: region + at.offset + (from + done) as u64,
+                op: "write",
+                path: path.to_path_buf(),
+                offset: off,
+                source,
+            });
+        }
+        done += ret as usize;
+    }
+    Ok(())
 }
 
 /// Writes `working_set` into the manifest in `dir` (a new file renamed over the old).
