@@ -49,7 +49,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::host::Host;
-use crate::jobs::{Chunk, Job, JobError, JobRange, JobStats, Numa};
+use crate::jobs::{Chunk, Job, JobError, JobFailure, JobRange, JobStats, Numa};
 use crate::layout::{Backing, Reserve};
 use crate::map::MapView;
 use crate::mmap::ProcMem;
@@ -334,58 +334,9 @@ pub fn selected(snap: &MapView, selection: &Selection) -> Result<Vec<Arc<Region>
 pub fn populate(snap: &MapView, cfg: &PopulateConfig) -> Result<PopulateReport, PopulateError> {
     let regions = selected(snap, &cfg.regions)?;
     let regions = &regions[..];
-    // Memory a restore is filling is the restore's: populating it would fault blocks in out
-    // of order, and undoing a failed populate would discard restored data.
-    for r in regions {
-        if let Some(why) = r.lifecycle.restore.get().refusal() {
-            return Err(PopulateError::Restoring {
-                region: guest(r),
-                why,
-            });
-        }
-    }
-    // What each region held before: memory in use is never released on failure, and what
-    // was locked before is neither locked again nor unlocked. Residency is asked of the
-    // kernel page by page (`mincore`), not read from smaps: a memfd written through its
-    // descriptor, or a region whose mapping merged with a neighbour, holds data smaps does
-    // not show for it.
-    let before = crate::inspect::inspect_regions(regions)?;
-    let in_use: Vec<bool> = regions
-        .iter()
-        .map(|r| {
-            let m = r.mapping();
-            m.any_resident(0, m.len())
-                .map_err(|e| PopulateError::Chunk {
-                    region: guest(r),
-                    chunk: guest(r),
-                    len: r.size(),
-                    op: e.op(),
-                    source: e.into_io(),
-                    cause: None,
-                    undo_errors: Vec::new(),
-                })
-        })
-        .collect::<Result<_, _>>()?;
-    let was_locked: Vec<bool> = regions
-        .iter()
-        .zip(&before)
-        .map(|(r, u)| !r.is_hugetlb() && u.locked >= r.size())
-        .collect();
-    let ranges = regions
-        .iter()
-        .map(|r| JobRange {
-            start: r.guest_addr().0,
-            len: r.size(),
-            align: r.huge_align(),
-            node: r.numa_node(),
-        })
-        .collect();
-    let first: Vec<(u64, u64)> = cfg.first.iter().map(|&(a, l)| (a.0, l)).collect();
-    let job = Job::over(ranges)?
-        .with_first(&first)
-        .with_min_chunk(cfg.min_chunk)
-        .with_max_threads(cfg.threads)
-        .with_numa(cfg.numa);
+    refuse_restoring(regions)?;
+    let before = Before::read(regions)?;
+    let job = job_over(regions, cfg)?;
     let mem = match cfg.method {
         Method::Touch => Some(ProcMem::open().map_err(PopulateError::ProcMem)?),
         Method::PopulateWrite => None,
@@ -393,48 +344,15 @@ pub fn populate(snap: &MapView, cfg: &PopulateConfig) -> Result<PopulateReport, 
 
     let t0 = Instant::now();
     let locked = match cfg.pin {
-        PinStrategy::UpFront => lock_up_front(regions, &was_locked)?,
+        PinStrategy::UpFront => lock_up_front(regions, &before.was_locked)?,
         PinStrategy::None | PinStrategy::PerChunk => Vec::new(),
     };
     let lock_seconds = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
-    let bytes_done = AtomicU64::new(0);
-    // A panic in a chunk (the caller's progress callback, say) must not leave regions locked:
-    // it is caught, what was locked up front is unlocked, and the panic goes on. (Pages it
-    // populated stay: which chunks ran is not known once a worker has unwound.)
-    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        job.run(|chunk: &Chunk| -> Result<(), ChunkError> {
-            let region = &regions[chunk.range];
-            let (offset, len) = chunk_range(region, chunk);
-            let mapping = region.mapping();
-            match &mem {
-                Some(mem) => touch(mem, region, offset, len)?,
-                None => mapping.advise(offset, len, Advice::PopulateWrite)?,
-            }
-            if cfg.pin == PinStrategy::PerChunk && !region.is_hugetlb() {
-                mapping.lock(offset, len, Lock::Now)?;
-            }
-            let done = bytes_done.fetch_add(chunk.len, Ordering::Relaxed) + chunk.len;
-            if let Some(p) = &cfg.progress {
-                p(done);
-            }
-            Ok(())
-        })
-    }));
-    let result = match run {
-        Ok(result) => result,
-        Err(panic) => {
-            if cfg.pin != PinStrategy::None {
-                let mine = regions.iter().zip(&was_locked).filter(|(_, &w)| !w);
-                for (r, _) in mine.filter(|(r, _)| !r.is_hugetlb()) {
-                    // Best effort on the way out: the panic is what the caller will see.
-                    let _ = r.mapping().unlock(0, r.mapping().len());
-                }
-            }
-            std::panic::resume_unwind(panic);
-        }
-    };
+    let result = run_unlocking_on_panic(regions, &before, cfg, || {
+        run_chunks(&job, regions, mem.as_ref(), cfg)
+    });
     let populate_seconds = t1.elapsed().as_secs_f64();
 
     match result {
@@ -445,43 +363,175 @@ pub fn populate(snap: &MapView, cfg: &PopulateConfig) -> Result<PopulateReport, 
             lock_seconds,
             populate_seconds,
         }),
-        Err(failure) => {
-            // Read what the errno means before the undo gives pages back to their pool.
-            let failed = &regions[failure.chunk.range];
-            let cause = cause(failed, &failure.error.source);
-            let mut undo_errors = Vec::new();
-            for &i in &locked {
-                let m = regions[i].mapping();
-                if let Err(e) = m.unlock(0, m.len()) {
-                    undo_errors.push(format!("munlock region {:#x}: {e}", guest(&regions[i])));
-                }
-            }
-            for chunk in failure.started() {
-                let region = &regions[chunk.range];
-                let (offset, len) = chunk_range(region, &chunk);
-                let mine = !was_locked[chunk.range];
-                if cfg.pin == PinStrategy::PerChunk && !region.is_hugetlb() && mine {
-                    if let Err(e) = region.mapping().unlock(offset, len) {
-                        undo_errors.push(format!("munlock chunk {:#x}: {e}", chunk.start));
-                    }
-                }
-                // Memory that held pages before this call may hold data: never released.
-                if cfg.undo == Undo::Release && !in_use[chunk.range] {
-                    if let Err(e) = release(region, &chunk) {
-                        undo_errors.push(format!("release chunk {:#x}: {e}", chunk.start));
-                    }
-                }
-            }
-            Err(PopulateError::Chunk {
-                region: guest(failed),
-                chunk: failure.chunk.start,
-                len: failure.chunk.len,
-                op: failure.error.op,
-                cause,
-                source: failure.error.source,
-                undo_errors,
-            })
+        Err(failure) => Err(undo(regions, &before, &locked, cfg, failure)),
+    }
+}
+
+/// Memory a restore is filling is the restore's: populating it would fault blocks in out of
+/// order, and undoing a failed populate would discard restored data.
+fn refuse_restoring(regions: &[Arc<Region>]) -> Result<(), PopulateError> {
+    for r in regions {
+        if let Some(why) = r.lifecycle.restore.get().refusal() {
+            return Err(PopulateError::Restoring {
+                region: guest(r),
+                why,
+            });
         }
+    }
+    Ok(())
+}
+
+/// What each region held before the call: memory in use is never released on failure, and
+/// what was locked before is neither locked again nor unlocked.
+struct Before {
+    in_use: Vec<bool>,
+    was_locked: Vec<bool>,
+}
+
+impl Before {
+    /// Residency is asked of the kernel page by page (`mincore`), not read from smaps: a
+    /// memfd written through its descriptor, or a region whose mapping merged with a
+    /// neighbour, holds data smaps does not show for it.
+    fn read(regions: &[Arc<Region>]) -> Result<Before, PopulateError> {
+        let usage = crate::inspect::inspect_regions(regions)?;
+        let in_use = regions
+            .iter()
+            .map(|r| {
+                let m = r.mapping();
+                m.any_resident(0, m.len())
+                    .map_err(|e| PopulateError::Chunk {
+                        region: guest(r),
+                        chunk: guest(r),
+                        len: r.size(),
+                        op: e.op(),
+                        source: e.into_io(),
+                        cause: None,
+                        undo_errors: Vec::new(),
+                    })
+            })
+            .collect::<Result<_, _>>()?;
+        let was_locked = regions
+            .iter()
+            .zip(&usage)
+            .map(|(r, u)| !r.is_hugetlb() && u.locked >= r.size())
+            .collect();
+        Ok(Before { in_use, was_locked })
+    }
+}
+
+/// One job over the regions, huge-page aligned, on their NUMA nodes, `cfg.first` first.
+fn job_over(regions: &[Arc<Region>], cfg: &PopulateConfig) -> Result<Job, PopulateError> {
+    let ranges = regions
+        .iter()
+        .map(|r| JobRange {
+            start: r.guest_addr().0,
+            len: r.size(),
+            align: r.huge_align(),
+            node: r.numa_node(),
+        })
+        .collect();
+    let first: Vec<(u64, u64)> = cfg.first.iter().map(|&(a, l)| (a.0, l)).collect();
+    Ok(Job::over(ranges)?
+        .with_first(&first)
+        .with_min_chunk(cfg.min_chunk)
+        .with_max_threads(cfg.threads)
+        .with_numa(cfg.numa))
+}
+
+/// Runs `f`; a panic in it (the caller's progress callback, say) must not leave regions
+/// locked: it is caught, what was locked up front is unlocked, and the panic goes on. (Pages
+/// it populated stay: which chunks ran is not known once a worker has unwound.)
+fn run_unlocking_on_panic<T>(
+    regions: &[Arc<Region>],
+    before: &Before,
+    cfg: &PopulateConfig,
+    f: impl FnOnce() -> T,
+) -> T {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(t) => t,
+        Err(panic) => {
+            if cfg.pin != PinStrategy::None {
+                let mine = regions.iter().zip(&before.was_locked).filter(|(_, &w)| !w);
+                for (r, _) in mine.filter(|(r, _)| !r.is_hugetlb()) {
+                    // Best effort on the way out: the panic is what the caller will see.
+                    let _ = r.mapping().unlock(0, r.mapping().len());
+                }
+            }
+            std::panic::resume_unwind(panic);
+        }
+    }
+}
+
+/// Populates (and pins per chunk, when asked) every chunk of the job.
+fn run_chunks(
+    job: &Job,
+    regions: &[Arc<Region>],
+    mem: Option<&ProcMem>,
+    cfg: &PopulateConfig,
+) -> Result<JobStats, JobFailure<ChunkError>> {
+    let bytes_done = AtomicU64::new(0);
+    job.run(|chunk: &Chunk| -> Result<(), ChunkError> {
+        let region = &regions[chunk.range];
+        let (offset, len) = chunk_range(region, chunk);
+        let mapping = region.mapping();
+        match mem {
+            Some(mem) => touch(mem, region, offset, len)?,
+            None => mapping.advise(offset, len, Advice::PopulateWrite)?,
+        }
+        if cfg.pin == PinStrategy::PerChunk && !region.is_hugetlb() {
+            mapping.lock(offset, len, Lock::Now)?;
+        }
+        let done = bytes_done.fetch_add(chunk.len, Ordering::Relaxed) + chunk.len;
+        if let Some(p) = &cfg.progress {
+            p(done);
+        }
+        Ok(())
+    })
+}
+
+/// Undoes what a failed populate did (unlocks what it locked, releases what it populated in
+/// memory that held nothing before) and says what failed, why, and what of the undo failed.
+fn undo(
+    regions: &[Arc<Region>],
+    before: &Before,
+    locked: &[usize],
+    cfg: &PopulateConfig,
+    failure: JobFailure<ChunkError>,
+) -> PopulateError {
+    // Read what the errno means before the undo gives pages back to their pool.
+    let failed = &regions[failure.chunk.range];
+    let cause = cause(failed, &failure.error.source);
+    let mut undo_errors = Vec::new();
+    for &i in locked {
+        let m = regions[i].mapping();
+        if let Err(e) = m.unlock(0, m.len()) {
+            undo_errors.push(format!("munlock region {:#x}: {e}", guest(&regions[i])));
+        }
+    }
+    for chunk in failure.started() {
+        let region = &regions[chunk.range];
+        let (offset, len) = chunk_range(region, &chunk);
+        let mine = !before.was_locked[chunk.range];
+        if cfg.pin == PinStrategy::PerChunk && !region.is_hugetlb() && mine {
+            if let Err(e) = region.mapping().unlock(offset, len) {
+                undo_errors.push(format!("munlock chunk {:#x}: {e}", chunk.start));
+            }
+        }
+        // Memory that held pages before this call may hold data: never released.
+        if cfg.undo == Undo::Release && !before.in_use[chunk.range] {
+            if let Err(e) = release(region, &chunk) {
+                undo_errors.push(format!("release chunk {:#x}: {e}", chunk.start));
+            }
+        }
+    }
+    PopulateError::Chunk {
+        region: guest(failed),
+        chunk: failure.chunk.start,
+        len: failure.chunk.len,
+        op: failure.error.op,
+        cause,
+        source: failure.error.source,
+        undo_errors,
     }
 }
 
