@@ -373,6 +373,22 @@ impl Host {
             cap_ipc_lock: self.cap_ipc_lock(),
             ..Needs::default()
         };
+        self.check_pools(demands, stage, &mut needs)?;
+        match stage {
+            Stage::Map => self.check_map(demands, &mut needs)?,
+            Stage::Populate { pin } => self.check_populate(demands, pin, &mut needs)?,
+        }
+        Ok(needs)
+    }
+
+    /// Hugetlb pages: reserved ones at map time, `MAP_NORESERVE` ones not yet resident at
+    /// populate time, per page size against its pool's free pages.
+    fn check_pools(
+        &self,
+        demands: &[Demand],
+        stage: Stage,
+        needs: &mut Needs,
+    ) -> Result<(), HostError> {
         for d in demands {
             let Some(size) = d.hugetlb else {
                 continue;
@@ -391,8 +407,8 @@ impl Host {
                     dir: size.sysfs_dir(),
                 });
             };
-            let need = match needs.pools.iter_mut().find(|p| p.size == size) {
-                Some(p) => p,
+            let need = match needs.pools.iter().position(|p| p.size == size) {
+                Some(k) => &mut needs.pools[k],
                 None => {
                     needs.pools.push(PoolNeed {
                         size,
@@ -413,77 +429,95 @@ impl Host {
                 });
             }
         }
-        match stage {
-            Stage::Map => {
-                for d in demands {
-                    if let Some(node) = d.numa_node {
-                        if !self.numa_nodes.iter().any(|n| n.id == node) {
-                            return Err(HostError::NoSuchNumaNode {
-                                addr: d.guest_addr,
-                                node,
-                            });
-                        }
-                    }
-                }
-                needs.mappings = demands.iter().map(|d| d.mappings).sum();
-                if let Some(limit) = self.max_map_count {
-                    if self.map_count.saturating_add(needs.mappings) > limit {
-                        return Err(HostError::MapCount {
-                            needed: needs.mappings,
-                            current: self.map_count,
-                            limit,
-                        });
-                    }
-                }
-            }
-            Stage::Populate { pin } => {
-                let ordinary = demands.iter().filter(|d| d.hugetlb.is_none());
-                needs.memory_bytes = ordinary
-                    .clone()
-                    .map(|d| d.size.saturating_sub(d.resident))
-                    .sum();
-                if let Some(available) = self.mem_available {
-                    if needs.memory_bytes > available {
-                        return Err(HostError::Memory {
-                            needed: needs.memory_bytes,
-                            available,
-                        });
-                    }
-                }
-                if let Some(cg) = &self.memory_cgroup {
-                    if needs.memory_bytes > cg.headroom() {
-                        return Err(HostError::Cgroup {
-                            needed: needs.memory_bytes,
-                            path: cg.path.clone(),
-                            limit: cg.limit,
-                            usage: cg.usage,
-                        });
-                    }
-                }
-                for cg in &self.hugetlb_cgroups {
-                    let needed: u64 = demands
-                        .iter()
-                        .filter(|d| d.hugetlb == Some(cg.size))
-                        .map(|d| d.size.saturating_sub(d.resident))
-                        .sum();
-                    if needed > cg.limit.saturating_sub(cg.usage) {
-                        return Err(HostError::HugetlbCgroup {
-                            size: cg.size,
-                            needed,
-                            path: cg.path.clone(),
-                            limit: cg.limit,
-                            usage: cg.usage,
-                        });
-                    }
-                }
-                if pin {
-                    let new: u64 = ordinary.map(|d| d.size.saturating_sub(d.locked)).sum();
-                    needs.memlock_bytes = self.locked_bytes.saturating_add(new);
-                    check_memlock(needs.memlock_bytes, self.memlock_limit, needs.cap_ipc_lock)?;
+        Ok(())
+    }
+
+    /// At map time: NUMA nodes that exist, mappings under `vm.max_map_count`.
+    fn check_map(&self, demands: &[Demand], needs: &mut Needs) -> Result<(), HostError> {
+        for d in demands {
+            if let Some(node) = d.numa_node {
+                if !self.numa_nodes.iter().any(|n| n.id == node) {
+                    return Err(HostError::NoSuchNumaNode {
+                        addr: d.guest_addr,
+                        node,
+                    });
                 }
             }
         }
-        Ok(needs)
+        needs.mappings = demands.iter().map(|d| d.mappings).sum();
+        if let Some(limit) = self.max_map_count {
+            if self.map_count.saturating_add(needs.mappings) > limit {
+                return Err(HostError::MapCount {
+                    needed: needs.mappings,
+                    current: self.map_count,
+                    limit,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// At populate time: memory not yet resident against `MemAvailable` and the memory
+    /// cgroup, hugetlb pages against their cgroups, and what pinning adds against
+    /// `RLIMIT_MEMLOCK`.
+    fn check_populate(
+        &self,
+        demands: &[Demand],
+        pin: bool,
+        needs: &mut Needs,
+    ) -> Result<(), HostError> {
+        let ordinary = demands.iter().filter(|d| d.hugetlb.is_none());
+        needs.memory_bytes = ordinary
+            .clone()
+            .map(|d| d.size.saturating_sub(d.resident))
+            .sum();
+        if let Some(available) = self.mem_available {
+            if needs.memory_bytes > available {
+                return Err(HostError::Memory {
+                    needed: needs.memory_bytes,
+                    available,
+                });
+            }
+        }
+        if let Some(cg) = &self.memory_cgroup {
+            if needs.memory_bytes > cg.headroom() {
+                return Err(HostError::Cgroup {
+                    needed: needs.memory_bytes,
+                    path: cg.path.clone(),
+                    limit: cg.limit,
+                    usage: cg.usage,
+                });
+            }
+        }
+        self.check_hugetlb_cgroups(demands)?;
+        if pin {
+            let new: u64 = ordinary.map(|d| d.size.saturating_sub(d.locked)).sum();
+            needs.memlock_bytes = self.locked_bytes.saturating_add(new);
+            check_memlock(needs.memlock_bytes, self.memlock_limit, needs.cap_ipc_lock)?;
+        }
+        Ok(())
+    }
+
+    /// Hugetlb pages not yet resident, per page size, against its cgroup's headroom (a fault
+    /// past it would raise `SIGBUS`).
+    fn check_hugetlb_cgroups(&self, demands: &[Demand]) -> Result<(), HostError> {
+        for cg in &self.hugetlb_cgroups {
+            let needed: u64 = demands
+                .iter()
+                .filter(|d| d.hugetlb == Some(cg.size))
+                .map(|d| d.size.saturating_sub(d.resident))
+                .sum();
+            if needed > cg.limit.saturating_sub(cg.usage) {
+                return Err(HostError::HugetlbCgroup {
+                    size: cg.size,
+                    needed,
+                    path: cg.path.clone(),
+                    limit: cg.limit,
+                    usage: cg.usage,
+                });
+            }
+        }
+        Ok(())
     }
 }
 
