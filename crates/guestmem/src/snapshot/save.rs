@@ -130,45 +130,10 @@ pub fn save(snap: &MapView, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport, 
         }
     };
     let staging = Staging::create(&target)?;
-    let mem_path = staging.dir.join(MEMORY_FILE);
-    let file = staging.dir.create_new(MEMORY_FILE)?;
-    file.set_len(memory_bytes)
-        .map_err(|source| SnapshotError::File {
-            op: "size",
-            path: mem_path.clone(),
-            source,
-        })?;
     // The dirty bits this save covers, taken (cleared) now, so a page written during the save
     // stays dirty for the next one; put back if the save fails.
     let dirty = take_dirty(regions);
-    let written = write_blocks(
-        regions,
-        &layout,
-        &dirty,
-        &base,
-        cfg.threads,
-        &file,
-        &mem_path,
-    )
-    .and_then(|mut w| {
-        let id = new_id();
-        let manifest = Manifest {
-            format: FORMAT.into(),
-            version: VERSION,
-            id: id.clone(),
-            parent: base.parent.clone(),
-            memory_file: MEMORY_FILE.into(),
-            memory_bytes,
-            block_bytes: base.block_bytes,
-            regions: layout,
-            blocks: std::mem::take(&mut w.records),
-            working_set: Vec::new(),
-            meta: cfg.meta.clone(),
-        };
-        write_new_manifest(&staging.dir, &manifest)?;
-        staging.publish(&target)?;
-        Ok((w, id, manifest.blocks.len() as u64))
-    });
+    let written = write_and_publish(regions, layout, &dirty, &base, cfg, staging, &target);
     let (w, id, blocks) = match written {
         Ok(done) => done,
         Err(e) => {
@@ -189,6 +154,46 @@ pub fn save(snap: &MapView, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport, 
         threads: w.threads,
         seconds: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// Writes the memory file and the manifest into `staging` and publishes it at `target`;
+/// what was written, the new id, and the blocks the save holds.
+fn write_and_publish(
+    regions: &[Arc<Region>],
+    layout: Vec<ManifestRegion>,
+    dirty: &[Option<Vec<u64>>],
+    base: &Base,
+    cfg: &SaveConfig,
+    staging: Staging,
+    target: &Target,
+) -> Result<(Written, String, u64), SnapshotError> {
+    let memory_bytes = layout.last().map_or(0, |l| l.file_offset + l.size);
+    let mem_path = staging.dir.join(MEMORY_FILE);
+    let file = staging.dir.create_new(MEMORY_FILE)?;
+    file.set_len(memory_bytes)
+        .map_err(|source| SnapshotError::File {
+            op: "size",
+            path: mem_path.clone(),
+            source,
+        })?;
+    let mut w = write_blocks(regions, &layout, dirty, base, cfg.threads, &file, &mem_path)?;
+    let id = new_id();
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        id: id.clone(),
+        parent: base.parent.clone(),
+        memory_file: MEMORY_FILE.into(),
+        memory_bytes,
+        block_bytes: base.block_bytes,
+        regions: layout,
+        blocks: std::mem::take(&mut w.records),
+        working_set: Vec::new(),
+        meta: cfg.meta.clone(),
+    };
+    write_new_manifest(&staging.dir, &manifest)?;
+    staging.publish(target)?;
+    Ok((w, id, manifest.blocks.len() as u64))
 }
 
 /// Refuses regions a restore is filling or failed to fill.

@@ -32,6 +32,32 @@ fn lower_priority() {
     }
 }
 
+/// A block being filled: where it is in its region, and whether it reads as zero.
+#[derive(Clone, Copy)]
+struct BlockAt<'a> {
+    block: u64,
+    lr: &'a LRegion,
+    /// Offset in the region, bytes.
+    off: usize,
+    /// Length, bytes.
+    n: usize,
+    /// No save holds any of it.
+    zero: bool,
+}
+
+impl BlockAt<'_> {
+    /// An error of `op` on this block's memory.
+    fn mem_err(&self, op: &'static str) -> impl FnOnce(std::io::Error) -> SnapshotError {
+        let (region, guest_addr) = (self.lr.name, self.lr.name + self.off as u64);
+        move |source| SnapshotError::Memory {
+            region,
+            guest_addr,
+            op,
+            source,
+        }
+    }
+}
+
 impl Lazy {
     /// A handler thread: read faults, serve them, until told to stop.
     pub(super) fn handle(&self) {
@@ -293,87 +319,98 @@ impl Lazy {
         }
     }
 
+    /// Brings `block` in: a private region's through a staging copy and `UFFDIO_COPY`, a
+    /// shared region's into its page cache and `UFFDIO_CONTINUE`; a zero block without
+    /// reading anything.
     fn fill(&self, block: u64) -> Result<(), SnapshotError> {
         let (ri, offset, len) = self.image.block_span(block);
         let lr = &self.regions[ri];
-        let guest_addr = lr.name + offset;
-        let mem_err = |op: &'static str| {
-            move |source| SnapshotError::Memory {
-                region: lr.name,
-                guest_addr,
-                op,
-                source,
-            }
+        let at = BlockAt {
+            block,
+            lr,
+            off: offset as usize,
+            n: len as usize,
+            zero: !self.image.held_from(block, 0),
         };
-        let zero = !self.image.held_from(block, 0);
-        let (off, n) = (offset as usize, len as usize);
         match lr.alias() {
-            None if zero => {
-                self.zero_pages(lr, off, n)
-                    .map_err(mem_err("UFFDIO_ZEROPAGE"))?;
-                self.counters.zero.fetch_add(1, Ordering::Relaxed);
-            }
-            None => {
-                let scratch = SCRATCH.take();
-                // Sized once per thread by the largest block the image holds (a block is cut
-                // at its region's end), capped by the manifest's block-size limits.
-                let bb = self.image.largest_block() as usize;
-                with_staging(bb, mem_err("map a staging buffer"), |staging| {
-                    let mut scratch = scratch;
-                    // SAFETY: the staging mapping is this thread's own, at least a block
-                    // long, page-aligned, and nothing else touches it.
-                    unsafe {
-                        self.image
-                            .read_block(block, staging.as_ptr(), false, &mut scratch)?
-                    };
-                    SCRATCH.set(scratch);
-                    self.zero_removed(lr, off, n, staging);
-                    // SAFETY: as above: the first n bytes of this thread's staging mapping,
-                    // just written, borrowed only for the copies below.
-                    let src = unsafe { std::slice::from_raw_parts(staging.as_ptr(), n) };
-                    let copied = self
-                        .uffd
-                        .copy(lr.target(), off, src, &|| self.drain())
-                        .map_err(mem_err("UFFDIO_COPY"))?;
-                    if copied < n {
-                        // A page of a block nobody had filled was there already: something
-                        // else wrote this memory behind the restore's back.
-                        return Err(SnapshotError::Memory {
-                            region: lr.name,
-                            guest_addr: guest_addr + copied as u64,
-                            op: "UFFDIO_COPY (a page was present before its block was restored)",
-                            source: std::io::Error::from_raw_os_error(libc::EEXIST),
-                        });
-                    }
-                    Ok(())
-                })?;
-                self.counters.bytes.fetch_add(len, Ordering::Relaxed);
-            }
-            Some(alias) => {
-                let region = lr.region().expect("an alias belongs to our own region");
-                if zero {
-                    let fo = region.file_offset().expect("a shared region has its file");
-                    crate::sys::fallocate(fo.file().as_fd(), fo.start() + offset, len)
-                        .map_err(mem_err("fallocate"))?;
-                    self.counters.zero.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    let mut scratch = SCRATCH.take();
-                    // Only the thread that claimed the block writes it, and the registered
-                    // mapping maps none of it before the UFFDIO_CONTINUE below.
-                    // SAFETY: the block lies inside the alias (the region's length), aligned.
-                    let r = unsafe {
-                        self.image
-                            .read_block(block, alias.as_ptr().add(off), false, &mut scratch)
-                    };
-                    SCRATCH.set(scratch);
-                    r?;
-                    self.counters.bytes.fetch_add(len, Ordering::Relaxed);
-                }
-                self.uffd
-                    .continue_range(lr.target(), off, n, lr.page as usize)
-                    .map_err(mem_err("UFFDIO_CONTINUE"))?;
-            }
+            None => self.fill_private(&at),
+            Some(alias) => self.fill_shared(&at, alias),
         }
+    }
+
+    fn fill_private(&self, at: &BlockAt<'_>) -> Result<(), SnapshotError> {
+        let BlockAt {
+            block, lr, off, n, ..
+        } = *at;
+        if at.zero {
+            self.zero_pages(lr, off, n)
+                .map_err(at.mem_err("UFFDIO_ZEROPAGE"))?;
+            self.counters.zero.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        let scratch = SCRATCH.take();
+        // Sized once per thread by the largest block the image holds (a block is cut at its
+        // region's end), capped by the manifest's block-size limits.
+        let bb = self.image.largest_block() as usize;
+        with_staging(bb, at.mem_err("map a staging buffer"), |staging| {
+            let mut scratch = scratch;
+            // SAFETY: the staging mapping is this thread's own, at least a block long,
+            // page-aligned, and nothing else touches it.
+            unsafe {
+                self.image
+                    .read_block(block, staging.as_ptr(), false, &mut scratch)?
+            };
+            SCRATCH.set(scratch);
+            self.zero_removed(lr, off, n, staging);
+            // SAFETY: as above: the first n bytes of this thread's staging mapping, just
+            // written, borrowed only for the copies below.
+            let src = unsafe { std::slice::from_raw_parts(staging.as_ptr(), n) };
+            let copied = self
+                .uffd
+                .copy(lr.target(), off, src, &|| self.drain())
+                .map_err(at.mem_err("UFFDIO_COPY"))?;
+            if copied < n {
+                // A page of a block nobody had filled was there already: something else wrote
+                // this memory behind the restore's back.
+                return Err(SnapshotError::Memory {
+                    region: lr.name,
+                    guest_addr: lr.name + (off + copied) as u64,
+                    op: "UFFDIO_COPY (a page was present before its block was restored)",
+                    source: std::io::Error::from_raw_os_error(libc::EEXIST),
+                });
+            }
+            Ok(())
+        })?;
+        self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn fill_shared(&self, at: &BlockAt<'_>, alias: &Mapping) -> Result<(), SnapshotError> {
+        let BlockAt {
+            block, lr, off, n, ..
+        } = *at;
+        let region = lr.region().expect("an alias belongs to our own region");
+        if at.zero {
+            let fo = region.file_offset().expect("a shared region has its file");
+            crate::sys::fallocate(fo.file().as_fd(), fo.start() + off as u64, n as u64)
+                .map_err(at.mem_err("fallocate"))?;
+            self.counters.zero.fetch_add(1, Ordering::Relaxed);
+        } else {
+            let mut scratch = SCRATCH.take();
+            // Only the thread that claimed the block writes it, and the registered mapping
+            // maps none of it before the UFFDIO_CONTINUE below.
+            // SAFETY: the block lies inside the alias (the region's length), aligned.
+            let r = unsafe {
+                self.image
+                    .read_block(block, alias.as_ptr().add(off), false, &mut scratch)
+            };
+            SCRATCH.set(scratch);
+            r?;
+            self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        self.uffd
+            .continue_range(lr.target(), off, n, lr.page as usize)
+            .map_err(at.mem_err("UFFDIO_CONTINUE"))?;
         Ok(())
     }
 
