@@ -372,79 +372,37 @@ impl PageServer {
             peer,
             process,
         } = h;
-        let ferr = |reason: String| ServeError::MemoryFile {
-            path: mem.path.clone(),
-            reason,
-        };
-        if let Err(e) = cfg.check() {
-            return Err((e, process));
-        }
-        let len = mem.len;
-        for (i, r) in regions.iter().enumerate() {
-            // parse_regions checked offset + size does not overflow.
-            if r.offset + r.size > len {
-                let e = ferr(format!(
-                    "holds {len:#x} bytes, but region {i} (peer host address {:#x}, {:#x} bytes) \
-                     needs offsets {:#x}..{:#x}",
-                    r.base_host_virt_addr,
-                    r.size,
-                    r.offset,
-                    r.offset + r.size
-                ));
-                return Err((e, process));
-            }
-        }
-        let largest = regions.iter().map(|r| r.page_size).max().unwrap_or(4096);
-        let block = cfg.block_bytes.max(largest).next_multiple_of(largest);
-        let spans: Vec<(u64, u64, u64, u64)> = regions
-            .iter()
-            .map(|r| (r.base_host_virt_addr, r.size, r.offset, r.page_size))
-            .collect();
-        let file = match mem.file.try_clone() {
-            Ok(f) => f,
-            Err(e) => {
-                return Err((
-                    ferr(format!("cannot duplicate its descriptor: {e}")),
-                    process,
-                ))
-            }
-        };
-        let image = match Image::raw(file, &mem.path, &spans, block) {
-            Ok(i) => i,
-            Err(e) => return Err((ferr(e.to_string()), process)),
-        };
-        let first = match cfg.prefetch_threads {
-            0 => None,
-            _ => Some(blocks_of(&image, &cfg.first)),
-        };
-        let places: Vec<(u64, u64, u64)> = regions
-            .iter()
-            .map(|r| (r.base_host_virt_addr, r.size, r.page_size))
-            .collect();
-        let lazy = match LazyRestore::start_remote(
-            &image,
-            &places,
-            uffd,
-            (cfg.handler_threads, cfg.prefetch_threads),
-            first,
-        ) {
-            Ok(l) => l,
-            Err(source) => {
-                let e = ServeError::Socket {
-                    op: "start the handler threads".into(),
-                    source,
+        let started = cfg
+            .check()
+            .and_then(|()| image_of(&regions, mem, cfg))
+            .and_then(|image| {
+                let first = match cfg.prefetch_threads {
+                    0 => None,
+                    _ => Some(blocks_of(&image, &cfg.first)),
                 };
-                return Err((e, process));
-            }
-        };
-        Ok(PageServer {
-            lazy,
-            image,
-            peer,
-            process,
-            regions,
-            t0: Instant::now(),
-        })
+                let places: Vec<(u64, u64, u64)> = regions
+                    .iter()
+                    .map(|r| (r.base_host_virt_addr, r.size, r.page_size))
+                    .collect();
+                let threads = (cfg.handler_threads, cfg.prefetch_threads);
+                LazyRestore::start_remote(&image, &places, uffd, threads, first)
+                    .map(|lazy| (lazy, image))
+                    .map_err(|source| ServeError::Socket {
+                        op: "start the handler threads".into(),
+                        source,
+                    })
+            });
+        match started {
+            Ok((lazy, image)) => Ok(PageServer {
+                lazy,
+                image,
+                peer,
+                process,
+                regions,
+                t0: Instant::now(),
+            }),
+            Err(e) => Err((e, process)),
+        }
     }
 
     /// The peer's process id (`SO_PEERCRED`).
@@ -516,6 +474,44 @@ impl PageServer {
         };
         (result, self.process)
     }
+}
+
+/// The memory file as an image of the peer's regions, once checked to hold them all;
+/// blocks of `cfg.block_bytes`, raised to (and a multiple of) the largest page size.
+fn image_of(
+    regions: &[UffdRegion],
+    mem: &MemoryFile,
+    cfg: &ServeConfig,
+) -> Result<Image, ServeError> {
+    let ferr = |reason: String| ServeError::MemoryFile {
+        path: mem.path.clone(),
+        reason,
+    };
+    let len = mem.len;
+    for (i, r) in regions.iter().enumerate() {
+        // parse_regions checked offset + size does not overflow.
+        if r.offset + r.size > len {
+            return Err(ferr(format!(
+                "holds {len:#x} bytes, but region {i} (peer host address {:#x}, {:#x} bytes) \
+                 needs offsets {:#x}..{:#x}",
+                r.base_host_virt_addr,
+                r.size,
+                r.offset,
+                r.offset + r.size
+            )));
+        }
+    }
+    let largest = regions.iter().map(|r| r.page_size).max().unwrap_or(4096);
+    let block = cfg.block_bytes.max(largest).next_multiple_of(largest);
+    let spans: Vec<(u64, u64, u64, u64)> = regions
+        .iter()
+        .map(|r| (r.base_host_virt_addr, r.size, r.offset, r.page_size))
+        .collect();
+    let file = mem
+        .file
+        .try_clone()
+        .map_err(|e| ferr(format!("cannot duplicate its descriptor: {e}")))?;
+    Image::raw(file, &mem.path, &spans, block).map_err(|e| ferr(e.to_string()))
 }
 
 /// Blocks of `image` holding `offsets` (memory-file offsets), first occurrence first;
