@@ -470,26 +470,9 @@ impl Image {
                 }
                 scratch.as_mut_ptr() as *mut u8
             };
-            // Read and hash a piece at a time, so the hash reads what the copy just left in
-            // the cache (one pass over memory fewer than reading the block, then hashing it).
-            let mut h = BlockHasher::default();
-            let mut at = 0u64;
-            while at < len {
-                let n = HASH_PIECE.min(len - at);
-                // SAFETY: target is dst (the caller's writable block) or scratch, resized to
-                // hold len bytes above; at + n <= len.
-                unsafe {
-                    let p = target.add(at as usize);
-                    pread_exact(layer, p, n, file_offset + at, region, guest_addr + at)?;
-                    // p holds the n bytes just read, 8-byte aligned (dst by contract and
-                    // pieces of whole pages, scratch a Vec<u64>).
-                    if self.inner.checked {
-                        h.update_volatile(p, n as usize);
-                    }
-                }
-                at += n;
-            }
-            let found = h.finish();
+            // SAFETY: target is dst (the caller's writable block) or scratch, resized to hold
+            // len bytes above; both 8-byte aligned.
+            let found = unsafe { self.read_hashed(layer, target, len, file_offset, ri, offset)? };
             if self.inner.checked && found != piece.checksum {
                 return Err(SnapshotError::Checksum {
                     region: region.guest_addr,
@@ -518,6 +501,46 @@ impl Image {
             }
         }
         Ok(())
+    }
+}
+
+impl Image {
+    /// Reads `len` bytes of a block (region `ri`, `offset` into it, at `file_offset` of the
+    /// layer's file) into `target`, hashing a piece at a time as it goes, so the hash reads
+    /// what the copy just left in the cache (one pass over memory fewer than reading the
+    /// block, then hashing it). Returns the hash (0 for an unchecked image).
+    ///
+    /// # Safety
+    /// `target..target + len` must be writable, 8-byte aligned memory no one else writes
+    /// during the call.
+    unsafe fn read_hashed(
+        &self,
+        layer: &Layer,
+        target: *mut u8,
+        len: u64,
+        file_offset: u64,
+        ri: usize,
+        offset: u64,
+    ) -> Result<u64, SnapshotError> {
+        let region = &self.inner.regions[ri];
+        let guest_addr = region.guest_addr + offset;
+        let mut h = BlockHasher::default();
+        let mut at = 0u64;
+        while at < len {
+            let n = HASH_PIECE.min(len - at);
+            // SAFETY: target..target+len is writable (the caller's contract); at + n <= len.
+            unsafe {
+                let p = target.add(at as usize);
+                pread_exact(layer, p, n, file_offset + at, region, guest_addr + at)?;
+                // p holds the n bytes just read, 8-byte aligned (target by contract, pieces
+                // of whole pages).
+                if self.inner.checked {
+                    h.update_volatile(p, n as usize);
+                }
+            }
+            at += n;
+        }
+        Ok(if self.inner.checked { h.finish() } else { 0 })
     }
 }
 
