@@ -208,7 +208,8 @@ fn usage_from(region: &Region, vmas: &[Vma], numa: Option<&[NumaLine]>) -> Regio
 }
 
 /// A host address range mapped by someone other than a [`Region`] (a peer VMM's way of
-/// mapping, reproduced in the lab), to inspect with [`inspect_host_ranges`].
+/// mapping, reproduced in the lab), to inspect with `inspect_host_ranges` (feature
+/// `lab-internals`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostRange {
     /// First host address; smaps VMAs wholly inside `start..start+len` are counted.
@@ -291,6 +292,7 @@ fn read_numa() -> Option<Vec<NumaLine>> {
 /// is counted when it lies wholly inside one joined span. A VMA the kernel merged with a
 /// mapping outside the ranges is not counted, which shows as `resident < size`.
 /// `huge_span` is the sum of each range's own aligned span.
+#[cfg(feature = "lab-internals")]
 pub fn inspect_host_ranges(ranges: &[HostRange]) -> Result<RegionUsage, InspectError> {
     let vmas = read_vmas()?;
     let mut sorted: Vec<(u64, u64)> = ranges

@@ -1,7 +1,7 @@
 //! One job splitter for every parallel operation, after Linux `padata_do_multithreaded`.
 //!
-//! A [`Job`] is a list of address ranges (one per region of a map, or a single length) and a
-//! few tuning fields; [`Job::run`] cuts it into chunks and runs a function on each, on up to
+//! A `Job` (crate-private: populate, save and restore use it) is a list of ranges (one per region of a map, or a single length) and a
+//! few tuning fields; `Job::run` cuts it into chunks and runs a function on each, on up to
 //! `max_threads` threads. The choices, and why:
 //!
 //! - **One job spans all ranges.** Chunks come from one list that covers every region, so a
@@ -19,7 +19,7 @@
 //! - **Load balancing.** Workers take the next chunk from a shared atomic cursor; the calling
 //!   thread works too.
 //! - **Start gate.** Every worker thread is created, and waiting, before any chunk starts
-//!   ([`crate::workers`], seed 001); a thread that cannot be created just means one worker
+//!   (`workers.rs`, seed 001); a thread that cannot be created just means one worker
 //!   fewer.
 //! - **Fast paths.** The empty job returns at once; a job that needs one worker runs on the
 //!   calling thread with no thread created.
@@ -73,14 +73,15 @@ pub enum JobError {
     },
 }
 
-/// One range of a job: `len` bytes from `start`, whose chunk edges fall on multiples of `align`.
+/// One range of a job: `len` units from `start` (see [`Chunk`]), whose chunk edges fall on
+/// multiples of `align`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct JobRange {
-    /// First address (a guest address for populate).
+pub(crate) struct JobRange {
+    /// First unit (a guest address for populate, a block index for save and restore).
     pub start: u64,
-    /// Length in bytes.
+    /// Length in units.
     pub len: u64,
-    /// Alignment of interior chunk edges, in addresses; 0 means 1. Combined with the job's
+    /// Alignment of interior chunk edges, in units; 0 means 1. Combined with the job's
     /// alignment by taking the larger, so both should be powers of two.
     pub align: u64,
     /// NUMA node the range's memory is bound to, if any.
@@ -113,7 +114,7 @@ pub enum Numa {
 
 /// A parallel job: its ranges and how to split them. See the module docs.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Job {
+pub(crate) struct Job {
     ranges: Vec<JobRange>,
     align: u64,
     min_chunk: u64,
@@ -123,20 +124,21 @@ pub struct Job {
     first: Vec<(u64, u64)>,
 }
 
-/// One piece of a job: `len` bytes from `start` inside range number `range`.
+/// One piece of a job: `len` units from `start` inside range number `range`. A job's unit is
+/// its caller's: bytes of guest memory for populate, blocks for save and restore.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Chunk {
+pub(crate) struct Chunk {
     /// Index of the range in the job.
     pub range: usize,
-    /// First address.
+    /// First unit (a guest address for populate, a block index for save and restore).
     pub start: u64,
-    /// Length in bytes (never 0).
+    /// Length in units (never 0).
     pub len: u64,
 }
 
 /// How a job is cut up: what [`Job::plan`] decides and [`Job::run`] follows.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Plan {
+pub(crate) struct Plan {
     /// Worker threads, the calling thread included (0 for the empty job).
     pub threads: usize,
     /// Chunk size before each range's own alignment is applied (0 for the empty job).
@@ -159,7 +161,7 @@ pub struct JobStats {
 
 /// A job that failed: the first error, where, and what had been done.
 #[derive(Debug)]
-pub struct JobFailure<E> {
+pub(crate) struct JobFailure<E> {
     /// The first error returned by a chunk.
     pub error: E,
     /// The chunk that returned it.
@@ -168,8 +170,6 @@ pub struct JobFailure<E> {
     pub completed: Vec<Chunk>,
     /// Chunks that failed, `chunk` among them: they may have done part of their work; sorted.
     pub failed: Vec<Chunk>,
-    /// How the job was run.
-    pub stats: JobStats,
 }
 
 impl<E> JobFailure<E> {
@@ -218,6 +218,7 @@ impl Job {
     }
 
     /// Alignment of interior chunk edges for every range (0 means 1).
+    #[cfg(test)]
     pub fn with_align(mut self, align: u64) -> Job {
         self.align = align.max(1);
         self
@@ -254,6 +255,7 @@ impl Job {
     }
 
     /// The ranges.
+    #[cfg(test)]
     pub fn ranges(&self) -> &[JobRange] {
         &self.ranges
     }
@@ -386,7 +388,6 @@ impl Job {
                     chunk,
                     completed: done.completed,
                     failed: done.failed,
-                    stats,
                 })
             }
         }

@@ -7,7 +7,7 @@
 //!   guard pages outside its aligned span; [`region`] maps one, all-or-nothing.
 //! - [`map`]: the guest physical map as immutable, generation-numbered views (RCU).
 //! - [`translate`]: per-thread guest-to-host translation with a last-used-region cache.
-//! - [`jobs`]: the one job splitter for parallel work, after padata, on [`workers`] started
+//! - [`jobs`]: the one job splitter for parallel work, after padata, on `workers` started
 //!   behind one gate.
 //! - [`mod@populate`]: populate and pin any regions of a map in one job, transactionally;
 //!   [`limits`] checks the request first and [`mod@bringup`] runs both and reports.
@@ -175,14 +175,19 @@ mod sys;
 pub mod translate;
 mod uffd;
 mod vm_memory_impl;
+/// The one start gate and worker spawn loop ([`workers::Crew`]): public only with the
+/// `lab-internals` feature, for the lab's peers.
+#[cfg(feature = "lab-internals")]
 pub mod workers;
+#[cfg(not(feature = "lab-internals"))]
+mod workers;
 
 pub use bringup::{
     bringup, bringup_background, bringup_specs, BringupConfig, BringupError, BringupHandle,
     BringupReport, PinPolicy, Verify,
 };
 pub use host::{Host, HostError};
-pub use jobs::{Chunk, Job, JobRange, Numa};
+pub use jobs::{default_threads, JobStats, Numa};
 pub use layout::{
     Access, Backing, DirtyTracking, Guard, HugePageSize, RegionSpec, Reserve, Thp, MAX_REGIONS,
 };

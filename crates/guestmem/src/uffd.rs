@@ -182,6 +182,7 @@ impl Uffd {
     }
 
     /// The descriptor.
+    #[cfg(feature = "lab-internals")]
     pub(crate) fn into_fd(self) -> OwnedFd {
         self.fd
     }

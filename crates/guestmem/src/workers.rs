@@ -19,7 +19,9 @@ pub enum Start {
     /// Once every worker has been created and has arrived at the gate (the default, and what
     /// QEMU's `threads_created_flag` does).
     AllArrived,
-    /// Each as soon as it runs (Cloud Hypervisor's prefault threads).
+    /// Each as soon as it runs (Cloud Hypervisor's prefault threads; only the lab's peer
+    /// uses it).
+    #[cfg_attr(not(feature = "lab-internals"), allow(dead_code))]
     AsCreated,
 }
 
@@ -70,6 +72,7 @@ impl Crew {
     }
 
     /// Sets when workers start.
+    #[cfg_attr(not(feature = "lab-internals"), allow(dead_code))]
     pub fn with_start(mut self, start: Start) -> Crew {
         self.start = start;
         self

@@ -434,6 +434,7 @@ impl Handshake {
 
     /// The checked regions, the descriptor and the socket, for a server of one's own (the
     /// lab's Firecracker-style peer). Every use of the descriptor is an `unsafe` ioctl.
+    #[cfg(feature = "lab-internals")]
     pub fn into_parts(self) -> (Vec<UffdRegion>, OwnedFd, UnixStream) {
         (self.regions, self.uffd.into_fd(), self.peer)
     }
