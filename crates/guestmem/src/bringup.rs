@@ -236,9 +236,12 @@ pub struct BringupHandle {
 }
 
 impl BringupHandle {
-    /// Bytes populated so far, and in all.
-    pub fn progress(&self) -> (u64, u64) {
-        (self.done.load(Ordering::Relaxed), self.total)
+    /// Bytes populated so far, of all.
+    pub fn progress(&self) -> crate::Progress {
+        crate::Progress {
+            done: self.done.load(Ordering::Relaxed),
+            total: self.total,
+        }
     }
 
     /// Whether it has ended, well or not.

@@ -58,6 +58,23 @@ pub fn default_threads() -> usize {
 /// Stack size of a worker thread, in bytes: workers only make syscalls.
 pub const WORKER_STACK_BYTES: usize = 256 << 10;
 
+/// How far a long operation has got: `done` of `total`, in the operation's unit (bytes for a
+/// bring-up, blocks for a restore).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Progress {
+    /// Units done.
+    pub done: u64,
+    /// Units in all.
+    pub total: u64,
+}
+
+impl Progress {
+    /// Whether all is done.
+    pub fn is_complete(&self) -> bool {
+        self.done >= self.total
+    }
+}
+
 /// Why a job could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {

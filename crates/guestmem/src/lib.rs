@@ -187,7 +187,7 @@ pub use bringup::{
     BringupReport, PinPolicy, Verify,
 };
 pub use host::{Host, HostError};
-pub use jobs::{default_threads, JobStats, Numa};
+pub use jobs::{default_threads, JobStats, Numa, Progress};
 pub use layout::{
     Access, Backing, DirtyTracking, Guard, HugePageSize, RegionSpec, Reserve, Thp, MAX_REGIONS,
 };

@@ -584,7 +584,13 @@ fn background_bringup_reaches_100_percent_and_reports_a_failure_keeping_data() {
     while !handle.is_finished() {
         std::thread::yield_now();
     }
-    assert_eq!(handle.progress(), (64 * MIB, 64 * MIB));
+    assert_eq!(
+        handle.progress(),
+        guestmem::Progress {
+            done: 64 * MIB,
+            total: 64 * MIB
+        }
+    );
     handle.wait().unwrap();
 
     // Failure part-way: a file region truncated behind its back. The handle reports region,

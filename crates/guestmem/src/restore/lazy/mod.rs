@@ -430,9 +430,12 @@ impl LazyRestore {
         self.lazy.message.get().cloned()
     }
 
-    /// Blocks in, and blocks in all.
-    pub fn progress(&self) -> (u64, u64) {
-        (self.lazy.done.load(Ordering::Acquire), self.lazy.total)
+    /// Blocks in, of all.
+    pub fn progress(&self) -> crate::Progress {
+        crate::Progress {
+            done: self.lazy.done.load(Ordering::Acquire),
+            total: self.lazy.total,
+        }
     }
 
     /// Waits until every block is in (`Ok`) or the restore has failed (the error's text).

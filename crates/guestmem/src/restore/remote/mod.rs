@@ -415,8 +415,8 @@ impl PageServer {
         &self.regions
     }
 
-    /// Blocks in, and blocks in all.
-    pub fn progress(&self) -> (u64, u64) {
+    /// Blocks in, of all.
+    pub fn progress(&self) -> crate::Progress {
         self.lazy.progress()
     }
 
