@@ -184,7 +184,7 @@ proptest! {
 
     #[test]
     fn cpu_lists_stay_bounded(text in "([0-9]{1,20}(-[0-9]{1,20})?,){0,4}[0-9]{0,20}") {
-        let cpus = crate::host::parse_cpu_list(&text);
+        let cpus = crate::host::read::parse_cpu_list(&text);
         prop_assert!(cpus.len() <= 5 * ((1 << 16) + 1));
     }
 

@@ -34,10 +34,12 @@
 //! pages. Saving clears the bits it saved, so each save starts the next one's set. A restore
 //! applies the chain from the full save up.
 
+mod blocks;
 mod hash;
 mod image;
 pub(crate) mod manifest;
 mod save;
+mod store;
 
 use std::collections::BTreeMap;
 use std::io;

@@ -40,25 +40,25 @@
 //! blocked: handlers wait in `poll` without a timeout, and the server waits on the peer's
 //! socket and the engine's failure descriptor.
 
+mod files;
 mod handshake;
 mod listen;
 mod peer;
 
-use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use files::{MemoryFile, WorkingSetFile};
 pub use handshake::{parse_regions, Handshake, UffdRegion, MAX_HANDSHAKE_BYTES, PAGE_SIZES};
 pub use listen::Listener;
 pub use peer::PeerProcess;
 
 use super::lazy::LazyRestore;
 use super::LazyReport;
-use crate::files::Dir;
 use crate::snapshot::{Image, SnapshotError};
 
 /// Default block served per fault.
@@ -221,50 +221,6 @@ impl ServeConfig {
             )));
         }
         Ok(())
-    }
-}
-
-/// A snapshot's memory file, opened and checked once (a regular file, no symlink followed,
-/// no FIFO waited on) before any VM connects: every read uses this descriptor, so a file
-/// renamed over the path later is not the one served.
-#[derive(Debug)]
-pub struct MemoryFile {
-    file: File,
-    len: u64,
-    path: PathBuf,
-}
-
-impl MemoryFile {
-    /// Opens `path`.
-    pub fn open(path: &Path) -> Result<MemoryFile, ServeError> {
-        let ferr = |reason: String| ServeError::MemoryFile {
-            path: path.to_path_buf(),
-            reason,
-        };
-        let (dir, name) = crate::files::split(path).map_err(|e| ferr(e.source.to_string()))?;
-        let (file, len) = Dir::open(&dir)
-            .and_then(|d| d.open_regular(&name, u64::MAX))
-            .map_err(|e| ferr(e.source.to_string()))?;
-        Ok(MemoryFile {
-            file,
-            len,
-            path: path.to_path_buf(),
-        })
-    }
-
-    /// Its length when opened, bytes.
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-
-    /// Whether it is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Its path, as given.
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 }
 
@@ -528,71 +484,6 @@ fn blocks_of(image: &Image, offsets: &[u64]) -> Vec<u64> {
                 .map(|r| r.first_block + (o - r.file_offset) / bb)
         })
         .collect()
-}
-
-/// A recorded working set, as `guestmem serve-uffd --record` writes it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WorkingSetFile {
-    /// Always `guestmem-working-set`.
-    pub format: String,
-    /// Memory-file offsets of the blocks faulted, first fault first.
-    pub offsets: Vec<u64>,
-}
-
-impl WorkingSetFile {
-    /// The format's name.
-    pub const FORMAT: &'static str = "guestmem-working-set";
-
-    /// Reads and checks `path` (a regular file of at most [`MAX_WORKING_SET_BYTES`], no
-    /// symlink followed).
-    pub fn read(path: &Path) -> Result<Vec<u64>, ServeError> {
-        let werr = |reason: String| ServeError::WorkingSet {
-            path: path.to_path_buf(),
-            reason,
-        };
-        let (dir, name) = crate::files::split(path).map_err(|e| werr(e.source.to_string()))?;
-        let text = Dir::open(&dir)
-            .and_then(|d| d.read_capped(&name, MAX_WORKING_SET_BYTES))
-            .map_err(|e| werr(e.source.to_string()))?;
-        Self::parse(&text).map_err(werr)
-    }
-
-    /// Parses a working-set file's text.
-    pub fn parse(text: &[u8]) -> Result<Vec<u64>, String> {
-        let w: WorkingSetFile = serde_json::from_slice(text).map_err(|e| e.to_string())?;
-        if w.format != Self::FORMAT {
-            return Err(format!(
-                "format {:?}, expected {:?}",
-                w.format,
-                Self::FORMAT
-            ));
-        }
-        Ok(w.offsets)
-    }
-
-    /// Checks, before serving starts, that [`WorkingSetFile::write`] can write `path`: its
-    /// directory exists and takes a new file, and nothing but a regular file is there.
-    pub fn check_writable(path: &Path) -> Result<(), ServeError> {
-        crate::files::check_publishable(path).map_err(|e| ServeError::WorkingSet {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })
-    }
-
-    /// Writes `offsets` to `path` whole or not at all: a new temporary file beside it,
-    /// synced and renamed over it (a symlink there is replaced, never written through).
-    pub fn write(path: &Path, offsets: &[u64]) -> Result<(), ServeError> {
-        let w = WorkingSetFile {
-            format: Self::FORMAT.into(),
-            offsets: offsets.to_vec(),
-        };
-        let text = serde_json::to_vec(&w).expect("serialises");
-        crate::files::publish_file(path, &text).map_err(|e| ServeError::WorkingSet {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })
-    }
 }
 
 /// What waiting on a peer found.
