@@ -203,6 +203,9 @@ pub struct PopulateArgs {
     /// Threads of the guestmem-N variants [default: all CPUs, at most 16].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
+    /// Also guestmem's other ways: the /proc/self/mem touch fallback, and pinning per chunk.
+    #[arg(long)]
+    methods: bool,
     #[command(flatten)]
     protocol: ProtocolArgs,
 }
@@ -332,6 +335,7 @@ fn populate(a: PopulateArgs) -> Result<()> {
             LayoutArg::All => vec![LayoutKind::Single, LayoutKind::Unequal, LayoutKind::Dimms],
         },
         settle: Duration::from_millis(a.settle_ms),
+        methods: a.methods,
         command: command_line(),
         ..d
     };

@@ -28,7 +28,7 @@ use guestmem::inspect::{self, RegionUsage};
 use guestmem::jobs::default_threads;
 use guestmem::layout::THP_BYTES;
 use guestmem::{
-    bringup, BringupConfig, GuestAddress, GuestMap, PinPolicy, PinStrategy, PopulateConfig,
+    bringup, BringupConfig, GuestAddress, GuestMap, Method, PinPolicy, PinStrategy, PopulateConfig,
     RegionSpec, Verify,
 };
 
@@ -122,6 +122,9 @@ pub struct PopulateLabConfig {
     pub settle: Duration,
     /// N, the threads of the multi-threaded guestmem variants (default: all CPUs, at most 16).
     pub threads: usize,
+    /// Also guestmem's other ways: the `/proc/self/mem` touch fallback instead of
+    /// `MADV_POPULATE_WRITE`, and pinning per chunk instead of up front.
+    pub methods: bool,
     /// The command line to record.
     pub command: String,
 }
@@ -138,6 +141,7 @@ impl Default for PopulateLabConfig {
             layouts: vec![LayoutKind::Single, LayoutKind::Unequal, LayoutKind::Dimms],
             settle: DEFAULT_SETTLE,
             threads: default_threads(),
+            methods: false,
             command: String::new(),
         }
     }
@@ -146,7 +150,11 @@ impl Default for PopulateLabConfig {
 /// One way of bringing memory up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Variant {
-    Guestmem { threads: usize, pin: PinStrategy },
+    Guestmem {
+        threads: usize,
+        pin: PinStrategy,
+        method: Method,
+    },
     Qemu,
     Ch,
 }
@@ -155,9 +163,19 @@ impl Variant {
     fn name(self, n: usize) -> String {
         match self {
             Variant::Guestmem {
+                method: Method::Touch,
+                threads,
+                ..
+            } => format!("guestmem-touch-{threads}"),
+            Variant::Guestmem {
                 pin: PinStrategy::None,
                 threads,
+                ..
             } => format!("guestmem-{threads}"),
+            Variant::Guestmem {
+                pin: PinStrategy::PerChunk,
+                ..
+            } => "guestmem-pin-chunks".into(),
             Variant::Guestmem { threads, .. } if threads == n => "guestmem-pin".into(),
             Variant::Guestmem { threads, .. } => format!("guestmem-pin-{threads}"),
             Variant::Qemu => peer_qemu::NAME.into(),
@@ -167,9 +185,13 @@ impl Variant {
 
     fn describe(self) -> String {
         match self {
-            Variant::Guestmem { threads, pin } => format!(
+            Variant::Guestmem {
+                threads,
+                pin,
+                method,
+            } => format!(
                 "GuestMap::from_specs (2 MiB congruent, guards, MADV_HUGEPAGE) + bringup, \
-                 {threads} thread(s), one job over all regions, pin {pin:?}"
+                 {threads} thread(s), one job over all regions, {method:?}, pin {pin:?}"
             ),
             Variant::Qemu => "qemu_prealloc_mem: per region, 2 MiB-aligned mmap, MADV_HUGEPAGE, \
                  min(CPUs,16,size/64MiB) threads on a static 4 KiB split, MADV_POPULATE_WRITE"
@@ -290,7 +312,11 @@ fn measure(variant: Variant, sizes: &[u64]) -> Result<Sample, LabError> {
         threads,
     };
     match variant {
-        Variant::Guestmem { threads, pin } => {
+        Variant::Guestmem {
+            threads,
+            pin,
+            method,
+        } => {
             let mut specs = Vec::with_capacity(sizes.len());
             let mut at = 0u64;
             for &s in sizes {
@@ -301,6 +327,7 @@ fn measure(variant: Variant, sizes: &[u64]) -> Result<Sample, LabError> {
                 populate: PopulateConfig {
                     threads,
                     pin,
+                    method,
                     ..PopulateConfig::default()
                 },
                 // The pinned variant measures pinning: it must pin, or fail.
@@ -369,22 +396,22 @@ fn sum(usage: &[RegionUsage]) -> RegionUsage {
 pub fn run_populate(cfg: &PopulateLabConfig) -> Result<PopulateResult, LabError> {
     cfg.protocol.validate(SCENARIO)?;
     let n = cfg.threads.max(1);
-    let variants = [
-        Variant::Guestmem {
-            threads: 1,
-            pin: PinStrategy::None,
-        },
-        Variant::Guestmem {
-            threads: n,
-            pin: PinStrategy::None,
-        },
-        Variant::Guestmem {
-            threads: n,
-            pin: PinStrategy::UpFront,
-        },
+    let guestmem = |threads, pin, method| Variant::Guestmem {
+        threads,
+        pin,
+        method,
+    };
+    let mut variants = vec![
+        guestmem(1, PinStrategy::None, Method::PopulateWrite),
+        guestmem(n, PinStrategy::None, Method::PopulateWrite),
+        guestmem(n, PinStrategy::UpFront, Method::PopulateWrite),
         Variant::Qemu,
         Variant::Ch,
     ];
+    if cfg.methods {
+        variants.push(guestmem(n, PinStrategy::None, Method::Touch));
+        variants.push(guestmem(n, PinStrategy::PerChunk, Method::PopulateWrite));
+    }
     // Every layout's sizes first, so a bad size is refused before anything is measured.
     let sized: Vec<(LayoutKind, Vec<u64>)> = cfg
         .layouts

@@ -27,6 +27,7 @@ fn tiny() -> PopulateLabConfig {
         layouts: vec![LayoutKind::Single, LayoutKind::Unequal],
         settle: Duration::ZERO,
         threads: 2,
+        methods: false,
         command: "test".into(),
     }
 }
@@ -59,6 +60,26 @@ fn populate_tiny_every_variant_populates_every_byte() {
         // guestmem keeps every region congruent: its whole span is 2 MiB pages' to take.
         assert_eq!(layout.variants[1].samples[0].sample.huge_span, TINY_BYTES);
     }
+}
+
+/// The other ways (what the old populate_lab example compared): the touch fallback and
+/// per-chunk pinning populate every byte too, and the pinned one locks every byte.
+#[test]
+fn populate_methods_touch_and_per_chunk_pin_populate_every_byte() {
+    let _serial = guestmem_testkit::host_lock();
+    let result = run_populate(&PopulateLabConfig {
+        layouts: vec![LayoutKind::Single],
+        methods: true,
+        ..tiny()
+    })
+    .expect("scenario runs");
+    let layout = &result.body.layouts[0];
+    let names: Vec<&str> = layout.variants.iter().map(|v| v.name.as_str()).collect();
+    assert_eq!(&names[5..], ["guestmem-touch-2", "guestmem-pin-chunks"]);
+    for v in &layout.variants[5..] {
+        assert_eq!(v.samples[0].sample.resident, TINY_BYTES, "{}", v.name);
+    }
+    assert_eq!(layout.variants[6].samples[0].sample.locked, TINY_BYTES);
 }
 
 #[test]
