@@ -15,6 +15,7 @@ use guestmem_lab::report::{write_run, LabReport, LabResult};
 use guestmem_lab::restore::{run_restore, RestoreLabConfig};
 use guestmem_lab::run::{prepare_out, Order as RunOrder, Protocol};
 use guestmem_lab::translate::{run_translate, TranslateLabConfig};
+use guestmem_lab::vm_restore::{run_vm_restore, VmRestoreLabConfig};
 
 /// Where run folders go unless `--out` says otherwise.
 const DEFAULT_OUT_DIR: &str = "lab-results";
@@ -44,6 +45,10 @@ enum Scenario {
     /// recorded prefetch, a Firecracker-style server, mapped and eager restores; reader
     /// threads stand in for vCPUs.
     Restore(RestoreArgs),
+    /// A KVM guest saved and restored every way guestmem offers (eager, mapped, lazy with
+    /// and without the recorded working set), beside the Firecracker-style peer and the
+    /// plainest eager reader, until it has verified every page
+    VmRestore(VmRestoreArgs),
     /// Every scenario, one after the other, into one folder with an index.md of all reports.
     All(AllArgs),
 }
@@ -60,6 +65,19 @@ pub struct RestoreArgs {
     /// Handler threads of the serve-uffd variants.
     #[arg(long, default_value_t = guestmem_lab::restore::DEFAULT_HANDLERS as u32, value_parser = clap::value_parser!(u32).range(1..=1024))]
     handlers: u32,
+    #[command(flatten)]
+    protocol: ProtocolArgs,
+}
+
+/// Flags of `guestmem lab vm-restore`.
+#[derive(ClapArgs)]
+pub struct VmRestoreArgs {
+    /// Guest memory (a multiple of 64M; 3G and more run the guest in long mode).
+    #[arg(long, default_value = "1G", value_parser = size)]
+    size: u64,
+    /// vCPUs.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    vcpus: u32,
     #[command(flatten)]
     protocol: ProtocolArgs,
 }
@@ -223,6 +241,7 @@ pub fn run(args: Args) -> Result<()> {
         Scenario::Faults(a) => &a.protocol.out,
         Scenario::Translate(a) => &a.protocol.out,
         Scenario::Restore(a) => &a.protocol.out,
+        Scenario::VmRestore(a) => &a.protocol.out,
         Scenario::All(a) => &a.out,
     };
     prepare_out(out).with_context(|| format!("--out {}", out.display()))?;
@@ -243,6 +262,20 @@ pub fn run(args: Args) -> Result<()> {
                 ..d
             };
             emit(&run_restore(&cfg).context("lab restore")?, &a.protocol.out)
+        }
+        Scenario::VmRestore(a) => {
+            let d = VmRestoreLabConfig::default();
+            let cfg = VmRestoreLabConfig {
+                size: a.size,
+                vcpus: a.vcpus as usize,
+                protocol: a.protocol.protocol(d.protocol),
+                command: command_line(),
+                ..d
+            };
+            emit(
+                &run_vm_restore(&cfg).context("lab vm-restore")?,
+                &a.protocol.out,
+            )
         }
         Scenario::Populate(a) => populate(a),
         Scenario::Guards(a) => {

@@ -13,6 +13,7 @@ use crate::report::{write_run, LabReport, LabResult};
 use crate::restore::{run_restore, RestoreLabConfig};
 use crate::run::{run_folder, Order, Protocol, RunInfo};
 use crate::translate::{run_translate, TranslateLabConfig};
+use crate::vm_restore::{run_vm_restore, VmRestoreLabConfig};
 use crate::LabError;
 
 /// How much each scenario measures.
@@ -55,12 +56,13 @@ type Step = (
 );
 
 /// The scenarios, in the order they run.
-const STEPS: [Step; 5] = [
+const STEPS: [Step; 6] = [
     ("populate", populate),
     ("guards", guards),
     ("faults", faults),
     ("translate", translate),
     ("restore", restore),
+    ("vm-restore", vm_restore),
 ];
 
 /// One round, no warm-up: the quick profile's protocol.
@@ -151,6 +153,18 @@ fn restore(base: &Path, cmd: &str, p: Profile) -> Result<(PathBuf, String), LabE
         ..d
     };
     written(run_restore(&cfg)?, base)
+}
+
+fn vm_restore(base: &Path, cmd: &str, p: Profile) -> Result<(PathBuf, String), LabError> {
+    let d = VmRestoreLabConfig::default();
+    let q = p == Profile::Quick;
+    let cfg = VmRestoreLabConfig {
+        size: if q { 64 << 20 } else { d.size },
+        protocol: if q { ONE_ROUND } else { d.protocol },
+        command: cmd.into(),
+        ..d
+    };
+    written(run_vm_restore(&cfg)?, base)
 }
 
 /// The index's head: the command, commit, kernel and CPU, and what the profile means.

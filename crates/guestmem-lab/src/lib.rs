@@ -37,6 +37,7 @@ pub mod run;
 pub mod translate;
 mod uffd_raw;
 pub mod vm;
+pub mod vm_restore;
 mod workers;
 
 pub use error::LabError;
