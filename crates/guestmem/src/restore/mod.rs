@@ -171,9 +171,7 @@ pub fn restore_into(
     cfg: &RestoreConfig,
 ) -> Result<Option<LazyRestore>, SnapshotError> {
     if cfg.mode == RestoreMode::Mapped {
-        return Err(SnapshotError::Layout(
-            "a mapped restore maps its own memory: use restore::restore".into(),
-        ));
+        return Err(SnapshotError::MappedInto);
     }
     restore_mode(image, map, cfg, Instant::now())
 }
@@ -297,33 +295,33 @@ fn check_region_layout(image: &Image, regions: &[Arc<Region>]) -> Result<(), Sna
     )?;
     for (r, ir) in regions.iter().zip(image.regions()) {
         if !image.block_bytes().is_multiple_of(r.page_size()) {
-            return Err(SnapshotError::Layout(format!(
-                "region at {:#x}: page size {:#x} does not divide the image's block size {:#x}",
-                ir.guest_addr,
-                r.page_size(),
-                image.block_bytes()
-            )));
+            return Err(SnapshotError::PageSize {
+                region: ir.guest_addr,
+                page_size: r.page_size(),
+                block_bytes: image.block_bytes(),
+            });
         }
     }
     Ok(())
 }
 
-fn check_pairs(image: &Image, have: Vec<(u64, u64)>, name: &str) -> Result<(), SnapshotError> {
+fn check_pairs(
+    image: &Image,
+    have: Vec<(u64, u64)>,
+    name: &'static str,
+) -> Result<(), SnapshotError> {
     let want = image.regions();
     for i in 0..want.len().max(have.len()) {
         match (want.get(i), have.get(i)) {
             (Some(w), Some(&(a, s))) if w.guest_addr == a && w.size == s => {}
             (w, h) => {
-                return Err(SnapshotError::Layout(format!(
-                    "region {i}: the image has {}, {name} {}",
-                    w.map_or("nothing".into(), |w| format!(
-                        "{:#x} bytes at {:#x}",
-                        w.size, w.guest_addr
-                    )),
-                    h.map_or("nothing".into(), |&(a, s)| format!(
-                        "{s:#x} bytes at {a:#x}"
-                    )),
-                )))
+                return Err(SnapshotError::Layout {
+                    index: i,
+                    a_name: "the image",
+                    a: w.map(|w| (w.guest_addr, w.size)),
+                    b_name: name,
+                    b: h.copied(),
+                })
             }
         }
     }

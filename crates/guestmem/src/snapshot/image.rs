@@ -117,7 +117,12 @@ impl Layer {
                     want.unwrap_or("(none)")
                 )));
             }
-            same_layout(&m.regions, &child.manifest.regions, "a parent", "its child")?;
+            same_layout(
+                &m.regions,
+                &child.manifest.regions,
+                "a parent",
+                "its child has",
+            )?;
             if m.block_bytes != child.manifest.block_bytes {
                 return Err(bad("block size differs from its child's".into()));
             }
@@ -367,10 +372,10 @@ impl Image {
     /// into the top save's manifest, for the next restore to prefetch first.
     pub fn record_working_set(&self, working_set: &[u64]) -> Result<(), SnapshotError> {
         if let Some(w) = working_set.iter().find(|&&w| w >= self.total_blocks()) {
-            return Err(SnapshotError::Layout(format!(
-                "working set names block {w}, the image has {}",
-                self.total_blocks()
-            )));
+            return Err(SnapshotError::WorkingSet {
+                block: *w,
+                blocks: self.total_blocks(),
+            });
         }
         super::save::record_working_set(self.dir(), working_set)
     }

@@ -200,23 +200,21 @@ fn check_references(m: &Manifest) -> Result<(), String> {
 pub(crate) fn same_layout(
     a: &[ManifestRegion],
     b: &[ManifestRegion],
-    a_name: &str,
-    b_name: &str,
+    a_name: &'static str,
+    b_name: &'static str,
 ) -> Result<(), SnapshotError> {
     for i in 0..a.len().max(b.len()) {
         match (a.get(i), b.get(i)) {
             (Some(x), Some(y)) if x.guest_addr == y.guest_addr && x.size == y.size => {}
             (x, y) => {
-                let show = |r: Option<&ManifestRegion>| {
-                    r.map_or("nothing".to_string(), |r| {
-                        format!("{:#x} bytes at {:#x}", r.size, r.guest_addr)
-                    })
-                };
-                return Err(SnapshotError::Layout(format!(
-                    "region {i}: {a_name} has {}, {b_name} has {}",
-                    show(x),
-                    show(y)
-                )));
+                let pair = |r: Option<&ManifestRegion>| r.map(|r| (r.guest_addr, r.size));
+                return Err(SnapshotError::Layout {
+                    index: i,
+                    a_name,
+                    a: pair(x),
+                    b_name,
+                    b: pair(y),
+                });
             }
         }
     }

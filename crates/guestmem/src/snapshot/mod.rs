@@ -166,10 +166,86 @@ pub enum SnapshotError {
         /// What is wrong.
         reason: String,
     },
-    /// The image's layout does not match the map it is restored into (or an incremental
-    /// save's parent).
-    #[error("layout mismatch: {0}")]
-    Layout(String),
+    /// Two layouts disagree at a region: the image's and the map's (or specs'), or an
+    /// incremental save's parent's and its child's. `None` where one has no region there.
+    #[error(
+        "layout mismatch: region {index}: {a_name} has {}, {b_name} {}",
+        show(a),
+        show(b)
+    )]
+    Layout {
+        /// The region's index.
+        index: usize,
+        /// What the first layout is (`the image`, `a parent`).
+        a_name: &'static str,
+        /// Its region there: (guest address, size).
+        a: Option<(u64, u64)>,
+        /// What the second layout is, as the message says it (`the map`, `the specs`, `its
+        /// child has`).
+        b_name: &'static str,
+        /// Its region there.
+        b: Option<(u64, u64)>,
+    },
+    /// There is nothing to save: the map holds no region.
+    #[error("the map holds no region")]
+    EmptyMap,
+    /// A save's block size is out of range.
+    #[error("block size {block_bytes:#x}: must be a power of two from 4 KiB to {max:#x}")]
+    BlockSize {
+        /// The size asked for.
+        block_bytes: u64,
+        /// The largest allowed.
+        max: u64,
+    },
+    /// An incremental save's parent is not the save the region's dirty bits count from.
+    #[error("region at {region:#x}: its dirty pages count from save {}, not from the parent {parent_id} ({}); another save of this map since the parent took them", counts_from.as_deref().unwrap_or("(none: never saved)"), parent.display())]
+    NotFromParent {
+        /// The region.
+        region: u64,
+        /// The save its dirty bits count from, if any.
+        counts_from: Option<String>,
+        /// The parent's id.
+        parent_id: String,
+        /// The parent's directory.
+        parent: PathBuf,
+    },
+    /// A region's page size does not divide the image's block size.
+    #[error("region at {region:#x}: page size {page_size:#x} does not divide the image's block size {block_bytes:#x}")]
+    PageSize {
+        /// The region.
+        region: u64,
+        /// Its page size.
+        page_size: u64,
+        /// The image's block size.
+        block_bytes: u64,
+    },
+    /// A lazy restore cannot serve this backing.
+    #[error("region at {region:#x}: a lazy restore serves anonymous, memfd and hugetlb memory, not {backing}")]
+    LazyBacking {
+        /// The region.
+        region: u64,
+        /// Its backing's name.
+        backing: String,
+    },
+    /// `restore_into` was asked for a mapped restore, which maps memory of its own.
+    #[error("a mapped restore maps its own memory: use restore::restore")]
+    MappedInto,
+    /// A working set names a block the image does not have.
+    #[error("working set names block {block}, the image has {blocks}")]
+    WorkingSet {
+        /// The block named.
+        block: u64,
+        /// Blocks in the image.
+        blocks: u64,
+    },
+    /// A page server's peer faulted outside every region its handshake declared.
+    #[error(
+        "the peer faulted at host address {addr:#x}, outside every region its handshake declared"
+    )]
+    PeerFaultOutside {
+        /// The faulting host address in the peer.
+        addr: u64,
+    },
     /// The region's memory is not whole: a lazy restore is still filling it, or failed.
     #[error("region at {region:#x}: {why}")]
     NotWhole {
@@ -275,6 +351,13 @@ pub enum SnapshotError {
     /// A lazy restore failed earlier (the first error, as reported then).
     #[error("lazy restore stopped: {0}")]
     Stopped(String),
+}
+
+/// A layout's region as an error shows it.
+fn show(r: &Option<(u64, u64)>) -> String {
+    r.map_or("nothing".to_string(), |(addr, size)| {
+        format!("{size:#x} bytes at {addr:#x}")
+    })
 }
 
 impl From<crate::files::FileError> for SnapshotError {

@@ -95,7 +95,7 @@ pub fn save(snap: &MapView, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport, 
     let t0 = Instant::now();
     let regions = snap.regions();
     if regions.is_empty() {
-        return Err(SnapshotError::Layout("the map holds no region".into()));
+        return Err(SnapshotError::EmptyMap);
     }
     // One save of a region at a time, in address order (every snapshot of a map lists its
     // regions in that order, so two saves cannot deadlock).
@@ -229,10 +229,10 @@ fn full_base(regions: &[Arc<Region>], block_bytes: u64) -> Result<Base, Snapshot
     if !block_bytes.is_power_of_two()
         || !(IMAGE_PAGE_BYTES..=MAX_SMALL_PAGE_BLOCK_BYTES).contains(&block_bytes)
     {
-        return Err(SnapshotError::Layout(format!(
-            "block size {block_bytes:#x}: must be a power of two from 4 KiB to \
-             {MAX_SMALL_PAGE_BLOCK_BYTES:#x}"
-        )));
+        return Err(SnapshotError::BlockSize {
+            block_bytes,
+            max: MAX_SMALL_PAGE_BLOCK_BYTES,
+        });
     }
     let largest_page = regions.iter().map(|r| r.page_size()).max().unwrap_or(4096);
     Ok(Base {
@@ -259,7 +259,7 @@ fn incremental_base(
             source,
         })?;
     let p = read_manifest(&pdir)?;
-    same_layout(&p.regions, layout, "the parent save", "this map")?;
+    same_layout(&p.regions, layout, "the parent save", "this map has")?;
     for r in regions {
         if r.dirty_bitmap().is_none() {
             return Err(SnapshotError::NotTracked {
@@ -271,14 +271,12 @@ fn incremental_base(
     // the save they count from would be missing.
     for (r, from) in regions.iter().zip(saved_as) {
         if from.as_deref() != Some(p.id.as_str()) {
-            return Err(SnapshotError::Layout(format!(
-                "region at {:#x}: its dirty pages count from save {}, not from the parent {} \
-                 ({}); another save of this map since the parent took them",
-                r.guest_addr().0,
-                from.as_deref().unwrap_or("(none: never saved)"),
-                p.id,
-                parent.display()
-            )));
+            return Err(SnapshotError::NotFromParent {
+                region: r.guest_addr().0,
+                counts_from: (**from).clone(),
+                parent_id: p.id.clone(),
+                parent: parent.to_path_buf(),
+            });
         }
     }
     Ok(Base {

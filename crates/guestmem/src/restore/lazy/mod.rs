@@ -204,11 +204,10 @@ impl LazyRestore {
                 Backing::Memfd => (true, uapi::UFFD_FEATURE_MINOR_SHMEM),
                 Backing::Hugetlb(_) => (true, uapi::UFFD_FEATURE_MINOR_HUGETLBFS),
                 b => {
-                    return Err(SnapshotError::Layout(format!(
-                        "region at {:#x}: a lazy restore serves anonymous, memfd and hugetlb memory, not {}",
-                        r.guest_addr().0,
-                        b.name()
-                    )))
+                    return Err(SnapshotError::LazyBacking {
+                        region: r.guest_addr().0,
+                        backing: b.name(),
+                    })
                 }
             };
             if shared && !uffd.has(feature) {

@@ -155,10 +155,7 @@ impl Lazy {
         let Some((ri, off)) = self.locate(addr) else {
             if self.remote() {
                 // The peer registered memory it did not declare: nobody can serve it.
-                self.fail(SnapshotError::Layout(format!(
-                    "the peer faulted at host address {addr:#x}, outside every region its \
-                     handshake declared"
-                )));
+                self.fail(SnapshotError::PeerFaultOutside { addr });
             }
             return;
         };
