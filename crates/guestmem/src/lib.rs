@@ -175,8 +175,8 @@ mod sys;
 pub mod translate;
 mod uffd;
 mod vm_memory_impl;
-/// The one start gate and worker spawn loop ([`workers::Crew`]): public only with the
-/// `lab-internals` feature, for the lab's peers.
+// The one start gate and worker spawn loop: public only with the `lab-internals` feature,
+// for the lab's peers.
 #[cfg(feature = "lab-internals")]
 pub mod workers;
 #[cfg(not(feature = "lab-internals"))]
