@@ -9,7 +9,7 @@ use std::time::Instant;
 use crate::faults::{run_faults, FaultsLabConfig};
 use crate::guards::{run_guards, GuardsLabConfig};
 use crate::populate::{run_populate, LayoutKind, PopulateLabConfig};
-use crate::report::{write_run, LabReport, LabResult};
+use crate::report::{run_line, write_run, LabReport, LabResult};
 use crate::restore::{run_restore, RestoreLabConfig};
 use crate::run::{run_folder, Order, Protocol, RunInfo};
 use crate::translate::{run_translate, TranslateLabConfig};
@@ -170,17 +170,8 @@ fn vm_restore(base: &Path, cmd: &str, p: Profile) -> Result<(PathBuf, String), L
 /// The index's head: the command, commit, kernel and CPU, and what the profile means.
 fn index_head(info: &RunInfo, profile: Profile) -> String {
     format!(
-        "# guestmem lab, every scenario\n\n`{}` | commit {}{} | {} | {} ({} CPUs){}\n\n",
-        info.command,
-        info.git_commit.as_deref().unwrap_or("unknown"),
-        if info.git_dirty == Some(true) {
-            " (dirty)"
-        } else {
-            ""
-        },
-        info.kernel,
-        info.cpu_model,
-        info.cpus,
+        "# guestmem lab, every scenario\n\n{}{}\n\n",
+        run_line(info),
         match profile {
             Profile::Quick => " | --quick: tiny sizes, one round: a check, not a measurement",
             Profile::Full => "",

@@ -75,3 +75,10 @@ pub enum LabError {
         reason: String,
     },
 }
+
+impl LabError {
+    /// A restore scenario's failure, as its text.
+    pub fn restore(what: impl std::fmt::Display) -> LabError {
+        LabError::Restore(what.to_string())
+    }
+}

@@ -44,8 +44,20 @@ pub trait LabReport {
 /// CPU, THP mode, protocol), then `settings`.
 pub fn header(title: &str, run: &RunInfo, thp_mode: &str, p: &Protocol, settings: &str) -> String {
     format!(
-        "# {title}\n\n`{}` | commit {}{} | {} | {} ({} CPUs) | THP {} | {} warm-up + {} rounds, \
-         interleaved ({:?} order)\n\n{settings}\n",
+        "# {title}\n\n{} | THP {} | {} warm-up + {} rounds, interleaved ({:?} order)\n\n\
+         {settings}\n",
+        run_line(run),
+        thp_mode,
+        p.warmup,
+        p.rounds,
+        p.order,
+    )
+}
+
+/// What every report's head says of the run: the command, commit, kernel and CPU.
+pub fn run_line(run: &RunInfo) -> String {
+    format!(
+        "`{}` | commit {}{} | {} | {} ({} CPUs)",
         run.command,
         run.git_commit.as_deref().unwrap_or("unknown"),
         if run.git_dirty == Some(true) {
@@ -56,10 +68,6 @@ pub fn header(title: &str, run: &RunInfo, thp_mode: &str, p: &Protocol, settings
         run.kernel,
         run.cpu_model,
         run.cpus,
-        thp_mode,
-        p.warmup,
-        p.rounds,
-        p.order,
     )
 }
 

@@ -187,7 +187,7 @@ pub struct RestoreFindings {
 pub type RestoreResult = LabResult<RestoreSettings, RestoreFindings>;
 
 fn err(what: impl std::fmt::Display) -> LabError {
-    LabError::Restore(what.to_string())
+    LabError::restore(what)
 }
 
 /// The word the image holds at byte `at` (first and last word of each page; the rest 0).

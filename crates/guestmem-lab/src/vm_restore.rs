@@ -223,7 +223,7 @@ pub struct VmRestoreFindings {
 pub type VmRestoreResult = LabResult<VmRestoreSettings, VmRestoreFindings>;
 
 fn fail(what: impl std::fmt::Display) -> LabError {
-    LabError::Restore(what.to_string())
+    LabError::restore(what)
 }
 
 /// The guest run every variant starts from.
@@ -451,17 +451,7 @@ impl LabReport for VmRestoreResult {
              paging pages/s | faults waited | huge coverage |\n|---|---|---|---|---|---|---|\n",
         );
         for v in &self.body.variants {
-            let measured: Vec<&VmRestoreSample> = v
-                .samples
-                .iter()
-                .filter(|x| !x.at.warmup)
-                .map(|x| &x.sample)
-                .collect();
-            let med = |f: fn(&VmRestoreSample) -> f64| {
-                let mut xs: Vec<f64> = measured.iter().map(|x| f(x)).collect();
-                xs.sort_by(f64::total_cmp);
-                xs.get(xs.len() / 2).copied().unwrap_or(0.0)
-            };
+            let med = |f: fn(&VmRestoreSample) -> f64| summarise(&v.samples, f).median;
             md.push_str(&format!(
                 "| {} | {:.3} ({:.3}-{:.3}) | {:.3} ({:.3}-{:.3}) | {:.3} | {:.0} | {:.0} | {:.0}% |\n",
                 v.way.name(),
