@@ -54,7 +54,7 @@ pub enum LabError {
     },
     /// A snapshot, restore or page-server step of the restore scenario failed.
     #[error("restore: {0}")]
-    Restore(String),
+    Restore(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// vm-memory refused the regions (its error types differ per call, so it is kept as text).
     #[error("vm-memory: {0}")]
     VmMemory(String),
@@ -77,8 +77,9 @@ pub enum LabError {
 }
 
 impl LabError {
-    /// A restore scenario's failure, as its text.
-    pub fn restore(what: impl std::fmt::Display) -> LabError {
-        LabError::Restore(what.to_string())
+    /// A restore scenario's failure: the library's error (kept as the source), or what the
+    /// scenario found wrong.
+    pub fn restore(what: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> LabError {
+        LabError::Restore(what.into())
     }
 }

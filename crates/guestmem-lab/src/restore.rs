@@ -186,7 +186,7 @@ pub struct RestoreFindings {
 /// The scenario's whole result.
 pub type RestoreResult = LabResult<RestoreSettings, RestoreFindings>;
 
-fn err(what: impl std::fmt::Display) -> LabError {
+fn err(what: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> LabError {
     LabError::restore(what)
 }
 

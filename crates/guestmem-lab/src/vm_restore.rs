@@ -222,7 +222,7 @@ pub struct VmRestoreFindings {
 /// The scenario's whole result.
 pub type VmRestoreResult = LabResult<VmRestoreSettings, VmRestoreFindings>;
 
-fn fail(what: impl std::fmt::Display) -> LabError {
+fn fail(what: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> LabError {
     LabError::restore(what)
 }
 

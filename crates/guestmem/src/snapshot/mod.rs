@@ -348,9 +348,13 @@ pub enum SnapshotError {
     /// Mapping the restored memory failed.
     #[error(transparent)]
     Map(#[from] crate::MapError),
-    /// A lazy restore failed earlier (the first error, as reported then).
-    #[error("lazy restore stopped: {0}")]
-    Stopped(String),
+    /// A lazy restore failed earlier and its first error was returned then (see
+    /// `LazyRestore::failure` for its text).
+    #[error("lazy restore stopped: its first error was returned earlier")]
+    AlreadyReported,
+    /// A lazy restore was finished already.
+    #[error("lazy restore finished already")]
+    FinishedAlready,
 }
 
 /// A layout's region as an error shows it.

@@ -496,7 +496,7 @@ impl LazyRestore {
 
     fn shutdown(&mut self) -> Result<LazyReport, SnapshotError> {
         if self.finished {
-            return Err(SnapshotError::Stopped("finished already".into()));
+            return Err(SnapshotError::FinishedAlready);
         }
         self.finished = true;
         let l = self.lazy.clone();
@@ -533,9 +533,7 @@ impl LazyRestore {
                 r.lifecycle.restore.lose();
             }
             let e = l.error.lock().unwrap_or_else(|e| e.into_inner()).take();
-            return Err(e.unwrap_or_else(|| {
-                SnapshotError::Stopped(l.message.get().cloned().unwrap_or_default())
-            }));
+            return Err(e.unwrap_or(SnapshotError::AlreadyReported));
         }
         for r in l.regions.iter().filter_map(LRegion::region) {
             r.lifecycle.restore.complete();

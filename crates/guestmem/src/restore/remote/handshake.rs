@@ -20,6 +20,121 @@ pub const PAGE_SIZES: [u64; 2] = [4 << 10, 2 << 20];
 /// The highest user-space address on x86_64 with 5-level paging.
 const USER_ADDR_END: u64 = 1 << 56;
 
+/// Why a peer's handshake was refused: what Firecracker sends is one message with one
+/// userfaultfd and a JSON array of regions; each variant is one way a peer's was not that.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandshakeError {
+    /// Nobody connected in time ([`Handshake::accept`]).
+    #[error("no peer connected within {:.1} s", .0.as_secs_f64())]
+    NoPeer(Duration),
+    /// No connection completed a VM's handshake in time (the server's accept timeout).
+    #[error("no VM connected within {:.1} s", .0.as_secs_f64())]
+    NoVm(Duration),
+    /// The peer connected and sent nothing within the handshake timeout.
+    #[error("nothing received within {:.1} s", .0.as_secs_f64())]
+    Silent(Duration),
+    /// The peer closed the connection without sending anything.
+    #[error("the peer disconnected before sending anything")]
+    Empty,
+    /// The message carried no descriptor.
+    #[error(
+        "no file descriptor came with the message (Firecracker sends its userfaultfd with \
+         SCM_RIGHTS)"
+    )]
+    NoDescriptor,
+    /// The message carried more than one descriptor (`count`; `None`: more than the control
+    /// buffer holds).
+    #[error("{} file descriptors came with the message; Firecracker sends one",
+        .0.map_or(format!("more than {MAX_FDS}"), |k| k.to_string()))]
+    Descriptors(Option<usize>),
+    /// The descriptor is not a userfaultfd this process can use.
+    #[error("the descriptor sent is not usable: {0}")]
+    NotUserfaultfd(#[source] io::Error),
+    /// The userfaultfd asks for events a page server cannot follow.
+    #[error(
+        "the peer's userfaultfd has {0} enabled; guestmem's page server does not follow forks, \
+         remaps or unmaps (Firecracker enables none of them)"
+    )]
+    UnfollowedEvent(&'static str),
+    /// The JSON did not come whole within the handshake timeout.
+    #[error("the JSON stopped after {bytes} bytes: the handshake was not whole within {:.1} s",
+        .timeout.as_secs_f64())]
+    CutOff {
+        /// Bytes of JSON received.
+        bytes: usize,
+        /// The handshake timeout.
+        timeout: Duration,
+    },
+    /// The peer closed the connection before the JSON was whole.
+    #[error("the peer disconnected mid-handshake, after {0} bytes of JSON")]
+    Disconnected(usize),
+    /// The message is longer than [`MAX_HANDSHAKE_BYTES`].
+    #[error("message longer than {MAX_HANDSHAKE_BYTES} bytes")]
+    TooLong,
+    /// The text is not a JSON array of regions.
+    #[error("not Firecracker's JSON array of regions ({reason}; {bytes} bytes received)")]
+    NotRegions {
+        /// What the JSON parser said.
+        reason: String,
+        /// Bytes received.
+        bytes: usize,
+    },
+    /// The array is empty.
+    #[error("no regions")]
+    NoRegions,
+    /// More regions than KVM has memory slots.
+    #[error("{0} regions; at most {MAX_REGIONS} (KVM's memory slots)")]
+    TooManyRegions(usize),
+    /// One region's field is wrong.
+    #[error("region {index} (host {host:#x}): {reason}")]
+    Region {
+        /// The region's index in the array.
+        index: usize,
+        /// Its `base_host_virt_addr`.
+        host: u64,
+        /// The JSON field at fault: `base_host_virt_addr`, `size`, `offset`, `page_size` or
+        /// `page_size_kib`.
+        field: &'static str,
+        /// What is wrong with it, naming the field and its value.
+        reason: String,
+    },
+    /// Two regions overlap.
+    #[error(
+        "regions {a} and {b} overlap in the {space} ({a_start:#x}+{a_size:#x} and \
+             {b_start:#x}+{b_size:#x})"
+    )]
+    Overlap {
+        /// The lower region's index.
+        a: usize,
+        /// The higher region's index.
+        b: usize,
+        /// `peer's address space` or `memory file`.
+        space: &'static str,
+        /// Where the lower one starts there.
+        a_start: u64,
+        /// Its size.
+        a_size: u64,
+        /// Where the higher one starts there.
+        b_start: u64,
+        /// Its size.
+        b_size: u64,
+    },
+    /// A VM connected to a one-VM server that has its VM already (or gave up waiting).
+    #[error("a VM connected to a server that serves one VM and has it (or gave up)")]
+    Late,
+}
+
+impl HandshakeError {
+    /// The JSON field at fault, for a region refused over one field.
+    pub fn field(&self) -> Option<&'static str> {
+        match self {
+            HandshakeError::Region { field, .. } => Some(field),
+            _ => None,
+        }
+    }
+}
+
 /// One region of the peer's memory, as its handshake declared it and it was checked.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct UffdRegion {
@@ -47,46 +162,50 @@ struct WireRegion {
 
 /// Parses and checks the JSON of a handshake: see the module docs for what is refused.
 pub fn parse_regions(json: &[u8]) -> Result<Vec<UffdRegion>, ServeError> {
-    let bad = ServeError::Handshake;
-    let wire: Vec<WireRegion> = serde_json::from_slice(json).map_err(|e| {
-        bad(format!(
-            "not Firecracker's JSON array of regions ({e}; {} bytes received)",
-            json.len()
-        ))
-    })?;
+    let wire: Vec<WireRegion> =
+        serde_json::from_slice(json).map_err(|e| HandshakeError::NotRegions {
+            reason: e.to_string(),
+            bytes: json.len(),
+        })?;
     if wire.is_empty() {
-        return Err(bad("no regions".into()));
+        return Err(HandshakeError::NoRegions.into());
     }
     if wire.len() > MAX_REGIONS {
-        return Err(bad(format!(
-            "{} regions; at most {MAX_REGIONS} (KVM's memory slots)",
-            wire.len()
-        )));
+        return Err(HandshakeError::TooManyRegions(wire.len()).into());
     }
     let out = wire
         .iter()
         .enumerate()
-        .map(|(i, w)| check_region(i, w).map_err(bad))
+        .map(|(i, w)| check_region(i, w))
         .collect::<Result<Vec<_>, _>>()?;
-    apart(&out, |r| r.base_host_virt_addr, "peer's address space").map_err(bad)?;
-    apart(&out, |r| r.offset, "memory file").map_err(bad)?;
+    apart(&out, |r| r.base_host_virt_addr, "peer's address space")?;
+    apart(&out, |r| r.offset, "memory file")?;
     Ok(out)
 }
 
 /// The page size a region declares: `page_size`, or `page_size_kib` (KiB in Firecracker
 /// 1.7-1.10, bytes since: the page sizes in KiB, 4 and 2048, and in bytes, 4096 and 2 MiB,
 /// do not collide), or 4 KiB when it declares neither (the oldest releases).
-fn page_size_of(w: &WireRegion, at: &str) -> Result<u64, String> {
+fn page_size_of(
+    w: &WireRegion,
+    bad: &dyn Fn(&'static str, String) -> HandshakeError,
+) -> Result<u64, HandshakeError> {
     let kib = match w.page_size_kib {
         None => None,
         Some(4) | Some(4096) => Some(4096),
         Some(2048) | Some(0x20_0000) => Some(0x20_0000),
-        Some(v) => return Err(format!("{at}: page_size_kib {v} is no page size")),
+        Some(v) => {
+            return Err(bad(
+                "page_size_kib",
+                format!("page_size_kib {v} is no page size"),
+            ))
+        }
     };
     let page = match (w.page_size, kib) {
         (Some(p), Some(k)) if p != k => {
-            return Err(format!(
-                "{at}: page_size {p} and page_size_kib {k} disagree"
+            return Err(bad(
+                "page_size",
+                format!("page_size {p} and page_size_kib {k} disagree"),
             ))
         }
         (Some(p), _) => p,
@@ -94,8 +213,16 @@ fn page_size_of(w: &WireRegion, at: &str) -> Result<u64, String> {
         (None, None) => 4096,
     };
     if !PAGE_SIZES.contains(&page) {
-        return Err(format!(
-            "{at}: page size {page}; Firecracker's memory has 4 KiB or 2 MiB pages"
+        let field = if w.page_size.is_some() {
+            "page_size"
+        } else {
+            "page_size_kib"
+        };
+        return Err(bad(
+            field,
+            format!(
+                "{field} {page}: page size {page}; Firecracker's memory has 4 KiB or 2 MiB pages"
+            ),
         ));
     }
     Ok(page)
@@ -103,41 +230,56 @@ fn page_size_of(w: &WireRegion, at: &str) -> Result<u64, String> {
 
 /// One region, checked on its own: aligned, non-empty, inside user address space, its file
 /// range without overflow.
-fn check_region(i: usize, w: &WireRegion) -> Result<UffdRegion, String> {
-    let at = format!("region {i} (host {:#x})", w.base_host_virt_addr);
-    let page = page_size_of(w, &at)?;
-    if !w.base_host_virt_addr.is_multiple_of(page) {
-        return Err(format!("{at}: not at a {page}-byte page boundary"));
-    }
-    if w.size == 0 || !w.size.is_multiple_of(page) {
-        return Err(format!(
-            "{at}: size {:#x} is not a non-zero number of {page}-byte pages",
-            w.size
+fn check_region(index: usize, w: &WireRegion) -> Result<UffdRegion, HandshakeError> {
+    let host = w.base_host_virt_addr;
+    let bad = |field: &'static str, reason: String| HandshakeError::Region {
+        index,
+        host,
+        field,
+        reason,
+    };
+    let page = page_size_of(w, &bad)?;
+    if !host.is_multiple_of(page) {
+        return Err(bad(
+            "base_host_virt_addr",
+            format!("base_host_virt_addr not at a {page}-byte page boundary"),
         ));
     }
-    if w.base_host_virt_addr
-        .checked_add(w.size)
-        .is_none_or(|e| e > USER_ADDR_END)
-    {
-        return Err(format!(
-            "{at}: size {:#x} runs past the end of user address space",
-            w.size
+    if w.size == 0 || !w.size.is_multiple_of(page) {
+        return Err(bad(
+            "size",
+            format!(
+                "size {:#x} is not a non-zero number of {page}-byte pages",
+                w.size
+            ),
+        ));
+    }
+    if host.checked_add(w.size).is_none_or(|e| e > USER_ADDR_END) {
+        return Err(bad(
+            "size",
+            format!("size {:#x} runs past the end of user address space", w.size),
         ));
     }
     if !w.offset.is_multiple_of(page) {
-        return Err(format!(
-            "{at}: file offset {:#x} is not a multiple of its page size {page}",
-            w.offset
+        return Err(bad(
+            "offset",
+            format!(
+                "file offset {:#x} is not a multiple of its page size {page}",
+                w.offset
+            ),
         ));
     }
     if w.offset.checked_add(w.size).is_none() {
-        return Err(format!(
-            "{at}: file offset {:#x} + size {:#x} overflows 64 bits",
-            w.offset, w.size
+        return Err(bad(
+            "offset",
+            format!(
+                "file offset {:#x} + size {:#x} overflows 64 bits",
+                w.offset, w.size
+            ),
         ));
     }
     Ok(UffdRegion {
-        base_host_virt_addr: w.base_host_virt_addr,
+        base_host_virt_addr: host,
         size: w.size,
         offset: w.offset,
         page_size: page,
@@ -145,22 +287,26 @@ fn check_region(i: usize, w: &WireRegion) -> Result<UffdRegion, String> {
 }
 
 /// Checks no two regions overlap by `key` (their start in the peer's address space, or in
-/// the memory file), naming `what`.
-fn apart(out: &[UffdRegion], key: fn(&UffdRegion) -> u64, what: &str) -> Result<(), String> {
+/// the memory file), naming `space`.
+fn apart(
+    out: &[UffdRegion],
+    key: fn(&UffdRegion) -> u64,
+    space: &'static str,
+) -> Result<(), HandshakeError> {
     let mut idx: Vec<usize> = (0..out.len()).collect();
     idx.sort_unstable_by_key(|&i| key(&out[i]));
     for w in idx.windows(2) {
         let (a, b) = (&out[w[0]], &out[w[1]]);
         if key(a) + a.size > key(b) {
-            return Err(format!(
-                "regions {} and {} overlap in the {what} ({:#x}+{:#x} and {:#x}+{:#x})",
-                w[0],
-                w[1],
-                key(a),
-                a.size,
-                key(b),
-                b.size
-            ));
+            return Err(HandshakeError::Overlap {
+                a: w[0],
+                b: w[1],
+                space,
+                a_start: key(a),
+                a_size: a.size,
+                b_start: key(b),
+                b_size: b.size,
+            });
         }
     }
     Ok(())
@@ -220,10 +366,7 @@ impl Handshake {
             ));
         }
         if n == 0 {
-            return Err(ServeError::Handshake(format!(
-                "no peer connected within {:.1} s",
-                wait.as_secs_f64()
-            )));
+            return Err(HandshakeError::NoPeer(wait).into());
         }
         let (stream, _) = listener.accept().map_err(serr("accept"))?;
         Handshake::receive(stream, timeout)
@@ -276,14 +419,11 @@ fn receive_inner(
     // userfaultfd (or /proc cannot say what it is, which is treated the same).
     *got_uffd = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
         .map_or(true, |l| l.as_os_str() == "anon_inode:[userfaultfd]");
-    let uffd = Uffd::from_received(fd)
-        .map_err(|e| ServeError::Handshake(format!("the descriptor sent is not usable: {e}")))?;
+    let uffd =
+        Uffd::from_received(fd).map_err(|e| ServeError::from(HandshakeError::NotUserfaultfd(e)))?;
     for (bit, name) in UNFOLLOWED_EVENTS {
         if uffd.features() & u64::from(bit) != 0 {
-            return Err(ServeError::Handshake(format!(
-                "the peer's userfaultfd has {name} enabled; guestmem's page server does \
-                 not follow forks, remaps or unmaps (Firecracker enables none of them)"
-            )));
+            return Err(HandshakeError::UnfollowedEvent(name).into());
         }
     }
     let first = r.buf[..n].to_vec();
@@ -324,10 +464,9 @@ impl Reader<'_> {
         self.arm()?;
         let timeout = self.timeout;
         let (n, fds) = recv_with_fds(self.stream, &mut self.buf).map_err(|e| match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ServeError::Handshake(format!(
-                "nothing received within {:.1} s",
-                timeout.as_secs_f64()
-            )),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                HandshakeError::Silent(timeout).into()
+            }
             _ => ServeError::Socket {
                 op: "receive the handshake".into(),
                 source: e,
@@ -335,29 +474,21 @@ impl Reader<'_> {
         })?;
         let mut fds = fds?;
         if n == 0 {
-            return Err(ServeError::Handshake(
-                "the peer disconnected before sending anything".into(),
-            ));
+            return Err(HandshakeError::Empty.into());
         }
         match fds.len() {
-            0 => Err(ServeError::Handshake(
-                "no file descriptor came with the message (Firecracker sends its \
-                 userfaultfd with SCM_RIGHTS)"
-                    .into(),
-            )),
+            0 => Err(HandshakeError::NoDescriptor.into()),
             1 => Ok((n, fds.pop().expect("one"))),
-            k => Err(ServeError::Handshake(format!(
-                "{k} file descriptors came with the message; Firecracker sends one"
-            ))),
+            k => Err(HandshakeError::Descriptors(Some(k)).into()),
         }
     }
 
     fn cut_off(&self, json: &[u8]) -> ServeError {
-        ServeError::Handshake(format!(
-            "the JSON stopped after {} bytes: the handshake was not whole within {:.1} s",
-            json.len(),
-            self.timeout.as_secs_f64()
-        ))
+        HandshakeError::CutOff {
+            bytes: json.len(),
+            timeout: self.timeout,
+        }
+        .into()
     }
 
     /// Reads until `json` parses as the regions, a refusal, or the deadline.
@@ -388,9 +519,7 @@ impl Reader<'_> {
                 return Err(self.cut_off(&json));
             }
             if json.len() >= MAX_HANDSHAKE_BYTES {
-                return Err(ServeError::Handshake(format!(
-                    "message longer than {MAX_HANDSHAKE_BYTES} bytes"
-                )));
+                return Err(HandshakeError::TooLong.into());
             }
             self.arm()?;
             let k = match (&*self.stream).read(&mut self.buf) {
@@ -411,10 +540,7 @@ impl Reader<'_> {
                 }
             };
             if k == 0 {
-                return Err(ServeError::Handshake(format!(
-                    "the peer disconnected mid-handshake, after {} bytes of JSON",
-                    json.len()
-                )));
+                return Err(HandshakeError::Disconnected(json.len()).into());
             }
             json.extend_from_slice(&self.buf[..k]);
         }
@@ -496,12 +622,7 @@ fn recv_with_fds(
         }
     }
     if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-        return Ok((
-            n,
-            Err(ServeError::Handshake(format!(
-                "more than {MAX_FDS} file descriptors came with the message; Firecracker sends one"
-            ))),
-        ));
+        return Ok((n, Err(HandshakeError::Descriptors(None).into())));
     }
     Ok((n, Ok(fds)))
 }
@@ -566,5 +687,39 @@ mod tests {
             .collect();
         let e = parse_regions(format!("[{}]", many.join(",")).as_bytes()).unwrap_err();
         assert!(e.to_string().contains("at most 32764"), "{e}");
+    }
+
+    #[test]
+    fn region_refusals_name_the_json_field_at_fault() {
+        for (bad, field) in [
+            (
+                &br#"[{"base_host_virt_addr":2101248,"size":2097152,"offset":0,"page_size":2097152}]"#[..],
+                "base_host_virt_addr",
+            ),
+            (
+                br#"[{"base_host_virt_addr":2097152,"size":2097152,"offset":4096,"page_size":2097152}]"#,
+                "offset",
+            ),
+            (
+                br#"[{"base_host_virt_addr":2097152,"size":4096,"offset":0,"page_size":2097152}]"#,
+                "size",
+            ),
+            (
+                br#"[{"base_host_virt_addr":4096,"size":4096,"offset":0,"page_size":16384}]"#,
+                "page_size",
+            ),
+            (
+                br#"[{"base_host_virt_addr":4096,"size":4096,"offset":0,"page_size_kib":16}]"#,
+                "page_size_kib",
+            ),
+        ] {
+            match parse_regions(bad) {
+                Err(ServeError::Handshake(e)) => {
+                    assert_eq!(e.field(), Some(field), "{e}");
+                    assert!(e.to_string().contains(field), "{e}");
+                }
+                other => panic!("{field}: {other:?}"),
+            }
+        }
     }
 }

@@ -11,12 +11,31 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::handshake::{receive_checked, Handshake, Refused};
+use super::handshake::{receive_checked, Handshake, HandshakeError, Refused};
 use super::{end_peer, ServeConfig, ServeError};
 use crate::files::{split, unique_suffix, Dir};
 
 /// Most handshakes read at once; past them, connections wait in the backlog.
 const MAX_PENDING_HANDSHAKES: usize = 16;
+
+/// Why a socket path cannot be listened on.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SocketRefusal {
+    /// Something other than a socket is there.
+    #[error("exists and is not a socket; refusing to replace it")]
+    NotASocket,
+    /// A live server listens there.
+    #[error("another server listens there")]
+    InUse,
+    /// Connecting to the socket there failed in a way that does not say whether anyone
+    /// listens.
+    #[error("cannot tell whether a server listens there ({0}); refusing to replace it")]
+    Unknown(#[source] io::Error),
+    /// Another server published its socket there between the check and the rename.
+    #[error("another server took the path just now")]
+    Taken,
+}
 
 /// A listening Unix socket at a path, published atomically. Dropping it closes the socket
 /// and removes the path if it still names this socket (same device and inode).
@@ -36,31 +55,22 @@ impl Listener {
     pub fn bind(path: &Path) -> Result<Listener, ServeError> {
         let serr = |op: String| move |source| ServeError::Socket { op, source };
         let shown = path.display();
+        let refuse = |refusal| ServeError::SocketPath {
+            path: path.to_path_buf(),
+            refusal,
+        };
         let (parent, name) =
             split(path).map_err(|e| serr(format!("--socket {shown}"))(e.source))?;
         let dir = Dir::open(&parent).map_err(|e| serr(format!("--socket {shown}"))(e.source))?;
         let stale = match std::fs::symlink_metadata(path) {
             Err(e) if e.kind() == io::ErrorKind::NotFound => false,
             Err(e) => return Err(serr(format!("stat --socket {shown}"))(e)),
-            Ok(m) if !m.file_type().is_socket() => {
-                return Err(ServeError::Config(format!(
-                    "--socket {shown}: exists and is not a socket; refusing to replace it"
-                )))
-            }
+            Ok(m) if !m.file_type().is_socket() => return Err(refuse(SocketRefusal::NotASocket)),
             Ok(_) => match UnixStream::connect(path) {
-                Ok(_) => {
-                    return Err(ServeError::Config(format!(
-                        "--socket {shown}: another server listens there"
-                    )))
-                }
+                Ok(_) => return Err(refuse(SocketRefusal::InUse)),
                 // Nobody listens: a socket left by a server that died, replaced below.
                 Err(e) if e.raw_os_error() == Some(libc::ECONNREFUSED) => true,
-                Err(e) => {
-                    return Err(ServeError::Config(format!(
-                        "--socket {shown}: cannot tell whether a server listens there ({e}); \
-                         refusing to replace it"
-                    )))
-                }
+                Err(e) => return Err(refuse(SocketRefusal::Unknown(e))),
             },
         };
         let tmp = format!(".{name}.{}", unique_suffix());
@@ -90,9 +100,7 @@ impl Listener {
                 dir.unlink(&tmp);
                 let e: io::Error = e;
                 return Err(if e.raw_os_error() == Some(libc::EEXIST) {
-                    ServeError::Config(format!(
-                        "--socket {shown}: another server took the path just now"
-                    ))
+                    refuse(SocketRefusal::Taken)
                 } else {
                     serr(format!("publish --socket {shown}"))(e)
                 });
@@ -135,10 +143,7 @@ impl Listener {
             let pending = mailbox.pending.load(Ordering::Acquire);
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if left.is_some_and(|l| l.is_zero()) && pending == 0 {
-                break Err(ServeError::Handshake(format!(
-                    "no VM connected within {:.1} s",
-                    cfg.accept_timeout.unwrap_or_default().as_secs_f64()
-                )));
+                break Err(HandshakeError::NoVm(cfg.accept_timeout.unwrap_or_default()).into());
             }
             // With handshakes in flight past the deadline, wait for them (each ends within
             // the handshake timeout).
@@ -274,12 +279,7 @@ impl Mailbox {
 /// Ends a VM whose handshake settled after the server had its VM (or had given up).
 fn end_late(r: Result<Handshake, Refused>, cfg: &ServeConfig) {
     let late = match r {
-        Ok(h) => Some((
-            h.process,
-            ServeError::Handshake(
-                "a VM connected to a server that serves one VM and has it (or gave up)".into(),
-            ),
-        )),
+        Ok(h) => Some((h.process, ServeError::Handshake(HandshakeError::Late))),
         Err(Refused { error, process }) => process.map(|p| (p, error)),
     };
     if let Some((p, why)) = late {

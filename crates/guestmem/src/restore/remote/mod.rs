@@ -53,8 +53,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use files::{MemoryFile, WorkingSetFile};
-pub use handshake::{parse_regions, Handshake, UffdRegion, MAX_HANDSHAKE_BYTES, PAGE_SIZES};
-pub use listen::Listener;
+pub use handshake::{
+    parse_regions, Handshake, HandshakeError, UffdRegion, MAX_HANDSHAKE_BYTES, PAGE_SIZES,
+};
+pub use listen::{Listener, SocketRefusal};
 pub use peer::PeerProcess;
 
 use super::lazy::LazyRestore;
@@ -67,6 +69,8 @@ pub const DEFAULT_BLOCK_BYTES: u64 = 1 << 20;
 /// this bounds what a `block_bytes` can make the server allocate (Firecracker's largest page
 /// is 2 MiB).
 pub const MAX_BLOCK_BYTES: u64 = 64 << 20;
+/// Most handler or prefetch threads one server starts.
+pub const MAX_SERVE_THREADS: usize = 1024;
 /// Default time a connected peer has to send its whole handshake.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest working-set file read.
@@ -86,7 +90,7 @@ pub enum ServeError {
     },
     /// The peer's handshake is not what Firecracker sends.
     #[error("handshake: {0}")]
-    Handshake(String),
+    Handshake(#[from] HandshakeError),
     /// The memory file cannot serve the regions.
     #[error("memory file {}: {reason}", path.display())]
     MemoryFile {
@@ -105,11 +109,56 @@ pub enum ServeError {
         reason: String,
     },
     /// A setting is out of its range.
-    #[error("{0}")]
-    Config(String),
+    #[error("{} {}: {allowed}", setting.name(), setting.show(*value))]
+    Setting {
+        /// The setting.
+        setting: Setting,
+        /// The value given.
+        value: u64,
+        /// What it may be, and why.
+        allowed: &'static str,
+    },
+    /// The socket path cannot be listened on.
+    #[error("--socket {}: {refusal}", path.display())]
+    SocketPath {
+        /// The path.
+        path: PathBuf,
+        /// Why not.
+        refusal: SocketRefusal,
+    },
     /// Serving failed: the first error, naming the region, address and file offset.
     #[error("serving the peer's memory: {0}")]
     Serve(#[source] SnapshotError),
+}
+
+/// A page server's setting, as [`ServeError::Setting`] names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Setting {
+    /// [`ServeConfig::block_bytes`].
+    BlockBytes,
+    /// [`ServeConfig::handler_threads`].
+    HandlerThreads,
+    /// [`ServeConfig::prefetch_threads`].
+    PrefetchThreads,
+}
+
+impl Setting {
+    /// How an error names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Setting::BlockBytes => "block size",
+            Setting::HandlerThreads => "handler threads",
+            Setting::PrefetchThreads => "prefetch threads",
+        }
+    }
+
+    /// A value of it as an error shows it: sizes in hex, counts in decimal.
+    fn show(self, value: u64) -> String {
+        match self {
+            Setting::BlockBytes => format!("{value:#x}"),
+            _ => value.to_string(),
+        }
+    }
 }
 
 /// What a page server does to a VM it can no longer serve (its vCPUs would wait for ever on
@@ -201,24 +250,32 @@ impl Default for ServeConfig {
 impl ServeConfig {
     /// Checks the settings, before anything listens.
     pub fn check(&self) -> Result<(), ServeError> {
+        let setting = |setting, value: u64, allowed| ServeError::Setting {
+            setting,
+            value,
+            allowed,
+        };
         if self.block_bytes == 0 || self.block_bytes > MAX_BLOCK_BYTES {
-            return Err(ServeError::Config(format!(
-                "block size {:#x}: must be from 1 byte (raised to a page) to {MAX_BLOCK_BYTES:#x} \
-                 (each serving thread stages one block)",
-                self.block_bytes
-            )));
+            return Err(setting(
+                Setting::BlockBytes,
+                self.block_bytes,
+                "must be from 1 byte (raised to a page) to 0x4000000 (64 MiB: each serving \
+                 thread stages one block)",
+            ));
         }
-        if self.handler_threads == 0 || self.handler_threads > 1024 {
-            return Err(ServeError::Config(format!(
-                "{} handler threads: must be 1 to 1024",
-                self.handler_threads
-            )));
+        if self.handler_threads == 0 || self.handler_threads > MAX_SERVE_THREADS {
+            return Err(setting(
+                Setting::HandlerThreads,
+                self.handler_threads as u64,
+                "must be 1 to 1024",
+            ));
         }
-        if self.prefetch_threads > 1024 {
-            return Err(ServeError::Config(format!(
-                "{} prefetch threads: at most 1024",
-                self.prefetch_threads
-            )));
+        if self.prefetch_threads > MAX_SERVE_THREADS {
+            return Err(setting(
+                Setting::PrefetchThreads,
+                self.prefetch_threads as u64,
+                "at most 1024",
+            ));
         }
         Ok(())
     }
@@ -424,9 +481,11 @@ impl PageServer {
                 served_secs: self.t0.elapsed().as_secs_f64(),
                 working_set: self.working_set(),
             }),
-            None => Err(ServeError::Serve(self.lazy.take_error().unwrap_or_else(
-                || SnapshotError::Stopped(self.lazy.failure().unwrap_or_default()),
-            ))),
+            None => Err(ServeError::Serve(
+                self.lazy
+                    .take_error()
+                    .unwrap_or(SnapshotError::AlreadyReported),
+            )),
         };
         (result, self.process)
     }
