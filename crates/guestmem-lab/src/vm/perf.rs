@@ -152,75 +152,24 @@ pub struct PerfReport {
     pub save: Option<SaveReport>,
 }
 
-/// Runs the test that `config` describes.
+/// Runs the test that `config` describes: the map (fresh or restored), KVM and its slots,
+/// the prefault, the guest's first pass (a restored guest verifies first), the dirty passes,
+/// then the restore's finish and the save.
 pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
     let t0 = std::time::Instant::now();
-    let limit = config.mode.end_limit();
-    let data_base = data_gpa(config.mode);
-    if data_base
-        .checked_add(config.memory_bytes)
-        .is_none_or(|end| end > limit)
-    {
-        return Err(VmError::Config(format!(
-            "{:#x} bytes from {data_base:#x} asked for; a {:?} guest reaches below {limit:#x} only",
-            config.memory_bytes, config.mode
-        )));
-    }
+    check_reach(config)?;
     let mut config = config.clone();
-    let mut restoring = None;
-    let map = match &config.restore {
-        None => {
-            let mut specs =
-                guest::data_specs(GuestAddress(data_base), config.memory_bytes, config.slots)?;
-            specs.push(guest::control_spec());
-            GuestMap::from_specs(&specs)?
-        }
-        Some(run) => {
-            let (map, started) = restore_run::start(run, t0)?;
-            let data = started.data_regions();
-            config.memory_bytes = data.iter().map(|r| r.size).sum();
-            config.slots = data.len();
-            restoring = Some(started);
-            map
-        }
-    };
+    let (map, restoring) = open_map(&mut config, t0)?;
     let config = &config;
-    let vm = Arc::new(KvmVm::open(&config.vm)?);
-    let mut slots = Memslots::new(
-        vm.clone(),
-        MemslotConfig {
-            dirty_logging: DirtyLogging::Off,
-            max_slots: None,
-        },
-    )?;
-    let snap = map.view();
-    let warnings = slots.sync(&snap)?.warnings;
-    let data: Vec<_> = snap
+    let (vm, mut slots, warnings) = register(config, &map)?;
+    let data: Vec<_> = map
+        .view()
         .regions()
         .iter()
         .filter(|r| r.guest_addr().0 >= DATA_GPA)
         .cloned()
         .collect();
-    let bringup_cfg = BringupConfig {
-        populate: PopulateConfig {
-            pin: PinStrategy::None,
-            // The control region first: the guest's code, parameters and page tables.
-            first: vec![(GuestAddress(guest::CONTROL_GPA), guest::CONTROL_BYTES)],
-            ..PopulateConfig::default()
-        },
-        verify: Verify::Off,
-        ..BringupConfig::default()
-    };
-    let mut prefault_secs = 0.0;
-    let background = match config.prefault {
-        Prefault::None => None,
-        Prefault::Blocking => {
-            let r = bringup(&snap, &bringup_cfg)?;
-            prefault_secs = r.seconds("populate");
-            None
-        }
-        Prefault::Background => Some(bringup_background(&map, &bringup_cfg)?),
-    };
+    let (background, mut prefault_secs) = start_prefault(config.prefault, &map)?;
     let work = Workload::start(
         &vm,
         &map,
@@ -235,12 +184,10 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
         .flat_map(|v| work.slice(v).iter())
         .map(|(s, e)| (e - s) / 4096)
         .sum();
-
     let restore_report = match &restoring {
         None => None,
         Some(started) => Some(started.verify(&work, &data, pages_written, t0)?),
     };
-
     let populate = work
         .write_pass(1)
         .map_err(|e| restore_run::failed(restoring.as_ref(), e))?
@@ -252,20 +199,159 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
     if let Some(handle) = background {
         prefault_secs = handle.wait()?.seconds("populate");
     }
+    let logged = dirty_passes(config.passes, &work, &mut slots, &data, pages_written)?;
+    drop(work);
+    let restore = match (restoring, restore_report) {
+        (Some(started), Some(report)) => Some(started.finish(report)?),
+        _ => None,
+    };
+    let save = match &config.save {
+        None => None,
+        Some(dir) => Some(restore_run::save(
+            &map,
+            &data,
+            (config.passes + 1) as u32,
+            dir,
+        )?),
+    };
+    let mean = |f: fn(&PassReport) -> f64| {
+        let n = logged.passes.len().max(1) as f64;
+        logged.passes.iter().map(f).sum::<f64>() / n
+    };
+    Ok(PerfReport {
+        memory_bytes: config.memory_bytes,
+        vcpus: config.vcpus,
+        slots: config.slots,
+        partition: config.partition,
+        mode: config.mode,
+        caps: *vm.caps(),
+        prefault: config.prefault,
+        prefault_secs,
+        guest_start_secs: secs(guest_start),
+        first_pass_done_secs: secs(first_pass_done),
+        populate_memory_secs: secs(populate),
+        enable_dirty_logging_secs: secs(logged.enable),
+        avg_dirty_memory_secs: mean(|p| p.dirty_memory_secs),
+        avg_get_dirty_log_secs: mean(|p| p.get_dirty_log_secs),
+        avg_clear_dirty_log_secs: mean(|p| p.clear_dirty_log_secs),
+        passes: logged.passes,
+        disable_dirty_logging_secs: secs(logged.disable),
+        warnings,
+        restore,
+        save,
+    })
+}
+
+/// A KVM VM with every region of `map` as a memslot, dirty logging off; the warnings of
+/// registering them.
+fn register(
+    config: &PerfConfig,
+    map: &GuestMap,
+) -> Result<(Arc<KvmVm>, Memslots, Vec<String>), VmError> {
+    let vm = Arc::new(KvmVm::open(&config.vm)?);
+    let mut slots = Memslots::new(
+        vm.clone(),
+        MemslotConfig {
+            dirty_logging: DirtyLogging::Off,
+            max_slots: None,
+        },
+    )?;
+    let warnings = slots.sync(&map.view())?.warnings;
+    Ok((vm, slots, warnings))
+}
+
+/// Refuses data memory the guest's mode cannot reach.
+fn check_reach(config: &PerfConfig) -> Result<(), VmError> {
+    let limit = config.mode.end_limit();
+    let data_base = data_gpa(config.mode);
+    if data_base
+        .checked_add(config.memory_bytes)
+        .is_none_or(|end| end > limit)
+    {
+        return Err(VmError::Config(format!(
+            "{:#x} bytes from {data_base:#x} asked for; a {:?} guest reaches below {limit:#x} only",
+            config.memory_bytes, config.mode
+        )));
+    }
+    Ok(())
+}
+
+/// The guest's map: fresh data slots and the control region, or a snapshot's (and then the
+/// config's size and slot count become the snapshot's).
+fn open_map(
+    config: &mut PerfConfig,
+    t0: std::time::Instant,
+) -> Result<(GuestMap, Option<restore_run::Started>), VmError> {
+    match &config.restore {
+        None => {
+            let data_base = data_gpa(config.mode);
+            let mut specs =
+                guest::data_specs(GuestAddress(data_base), config.memory_bytes, config.slots)?;
+            specs.push(guest::control_spec());
+            Ok((GuestMap::from_specs(&specs)?, None))
+        }
+        Some(run) => {
+            let (map, started) = restore_run::start(run, t0)?;
+            let data = started.data_regions();
+            config.memory_bytes = data.iter().map(|r| r.size).sum();
+            config.slots = data.len();
+            Ok((map, Some(started)))
+        }
+    }
+}
+
+/// Populates guest memory as `prefault` says: the handle of a background bring-up, or the
+/// seconds a blocking one took.
+fn start_prefault(
+    prefault: Prefault,
+    map: &GuestMap,
+) -> Result<(Option<guestmem::BringupHandle>, f64), VmError> {
+    let cfg = BringupConfig {
+        populate: PopulateConfig {
+            pin: PinStrategy::None,
+            // The control region first: the guest's code, parameters and page tables.
+            first: vec![(GuestAddress(guest::CONTROL_GPA), guest::CONTROL_BYTES)],
+            ..PopulateConfig::default()
+        },
+        verify: Verify::Off,
+        ..BringupConfig::default()
+    };
+    Ok(match prefault {
+        Prefault::None => (None, 0.0),
+        Prefault::Blocking => (None, bringup(&map.view(), &cfg)?.seconds("populate")),
+        Prefault::Background => (Some(bringup_background(map, &cfg)?), 0.0),
+    })
+}
+
+/// What the dirty-logging passes measured.
+struct Logged {
+    enable: Duration,
+    passes: Vec<PassReport>,
+    disable: Duration,
+}
+
+/// Dirty logging on, `n` passes each harvested and checked (KVM must report exactly the
+/// pages written), dirty logging off.
+fn dirty_passes(
+    n: usize,
+    work: &Workload,
+    slots: &mut Memslots,
+    data: &[Arc<guestmem::Region>],
+    pages_written: u64,
+) -> Result<Logged, VmError> {
     let t = std::time::Instant::now();
     slots.set_dirty_logging(DirtyLogging::On)?;
     let enable = t.elapsed();
-
-    let mut passes = Vec::with_capacity(config.passes);
+    let mut passes = Vec::with_capacity(n);
     let mut words = Vec::new();
-    for i in 0..config.passes {
+    for i in 0..n {
         let iteration = i + 2;
         let dirty = work.write_pass(iteration as u32)?.elapsed;
         let h = slots.harvest()?;
         // Count the data slots only: in long mode the control slot also logs the page-table
         // pages whose accessed/dirty bits the CPU sets.
         let mut dirty_pages = 0;
-        for r in &data {
+        for r in data {
             if let Some(b) = slots.bitmap(r.guest_addr()) {
                 b.take(&mut words);
                 dirty_pages += DirtyPages::new(&words).count() as u64;
@@ -286,50 +372,10 @@ pub fn run(config: &PerfConfig) -> Result<PerfReport, VmError> {
     }
     let t = std::time::Instant::now();
     slots.set_dirty_logging(DirtyLogging::Off)?;
-    let disable = t.elapsed();
-    drop(work);
-    let restore = match (restoring, restore_report) {
-        (Some(started), Some(report)) => Some(started.finish(report)?),
-        _ => None,
-    };
-    let save = match &config.save {
-        None => None,
-        Some(dir) => Some(restore_run::save(
-            &map,
-            &data,
-            (config.passes + 1) as u32,
-            dir,
-        )?),
-    };
-
-    let mean = |f: fn(&PassReport) -> f64| {
-        if passes.is_empty() {
-            0.0
-        } else {
-            passes.iter().map(f).sum::<f64>() / passes.len() as f64
-        }
-    };
-    Ok(PerfReport {
-        memory_bytes: config.memory_bytes,
-        vcpus: config.vcpus,
-        slots: config.slots,
-        partition: config.partition,
-        mode: config.mode,
-        caps: *vm.caps(),
-        prefault: config.prefault,
-        prefault_secs,
-        guest_start_secs: secs(guest_start),
-        first_pass_done_secs: secs(first_pass_done),
-        populate_memory_secs: secs(populate),
-        enable_dirty_logging_secs: secs(enable),
-        avg_dirty_memory_secs: mean(|p| p.dirty_memory_secs),
-        avg_get_dirty_log_secs: mean(|p| p.get_dirty_log_secs),
-        avg_clear_dirty_log_secs: mean(|p| p.clear_dirty_log_secs),
+    Ok(Logged {
+        enable,
         passes,
-        disable_dirty_logging_secs: secs(disable),
-        warnings,
-        restore,
-        save,
+        disable: t.elapsed(),
     })
 }
 
@@ -380,6 +426,14 @@ impl std::fmt::Display for PerfReport {
                 r.huge_coverage * 100.0
             )?;
         }
+        self.fmt_passes(f)?;
+        self.fmt_restore_and_save(f)
+    }
+}
+
+impl PerfReport {
+    /// The guest's passes: populate, dirty logging on, each dirty pass, off, the means.
+    fn fmt_passes(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(f, "Populate memory time: {:.6}s", self.populate_memory_secs)?;
         writeln!(
             f,
@@ -420,7 +474,11 @@ impl std::fmt::Display for PerfReport {
             self.avg_dirty_memory_secs,
             self.avg_get_dirty_log_secs,
             self.avg_clear_dirty_log_secs
-        )?;
+        )
+    }
+
+    /// What the lazy restore, the Firecracker-style peer and the save did.
+    fn fmt_restore_and_save(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if let Some(l) = self.restore.as_ref().and_then(|r| r.lazy.as_ref()) {
             writeln!(
                 f,
