@@ -1,42 +1,58 @@
-//! `guestmem serve-uffd`: a page server for one Firecracker snapshot restore.
+//! `guestmem serve-uffd`: a page server for Firecracker snapshot restores: every VM that
+//! connects, until SIGTERM (a fleet), or one VM with `--once`.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::{Args as ClapArgs, ValueEnum};
 use guestmem::plan::parse_size;
 use guestmem::restore::remote::{
-    self, Listener, MemoryFile, ServeConfig, ServeLog, WorkingSetFile,
+    self, Fleet, FleetConfig, FleetReport, FleetSocket, Listener, MemoryFile, ServeConfig,
+    ServeLog, SessionEnd, WorkingSetFile,
 };
 
 /// Flags of `guestmem serve-uffd`.
 #[derive(ClapArgs)]
 pub struct Args {
-    /// Unix socket to listen on (Firecracker's `mem_backend.backend_path`).
+    /// Unix socket to listen on (Firecracker's `mem_backend.backend_path`). Repeat it, each
+    /// with its --mem-file, to serve several snapshots.
+    #[arg(long, required = true)]
+    socket: Vec<PathBuf>,
+    /// The snapshot's memory file (Firecracker's, or a guestmem save's `memory`), one per
+    /// --socket, in the same order.
+    #[arg(long, required = true)]
+    mem_file: Vec<PathBuf>,
+    /// Serve one VM and exit when it goes (the server stops listening once it has it).
     #[arg(long)]
-    socket: PathBuf,
-    /// The snapshot's memory file (Firecracker's, or a guestmem save's `memory`).
-    #[arg(long)]
-    mem_file: PathBuf,
-    /// Threads serving faults [default: the CPUs].
+    once: bool,
+    /// Most VMs served at once; the next is refused and ended with the reason.
+    #[arg(long, default_value_t = remote::DEFAULT_MAX_SESSIONS as u32, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    max_vms: u32,
+    /// Most guest memory served at once, all VMs together (`64G`); past it a VM is refused
+    /// and ended with the reason [default: no limit].
+    #[arg(long, value_parser = size)]
+    max_memory: Option<u64>,
+    /// Threads serving faults [default: the CPUs]: with --once the VM's own, else one pool
+    /// shared by every VM.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
-    /// A recorded working set (from --record): prefetch it first, then the rest.
+    /// A recorded working set (from --record): prefetch it first, then the rest. One per
+    /// --socket when given.
     #[arg(long)]
-    prefetch: Option<PathBuf>,
+    prefetch: Vec<PathBuf>,
     /// Threads prefetching [default: the CPUs with --prefetch, else 0: faults alone bring
     /// memory in]. Without --prefetch, a non-zero count prefetches in address order.
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1024))]
     prefetch_threads: Option<u32>,
-    /// Write the blocks the VM faulted, in order, here when the VM goes away.
-    #[arg(long)]
+    /// Write the blocks the VM faulted, in order, here when the VM goes away (with --once).
+    #[arg(long, requires = "once")]
     record: Option<PathBuf>,
     /// Bytes served per fault.
     #[arg(long, default_value = "1M", value_parser = size)]
     block: u64,
-    /// Give up when no VM connects within this many seconds [default: wait].
-    #[arg(long, value_parser = secs)]
+    /// Give up when no VM connects within this many seconds [default: wait] (with --once).
+    #[arg(long, value_parser = secs, requires = "once")]
     accept_timeout_s: Option<f64>,
     /// Drop a connection that has not sent its whole handshake within this many seconds
     /// (and listen on for the real VM).
@@ -71,24 +87,99 @@ fn secs(s: &str) -> Result<f64, String> {
     }
 }
 
-/// Runs `guestmem serve-uffd`: everything that can be refused is refused before the socket
-/// appears, then one VM is served (see `guestmem::restore::remote::serve_one`).
+/// Runs `guestmem serve-uffd`: everything that can be refused is refused before a socket
+/// appears; then one VM is served (`--once`, `guestmem::restore::remote::serve_one`), or
+/// every VM until SIGTERM or SIGINT, which drains the fleet (`remote::Fleet`) and exits 0.
 pub fn run(a: Args) -> Result<()> {
-    let mem = MemoryFile::open(&a.mem_file)?;
-    let first = match &a.prefetch {
-        Some(p) => WorkingSetFile::read(p)?,
-        None => Vec::new(),
-    };
+    if a.socket.len() != a.mem_file.len() {
+        bail!(
+            "{} --socket and {} --mem-file given: each socket serves one memory file, in order",
+            a.socket.len(),
+            a.mem_file.len()
+        );
+    }
+    if !a.prefetch.is_empty() && a.prefetch.len() != a.socket.len() {
+        bail!(
+            "{} --prefetch for {} --socket: give one working set per socket, or none",
+            a.prefetch.len(),
+            a.socket.len()
+        );
+    }
+    if a.once && a.socket.len() != 1 {
+        bail!(
+            "--once serves one VM on one socket; {} given",
+            a.socket.len()
+        );
+    }
+    let mems = a
+        .mem_file
+        .iter()
+        .map(|p| MemoryFile::open(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut firsts = a
+        .prefetch
+        .iter()
+        .map(|p| WorkingSetFile::read(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    firsts.resize(a.socket.len(), Vec::new());
     if let Some(path) = &a.record {
         WorkingSetFile::check_writable(path)?;
     }
+    let cfg = serve_config(&a);
+    cfg.check()?;
+    if a.once {
+        let first = firsts.pop().unwrap_or_default();
+        return run_once(
+            &a,
+            mems.into_iter().next().expect("one"),
+            ServeConfig { first, ..cfg },
+        );
+    }
+    // Before any thread starts, so that every thread inherits the mask and only the waiter
+    // below takes the signals.
+    let signals = block_drain_signals()?;
+    let mut sockets = Vec::new();
+    for ((path, mem), first) in a.socket.iter().zip(mems).zip(firsts) {
+        let listener = Listener::bind(path)?;
+        eprintln!("guestmem serve-uffd: listening on {}", path.display());
+        sockets.push(FleetSocket {
+            listener,
+            mem,
+            first,
+        });
+    }
+    let fleet = Fleet::new(
+        sockets,
+        FleetConfig {
+            serve: cfg,
+            max_sessions: a.max_vms as usize,
+            max_bytes: a.max_memory,
+        },
+    )?;
+    let drainer = fleet.drainer();
+    std::thread::Builder::new()
+        .name("guestmem-signals".into())
+        .spawn(move || {
+            let mut sig: libc::c_int = 0;
+            // SAFETY: `signals` is an initialised sigset; sigwait writes one int.
+            if unsafe { libc::sigwait(&signals, &mut sig) } == 0 {
+                eprintln!("guestmem serve-uffd: signal {sig}: draining");
+            }
+            drainer.drain();
+        })?;
+    let report = fleet.run()?;
+    print_fleet(&report, a.json)
+}
+
+/// The serving settings the flags give.
+fn serve_config(a: &Args) -> ServeConfig {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let cfg = ServeConfig {
+    ServeConfig {
         handler_threads: a.threads.map_or(cpus, |t| t as usize),
         prefetch_threads: a
             .prefetch_threads
-            .map_or(if a.prefetch.is_some() { cpus } else { 0 }, |t| t as usize),
-        first,
+            .map_or(if a.prefetch.is_empty() { 0 } else { cpus }, |t| t as usize),
+        first: Vec::new(),
         block_bytes: a.block,
         on_failure: match a.on_failure {
             OnFailure::Kill => remote::OnFailure::Kill,
@@ -97,10 +188,68 @@ pub fn run(a: Args) -> Result<()> {
         handshake_timeout: Duration::from_secs_f64(a.handshake_timeout_s),
         accept_timeout: a.accept_timeout_s.map(Duration::from_secs_f64),
         log: ServeLog::stderr("guestmem serve-uffd: "),
-    };
-    cfg.check()?;
-    let listener = Listener::bind(&a.socket)?;
-    eprintln!("guestmem serve-uffd: listening on {}", a.socket.display());
+    }
+}
+
+/// Blocks SIGTERM and SIGINT in this thread (and so in every thread it starts): they are
+/// taken by `sigwait`, as a request to drain, not by the default action.
+fn block_drain_signals() -> Result<libc::sigset_t> {
+    // SAFETY: sigemptyset initialises the set; sigaddset and pthread_sigmask read it.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        let r = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        if r != 0 {
+            bail!(
+                "block SIGTERM and SIGINT: {}",
+                std::io::Error::from_raw_os_error(r)
+            );
+        }
+        Ok(set)
+    }
+}
+
+/// Prints a drained fleet's report: a line per VM and a total.
+fn print_fleet(report: &FleetReport, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+        return Ok(());
+    }
+    for s in &report.sessions {
+        let pid = s.pid.map_or("?".into(), |p| p.to_string());
+        let what = match &s.end {
+            SessionEnd::PeerClosed => "closed its socket".to_string(),
+            SessionEnd::PeerExited => "exited".to_string(),
+            SessionEnd::Graduated => "graduated (every block in, unregistered)".to_string(),
+            SessionEnd::Failed(why) => format!("failed: {why}"),
+        };
+        let faults = s.engine.as_ref().map_or(0, |e| e.faults);
+        println!(
+            "VM {pid} on socket {}: {} MiB, {faults} faults, {what} after {:.3} s",
+            s.socket,
+            s.bytes >> 20,
+            s.served_secs
+        );
+    }
+    println!(
+        "served {} VMs on {} pool threads in {:.3} s; {} connections dropped",
+        report.sessions.len(),
+        report.pool_threads,
+        report.secs,
+        report.dropped
+    );
+    Ok(())
+}
+
+/// `--once`: one VM on one socket, as before the fleet.
+fn run_once(a: &Args, mem: MemoryFile, cfg: ServeConfig) -> Result<()> {
+    let listener = Listener::bind(&a.socket[0])?;
+    eprintln!(
+        "guestmem serve-uffd: listening on {}",
+        a.socket[0].display()
+    );
     let report = remote::serve_one(listener, &mem, &cfg)?;
     if let Some(path) = &a.record {
         WorkingSetFile::write(path, &report.working_set)?;

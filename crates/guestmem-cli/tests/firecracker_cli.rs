@@ -217,6 +217,7 @@ impl Firecracker {
 fn serve(socket: &Path, mem: &Path) -> Guard {
     let child = Command::new(env!("CARGO_BIN_EXE_guestmem"))
         .arg("serve-uffd")
+        .arg("--once")
         .arg("--socket")
         .arg(socket)
         .arg("--mem-file")

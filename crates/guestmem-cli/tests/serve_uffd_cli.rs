@@ -69,7 +69,7 @@ fn mem_file(d: &Path, size: usize, hole: Option<usize>) -> PathBuf {
     p
 }
 
-/// Starts `guestmem serve-uffd` without waiting for its socket. `GUESTMEM_BIN` names
+/// Starts `guestmem serve-uffd --once` without waiting for its socket. `GUESTMEM_BIN` names
 /// another build to test instead (an A/B of two commits).
 fn spawn_server(socket: &Path, mem: &Path, extra: &[&str]) -> Guard {
     let bin =
@@ -77,6 +77,7 @@ fn spawn_server(socket: &Path, mem: &Path, extra: &[&str]) -> Guard {
     Guard::new(
         Command::new(bin)
             .arg("serve-uffd")
+            .arg("--once")
             .arg("--socket")
             .arg(socket)
             .arg("--mem-file")
@@ -838,4 +839,172 @@ fn a_trickling_handshake_is_cut_off_at_its_deadline() {
     );
     vm.release().unwrap();
     let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Starts `guestmem serve-uffd` as a fleet over `pairs` (socket, memory file) and waits for
+/// every socket.
+fn fleet(pairs: &[(&Path, &Path)], extra: &[&str]) -> Guard {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_guestmem"));
+    cmd.arg("serve-uffd");
+    for (socket, mem) in pairs {
+        cmd.arg("--socket").arg(socket).arg("--mem-file").arg(mem);
+    }
+    let mut g = Guard::new(
+        cmd.args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let t = Instant::now();
+    while !pairs.iter().all(|(s, _)| s.exists()) {
+        assert!(g.running(), "the server exited before listening");
+        assert!(t.elapsed() < Duration::from_secs(20), "no socket appeared");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    g
+}
+
+/// The `Threads:` line of `/proc/PID/status`.
+fn threads_of(pid: u32) -> usize {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// Sends SIGTERM to the server and waits (at most 5 s) for it to exit: its status, stdout,
+/// stderr and how long it took.
+fn terminate(mut g: Guard) -> (i32, String, String, Duration) {
+    let t = Instant::now();
+    // SAFETY: kill on our own child's pid (the guard has not reaped it yet).
+    assert_eq!(unsafe { libc::kill(g.id() as i32, libc::SIGTERM) }, 0);
+    let status = g.wait_exit(5);
+    let took = t.elapsed();
+    let c = g.child();
+    let (mut out, mut err) = (String::new(), String::new());
+    c.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    c.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    (status.code().unwrap_or(-1), out, err, took)
+}
+
+#[test]
+fn one_server_serves_twenty_vms_of_two_snapshots_and_graduates_them_on_sigterm() {
+    need_uffd!();
+    const VMS: usize = 20;
+    const SIZE: usize = 16 * MIB;
+    let d = dir("fleet");
+    // Two snapshots: the second has a hole at 5 MiB, so a VM served from the wrong file
+    // reads the wrong bytes there.
+    let a_dir = d.join("a");
+    let b_dir = d.join("b");
+    std::fs::create_dir_all(&a_dir).unwrap();
+    std::fs::create_dir_all(&b_dir).unwrap();
+    let mem_a = mem_file(&a_dir, SIZE, None);
+    let mem_b = mem_file(&b_dir, SIZE, Some(5 * MIB));
+    let (sock_a, sock_b) = (d.join("a.sock"), d.join("b.sock"));
+    // The stand-ins are threads of this process: a server that ended one would end the
+    // test, so failures are left (and the test fails on what the VM reads).
+    let srv = fleet(
+        &[(&sock_a, &mem_a), (&sock_b, &mem_b)],
+        &["--threads", "2", "--on-failure", "leave"],
+    );
+    let want = |vm: usize, at: usize| {
+        if vm % 2 == 1 && (5 * MIB..6 * MIB).contains(&at) {
+            0
+        } else {
+            word(at as u64)
+        }
+    };
+    let mut vms: Vec<Standin> = (0..VMS)
+        .map(|_| Standin::new(&[SIZE], false).unwrap())
+        .collect();
+    for (i, vm) in vms.iter_mut().enumerate() {
+        vm.connect(if i % 2 == 0 { &sock_a } else { &sock_b })
+            .unwrap();
+    }
+    // Every VM touches the first half of its memory at once, each page checked.
+    std::thread::scope(|s| {
+        for (i, vm) in vms.iter().enumerate() {
+            s.spawn(move || {
+                for p in 0..SIZE / 2 / PAGE {
+                    let at = p * PAGE;
+                    assert_eq!(vm.word(at), want(i, at), "VM {i}, page at {at:#x}");
+                    assert_eq!(vm.word(at + 4088), want(i, at + 4088), "VM {i}");
+                }
+            });
+        }
+    });
+    // One pool serves them all: not a thread (or several) per VM.
+    let threads = threads_of(srv.id());
+    assert!(
+        threads < VMS,
+        "{threads} threads serve {VMS} VMs: the pool should be shared"
+    );
+    // Drain: every VM graduates (the second half is brought in, then unregistered).
+    let (code, out, err, took) = terminate(srv);
+    assert_eq!(code, 0, "{err}");
+    assert!(took < Duration::from_secs(5), "drained in {took:?}");
+    assert_eq!(
+        out.matches("graduated (every block in, unregistered)")
+            .count(),
+        VMS,
+        "{out}\n{err}"
+    );
+    assert!(!sock_a.exists() && !sock_b.exists(), "sockets removed");
+    // With the server gone, every page is there: nothing reads zero in its place, and no
+    // read waits (the ranges are unregistered).
+    for (i, vm) in vms.iter().enumerate() {
+        for p in 0..SIZE / PAGE {
+            let at = p * PAGE;
+            assert_eq!(vm.word(at), want(i, at), "VM {i}, page at {at:#x}");
+            assert_eq!(vm.word(at + 4088), want(i, at + 4088), "VM {i}");
+        }
+    }
+}
+
+#[test]
+fn a_fleet_ends_only_the_vm_it_cannot_serve_and_refuses_past_its_limit() {
+    need_uffd!();
+    let d = dir("fleet-fail");
+    let mem = mem_file(&d, 8 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let go = d.join("go");
+    let srv = fleet(&[(&socket, &mem)], &["--threads", "2", "--max-vms", "2"]);
+    let mut a = Standin::new(&[8 * MIB], false).unwrap();
+    a.connect(&socket).unwrap();
+    assert_eq!(a.word(0), word(0));
+    // A VM whose regions do not fit the memory file: ended through its pidfd.
+    let mut big = vm_child(&socket, 16 * MIB, 0, ChildDoes::Handshake, &go);
+    let status = big.wait_exit(10);
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    // A connection that sends nothing: dropped after the handshake timeout, harmlessly.
+    let _idle = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    // A second VM is served beside the first...
+    let mut c = Standin::new(&[8 * MIB], false).unwrap();
+    c.connect(&socket).unwrap();
+    // ...and a third is past --max-vms 2: refused and ended.
+    let mut third = vm_child(&socket, 8 * MIB, 0, ChildDoes::Handshake, &go);
+    let status = third.wait_exit(10);
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    // The two served VMs read all their memory right.
+    assert_eq!(a.compare(&mem).unwrap(), Ok(()));
+    assert_eq!(c.compare(&mem).unwrap(), Ok(()));
+    // One goes: its session ends, the server goes on.
+    c.disconnect();
+    drop(c);
+    let (code, out, err, _) = terminate(srv);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("holds 0x800000 bytes, but region 0"), "{err}");
+    assert!(
+        err.contains("refused at a limit: VMs served at once: 2 in use"),
+        "{err}"
+    );
+    assert!(err.contains("killed the peer"), "{err}");
+    assert!(out.contains("closed its socket"), "{out}");
+    assert!(out.contains("graduated"), "{out}");
+    assert_eq!(a.compare(&mem).unwrap(), Ok(()));
 }

@@ -187,6 +187,21 @@ impl Uffd {
         self.fd
     }
 
+    /// The descriptor, to watch with epoll.
+    pub(crate) fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.fd)
+    }
+
+    /// Unregisters the whole of `target` (another process's range: the descriptor names its
+    /// address space); threads waiting there are woken, and a later touch of a page not
+    /// present reads zero, so only a range whose every page is in may be unregistered.
+    pub(crate) fn unregister_remote(&self, target: &RemoteRange) -> io::Result<()> {
+        let mut r = target.uffd_range(0, target.len as usize)?;
+        // SAFETY: a uffdio_range for UFFDIO_UNREGISTER, the peer's whole range as its
+        // handshake declared it (checked by uffd_range).
+        unsafe { ioctl(&self.fd, nr::UFFDIO_UNREGISTER, &mut r) }
+    }
+
     /// Whether the kernel granted `feature`.
     pub(crate) fn has(&self, feature: u32) -> bool {
         self.features & u64::from(feature) != 0

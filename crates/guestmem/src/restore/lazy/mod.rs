@@ -73,6 +73,61 @@ const FAILED: u8 = 3;
 /// eventfd wakes it when it must go.
 const POLL_MS: i32 = -1;
 
+/// Who reads a restore's faults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Handlers {
+    /// Threads of its own, blocking in `poll` on its userfaultfd (at least one).
+    Own(usize),
+    /// None of its own: a shared pool reads its userfaultfd when epoll says it is ready
+    /// ([`Pooled`]), as the page server's fleet does.
+    Pool,
+}
+
+/// A restore's fault side, for a shared pool of threads: its userfaultfd to watch, and a
+/// call that reads and serves one batch of what is pending. Holding it keeps the engine
+/// (and the descriptor) alive.
+#[derive(Clone)]
+pub(crate) struct Pooled(Arc<Lazy>);
+
+impl Pooled {
+    /// The userfaultfd to watch (non-blocking: Firecracker opens it with `O_NONBLOCK`).
+    pub(crate) fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.0.uffd.fd()
+    }
+
+    /// Reads at most one batch of pending messages into `events` without waiting (another
+    /// pool thread may have taken them: then none).
+    pub(crate) fn read(&self, events: &mut Vec<crate::uffd::Event>) {
+        if let Err(e) = self.0.uffd.read_events(&self.0.stop, 0, events) {
+            self.0.fail(SnapshotError::Userfaultfd {
+                op: "read fault messages".into(),
+                source: e,
+            });
+        }
+    }
+
+    /// Serves what [`Pooled::read`] read, then any faults queued meanwhile.
+    pub(crate) fn serve(&self, events: &[crate::uffd::Event]) {
+        self.0.dispatch(events);
+    }
+
+    /// Fails the restore: its userfaultfd reports an error to epoll.
+    pub(crate) fn fail_descriptor(&self) {
+        self.0.fail(SnapshotError::Userfaultfd {
+            op: "wait for fault messages".into(),
+            source: std::io::Error::other(
+                "the userfaultfd reports an error (its O_NONBLOCK flag was cleared by another \
+                 holder, or it is no longer valid)",
+            ),
+        });
+    }
+
+    /// Whether it has failed, lost its peer or been stopped: nothing more to serve.
+    pub(crate) fn over(&self) -> bool {
+        self.0.failed.load(Ordering::Acquire) || self.0.cancel.load(Ordering::Acquire)
+    }
+}
+
 /// What a lazy restore did (so far, or in all).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct LazyReport {
@@ -250,7 +305,7 @@ impl LazyRestore {
             Prefetch::Recorded => Some(image.working_set().to_vec()),
             Prefetch::None => None,
         };
-        let threads = (cfg.handler_threads, cfg.threads);
+        let threads = (Handlers::Own(cfg.handler_threads), cfg.threads);
         LazyRestore::launch(image, lregions, uffd, t0, threads, first)
             .map_err(uerr("spawn a handler or prefetch thread"))
     }
@@ -263,9 +318,13 @@ impl LazyRestore {
         lregions: Vec<LRegion>,
         uffd: Uffd,
         t0: Instant,
-        threads: (usize, usize),
+        threads: (Handlers, usize),
         first: Option<Vec<u64>>,
     ) -> std::io::Result<LazyRestore> {
+        let own_handlers = match threads.0 {
+            Handlers::Own(n) => n.max(1),
+            Handlers::Pool => 0,
+        };
         let mut by_host: Vec<(u64, u64, usize)> = lregions
             .iter()
             .enumerate()
@@ -303,13 +362,13 @@ impl LazyRestore {
             lazy: lazy.clone(),
             handlers: Vec::new(),
             prefetcher: None,
-            handler_threads: threads.0.max(1),
+            handler_threads: own_handlers,
             prefetch_threads: threads.1.max(1),
             prefetched_working_set: 0,
             finished: false,
         };
         let started = (|| {
-            for i in 0..threads.0.max(1) {
+            for i in 0..own_handlers {
                 let l = lazy.clone();
                 let h = std::thread::Builder::new()
                     .name(format!("guestmem-uffd{i}"))
@@ -337,7 +396,7 @@ impl LazyRestore {
         image: &Image,
         regions: &[(u64, u64, u64)],
         uffd: Uffd,
-        threads: (usize, usize),
+        threads: (Handlers, usize),
         first: Option<Vec<u64>>,
     ) -> std::io::Result<LazyRestore> {
         let lregions = regions
@@ -346,6 +405,60 @@ impl LazyRestore {
             .map(|(&(host, size, page), ir)| LRegion::remote(host, size, page, ir.first_block))
             .collect();
         LazyRestore::launch(image, lregions, uffd, Instant::now(), threads, first)
+    }
+
+    /// The fault side, for a shared pool (see [`Handlers::Pool`]).
+    pub(crate) fn pooled(&self) -> Pooled {
+        Pooled(self.lazy.clone())
+    }
+
+    /// Detaches a remote restore's peer from the server ("graduation"): brings in every block
+    /// not in yet (the recorded working set's prefetch goes on, or a prefetch of the rest
+    /// starts), waits until all are in, and only then unregisters the peer's ranges from the
+    /// userfaultfd, so the peer depends on neither this server nor the memory file. A peer
+    /// that goes, or a failure, stops it: nothing is unregistered then (a failed block is
+    /// poisoned, never left to read as zero). Faults must go on being served meanwhile (by
+    /// the handlers, or the pool).
+    pub(crate) fn graduate(&mut self) -> Result<LazyReport, SnapshotError> {
+        let l = self.lazy.clone();
+        if self.prefetcher.is_none() {
+            self.start_prefetch(Vec::new())
+                .map_err(|source| SnapshotError::Userfaultfd {
+                    op: "spawn the prefetch thread".into(),
+                    source,
+                })?;
+        }
+        if let Some(p) = self.prefetcher.take() {
+            let _ = p.join();
+        }
+        {
+            let mut g = l.wait.lock().unwrap_or_else(|e| e.into_inner());
+            while l.done.load(Ordering::Acquire) != l.total
+                && !l.failed.load(Ordering::Acquire)
+                && !l.cancel.load(Ordering::Acquire)
+            {
+                g = l.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
+        }
+        if l.done.load(Ordering::Acquire) != l.total {
+            self.halt();
+            return Err(self.take_error().unwrap_or(SnapshotError::AlreadyReported));
+        }
+        for lr in &l.regions {
+            if let Place::Remote(r) = &lr.place {
+                l.uffd
+                    .unregister_remote(r)
+                    .map_err(|source| SnapshotError::Userfaultfd {
+                        op: format!(
+                            "unregister the peer's range at {:#x} ({:#x} bytes) after every \
+                             block was in",
+                            lr.host, lr.size
+                        ),
+                        source,
+                    })?;
+            }
+        }
+        Ok(self.halt())
     }
 
     /// Whether a remote restore's peer has gone: its address space answered `ESRCH`.

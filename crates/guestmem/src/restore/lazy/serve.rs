@@ -74,18 +74,23 @@ impl Lazy {
                     return;
                 }
             }
-            for ev in &events {
-                match *ev {
-                    Event::Fault { addr, .. } => {
-                        self.counters.faults.fetch_add(1, Ordering::Relaxed);
-                        self.fault(addr);
-                    }
-                    Event::Remove { start, end } => self.remove(start, end),
-                    Event::Other(_) => {}
-                }
-            }
-            self.serve_pending();
+            self.dispatch(&events);
         }
+    }
+
+    /// Serves what one read brought: faults, removes; then the faults queued meanwhile.
+    pub(super) fn dispatch(&self, events: &[Event]) {
+        for ev in events {
+            match *ev {
+                Event::Fault { addr, .. } => {
+                    self.counters.faults.fetch_add(1, Ordering::Relaxed);
+                    self.fault(addr);
+                }
+                Event::Remove { start, end } => self.remove(start, end),
+                Event::Other(_) => {}
+            }
+        }
+        self.serve_pending();
     }
 
     /// Called when a copy finds the sender's address space changing (`EAGAIN`): an event

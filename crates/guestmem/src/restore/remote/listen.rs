@@ -16,7 +16,7 @@ use super::{end_peer, ServeConfig, ServeError};
 use crate::files::{split, unique_suffix, Dir};
 
 /// Most handshakes read at once; past them, connections wait in the backlog.
-const MAX_PENDING_HANDSHAKES: usize = 16;
+pub(super) const MAX_PENDING_HANDSHAKES: usize = 16;
 
 /// Why a socket path cannot be listened on.
 #[derive(Debug, thiserror::Error)]
@@ -113,6 +113,11 @@ impl Listener {
             name,
             id,
         })
+    }
+
+    /// The listening socket (non-blocking).
+    pub(super) fn socket(&self) -> &UnixListener {
+        &self.socket
     }
 
     /// The path it listens at.

@@ -41,9 +41,11 @@
 //! socket and the engine's failure descriptor.
 
 mod files;
+mod fleet;
 mod handshake;
 mod listen;
 mod peer;
+mod pool;
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -53,13 +55,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use files::{MemoryFile, WorkingSetFile};
+pub use fleet::{
+    Drainer, Fleet, FleetConfig, FleetReport, FleetSocket, SessionEnd, SessionReport,
+    DEFAULT_MAX_SESSIONS,
+};
 pub use handshake::{
     parse_regions, Handshake, HandshakeError, UffdRegion, MAX_HANDSHAKE_BYTES, PAGE_SIZES,
 };
 pub use listen::{Listener, SocketRefusal};
 pub use peer::PeerProcess;
 
-use super::lazy::LazyRestore;
+use super::lazy::{Handlers, LazyRestore};
 use super::LazyReport;
 use crate::snapshot::{Image, SnapshotError};
 
@@ -126,6 +132,20 @@ pub enum ServeError {
         /// Why not.
         refusal: SocketRefusal,
     },
+    /// A VM was refused at a limit of the server.
+    #[error(
+        "refused at a limit: {limit}: {have} in use, this VM needs {needs}, the limit is {max}"
+    )]
+    Limit {
+        /// What the limit counts.
+        limit: &'static str,
+        /// In use before this VM.
+        have: u64,
+        /// What this VM needs.
+        needs: u64,
+        /// The limit.
+        max: u64,
+    },
     /// Serving failed: the first error, naming the region, address and file offset.
     #[error("serving the peer's memory: {0}")]
     Serve(#[source] SnapshotError),
@@ -140,6 +160,8 @@ pub enum Setting {
     HandlerThreads,
     /// [`ServeConfig::prefetch_threads`].
     PrefetchThreads,
+    /// A fleet's sockets and its room for VMs.
+    Sockets,
 }
 
 impl Setting {
@@ -149,6 +171,7 @@ impl Setting {
             Setting::BlockBytes => "block size",
             Setting::HandlerThreads => "handler threads",
             Setting::PrefetchThreads => "prefetch threads",
+            Setting::Sockets => "sockets",
         }
     }
 
@@ -329,7 +352,7 @@ pub fn serve_one(
         h.regions.len(),
         h.regions.iter().map(|r| r.size).sum::<u64>() >> 20
     ));
-    let server = match PageServer::launch(h, mem, cfg) {
+    let server = match PageServer::launch(h, mem, cfg, Handlers::Own(cfg.handler_threads)) {
         Ok(s) => s,
         Err((e, process)) => {
             end_peer(&process, cfg, &e);
@@ -371,13 +394,14 @@ impl PageServer {
         mem: &MemoryFile,
         cfg: &ServeConfig,
     ) -> Result<PageServer, ServeError> {
-        PageServer::launch(h, mem, cfg).map_err(|(e, _)| e)
+        PageServer::launch(h, mem, cfg, Handlers::Own(cfg.handler_threads)).map_err(|(e, _)| e)
     }
 
-    fn launch(
+    pub(crate) fn launch(
         h: Handshake,
         mem: &MemoryFile,
         cfg: &ServeConfig,
+        handlers: Handlers,
     ) -> Result<PageServer, (ServeError, PeerProcess)> {
         let Handshake {
             regions,
@@ -397,7 +421,7 @@ impl PageServer {
                     .iter()
                     .map(|r| (r.base_host_virt_addr, r.size, r.page_size))
                     .collect();
-                let threads = (cfg.handler_threads, cfg.prefetch_threads);
+                let threads = (handlers, cfg.prefetch_threads);
                 LazyRestore::start_remote(&image, &places, uffd, threads, first)
                     .map(|lazy| (lazy, image))
                     .map_err(|source| ServeError::Socket {
@@ -460,19 +484,52 @@ impl PageServer {
         self.wait_inner().0
     }
 
-    fn wait_inner(mut self) -> (Result<ServeReport, ServeError>, PeerProcess) {
+    fn wait_inner(self) -> (Result<ServeReport, ServeError>, PeerProcess) {
         let ended = loop {
-            if self.lazy.failure().is_some() {
-                break None;
-            }
-            if self.lazy.peer_gone() {
-                break Some("peer exited");
-            }
-            match wait_peer(&self.peer, self.lazy.changed_fd()) {
-                PeerState::HungUp => break Some("peer closed the socket"),
-                PeerState::Quiet => {}
+            if let Some(e) = self.ended(-1) {
+                break e;
             }
         };
+        self.conclude(ended)
+    }
+
+    /// Whether serving is over, waiting up to `ms` (-1: for ever) on the peer's socket and
+    /// the engine's failure descriptor: `Some(None)` failed, `Some(Some(why))` the peer went.
+    pub(crate) fn ended(&self, ms: i32) -> Option<Option<&'static str>> {
+        if self.lazy.failure().is_some() {
+            return Some(None);
+        }
+        if self.lazy.peer_gone() {
+            return Some(Some("peer exited"));
+        }
+        match wait_peer(&self.peer, self.lazy.changed_fd(), ms) {
+            PeerState::HungUp => Some(Some("peer closed the socket")),
+            PeerState::Quiet => None,
+        }
+    }
+
+    /// The peer's socket and the engine's failure descriptor: what a supervisor polls.
+    pub(crate) fn watch_fds(&self) -> [std::os::fd::BorrowedFd<'_>; 2] {
+        use std::os::fd::AsFd;
+        [self.peer.as_fd(), self.lazy.changed_fd()]
+    }
+
+    /// The fault side, for a shared pool.
+    pub(crate) fn pooled(&self) -> super::lazy::Pooled {
+        self.lazy.pooled()
+    }
+
+    /// Brings every block in, then unregisters the peer's ranges (see
+    /// `LazyRestore::graduate`).
+    pub(crate) fn graduate(&mut self) -> Result<LazyReport, SnapshotError> {
+        self.lazy.graduate()
+    }
+
+    /// Stops serving and says how it ended: `why` the peer went, or `None` (it failed).
+    pub(crate) fn conclude(
+        mut self,
+        ended: Option<&'static str>,
+    ) -> (Result<ServeReport, ServeError>, PeerProcess) {
         let engine = self.lazy.halt();
         let result = match ended {
             Some(why) => Ok(ServeReport {
@@ -554,8 +611,9 @@ enum PeerState {
     Quiet,
 }
 
-/// Blocks until the peer hangs up or sends something, or `changed` becomes readable.
-fn wait_peer(s: &UnixStream, changed: std::os::fd::BorrowedFd<'_>) -> PeerState {
+/// Waits up to `ms` (-1: for ever) until the peer hangs up or sends something, or
+/// `changed` becomes readable.
+fn wait_peer(s: &UnixStream, changed: std::os::fd::BorrowedFd<'_>, ms: i32) -> PeerState {
     let mut fds = [
         libc::pollfd {
             fd: s.as_raw_fd(),
@@ -568,8 +626,8 @@ fn wait_peer(s: &UnixStream, changed: std::os::fd::BorrowedFd<'_>) -> PeerState 
             revents: 0,
         },
     ];
-    // SAFETY: two live pollfds; waits with no timeout (idle means blocked).
-    let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+    // SAFETY: two live pollfds; a server waits with no timeout (idle means blocked).
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
     if n <= 0 || fds[0].revents == 0 {
         return PeerState::Quiet;
     }

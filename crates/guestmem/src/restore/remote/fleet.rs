@@ -1,0 +1,588 @@
+//! One page server for many VMs: every VM that connects to any of its sockets is served,
+//! side by side, until the server is told to drain.
+//!
+//! A socket per snapshot ([`FleetSocket`]: a [`Listener`] and its memory file). One
+//! supervisor thread ([`Fleet::run`]) blocks in `poll` on the drain eventfd, the sockets,
+//! the handshakes' results and every session's peer socket and failure descriptor; it
+//! admits VMs (within [`FleetConfig::max_sessions`] and [`FleetConfig::max_bytes`]), and
+//! ends sessions whose VM went or whose serving failed. Faults are served by one shared
+//! pool of threads ([`FleetConfig::serve`]'s `handler_threads`; see `pool.rs`), not by
+//! threads per VM, with each VM's userfaultfd as its own queue, served a batch per turn.
+//!
+//! Failure is per VM: a VM refused after it sent its userfaultfd (its handshake does not
+//! hold together, its regions do not fit the memory file, a limit is reached) or whose
+//! serving fails is ended as [`ServeConfig::on_failure`] says, through the pidfd taken when
+//! it connected, with a log line; the others are untouched and the server goes on.
+//!
+//! Draining ([`Drainer::drain`], SIGTERM in the CLI): the sockets close at once (their
+//! paths removed), handshakes in flight finish and are admitted, and then every VM
+//! graduates: every block not yet in is brought in (faults still first, through the pool),
+//! and only once all are in are its ranges unregistered from its userfaultfd, so the VM
+//! depends on neither this server nor the memory file, which may then be deleted.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use super::handshake::{receive_checked, Handshake, Refused};
+use super::listen::MAX_PENDING_HANDSHAKES;
+use super::pool::Pool;
+use super::{end_peer, Listener, MemoryFile, PageServer, ServeConfig, ServeError, Setting};
+use crate::restore::lazy::Handlers;
+use crate::restore::LazyReport;
+
+/// Default most VMs served at once.
+pub const DEFAULT_MAX_SESSIONS: usize = 256;
+
+/// One snapshot, served to every VM that connects to its socket.
+#[derive(Debug)]
+pub struct FleetSocket {
+    /// Where VMs connect.
+    pub listener: Listener,
+    /// The snapshot's memory file.
+    pub mem: MemoryFile,
+    /// Memory-file offsets to prefetch first for each VM (a recorded working set).
+    pub first: Vec<u64>,
+}
+
+/// How a fleet serves.
+#[derive(Debug, Clone)]
+pub struct FleetConfig {
+    /// Block size, prefetch threads per VM, failure policy, handshake timeout and log;
+    /// `handler_threads` is the size of the pool shared by every VM; `first` and
+    /// `accept_timeout` are not used (each socket has its own working set; a fleet waits
+    /// until drained).
+    pub serve: ServeConfig,
+    /// Most VMs served at once; the next is refused (and ended) with the reason.
+    pub max_sessions: usize,
+    /// Most guest memory served at once, bytes, all VMs together (`None`: no limit).
+    pub max_bytes: Option<u64>,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        FleetConfig {
+            serve: ServeConfig::default(),
+            max_sessions: DEFAULT_MAX_SESSIONS,
+            max_bytes: None,
+        }
+    }
+}
+
+/// Tells a running [`Fleet`] to drain: stop accepting, graduate every VM, return.
+#[derive(Debug, Clone)]
+pub struct Drainer(Arc<OwnedFd>);
+
+impl Drainer {
+    /// Asks the fleet to drain (any thread; a second call changes nothing).
+    pub fn drain(&self) {
+        let _ = crate::sys::eventfd_signal(self.0.as_fd());
+    }
+}
+
+/// How a VM's session ended.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SessionEnd {
+    /// The VM closed its socket.
+    PeerClosed,
+    /// The VM's address space went (it exited).
+    PeerExited,
+    /// Drained: every block was brought in and its ranges unregistered.
+    Graduated,
+    /// Refused at admission or ended by a failure; the VM was handled as
+    /// [`ServeConfig::on_failure`] says. The reason.
+    Failed(String),
+}
+
+/// One VM's session, as it ended.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SessionReport {
+    /// The session's number, in the order VMs were admitted (from 0).
+    pub id: u64,
+    /// Which socket (index in the order given) the VM connected to.
+    pub socket: usize,
+    /// The VM's process id.
+    pub pid: Option<i32>,
+    /// Guest memory it declared, bytes.
+    pub bytes: u64,
+    /// How it ended.
+    pub end: SessionEnd,
+    /// What the engine did for it (absent for a VM refused before serving).
+    pub engine: Option<LazyReport>,
+    /// From admission to the end, seconds.
+    pub served_secs: f64,
+}
+
+/// What a fleet did, once drained.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct FleetReport {
+    /// Every VM that sent its userfaultfd, admitted or refused, in the order they ended.
+    pub sessions: Vec<SessionReport>,
+    /// Connections dropped without harm: they sent no userfaultfd.
+    pub dropped: u64,
+    /// Threads in the fault-serving pool.
+    pub pool_threads: usize,
+    /// From the start until drained, seconds.
+    pub secs: f64,
+}
+
+/// A VM being served.
+struct Session {
+    server: PageServer,
+    socket: usize,
+    bytes: u64,
+    t0: Instant,
+}
+
+/// What woke the supervisor.
+struct Woken {
+    /// Each listening socket, and whether connections wait on it.
+    listening: Vec<(usize, bool)>,
+    /// Sessions whose peer socket or failure descriptor changed.
+    watched: Vec<u64>,
+}
+
+/// Handshakes' results, left by their threads for the supervisor.
+#[derive(Default)]
+struct Inbox {
+    results: Mutex<VecDeque<(usize, Result<Handshake, Refused>)>>,
+    pending: AtomicUsize,
+}
+
+/// A page server for many VMs (see the module docs).
+pub struct Fleet {
+    listeners: Vec<Option<Listener>>,
+    mems: Vec<MemoryFile>,
+    firsts: Vec<Vec<u64>>,
+    cfg: FleetConfig,
+    drain: Arc<OwnedFd>,
+    notify: Arc<OwnedFd>,
+    inbox: Arc<Inbox>,
+    pool: Pool,
+    sessions: BTreeMap<u64, Session>,
+    next_id: u64,
+    served_bytes: u64,
+    report: FleetReport,
+    t0: Instant,
+}
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fleet")
+            .field("sockets", &self.mems.len())
+            .field("sessions", &self.sessions.len())
+            .finish()
+    }
+}
+
+impl Fleet {
+    /// Checks the settings and starts the pool; nothing is accepted before [`Fleet::run`].
+    pub fn new(sockets: Vec<FleetSocket>, cfg: FleetConfig) -> Result<Fleet, ServeError> {
+        cfg.serve.check()?;
+        if sockets.is_empty() || cfg.max_sessions == 0 {
+            return Err(ServeError::Setting {
+                setting: Setting::Sockets,
+                value: sockets.len().min(cfg.max_sessions) as u64,
+                allowed: "a fleet needs at least one socket and room for one VM",
+            });
+        }
+        let sock_err = |op: &str| {
+            let op = op.to_string();
+            move |source| ServeError::Socket { op, source }
+        };
+        let drain = Arc::new(crate::sys::eventfd().map_err(sock_err("make an eventfd"))?);
+        let notify = Arc::new(crate::sys::eventfd().map_err(sock_err("make an eventfd"))?);
+        let pool = Pool::start(cfg.serve.handler_threads)
+            .map_err(sock_err("start the fault-serving pool"))?;
+        let mut mems = Vec::new();
+        let mut firsts = Vec::new();
+        let mut listeners = Vec::new();
+        for s in sockets {
+            mems.push(s.mem);
+            firsts.push(s.first);
+            listeners.push(Some(s.listener));
+        }
+        Ok(Fleet {
+            listeners,
+            mems,
+            firsts,
+            drain,
+            notify,
+            inbox: Arc::new(Inbox::default()),
+            report: FleetReport {
+                sessions: Vec::new(),
+                dropped: 0,
+                pool_threads: pool.threads(),
+                secs: 0.0,
+            },
+            pool,
+            cfg,
+            sessions: BTreeMap::new(),
+            next_id: 0,
+            served_bytes: 0,
+            t0: Instant::now(),
+        })
+    }
+
+    /// A handle that makes [`Fleet::run`] drain and return.
+    pub fn drainer(&self) -> Drainer {
+        Drainer(self.drain.clone())
+    }
+
+    /// Serves every VM that connects until drained; then every VM graduates (see the module
+    /// docs) and the report is returned. Blocks in `poll`: an idle fleet uses no CPU.
+    pub fn run(mut self) -> Result<FleetReport, ServeError> {
+        let mut draining = false;
+        loop {
+            let Woken { listening, watched } = self.wait()?;
+            if listening.iter().any(|&(_, ready)| ready) {
+                for (i, ready) in listening {
+                    if ready {
+                        self.accept(i);
+                    }
+                }
+            }
+            self.take_results();
+            for id in watched {
+                self.check_session(id);
+            }
+            if !draining && readable(self.drain.as_fd()) {
+                draining = true;
+                // Closing the listeners removes their paths: new VMs are refused at connect.
+                for l in &mut self.listeners {
+                    *l = None;
+                }
+                self.cfg.serve.log.say(&format!(
+                    "draining: sockets closed; {} VMs to graduate",
+                    self.sessions.len()
+                ));
+            }
+            if draining && self.inbox.pending.load(Ordering::Acquire) == 0 {
+                self.take_results();
+                break;
+            }
+        }
+        self.graduate_all();
+        self.report.secs = self.t0.elapsed().as_secs_f64();
+        Ok(self.report)
+    }
+
+    /// Blocks until something needs the supervisor: which sockets have connections waiting,
+    /// and which sessions' descriptors changed.
+    fn wait(&self) -> Result<Woken, ServeError> {
+        let mut fds = vec![pollin(self.drain.as_fd()), pollin(self.notify.as_fd())];
+        let accepting = self.inbox.pending.load(Ordering::Acquire) < MAX_PENDING_HANDSHAKES;
+        let mut listening = Vec::new();
+        for (i, l) in self.listeners.iter().enumerate() {
+            if let (Some(l), true) = (l, accepting) {
+                listening.push(i);
+                fds.push(pollin(l.socket().as_fd()));
+            }
+        }
+        let mut ids = Vec::new();
+        for (&id, s) in &self.sessions {
+            ids.push(id);
+            let [peer, changed] = s.server.watch_fds();
+            let mut p = pollin(peer);
+            p.events |= libc::POLLRDHUP;
+            fds.push(p);
+            fds.push(pollin(changed));
+        }
+        // SAFETY: `fds` is a live array of pollfds over descriptors borrowed from `self`;
+        // no timeout (idle means blocked).
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINTR) {
+                return Err(ServeError::Socket {
+                    op: "wait on the fleet's sockets and sessions".into(),
+                    source: e,
+                });
+            }
+        }
+        drain_eventfd(self.notify.as_fd());
+        let base = 2 + listening.len();
+        let listening = listening
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| (i, fds[2 + k].revents != 0))
+            .collect();
+        let watched = ids
+            .iter()
+            .enumerate()
+            .filter(|(k, _)| fds[base + 2 * k].revents != 0 || fds[base + 2 * k + 1].revents != 0)
+            .map(|(_, &id)| id)
+            .collect();
+        Ok(Woken { listening, watched })
+    }
+
+    /// Accepts the connections waiting on socket `i`, a handshake thread each (at most
+    /// [`MAX_PENDING_HANDSHAKES`] in flight; the rest wait in the backlog).
+    fn accept(&mut self, i: usize) {
+        let Some(l) = &self.listeners[i] else { return };
+        while self.inbox.pending.load(Ordering::Acquire) < MAX_PENDING_HANDSHAKES {
+            let stream = match l.socket().accept() {
+                Ok((stream, _)) => stream,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    self.cfg.serve.log.say(&format!("accept failed: {e}"));
+                    return;
+                }
+            };
+            if stream.set_nonblocking(false).is_err() {
+                continue;
+            }
+            self.inbox.pending.fetch_add(1, Ordering::AcqRel);
+            let (inbox, notify) = (self.inbox.clone(), self.notify.clone());
+            let timeout = self.cfg.serve.handshake_timeout;
+            let spawned = std::thread::Builder::new()
+                .name("guestmem-handshake".into())
+                .spawn(move || {
+                    let r = receive_checked(stream, timeout);
+                    inbox
+                        .results
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push_back((i, r));
+                    inbox.pending.fetch_sub(1, Ordering::AcqRel);
+                    let _ = crate::sys::eventfd_signal(notify.as_fd());
+                });
+            if let Err(e) = spawned {
+                self.inbox.pending.fetch_sub(1, Ordering::AcqRel);
+                self.cfg.serve.log.say(&format!(
+                    "dropped a connection: no thread for its handshake: {e}"
+                ));
+            }
+        }
+    }
+
+    /// Admits or refuses every handshake that has finished.
+    fn take_results(&mut self) {
+        loop {
+            let next = self
+                .inbox
+                .results
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pop_front();
+            match next {
+                None => return,
+                Some((i, Ok(h))) => self.admit(i, h),
+                Some((
+                    _,
+                    Err(Refused {
+                        error,
+                        process: Some(p),
+                    }),
+                )) => {
+                    end_peer(&p, &self.cfg.serve, &error);
+                    self.refused(p.pid(), 0, error.to_string());
+                }
+                Some((_, Err(Refused { error, .. }))) => {
+                    self.report.dropped += 1;
+                    self.cfg.serve.log.say(&format!(
+                        "dropped a connection that is not a VM's (it sent no userfaultfd): \
+                         {error}"
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Serves the VM of handshake `h` on socket `i`, or refuses it at a limit (ending it).
+    fn admit(&mut self, i: usize, h: Handshake) {
+        let bytes: u64 = h.regions.iter().map(|r| r.size).sum();
+        let limit = if self.sessions.len() >= self.cfg.max_sessions {
+            Some(ServeError::Limit {
+                limit: "VMs served at once",
+                have: self.sessions.len() as u64,
+                needs: 1,
+                max: self.cfg.max_sessions as u64,
+            })
+        } else {
+            match self.cfg.max_bytes {
+                Some(max) if self.served_bytes.saturating_add(bytes) > max => {
+                    Some(ServeError::Limit {
+                        limit: "guest memory served at once, bytes",
+                        have: self.served_bytes,
+                        needs: bytes,
+                        max,
+                    })
+                }
+                _ => None,
+            }
+        };
+        if let Some(e) = limit {
+            end_peer(&h.process, &self.cfg.serve, &e);
+            self.refused(h.process.pid(), bytes, e.to_string());
+            return;
+        }
+        let mut cfg = self.cfg.serve.clone();
+        cfg.first = self.firsts[i].clone();
+        let server = match PageServer::launch(h, &self.mems[i], &cfg, Handlers::Pool) {
+            Ok(s) => s,
+            Err((e, p)) => {
+                end_peer(&p, &cfg, &e);
+                self.refused(p.pid(), bytes, e.to_string());
+                return;
+            }
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        if let Err(e) = self.pool.add(id, server.pooled()) {
+            let (_, p) = server.conclude(None);
+            let e = ServeError::Socket {
+                op: "add the VM to the fault-serving pool".into(),
+                source: e,
+            };
+            end_peer(&p, &cfg, &e);
+            self.refused(p.pid(), bytes, e.to_string());
+            return;
+        }
+        self.cfg.serve.log.say(&format!(
+            "session {id}: peer {} on socket {i} sent {} regions ({} MiB); {} VMs served",
+            server.peer_pid().map_or("?".into(), |p| p.to_string()),
+            server.regions().len(),
+            bytes >> 20,
+            self.sessions.len() + 1
+        ));
+        self.served_bytes += bytes;
+        self.sessions.insert(
+            id,
+            Session {
+                server,
+                socket: i,
+                bytes,
+                t0: Instant::now(),
+            },
+        );
+    }
+
+    /// Records a VM refused (and already ended as the policy says).
+    fn refused(&mut self, pid: Option<i32>, bytes: u64, why: String) {
+        self.report.sessions.push(SessionReport {
+            id: u64::MAX,
+            socket: usize::MAX,
+            pid,
+            bytes,
+            end: SessionEnd::Failed(why),
+            engine: None,
+            served_secs: 0.0,
+        });
+    }
+
+    /// Ends session `id` if its VM went or its serving failed.
+    fn check_session(&mut self, id: u64) {
+        let Some(ended) = self.sessions.get(&id).and_then(|s| s.server.ended(0)) else {
+            return;
+        };
+        let s = self.sessions.remove(&id).expect("checked above");
+        self.pool.remove(id);
+        self.served_bytes -= s.bytes;
+        let (socket, bytes, t0) = (s.socket, s.bytes, s.t0);
+        let (result, process) = s.server.conclude(ended);
+        let (end, engine) = match result {
+            Ok(r) => (
+                match ended {
+                    Some("peer exited") => SessionEnd::PeerExited,
+                    _ => SessionEnd::PeerClosed,
+                },
+                Some(r.engine),
+            ),
+            Err(e) => {
+                end_peer(&process, &self.cfg.serve, &e);
+                (SessionEnd::Failed(e.to_string()), None)
+            }
+        };
+        self.cfg.serve.log.say(&format!(
+            "session {id}: ended ({end:?}) after {:.3} s; {} VMs served",
+            t0.elapsed().as_secs_f64(),
+            self.sessions.len()
+        ));
+        self.report.sessions.push(SessionReport {
+            id,
+            socket,
+            pid: process.pid(),
+            bytes,
+            end,
+            engine,
+            served_secs: t0.elapsed().as_secs_f64(),
+        });
+    }
+
+    /// Graduates every VM still served, side by side; the pool serves their faults
+    /// meanwhile. A VM that cannot graduate (a failure) is ended as the policy says.
+    fn graduate_all(&mut self) {
+        let sessions = std::mem::take(&mut self.sessions);
+        let cfg = &self.cfg.serve;
+        let pool = &self.pool;
+        let done: Vec<SessionReport> = std::thread::scope(|sc| {
+            let hs: Vec<_> = sessions
+                .into_iter()
+                .map(|(id, mut s)| {
+                    sc.spawn(move || {
+                        let graduated = s.server.graduate();
+                        pool.remove(id);
+                        let gone = s.server.ended(0);
+                        let (result, process) = s.server.conclude(Some("graduated"));
+                        let (end, engine) = match (graduated, result) {
+                            (Ok(_), Ok(r)) => (SessionEnd::Graduated, Some(r.engine)),
+                            (Err(_), _) if gone == Some(Some("peer exited")) => {
+                                (SessionEnd::PeerExited, None)
+                            }
+                            (Err(e), _) => {
+                                let e = ServeError::Serve(e);
+                                end_peer(&process, cfg, &e);
+                                (SessionEnd::Failed(e.to_string()), None)
+                            }
+                            (Ok(_), Err(e)) => (SessionEnd::Failed(e.to_string()), None),
+                        };
+                        cfg.log.say(&format!(
+                            "session {id}: {end:?} after {:.3} s",
+                            s.t0.elapsed().as_secs_f64()
+                        ));
+                        SessionReport {
+                            id,
+                            socket: s.socket,
+                            pid: process.pid(),
+                            bytes: s.bytes,
+                            end,
+                            engine,
+                            served_secs: s.t0.elapsed().as_secs_f64(),
+                        }
+                    })
+                })
+                .collect();
+            hs.into_iter().filter_map(|h| h.join().ok()).collect()
+        });
+        self.served_bytes = 0;
+        self.report.sessions.extend(done);
+    }
+}
+
+/// A pollfd waiting for `fd` to be readable.
+fn pollin(fd: std::os::fd::BorrowedFd<'_>) -> libc::pollfd {
+    libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    }
+}
+
+/// Whether `fd` is readable now.
+fn readable(fd: std::os::fd::BorrowedFd<'_>) -> bool {
+    let mut p = pollin(fd);
+    // SAFETY: one live pollfd; no waiting.
+    unsafe { libc::poll(&mut p, 1, 0) == 1 }
+}
+
+/// Reads an eventfd's count (unreadable until signalled again).
+fn drain_eventfd(fd: std::os::fd::BorrowedFd<'_>) {
+    let mut buf = [0u8; 8];
+    // SAFETY: reads at most 8 bytes into a live buffer; the eventfd is non-blocking.
+    unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, 8) };
+}
