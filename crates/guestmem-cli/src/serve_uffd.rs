@@ -33,6 +33,11 @@ pub struct Args {
     /// and ended with the reason [default: no limit].
     #[arg(long, value_parser = size)]
     max_memory: Option<u64>,
+    /// Keep a record of each VM served here, so that a server started after this one died
+    /// (same --mem-file) takes its VMs back: their userfaultfds come back from the VMs
+    /// (`pidfd_getfd`), and none is lost.
+    #[arg(long, conflicts_with = "once")]
+    state_dir: Option<PathBuf>,
     /// Threads serving faults [default: the CPUs]: with --once the VM's own, else one pool
     /// shared by every VM.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
@@ -154,6 +159,7 @@ pub fn run(a: Args) -> Result<()> {
             serve: cfg,
             max_sessions: a.max_vms as usize,
             max_bytes: a.max_memory,
+            state_dir: a.state_dir.clone(),
         },
     )?;
     let drainer = fleet.drainer();

@@ -1008,3 +1008,116 @@ fn a_fleet_ends_only_the_vm_it_cannot_serve_and_refuses_past_its_limit() {
     assert!(out.contains("graduated"), "{out}");
     assert_eq!(a.compare(&mem).unwrap(), Ok(()));
 }
+
+#[test]
+fn a_kill_9_of_the_server_loses_no_vm_and_no_page() {
+    need_uffd!();
+    const SIZE: usize = 32 * MIB;
+    let d = dir("fleet-kill");
+    let mem = mem_file(&d, SIZE, Some(9 * MIB));
+    let socket = d.join("uffd.sock");
+    let state = d.join("state");
+    let args = [
+        "--threads",
+        "2",
+        "--on-failure",
+        "leave",
+        "--state-dir",
+        state.to_str().unwrap(),
+    ];
+    let mut first = fleet(&[(&socket, &mem)], &args);
+    let mut vms: Vec<Standin> = (0..2)
+        .map(|_| Standin::new(&[SIZE], false).unwrap())
+        .collect();
+    for vm in &mut vms {
+        vm.connect(&socket).unwrap();
+    }
+    let want = |at: usize| {
+        if (9 * MIB..10 * MIB).contains(&at) {
+            0
+        } else {
+            word(at as u64)
+        }
+    };
+    // Both sessions are recorded before the VMs run.
+    let t = Instant::now();
+    let records = || {
+        std::fs::read_dir(&state)
+            .unwrap()
+            .filter(|e| {
+                let name = e.as_ref().unwrap().file_name();
+                name.to_str().unwrap().starts_with("session-")
+            })
+            .count()
+    };
+    while records() < 2 {
+        assert!(t.elapsed() < Duration::from_secs(10), "no session records");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let read = std::sync::atomic::AtomicUsize::new(0);
+    let stalls: Vec<Duration> = std::thread::scope(|s| {
+        let readers: Vec<_> = vms
+            .iter()
+            .map(|vm| {
+                let read = &read;
+                s.spawn(move || {
+                    let mut worst = Duration::ZERO;
+                    for p in 0..SIZE / PAGE {
+                        let at = p * PAGE;
+                        let t = Instant::now();
+                        let got = (vm.word(at), vm.word(at + 4088));
+                        worst = worst.max(t.elapsed());
+                        assert_eq!(got, (want(at), want(at + 4088)), "page at {at:#x}");
+                        read.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if p % 64 == 0 {
+                            // Guest work between touches: the kill lands mid-run.
+                            std::thread::sleep(Duration::from_millis(2));
+                        }
+                    }
+                    worst
+                })
+            })
+            .collect();
+        // Kill the server a quarter of the way in (both VMs have sessions recorded).
+        let t = Instant::now();
+        while read.load(std::sync::atomic::Ordering::Relaxed) < SIZE / PAGE / 2 {
+            // Half of one VM's pages: a quarter of all.
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "the VMs made no progress"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // SAFETY: kill on our own child's pid.
+        assert_eq!(unsafe { libc::kill(first.id() as i32, libc::SIGKILL) }, 0);
+        first.wait_exit(5);
+        let at_kill = read.load(std::sync::atomic::Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            read.load(std::sync::atomic::Ordering::Relaxed) < 2 * SIZE / PAGE,
+            "the VMs are frozen without a server (read {at_kill} pages at the kill)"
+        );
+        // A new server on the same state takes both VMs back.
+        let second = fleet(&[(&socket, &mem)], &args);
+        let stalls = readers.into_iter().map(|r| r.join().unwrap()).collect();
+        let (code, out, err, _) = terminate(second);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(err.matches("took back peer").count(), 2, "{err}");
+        assert_eq!(out.matches("graduated").count(), 2, "{out}");
+        stalls
+    });
+    eprintln!(
+        "longest guest stall across the restart: {:?}",
+        stalls.iter().max()
+    );
+    for vm in &vms {
+        for p in 0..SIZE / PAGE {
+            assert_eq!(vm.word(p * PAGE), want(p * PAGE));
+        }
+    }
+    assert_eq!(
+        std::fs::read_dir(&state).unwrap().count(),
+        0,
+        "records removed once the sessions ended"
+    );
+}

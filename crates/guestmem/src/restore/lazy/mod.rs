@@ -201,6 +201,19 @@ struct Lazy {
     pending: Mutex<Vec<u64>>,
     /// A remote restore's peer has gone (its address space with it).
     gone: AtomicBool,
+    /// Serving memory a previous server already partly filled: a page found present is
+    /// skipped, not an error.
+    resumed: bool,
+}
+
+/// The memory a restore fills.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Target {
+    /// Fresh: no page is present before its block is filled (one that is, is an error).
+    Fresh,
+    /// Taken over from a server that died: any page may be present already (it is never
+    /// overwritten; only the missing ones are filled).
+    Resumed,
 }
 
 /// A lazy restore in progress: the map is usable at once (a touch of a page not yet in waits
@@ -306,7 +319,7 @@ impl LazyRestore {
             Prefetch::None => None,
         };
         let threads = (Handlers::Own(cfg.handler_threads), cfg.threads);
-        LazyRestore::launch(image, lregions, uffd, t0, threads, first)
+        LazyRestore::launch(image, lregions, uffd, (t0, Target::Fresh), threads, first)
             .map_err(uerr("spawn a handler or prefetch thread"))
     }
 
@@ -317,7 +330,7 @@ impl LazyRestore {
         image: &Image,
         lregions: Vec<LRegion>,
         uffd: Uffd,
-        t0: Instant,
+        (t0, target): (Instant, Target),
         threads: (Handlers, usize),
         first: Option<Vec<u64>>,
     ) -> std::io::Result<LazyRestore> {
@@ -357,6 +370,7 @@ impl LazyRestore {
             recorded: Mutex::new(Vec::new()),
             pending: Mutex::new(Vec::new()),
             gone: AtomicBool::new(false),
+            resumed: target == Target::Resumed,
         });
         let mut this = LazyRestore {
             lazy: lazy.clone(),
@@ -398,13 +412,35 @@ impl LazyRestore {
         uffd: Uffd,
         threads: (Handlers, usize),
         first: Option<Vec<u64>>,
+        target: Target,
     ) -> std::io::Result<LazyRestore> {
-        let lregions = regions
+        let lregions: Vec<LRegion> = regions
             .iter()
             .zip(image.regions())
             .map(|(&(host, size, page), ir)| LRegion::remote(host, size, page, ir.first_block))
             .collect();
-        LazyRestore::launch(image, lregions, uffd, Instant::now(), threads, first)
+        let this = LazyRestore::launch(
+            image,
+            lregions,
+            uffd,
+            (Instant::now(), target),
+            threads,
+            first,
+        )?;
+        if target == Target::Resumed {
+            // Threads that faulted while no server read their messages (or whose messages
+            // died with the last server) wait in the kernel: woken, they touch the page
+            // again and fault anew, to this server.
+            for lr in &this.lazy.regions {
+                let _ = this.lazy.uffd.wake(lr.target(), 0, lr.size as usize);
+            }
+        }
+        Ok(this)
+    }
+
+    /// Its userfaultfd.
+    pub(crate) fn uffd_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.lazy.uffd.fd()
     }
 
     /// The fault side, for a shared pool (see [`Handlers::Pool`]).

@@ -237,6 +237,46 @@ impl Lazy {
         )
     }
 
+    /// For memory a dead server partly filled: copies `src` (zeros when `None`) into
+    /// `off..off + n` of `lr`, page by page past any page already present (`EEXIST`: never
+    /// overwritten).
+    fn copy_missing(
+        &self,
+        lr: &LRegion,
+        off: usize,
+        src: Option<&[u8]>,
+        n: usize,
+    ) -> std::io::Result<()> {
+        let page = lr.page as usize;
+        let copy = |src: &[u8]| {
+            let mut done = 0;
+            while done < n {
+                done += self
+                    .uffd
+                    .copy(lr.target(), off + done, &src[done..n], &|| self.drain())?;
+                if done < n {
+                    // A present page: skip it.
+                    done += page;
+                }
+            }
+            Ok(())
+        };
+        match src {
+            Some(src) => copy(src),
+            None => with_staging(
+                n,
+                |e| e,
+                |staging| {
+                    // SAFETY: this thread's own staging mapping, at least n bytes, borrowed for
+                    // the copies only.
+                    unsafe { std::ptr::write_bytes(staging.as_ptr(), 0, n) };
+                    // SAFETY: as above; just written.
+                    copy(unsafe { std::slice::from_raw_parts(staging.as_ptr(), n) })
+                },
+            ),
+        }
+    }
+
     fn claim(&self, block: u64) -> Result<(), u8> {
         self.state[block as usize]
             .compare_exchange(EMPTY, BUSY, Ordering::AcqRel, Ordering::Acquire)
@@ -344,6 +384,12 @@ impl Lazy {
         let BlockAt {
             block, lr, off, n, ..
         } = *at;
+        if at.zero && self.resumed {
+            self.copy_missing(lr, off, None, n)
+                .map_err(at.mem_err("UFFDIO_COPY"))?;
+            self.counters.zero.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
         if at.zero {
             self.zero_pages(lr, off, n)
                 .map_err(at.mem_err("UFFDIO_ZEROPAGE"))?;
@@ -367,6 +413,11 @@ impl Lazy {
             // SAFETY: as above: the first n bytes of this thread's staging mapping, just
             // written, borrowed only for the copies below.
             let src = unsafe { std::slice::from_raw_parts(staging.as_ptr(), n) };
+            if self.resumed {
+                return self
+                    .copy_missing(lr, off, Some(src), n)
+                    .map_err(at.mem_err("UFFDIO_COPY"));
+            }
             let copied = self
                 .uffd
                 .copy(lr.target(), off, src, &|| self.drain())

@@ -29,9 +29,11 @@ use std::time::Instant;
 
 use super::handshake::{receive_checked, Handshake, Refused};
 use super::listen::MAX_PENDING_HANDSHAKES;
+use super::peer::PeerProcess;
 use super::pool::Pool;
+use super::state::{SessionRecord, StateDir};
 use super::{end_peer, Listener, MemoryFile, PageServer, ServeConfig, ServeError, Setting};
-use crate::restore::lazy::Handlers;
+use crate::restore::lazy::{Handlers, Target};
 use crate::restore::LazyReport;
 
 /// Default most VMs served at once.
@@ -60,6 +62,10 @@ pub struct FleetConfig {
     pub max_sessions: usize,
     /// Most guest memory served at once, bytes, all VMs together (`None`: no limit).
     pub max_bytes: Option<u64>,
+    /// Where to keep a record of each VM served, so that a server started after this one
+    /// died takes the VMs back (`None`: a VM does not outlive its server). See
+    /// [`Fleet::run`].
+    pub state_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for FleetConfig {
@@ -68,6 +74,7 @@ impl Default for FleetConfig {
             serve: ServeConfig::default(),
             max_sessions: DEFAULT_MAX_SESSIONS,
             max_bytes: None,
+            state_dir: None,
         }
     }
 }
@@ -136,6 +143,8 @@ struct Session {
     socket: usize,
     bytes: u64,
     t0: Instant,
+    /// Its record in the state directory.
+    record: Option<std::path::PathBuf>,
 }
 
 /// What woke the supervisor.
@@ -163,6 +172,7 @@ pub struct Fleet {
     notify: Arc<OwnedFd>,
     inbox: Arc<Inbox>,
     pool: Pool,
+    state: Option<StateDir>,
     sessions: BTreeMap<u64, Session>,
     next_id: u64,
     served_bytes: u64,
@@ -198,6 +208,7 @@ impl Fleet {
         let notify = Arc::new(crate::sys::eventfd().map_err(sock_err("make an eventfd"))?);
         let pool = Pool::start(cfg.serve.handler_threads)
             .map_err(sock_err("start the fault-serving pool"))?;
+        let state = cfg.state_dir.as_deref().map(StateDir::open).transpose()?;
         let mut mems = Vec::new();
         let mut firsts = Vec::new();
         let mut listeners = Vec::new();
@@ -221,6 +232,7 @@ impl Fleet {
             },
             pool,
             cfg,
+            state,
             sessions: BTreeMap::new(),
             next_id: 0,
             served_bytes: 0,
@@ -235,7 +247,14 @@ impl Fleet {
 
     /// Serves every VM that connects until drained; then every VM graduates (see the module
     /// docs) and the report is returned. Blocks in `poll`: an idle fleet uses no CPU.
+    ///
+    /// With a [`FleetConfig::state_dir`], it first takes back every VM a server that died
+    /// was serving from the same memory files: each VM's userfaultfd comes back from the VM
+    /// itself (`pidfd_getfd`), pages already in are left as they are, and threads that
+    /// waited are woken to fault again. A VM that cannot be taken back (its memory file was
+    /// replaced or truncated, its descriptor is gone) is ended as the policy says.
     pub fn run(mut self) -> Result<FleetReport, ServeError> {
+        self.resume_all();
         let mut draining = false;
         loop {
             let Woken { listening, watched } = self.wait()?;
@@ -423,23 +442,36 @@ impl Fleet {
         }
         let mut cfg = self.cfg.serve.clone();
         cfg.first = self.firsts[i].clone();
-        let server = match PageServer::launch(h, &self.mems[i], &cfg, Handlers::Pool) {
-            Ok(s) => s,
-            Err((e, p)) => {
-                end_peer(&p, &cfg, &e);
-                self.refused(p.pid(), bytes, e.to_string());
-                return;
-            }
-        };
+        let server =
+            match PageServer::launch(h, &self.mems[i], &cfg, (Handlers::Pool, Target::Fresh)) {
+                Ok(s) => s,
+                Err((e, p)) => {
+                    end_peer(&p, &cfg, &e);
+                    self.refused(p.pid(), bytes, e.to_string());
+                    return;
+                }
+            };
+        self.start_session(i, server, bytes);
+    }
+
+    /// Serves `server`'s VM on the pool, recorded in the state directory.
+    fn start_session(&mut self, i: usize, server: PageServer, bytes: u64) {
+        let cfg = &self.cfg.serve;
         let id = self.next_id;
         self.next_id += 1;
+        // Recorded before its first fault is served: a server that dies from here on
+        // leaves the record its successor needs.
+        let record = self.record(&server, i);
         if let Err(e) = self.pool.add(id, server.pooled()) {
+            if let (Some(state), Some(p)) = (&self.state, &record) {
+                state.forget(p);
+            }
             let (_, p) = server.conclude(None);
             let e = ServeError::Socket {
                 op: "add the VM to the fault-serving pool".into(),
                 source: e,
             };
-            end_peer(&p, &cfg, &e);
+            end_peer(&p, cfg, &e);
             self.refused(p.pid(), bytes, e.to_string());
             return;
         }
@@ -458,8 +490,123 @@ impl Fleet {
                 socket: i,
                 bytes,
                 t0: Instant::now(),
+                record,
             },
         );
+    }
+
+    /// Writes the session's record, if the fleet keeps them; a VM whose record cannot be
+    /// written is served all the same (it would not outlive this server), with a log line.
+    fn record(&self, server: &PageServer, i: usize) -> Option<std::path::PathBuf> {
+        let state = self.state.as_ref()?;
+        let p = server.process();
+        let written = (|| {
+            let pid = p.pid().ok_or("no pid")?;
+            let start = p.start_time().ok_or("no start time in /proc")?;
+            let fd = p
+                .fd_number_of(server.uffd_fd())
+                .map_err(|e| format!("its userfaultfd's number: {e}"))?;
+            let mem = self.mems[i]
+                .identity()
+                .map_err(|e| format!("the memory file: {e}"))?;
+            state.write(&SessionRecord::new(pid, start, fd, mem, server.regions()))
+        })();
+        match written {
+            Ok(path) => Some(path),
+            Err(e) => {
+                self.cfg.serve.log.say(&format!(
+                    "peer {}: no session record ({e}); it will not outlive this server",
+                    p.pid().map_or("?".into(), |p| p.to_string())
+                ));
+                None
+            }
+        }
+    }
+
+    /// Takes back every VM the state directory records (see [`Fleet::run`]).
+    fn resume_all(&mut self) {
+        let Some(state) = &self.state else { return };
+        for (path, read) in state.records() {
+            let r = match read {
+                Ok(r) => r,
+                Err(e) => {
+                    self.cfg.serve.log.say(&format!(
+                        "session record {}: unreadable, left as it is: {e}",
+                        path.display()
+                    ));
+                    continue;
+                }
+            };
+            let process = match PeerProcess::reopen(r.pid, r.start_time) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.cfg.serve.log.say(&format!(
+                        "session record {}: the VM has gone ({e}); record removed",
+                        path.display()
+                    ));
+                    self.state.as_ref().expect("some").forget(&path);
+                    continue;
+                }
+            };
+            match self.resume_one(&r, process) {
+                Ok((i, server, bytes)) => {
+                    self.cfg.serve.log.say(&format!(
+                        "took back peer {} (its userfaultfd {}) from a server that died",
+                        r.pid, r.uffd_fd
+                    ));
+                    self.state.as_ref().expect("some").forget(&path);
+                    self.start_session(i, server, bytes);
+                }
+                Err((e, process)) => {
+                    end_peer(&process, &self.cfg.serve, &e);
+                    self.refused(process.pid(), 0, e.to_string());
+                    self.state.as_ref().expect("some").forget(&path);
+                }
+            }
+        }
+    }
+
+    /// Serves the VM of record `r` again; which socket's file, its server and bytes.
+    fn resume_one(
+        &self,
+        r: &SessionRecord,
+        process: PeerProcess,
+    ) -> Result<(usize, PageServer, u64), (ServeError, PeerProcess)> {
+        let Some(i) = self
+            .mems
+            .iter()
+            .position(|m| m.identity().is_ok_and(|id| id == r.mem))
+        else {
+            let e = ServeError::MemoryFile {
+                path: format!("(the file served to peer {})", r.pid).into(),
+                reason: "no --mem-file given now is that file (device, inode, size and \
+                         modification time): it was replaced or truncated, or not given"
+                    .into(),
+            };
+            return Err((e, process));
+        };
+        let regions = match r.regions() {
+            Ok(x) => x,
+            Err(e) => return Err((e, process)),
+        };
+        let uffd = match process
+            .take_fd(r.uffd_fd)
+            .and_then(crate::uffd::Uffd::from_received)
+        {
+            Ok(u) => u,
+            Err(source) => {
+                let e = ServeError::Socket {
+                    op: format!("take back the userfaultfd {} of peer {}", r.uffd_fd, r.pid),
+                    source,
+                };
+                return Err((e, process));
+            }
+        };
+        let bytes = regions.iter().map(|x| x.size).sum();
+        let mut cfg = self.cfg.serve.clone();
+        cfg.first = self.firsts[i].clone();
+        PageServer::resume((regions, uffd, process), &self.mems[i], &cfg)
+            .map(|server| (i, server, bytes))
     }
 
     /// Records a VM refused (and already ended as the policy says).
@@ -482,6 +629,9 @@ impl Fleet {
         };
         let s = self.sessions.remove(&id).expect("checked above");
         self.pool.remove(id);
+        if let (Some(state), Some(p)) = (&self.state, &s.record) {
+            state.forget(p);
+        }
         self.served_bytes -= s.bytes;
         let (socket, bytes, t0) = (s.socket, s.bytes, s.t0);
         let (result, process) = s.server.conclude(ended);
@@ -520,6 +670,7 @@ impl Fleet {
         let sessions = std::mem::take(&mut self.sessions);
         let cfg = &self.cfg.serve;
         let pool = &self.pool;
+        let state = &self.state;
         let done: Vec<SessionReport> = std::thread::scope(|sc| {
             let hs: Vec<_> = sessions
                 .into_iter()
@@ -527,6 +678,9 @@ impl Fleet {
                     sc.spawn(move || {
                         let graduated = s.server.graduate();
                         pool.remove(id);
+                        if let (Some(state), Some(p)) = (state, &s.record) {
+                            state.forget(p);
+                        }
                         let gone = s.server.ended(0);
                         let (result, process) = s.server.conclude(Some("graduated"));
                         let (end, engine) = match (graduated, result) {

@@ -46,6 +46,7 @@ mod handshake;
 mod listen;
 mod peer;
 mod pool;
+mod state;
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -65,7 +66,7 @@ pub use handshake::{
 pub use listen::{Listener, SocketRefusal};
 pub use peer::PeerProcess;
 
-use super::lazy::{Handlers, LazyRestore};
+use super::lazy::{Handlers, LazyRestore, Target};
 use super::LazyReport;
 use crate::snapshot::{Image, SnapshotError};
 
@@ -324,7 +325,9 @@ pub struct ServeReport {
 pub struct PageServer {
     lazy: LazyRestore,
     image: Image,
-    peer: UnixStream,
+    /// The VM's connection; `None` for a VM taken over from a server that died (its
+    /// connection died with it): then its pidfd says when it exits.
+    peer: Option<UnixStream>,
     process: PeerProcess,
     regions: Vec<UffdRegion>,
     t0: Instant,
@@ -352,7 +355,8 @@ pub fn serve_one(
         h.regions.len(),
         h.regions.iter().map(|r| r.size).sum::<u64>() >> 20
     ));
-    let server = match PageServer::launch(h, mem, cfg, Handlers::Own(cfg.handler_threads)) {
+    let how = (Handlers::Own(cfg.handler_threads), Target::Fresh);
+    let server = match PageServer::launch(h, mem, cfg, how) {
         Ok(s) => s,
         Err((e, process)) => {
             end_peer(&process, cfg, &e);
@@ -394,14 +398,15 @@ impl PageServer {
         mem: &MemoryFile,
         cfg: &ServeConfig,
     ) -> Result<PageServer, ServeError> {
-        PageServer::launch(h, mem, cfg, Handlers::Own(cfg.handler_threads)).map_err(|(e, _)| e)
+        let how = (Handlers::Own(cfg.handler_threads), Target::Fresh);
+        PageServer::launch(h, mem, cfg, how).map_err(|(e, _)| e)
     }
 
     pub(crate) fn launch(
         h: Handshake,
         mem: &MemoryFile,
         cfg: &ServeConfig,
-        handlers: Handlers,
+        (handlers, target): (Handlers, Target),
     ) -> Result<PageServer, (ServeError, PeerProcess)> {
         let Handshake {
             regions,
@@ -409,6 +414,33 @@ impl PageServer {
             peer,
             process,
         } = h;
+        PageServer::serve_parts(
+            (regions, uffd, process),
+            Some(peer),
+            mem,
+            cfg,
+            (handlers, target),
+        )
+    }
+
+    /// Takes over a VM whose server died: `uffd` taken back from it (`pidfd_getfd`), its
+    /// `regions` as that server recorded them; pages already in are left, threads waiting
+    /// are woken to fault again.
+    pub(crate) fn resume(
+        parts: (Vec<UffdRegion>, crate::uffd::Uffd, PeerProcess),
+        mem: &MemoryFile,
+        cfg: &ServeConfig,
+    ) -> Result<PageServer, (ServeError, PeerProcess)> {
+        PageServer::serve_parts(parts, None, mem, cfg, (Handlers::Pool, Target::Resumed))
+    }
+
+    fn serve_parts(
+        (regions, uffd, process): (Vec<UffdRegion>, crate::uffd::Uffd, PeerProcess),
+        peer: Option<UnixStream>,
+        mem: &MemoryFile,
+        cfg: &ServeConfig,
+        (handlers, target): (Handlers, Target),
+    ) -> Result<PageServer, (ServeError, PeerProcess)> {
         let started = cfg
             .check()
             .and_then(|()| image_of(&regions, mem, cfg))
@@ -422,7 +454,7 @@ impl PageServer {
                     .map(|r| (r.base_host_virt_addr, r.size, r.page_size))
                     .collect();
                 let threads = (handlers, cfg.prefetch_threads);
-                LazyRestore::start_remote(&image, &places, uffd, threads, first)
+                LazyRestore::start_remote(&image, &places, uffd, threads, first, target)
                     .map(|lazy| (lazy, image))
                     .map_err(|source| ServeError::Socket {
                         op: "start the handler threads".into(),
@@ -502,7 +534,12 @@ impl PageServer {
         if self.lazy.peer_gone() {
             return Some(Some("peer exited"));
         }
-        match wait_peer(&self.peer, self.lazy.changed_fd(), ms) {
+        let link = match (&self.peer, self.process.pidfd()) {
+            (Some(s), _) => Link::Socket(s),
+            (None, Some(p)) => Link::Pidfd(p),
+            (None, None) => return Some(Some("peer exited")),
+        };
+        match wait_peer(link, self.lazy.changed_fd(), ms) {
             PeerState::HungUp => Some(Some("peer closed the socket")),
             PeerState::Quiet => None,
         }
@@ -511,7 +548,22 @@ impl PageServer {
     /// The peer's socket and the engine's failure descriptor: what a supervisor polls.
     pub(crate) fn watch_fds(&self) -> [std::os::fd::BorrowedFd<'_>; 2] {
         use std::os::fd::AsFd;
-        [self.peer.as_fd(), self.lazy.changed_fd()]
+        let peer = match (&self.peer, self.process.pidfd()) {
+            (Some(s), _) => s.as_fd(),
+            (None, Some(p)) => p,
+            (None, None) => self.lazy.changed_fd(),
+        };
+        [peer, self.lazy.changed_fd()]
+    }
+
+    /// The VM's process.
+    pub(crate) fn process(&self) -> &PeerProcess {
+        &self.process
+    }
+
+    /// Its userfaultfd.
+    pub(crate) fn uffd_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.lazy.uffd_fd()
     }
 
     /// The fault side, for a shared pool.
@@ -611,9 +663,33 @@ enum PeerState {
     Quiet,
 }
 
+/// How a server learns its VM went: its socket closes, or (taken over after a restart) its
+/// pidfd becomes readable.
+enum Link<'a> {
+    Socket(&'a UnixStream),
+    Pidfd(std::os::fd::BorrowedFd<'a>),
+}
+
 /// Waits up to `ms` (-1: for ever) until the peer hangs up or sends something, or
 /// `changed` becomes readable.
-fn wait_peer(s: &UnixStream, changed: std::os::fd::BorrowedFd<'_>, ms: i32) -> PeerState {
+fn wait_peer(link: Link<'_>, changed: std::os::fd::BorrowedFd<'_>, ms: i32) -> PeerState {
+    let s = match link {
+        Link::Socket(s) => s,
+        Link::Pidfd(p) => {
+            let mut fds = [p.as_raw_fd(), changed.as_raw_fd()].map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+            // SAFETY: two live pollfds.
+            unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+            return if fds[0].revents != 0 {
+                PeerState::HungUp
+            } else {
+                PeerState::Quiet
+            };
+        }
+    };
     let mut fds = [
         libc::pollfd {
             fd: s.as_raw_fd(),

@@ -72,6 +72,99 @@ impl PeerProcess {
     }
 }
 
+impl PeerProcess {
+    /// The process `pid` again, after a restart of the server, if it is still the one that
+    /// started at `start_time` (clock ticks after boot, `/proc/PID/stat`): the pidfd is
+    /// taken first and the start time read after, so a pid reused meanwhile is refused.
+    pub(crate) fn reopen(pid: i32, start_time: u64) -> io::Result<PeerProcess> {
+        let pidfd = pidfd_open(pid).ok_or_else(io::Error::last_os_error)?;
+        match start_time_of(pid) {
+            Some(t) if t == start_time => Ok(PeerProcess {
+                pid: Some(pid),
+                pidfd: Some(pidfd),
+            }),
+            _ => Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("process {pid} is not the one that started at tick {start_time}"),
+            )),
+        }
+    }
+
+    /// When it started, clock ticks after boot.
+    pub(crate) fn start_time(&self) -> Option<u64> {
+        self.pid.and_then(start_time_of)
+    }
+
+    /// Its pidfd: readable once it has exited.
+    pub(crate) fn pidfd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.pidfd.as_ref().map(|f| f.as_fd())
+    }
+
+    /// A duplicate of its descriptor `fd` (`pidfd_getfd`; needs ptrace access to it).
+    pub(crate) fn take_fd(&self, fd: i32) -> io::Result<OwnedFd> {
+        let pidfd = self
+            .pidfd
+            .as_ref()
+            .ok_or_else(|| io::Error::from(io::ErrorKind::Unsupported))?;
+        // SAFETY: pidfd_getfd takes a pidfd we own, a descriptor number in that process and
+        // no flags; it returns a new descriptor of ours or -1.
+        let r = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a new descriptor nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
+    }
+
+    /// The number under which it holds the same open file as our `ours`: its descriptors
+    /// that are userfaultfds, compared with `kcmp(KCMP_FILE)`.
+    pub(crate) fn fd_number_of(&self, ours: std::os::fd::BorrowedFd<'_>) -> io::Result<i32> {
+        let pid = self
+            .pid
+            .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
+        for e in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+            let e = e?;
+            let Some(n) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+                continue;
+            };
+            if !std::fs::read_link(e.path())
+                .is_ok_and(|l| l.as_os_str() == "anon_inode:[userfaultfd]")
+            {
+                continue;
+            }
+            const KCMP_FILE: libc::c_int = 0;
+            // SAFETY: kcmp compares two processes' descriptors by number; it touches no
+            // memory of ours.
+            let r = unsafe {
+                libc::syscall(
+                    libc::SYS_kcmp,
+                    std::process::id() as libc::pid_t,
+                    pid,
+                    KCMP_FILE,
+                    ours.as_raw_fd() as libc::c_ulong,
+                    n as libc::c_ulong,
+                )
+            };
+            if r == 0 {
+                return Ok(n);
+            }
+        }
+        Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            format!("process {pid} holds no descriptor of this userfaultfd"),
+        ))
+    }
+}
+
+/// Field 22 of `/proc/PID/stat`: when the process started, clock ticks after boot.
+fn start_time_of(pid: i32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: count from the last ')'.
+    let rest = &s[s.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
 /// The peer's pid (`SO_PEERCRED`).
 fn peer_pid(s: &UnixStream) -> Option<i32> {
     let mut cred = libc::ucred {
