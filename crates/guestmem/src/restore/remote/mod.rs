@@ -39,6 +39,10 @@
 //! older kernels), and logs why. Idle means
 //! blocked: handlers wait in `poll` without a timeout, and the server waits on the peer's
 //! socket and the engine's failure descriptor.
+//!
+//! [`serve_one`] serves one VM. [`Fleet`] serves every VM that connects to any of its
+//! sockets (a snapshot each) on one shared pool of threads, within limits, until drained,
+//! and with a state directory outlives its own crash: see the `fleet` module's docs.
 
 mod files;
 mod fleet;
