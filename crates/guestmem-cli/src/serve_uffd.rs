@@ -162,6 +162,7 @@ pub fn run(a: Args) -> Result<()> {
             state_dir: a.state_dir.clone(),
         },
     )?;
+    notify_ready(a.socket.len());
     let drainer = fleet.drainer();
     std::thread::Builder::new()
         .name("guestmem-signals".into())
@@ -175,6 +176,29 @@ pub fn run(a: Args) -> Result<()> {
         })?;
     let report = fleet.run()?;
     print_fleet(&report, a.json)
+}
+
+/// Tells systemd the server is ready (`Type=notify`), once every socket listens: one
+/// datagram `READY=1` to `$NOTIFY_SOCKET` (a path, or `@name` in the abstract namespace), as
+/// `sd_notify(3)` describes. Nothing without the variable; a failure is printed, not fatal.
+fn notify_ready(sockets: usize) {
+    use std::os::linux::net::SocketAddrExt;
+    use std::os::unix::net::{SocketAddr, UnixDatagram};
+    let Some(to) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let msg = format!("READY=1\nSTATUS=serving on {sockets} sockets\n");
+    let sent = (|| {
+        let s = UnixDatagram::unbound()?;
+        let bytes = to.as_encoded_bytes();
+        match bytes.strip_prefix(b"@") {
+            Some(name) => s.send_to_addr(msg.as_bytes(), &SocketAddr::from_abstract_name(name)?),
+            None => s.send_to(msg.as_bytes(), &to),
+        }
+    })();
+    if let Err(e) = sent {
+        eprintln!("guestmem serve-uffd: could not notify systemd at {to:?}: {e}");
+    }
 }
 
 /// The serving settings the flags give.

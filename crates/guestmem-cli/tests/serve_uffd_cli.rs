@@ -1121,3 +1121,33 @@ fn a_kill_9_of_the_server_loses_no_vm_and_no_page() {
         "records removed once the sessions ended"
     );
 }
+
+#[test]
+fn a_fleet_tells_systemd_it_is_ready_once_it_listens() {
+    need_uffd!();
+    let d = dir("notify");
+    let mem = mem_file(&d, 4 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let notify = d.join("notify.sock");
+    let rx = std::os::unix::net::UnixDatagram::bind(&notify).unwrap();
+    rx.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let srv = Guard::new(
+        Command::new(env!("CARGO_BIN_EXE_guestmem"))
+            .args(["serve-uffd", "--socket"])
+            .arg(&socket)
+            .arg("--mem-file")
+            .arg(&mem)
+            .env("NOTIFY_SOCKET", &notify)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut buf = [0u8; 256];
+    let n = rx.recv(&mut buf).expect("a notification within 20 s");
+    let msg = std::str::from_utf8(&buf[..n]).unwrap();
+    assert!(msg.starts_with("READY=1\n"), "{msg:?}");
+    assert!(socket.exists(), "ready only once the socket listens");
+    let (code, _, err, _) = terminate(srv);
+    assert_eq!(code, 0, "{err}");
+}
