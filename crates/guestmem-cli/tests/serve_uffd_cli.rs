@@ -1151,3 +1151,31 @@ fn a_fleet_tells_systemd_it_is_ready_once_it_listens() {
     let (code, _, err, _) = terminate(srv);
     assert_eq!(code, 0, "{err}");
 }
+
+#[test]
+fn a_second_server_on_the_same_state_dir_is_refused() {
+    need_uffd!();
+    let d = dir("fleet-state-lock");
+    let mem = mem_file(&d, 4 * MIB, None);
+    let state = d.join("state");
+    let args = ["--state-dir", state.to_str().unwrap()];
+    let (a, b) = (d.join("a.sock"), d.join("b.sock"));
+    let first = fleet(&[(&a, &mem)], &args);
+    // Two servers would both serve the VMs the records name.
+    let (code, _, err) = finish(Guard::new(
+        Command::new(env!("CARGO_BIN_EXE_guestmem"))
+            .args(["serve-uffd", "--socket"])
+            .arg(&b)
+            .arg("--mem-file")
+            .arg(&mem)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    assert_ne!(code, 0);
+    assert!(err.contains("another server holds it"), "{err}");
+    let (code, _, err, _) = terminate(first);
+    assert_eq!(code, 0, "{err}");
+}

@@ -247,16 +247,32 @@ impl Lazy {
         src: Option<&[u8]>,
         n: usize,
     ) -> std::io::Result<()> {
+        // The page size the peer declared is not trusted to step by: a present page is
+        // skipped a base page at a time; memory of larger pages (hugetlb) refuses a copy
+        // inside a page (EINVAL), and then the step goes on to the next declared page.
+        let base = crate::sys::base_page_size() as usize;
         let page = lr.page as usize;
         let copy = |src: &[u8]| {
             let mut done = 0;
             while done < n {
-                done += self
+                match self
                     .uffd
-                    .copy(lr.target(), off + done, &src[done..n], &|| self.drain())?;
+                    .copy(lr.target(), off + done, &src[done..n], &|| self.drain())
+                {
+                    Ok(k) => done += k,
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EINVAL)
+                            && page > base
+                            && !(off + done).is_multiple_of(page) =>
+                    {
+                        done = (off + done).next_multiple_of(page) - off;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
                 if done < n {
                     // A present page: skip it.
-                    done += page;
+                    done += base;
                 }
             }
             Ok(())

@@ -257,7 +257,7 @@ impl Fleet {
         self.resume_all();
         let mut draining = false;
         loop {
-            let Woken { listening, watched } = self.wait()?;
+            let Woken { listening, watched } = self.wait(draining);
             if listening.iter().any(|&(_, ready)| ready) {
                 for (i, ready) in listening {
                     if ready {
@@ -271,7 +271,15 @@ impl Fleet {
             }
             if !draining && readable(self.drain.as_fd()) {
                 draining = true;
-                // Closing the listeners removes their paths: new VMs are refused at connect.
+                // Paths first (new VMs are refused at connect), then every connection already
+                // in a backlog is accepted (its VM may have sent its userfaultfd and would
+                // wait for ever), then the sockets close.
+                for l in self.listeners.iter().flatten() {
+                    l.unpublish();
+                }
+                for i in 0..self.listeners.len() {
+                    self.accept_all(i);
+                }
                 for l in &mut self.listeners {
                     *l = None;
                 }
@@ -292,8 +300,18 @@ impl Fleet {
 
     /// Blocks until something needs the supervisor: which sockets have connections waiting,
     /// and which sessions' descriptors changed.
-    fn wait(&self) -> Result<Woken, ServeError> {
-        let mut fds = vec![pollin(self.drain.as_fd()), pollin(self.notify.as_fd())];
+    fn wait(&self, draining: bool) -> Woken {
+        // Once draining, the drain eventfd stays readable: left out, or every wait returns
+        // at once.
+        let drain = if draining { -1 } else { self.drain.as_raw_fd() };
+        let mut fds = vec![
+            libc::pollfd {
+                fd: drain,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            pollin(self.notify.as_fd()),
+        ];
         let accepting = self.inbox.pending.load(Ordering::Acquire) < MAX_PENDING_HANDSHAKES;
         let mut listening = Vec::new();
         for (i, l) in self.listeners.iter().enumerate() {
@@ -317,10 +335,13 @@ impl Fleet {
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.raw_os_error() != Some(libc::EINTR) {
-                return Err(ServeError::Socket {
-                    op: "wait on the fleet's sockets and sessions".into(),
-                    source: e,
-                });
+                // ENOMEM, say: the sessions must go on being watched; wait a little rather
+                // than return with VMs that depend on this server.
+                self.cfg
+                    .serve
+                    .log
+                    .say(&format!("poll failed: {e}; trying again in 100 ms"));
+                std::thread::sleep(std::time::Duration::from_millis(100));
             }
         }
         drain_eventfd(self.notify.as_fd());
@@ -336,19 +357,35 @@ impl Fleet {
             .filter(|(k, _)| fds[base + 2 * k].revents != 0 || fds[base + 2 * k + 1].revents != 0)
             .map(|(_, &id)| id)
             .collect();
-        Ok(Woken { listening, watched })
+        Woken { listening, watched }
     }
 
     /// Accepts the connections waiting on socket `i`, a handshake thread each (at most
     /// [`MAX_PENDING_HANDSHAKES`] in flight; the rest wait in the backlog).
     fn accept(&mut self, i: usize) {
+        self.accept_up_to(i, MAX_PENDING_HANDSHAKES);
+    }
+
+    /// Accepts every connection waiting on socket `i`, past the cap (a drain: the socket is
+    /// about to close, and those VMs would be left hung).
+    fn accept_all(&mut self, i: usize) {
+        self.accept_up_to(i, usize::MAX);
+    }
+
+    fn accept_up_to(&mut self, i: usize, cap: usize) {
         let Some(l) = &self.listeners[i] else { return };
-        while self.inbox.pending.load(Ordering::Acquire) < MAX_PENDING_HANDSHAKES {
+        while self.inbox.pending.load(Ordering::Acquire) < cap {
             let stream = match l.socket().accept() {
                 Ok((stream, _)) => stream,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) => {
-                    self.cfg.serve.log.say(&format!("accept failed: {e}"));
+                    // Out of descriptors, say: the connection stays queued and the listener
+                    // readable; wait a little rather than spin.
+                    self.cfg
+                        .serve
+                        .log
+                        .say(&format!("accept failed: {e}; trying again in 100 ms"));
+                    std::thread::sleep(std::time::Duration::from_millis(100));
                     return;
                 }
             };
@@ -361,7 +398,15 @@ impl Fleet {
             let spawned = std::thread::Builder::new()
                 .name("guestmem-handshake".into())
                 .spawn(move || {
-                    let r = receive_checked(stream, timeout);
+                    // A panic (a bug) must not leave the count up: the drain waits on it.
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        receive_checked(stream, timeout)
+                    }));
+                    let Ok(r) = r else {
+                        inbox.pending.fetch_sub(1, Ordering::AcqRel);
+                        let _ = crate::sys::eventfd_signal(notify.as_fd());
+                        return;
+                    };
                     inbox
                         .results
                         .lock()
@@ -539,12 +584,23 @@ impl Fleet {
             };
             let process = match PeerProcess::reopen(r.pid, r.start_time) {
                 Ok(p) => p,
-                Err(e) => {
+                Err(e)
+                    if matches!(e.raw_os_error(), Some(libc::ESRCH))
+                        || e.kind() == io::ErrorKind::NotFound =>
+                {
                     self.cfg.serve.log.say(&format!(
                         "session record {}: the VM has gone ({e}); record removed",
                         path.display()
                     ));
                     self.state.as_ref().expect("some").forget(&path);
+                    continue;
+                }
+                Err(e) => {
+                    // Not known to be gone: the record stays for a later server.
+                    self.cfg.serve.log.say(&format!(
+                        "session record {}: cannot reach the VM now ({e}); record kept",
+                        path.display()
+                    ));
                     continue;
                 }
             };
@@ -554,7 +610,7 @@ impl Fleet {
                         "took back peer {} (its userfaultfd {}) from a server that died",
                         r.pid, r.uffd_fd
                     ));
-                    self.state.as_ref().expect("some").forget(&path);
+                    // Its record is written again (the same name, replaced whole).
                     self.start_session(i, server, bytes);
                 }
                 Err((e, process)) => {

@@ -292,12 +292,21 @@ fn end_late(r: Result<Handshake, Refused>, cfg: &ServeConfig) {
     }
 }
 
-impl Drop for Listener {
-    fn drop(&mut self) {
+impl Listener {
+    /// Removes the path if it still names this socket (same device and inode): new
+    /// connections are refused at `connect` from then on, while those already in the
+    /// backlog can still be accepted.
+    pub(super) fn unpublish(&self) {
         // Only our own socket: another server may have taken the path since.
         if std::fs::symlink_metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == self.id) {
             self.dir.unlink(&self.name);
         }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.unpublish();
     }
 }
 

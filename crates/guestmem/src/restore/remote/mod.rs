@@ -137,6 +137,14 @@ pub enum ServeError {
         /// Why not.
         refusal: SocketRefusal,
     },
+    /// The state directory cannot be used.
+    #[error("--state-dir {}: {reason}", path.display())]
+    StateDir {
+        /// The directory.
+        path: PathBuf,
+        /// Why not.
+        reason: String,
+    },
     /// A VM was refused at a limit of the server.
     #[error(
         "refused at a limit: {limit}: {have} in use, this VM needs {needs}, the limit is {max}"
@@ -543,8 +551,13 @@ impl PageServer {
             (None, Some(p)) => Link::Pidfd(p),
             (None, None) => return Some(Some("peer exited")),
         };
+        let gone = if self.peer.is_some() {
+            "peer closed the socket"
+        } else {
+            "peer exited"
+        };
         match wait_peer(link, self.lazy.changed_fd(), ms) {
-            PeerState::HungUp => Some(Some("peer closed the socket")),
+            PeerState::HungUp => Some(Some(gone)),
             PeerState::Quiet => None,
         }
     }

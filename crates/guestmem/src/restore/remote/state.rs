@@ -88,6 +88,9 @@ impl SessionRecord {
 #[derive(Debug)]
 pub(crate) struct StateDir {
     path: PathBuf,
+    /// Held locked (exclusive `flock`) for the server's life: two servers on one state
+    /// directory would both serve the same userfaultfds.
+    _lock: crate::files::Dir,
 }
 
 impl StateDir {
@@ -98,12 +101,40 @@ impl StateDir {
             .recursive(true)
             .mode(0o700)
             .create(path)
-            .map_err(|source| ServeError::Socket {
-                op: format!("make the state directory {}", path.display()),
-                source,
+            .map_err(|e| ServeError::StateDir {
+                path: path.to_path_buf(),
+                reason: format!("cannot make it: {e}"),
             })?;
+        let bad = |reason: String| ServeError::StateDir {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let dir = crate::files::Dir::open(path).map_err(|e| bad(e.to_string()))?;
+        // Its records make this server take descriptors from processes and end those it
+        // cannot serve: only its owner may write them.
+        let m = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
+        // SAFETY: geteuid takes nothing and cannot fail.
+        let euid = unsafe { libc::geteuid() };
+        if m.uid() != euid || m.mode() & 0o022 != 0 {
+            return Err(bad(format!(
+                "owned by uid {} with mode {:o}; it must be this user's ({euid}) and writable by \
+                 no one else",
+                m.uid(),
+                m.mode() & 0o7777
+            )));
+        }
+        match dir.lock(true, false) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(bad(
+                    "another server holds it (two servers would serve the same VMs)".into(),
+                ))
+            }
+            Err(e) => return Err(bad(format!("cannot lock it: {e}"))),
+        }
         Ok(StateDir {
             path: path.to_path_buf(),
+            _lock: dir,
         })
     }
 
