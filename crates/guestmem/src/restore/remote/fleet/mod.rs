@@ -27,11 +27,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+mod graduate;
+mod restart;
+
 use super::handshake::{receive_checked, Handshake, Refused};
 use super::listen::MAX_PENDING_HANDSHAKES;
-use super::peer::PeerProcess;
 use super::pool::Pool;
-use super::state::{SessionRecord, StateDir};
+use super::state::StateDir;
 use super::{end_peer, Listener, MemoryFile, PageServer, ServeConfig, ServeError, Setting};
 use crate::restore::lazy::{Handlers, Target};
 use crate::restore::LazyReport;
@@ -540,131 +542,6 @@ impl Fleet {
         );
     }
 
-    /// Writes the session's record, if the fleet keeps them; a VM whose record cannot be
-    /// written is served all the same (it would not outlive this server), with a log line.
-    fn record(&self, server: &PageServer, i: usize) -> Option<std::path::PathBuf> {
-        let state = self.state.as_ref()?;
-        let p = server.process();
-        let written = (|| {
-            let pid = p.pid().ok_or("no pid")?;
-            let start = p.start_time().ok_or("no start time in /proc")?;
-            let fd = p
-                .fd_number_of(server.uffd_fd())
-                .map_err(|e| format!("its userfaultfd's number: {e}"))?;
-            let mem = self.mems[i]
-                .identity()
-                .map_err(|e| format!("the memory file: {e}"))?;
-            state.write(&SessionRecord::new(pid, start, fd, mem, server.regions()))
-        })();
-        match written {
-            Ok(path) => Some(path),
-            Err(e) => {
-                self.cfg.serve.log.say(&format!(
-                    "peer {}: no session record ({e}); it will not outlive this server",
-                    p.pid().map_or("?".into(), |p| p.to_string())
-                ));
-                None
-            }
-        }
-    }
-
-    /// Takes back every VM the state directory records (see [`Fleet::run`]).
-    fn resume_all(&mut self) {
-        let Some(state) = &self.state else { return };
-        for (path, read) in state.records() {
-            let r = match read {
-                Ok(r) => r,
-                Err(e) => {
-                    self.cfg.serve.log.say(&format!(
-                        "session record {}: unreadable, left as it is: {e}",
-                        path.display()
-                    ));
-                    continue;
-                }
-            };
-            let process = match PeerProcess::reopen(r.pid, r.start_time) {
-                Ok(p) => p,
-                Err(e)
-                    if matches!(e.raw_os_error(), Some(libc::ESRCH))
-                        || e.kind() == io::ErrorKind::NotFound =>
-                {
-                    self.cfg.serve.log.say(&format!(
-                        "session record {}: the VM has gone ({e}); record removed",
-                        path.display()
-                    ));
-                    self.state.as_ref().expect("some").forget(&path);
-                    continue;
-                }
-                Err(e) => {
-                    // Not known to be gone: the record stays for a later server.
-                    self.cfg.serve.log.say(&format!(
-                        "session record {}: cannot reach the VM now ({e}); record kept",
-                        path.display()
-                    ));
-                    continue;
-                }
-            };
-            match self.resume_one(&r, process) {
-                Ok((i, server, bytes)) => {
-                    self.cfg.serve.log.say(&format!(
-                        "took back peer {} (its userfaultfd {}) from a server that died",
-                        r.pid, r.uffd_fd
-                    ));
-                    // Its record is written again (the same name, replaced whole).
-                    self.start_session(i, server, bytes);
-                }
-                Err((e, process)) => {
-                    end_peer(&process, &self.cfg.serve, &e);
-                    self.refused(process.pid(), 0, e.to_string());
-                    self.state.as_ref().expect("some").forget(&path);
-                }
-            }
-        }
-    }
-
-    /// Serves the VM of record `r` again; which socket's file, its server and bytes.
-    fn resume_one(
-        &self,
-        r: &SessionRecord,
-        process: PeerProcess,
-    ) -> Result<(usize, PageServer, u64), (ServeError, PeerProcess)> {
-        let Some(i) = self
-            .mems
-            .iter()
-            .position(|m| m.identity().is_ok_and(|id| id == r.mem))
-        else {
-            let e = ServeError::MemoryFile {
-                path: format!("(the file served to peer {})", r.pid).into(),
-                reason: "no --mem-file given now is that file (device, inode, size and \
-                         modification time): it was replaced or truncated, or not given"
-                    .into(),
-            };
-            return Err((e, process));
-        };
-        let regions = match r.regions() {
-            Ok(x) => x,
-            Err(e) => return Err((e, process)),
-        };
-        let uffd = match process
-            .take_fd(r.uffd_fd)
-            .and_then(crate::uffd::Uffd::from_received)
-        {
-            Ok(u) => u,
-            Err(source) => {
-                let e = ServeError::Socket {
-                    op: format!("take back the userfaultfd {} of peer {}", r.uffd_fd, r.pid),
-                    source,
-                };
-                return Err((e, process));
-            }
-        };
-        let bytes = regions.iter().map(|x| x.size).sum();
-        let mut cfg = self.cfg.serve.clone();
-        cfg.first = self.firsts[i].clone();
-        PageServer::resume((regions, uffd, process), &self.mems[i], &cfg)
-            .map(|server| (i, server, bytes))
-    }
-
     /// Records a VM refused (and already ended as the policy says).
     fn refused(&mut self, pid: Option<i32>, bytes: u64, why: String) {
         self.report.sessions.push(SessionReport {
@@ -718,59 +595,6 @@ impl Fleet {
             engine,
             served_secs: t0.elapsed().as_secs_f64(),
         });
-    }
-
-    /// Graduates every VM still served, side by side; the pool serves their faults
-    /// meanwhile. A VM that cannot graduate (a failure) is ended as the policy says.
-    fn graduate_all(&mut self) {
-        let sessions = std::mem::take(&mut self.sessions);
-        let cfg = &self.cfg.serve;
-        let pool = &self.pool;
-        let state = &self.state;
-        let done: Vec<SessionReport> = std::thread::scope(|sc| {
-            let hs: Vec<_> = sessions
-                .into_iter()
-                .map(|(id, mut s)| {
-                    sc.spawn(move || {
-                        let graduated = s.server.graduate();
-                        pool.remove(id);
-                        if let (Some(state), Some(p)) = (state, &s.record) {
-                            state.forget(p);
-                        }
-                        let gone = s.server.ended(0);
-                        let (result, process) = s.server.conclude(Some("graduated"));
-                        let (end, engine) = match (graduated, result) {
-                            (Ok(_), Ok(r)) => (SessionEnd::Graduated, Some(r.engine)),
-                            (Err(_), _) if gone == Some(Some("peer exited")) => {
-                                (SessionEnd::PeerExited, None)
-                            }
-                            (Err(e), _) => {
-                                let e = ServeError::Serve(e);
-                                end_peer(&process, cfg, &e);
-                                (SessionEnd::Failed(e.to_string()), None)
-                            }
-                            (Ok(_), Err(e)) => (SessionEnd::Failed(e.to_string()), None),
-                        };
-                        cfg.log.say(&format!(
-                            "session {id}: {end:?} after {:.3} s",
-                            s.t0.elapsed().as_secs_f64()
-                        ));
-                        SessionReport {
-                            id,
-                            socket: s.socket,
-                            pid: process.pid(),
-                            bytes: s.bytes,
-                            end,
-                            engine,
-                            served_secs: s.t0.elapsed().as_secs_f64(),
-                        }
-                    })
-                })
-                .collect();
-            hs.into_iter().filter_map(|h| h.join().ok()).collect()
-        });
-        self.served_bytes = 0;
-        self.report.sessions.extend(done);
     }
 }
 
