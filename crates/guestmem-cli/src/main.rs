@@ -5,6 +5,7 @@ mod bringup;
 mod inspect;
 mod lab;
 mod report;
+mod serve_ctl;
 mod serve_uffd;
 mod vm;
 
@@ -35,6 +36,8 @@ enum Command {
     /// Serve a Firecracker snapshot restore's page faults (its `Uffd` memory backend) from
     /// the memory file: parallel handlers, whole blocks, recorded prefetch.
     ServeUffd(serve_uffd::Args),
+    /// Ask a running page server (its --control socket): status, health, drain, metrics.
+    ServeCtl(serve_ctl::Args),
 }
 
 /// The error and its causes, each cause only if the text so far does not already say it
@@ -62,6 +65,7 @@ fn main() -> ExitCode {
         Command::Inspect(args) => inspect::run(args),
         Command::Lab(args) => lab::run(args),
         Command::ServeUffd(args) => serve_uffd::run(args),
+        Command::ServeCtl(args) => serve_ctl::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -38,6 +38,14 @@ pub struct Args {
     /// (`pidfd_getfd`), and none is lost.
     #[arg(long, conflicts_with = "once")]
     state_dir: Option<PathBuf>,
+    /// A control socket: one command a connection (`status`, `health`, `drain`, `metrics`);
+    /// `guestmem serve-ctl --control PATH status` sends one.
+    #[arg(long, conflicts_with = "once")]
+    control: Option<PathBuf>,
+    /// Serve Prometheus metrics (`GET /metrics`) and `GET /health` over HTTP here
+    /// (`127.0.0.1:9464`) [default: off].
+    #[arg(long, conflicts_with = "once")]
+    metrics: Option<std::net::SocketAddr>,
     /// Threads serving faults [default: the CPUs]: with --once the VM's own, else one pool
     /// shared by every VM.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
@@ -162,8 +170,25 @@ pub fn run(a: Args) -> Result<()> {
             state_dir: a.state_dir.clone(),
         },
     )?;
-    notify_ready(a.socket.len());
     let drainer = fleet.drainer();
+    let status = fleet.status();
+    let _control = match &a.control {
+        Some(path) => {
+            let l = Listener::bind(path)?;
+            eprintln!("guestmem serve-uffd: control socket {}", path.display());
+            Some(status.serve_control(l, drainer.clone())?)
+        }
+        None => None,
+    };
+    let _metrics = match a.metrics {
+        Some(addr) => {
+            let (m, bound) = status.serve_metrics(addr)?;
+            eprintln!("guestmem serve-uffd: metrics on http://{bound}/metrics");
+            Some(m)
+        }
+        None => None,
+    };
+    notify_ready(a.socket.len());
     std::thread::Builder::new()
         .name("guestmem-signals".into())
         .spawn(move || {

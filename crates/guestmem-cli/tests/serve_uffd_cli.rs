@@ -1179,3 +1179,99 @@ fn a_second_server_on_the_same_state_dir_is_refused() {
     let (code, _, err, _) = terminate(first);
     assert_eq!(code, 0, "{err}");
 }
+
+/// Runs `guestmem serve-ctl --control PATH COMMAND`; its stdout.
+fn ctl(control: &Path, command: &str) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_guestmem"))
+        .args(["serve-ctl", "--control"])
+        .arg(control)
+        .arg(command)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// `GET path` from 127.0.0.1:`port`; the whole response.
+fn http_get(port: u16, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn status_metrics_and_drain_over_the_control_socket() {
+    need_uffd!();
+    let d = dir("fleet-ctl");
+    let mem = mem_file(&d, 8 * MIB, Some(3 * MIB));
+    let socket = d.join("uffd.sock");
+    let control = d.join("ctl.sock");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut srv = fleet(
+        &[(&socket, &mem)],
+        &[
+            "--control",
+            control.to_str().unwrap(),
+            "--metrics",
+            &addr,
+            "--on-failure",
+            "leave",
+        ],
+    );
+    let t = Instant::now();
+    while !control.exists() {
+        assert!(t.elapsed() < Duration::from_secs(20), "no control socket");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut vms: Vec<Standin> = (0..2)
+        .map(|_| Standin::new(&[8 * MIB], false).unwrap())
+        .collect();
+    for vm in &mut vms {
+        vm.connect(&socket).unwrap();
+        vm.read_all(2);
+        assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
+    }
+    let health = ctl(&control, "health");
+    assert!(
+        health.contains("\"ok\":true") && health.contains("\"vms\":2"),
+        "{health}"
+    );
+    let status: serde_json::Value = serde_json::from_str(&ctl(&control, "status")).unwrap();
+    let sessions = status["sessions"].as_array().unwrap();
+    assert_eq!(sessions.len(), 2, "{status}");
+    for s in sessions {
+        // 8 blocks of 1 MiB, one of them a hole: every block came in for a fault.
+        assert_eq!(s["engine"]["fault_blocks"], 8, "{s}");
+        assert!(s["engine"]["first_fault_secs"].as_f64().is_some(), "{s}");
+    }
+    let lat = &status["sockets"][0]["fault_latency"];
+    assert_eq!(lat["file"]["count"], 14, "{status}");
+    assert_eq!(lat["zero"]["count"], 2, "{status}");
+    assert!(lat["file"]["p99_us"].as_f64().unwrap() > 0.0, "{status}");
+    let metrics = http_get(port, "/metrics");
+    assert!(metrics.starts_with("HTTP/1.0 200 OK"), "{metrics}");
+    assert!(metrics.contains("guestmem_fleet_vms 2"), "{metrics}");
+    assert!(
+        metrics.contains("guestmem_fault_latency_seconds_count{socket=\"0\",class=\"file\"} 14"),
+        "{metrics}"
+    );
+    assert!(http_get(port, "/health").ends_with("ok\n"));
+    assert!(http_get(port, "/nothing").starts_with("HTTP/1.0 404"));
+    // A drain through the control socket: every VM graduates, the server exits 0.
+    assert!(ctl(&control, "drain").contains("\"draining\":true"));
+    let status = srv.wait_exit(10);
+    assert_eq!(status.code(), Some(0));
+    assert!(!control.exists(), "the control socket is removed");
+}

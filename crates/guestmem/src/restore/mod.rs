@@ -21,6 +21,7 @@
 //! populated memory the caller drops; a lazy restore that fails stops (see
 //! [`LazyRestore`]).
 
+mod latency;
 mod lazy;
 pub mod remote;
 
@@ -28,6 +29,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub use crate::lifecycle::RestoreState;
+pub use latency::{FaultClass, FaultLatency, LatencySummary};
 pub use lazy::{LazyReport, LazyRestore};
 
 use crate::jobs::{Job, JobRange};

@@ -52,6 +52,7 @@ use std::time::Instant;
 
 use linux_raw_sys::general as uapi;
 
+use super::latency::{ClassHistograms, FaultLatency};
 use super::{Prefetch, RestoreConfig};
 use crate::layout::Backing;
 use crate::mmap::Mapping;
@@ -87,7 +88,7 @@ pub(crate) enum Handlers {
 /// call that reads and serves one batch of what is pending. Holding it keeps the engine
 /// (and the descriptor) alive.
 #[derive(Clone)]
-pub(crate) struct Pooled(Arc<Lazy>);
+pub(crate) struct Pooled(Arc<Lazy>, (usize, usize, usize));
 
 impl Pooled {
     /// The userfaultfd to watch (non-blocking: Firecracker opens it with `O_NONBLOCK`).
@@ -122,6 +123,11 @@ impl Pooled {
         });
     }
 
+    /// What the restore did so far.
+    pub(crate) fn report(&self) -> LazyReport {
+        self.0.report(self.1)
+    }
+
     /// Whether it has failed, lost its peer or been stopped: nothing more to serve.
     pub(crate) fn over(&self) -> bool {
         self.0.failed.load(Ordering::Acquire) || self.0.cancel.load(Ordering::Acquire)
@@ -149,6 +155,8 @@ pub struct LazyReport {
     pub blocks: u64,
     /// From the start of the restore until every block was in, seconds.
     pub complete_secs: Option<f64>,
+    /// From the start of the restore until the first fault was read, seconds.
+    pub first_fault_secs: Option<f64>,
     /// Handler threads.
     pub handler_threads: usize,
     /// Prefetch threads.
@@ -157,6 +165,8 @@ pub struct LazyReport {
     pub prefetched_working_set: usize,
     /// Remove events read (a remote peer's `MADV_DONTNEED`, a balloon inflating).
     pub removes: u64,
+    /// How long faults took to answer, from reading the message to the install, by class.
+    pub fault_latency: FaultLatency,
 }
 
 #[derive(Default)]
@@ -204,6 +214,10 @@ struct Lazy {
     /// Serving memory a previous server already partly filled: a page found present is
     /// skipped, not an error.
     resumed: bool,
+    /// How long each fault took to answer, by class.
+    latency: ClassHistograms,
+    /// When the first fault was read.
+    first_fault: OnceLock<Instant>,
 }
 
 /// The memory a restore fills.
@@ -227,6 +241,36 @@ pub struct LazyRestore {
     prefetch_threads: usize,
     prefetched_working_set: usize,
     finished: bool,
+}
+
+impl Lazy {
+    /// What it did so far; `threads`: handler and prefetch threads, and the working set's
+    /// length, as the owner started them.
+    fn report(&self, threads: (usize, usize, usize)) -> LazyReport {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let since = |t: &OnceLock<Instant>| {
+            t.get()
+                .map(|t| t.saturating_duration_since(self.t0).as_secs_f64())
+        };
+        LazyReport {
+            faults: get(&c.faults),
+            fault_blocks: get(&c.fault_blocks),
+            faults_on_busy: get(&c.busy),
+            faults_late: get(&c.late),
+            prefetched_blocks: get(&c.prefetched),
+            zero_blocks: get(&c.zero),
+            bytes_copied: get(&c.bytes),
+            blocks: self.total,
+            complete_secs: since(&self.complete_at),
+            first_fault_secs: since(&self.first_fault),
+            handler_threads: threads.0,
+            prefetch_threads: threads.1,
+            prefetched_working_set: threads.2,
+            removes: get(&c.removes),
+            fault_latency: self.latency.summary(),
+        }
+    }
 }
 
 impl std::fmt::Debug for LazyRestore {
@@ -371,6 +415,8 @@ impl LazyRestore {
             pending: Mutex::new(Vec::new()),
             gone: AtomicBool::new(false),
             resumed: target == Target::Resumed,
+            latency: ClassHistograms::default(),
+            first_fault: OnceLock::new(),
         });
         let mut this = LazyRestore {
             lazy: lazy.clone(),
@@ -445,7 +491,14 @@ impl LazyRestore {
 
     /// The fault side, for a shared pool (see [`Handlers::Pool`]).
     pub(crate) fn pooled(&self) -> Pooled {
-        Pooled(self.lazy.clone())
+        Pooled(
+            self.lazy.clone(),
+            (
+                self.handler_threads,
+                self.prefetch_threads,
+                self.prefetched_working_set,
+            ),
+        )
     }
 
     /// Detaches a remote restore's peer from the server ("graduation"): brings in every block
@@ -613,27 +666,11 @@ impl LazyRestore {
 
     /// What it did so far.
     pub fn report(&self) -> LazyReport {
-        let c = &self.lazy.counters;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        LazyReport {
-            faults: get(&c.faults),
-            fault_blocks: get(&c.fault_blocks),
-            faults_on_busy: get(&c.busy),
-            faults_late: get(&c.late),
-            prefetched_blocks: get(&c.prefetched),
-            zero_blocks: get(&c.zero),
-            bytes_copied: get(&c.bytes),
-            blocks: self.lazy.total,
-            complete_secs: self
-                .lazy
-                .complete_at
-                .get()
-                .map(|t| t.saturating_duration_since(self.lazy.t0).as_secs_f64()),
-            handler_threads: self.handler_threads,
-            prefetch_threads: self.prefetch_threads,
-            prefetched_working_set: self.prefetched_working_set,
-            removes: get(&c.removes),
-        }
+        self.lazy.report((
+            self.handler_threads,
+            self.prefetch_threads,
+            self.prefetched_working_set,
+        ))
     }
 
     /// Brings in every block not in yet, stops the handlers and unregisters the memory.

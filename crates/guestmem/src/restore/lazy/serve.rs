@@ -11,6 +11,7 @@ use linux_raw_sys::general as uapi;
 use super::{LRegion, Lazy, Place, BUSY, DONE, EMPTY, FAILED, POLL_MS, SCRATCH, STAGING};
 use crate::jobs::{Job, JobRange};
 use crate::mmap::{Advice, Mapping};
+use crate::restore::latency::FaultClass;
 use crate::snapshot::SnapshotError;
 use crate::uffd::Event;
 
@@ -84,7 +85,10 @@ impl Lazy {
             match *ev {
                 Event::Fault { addr, .. } => {
                     self.counters.faults.fetch_add(1, Ordering::Relaxed);
-                    self.fault(addr);
+                    let t = Instant::now();
+                    let _ = self.first_fault.set(t);
+                    let class = self.fault(addr);
+                    self.latency.record(class, t.elapsed());
                 }
                 Event::Remove { start, end } => self.remove(start, end),
                 Event::Other(_) => {}
@@ -122,7 +126,11 @@ impl Lazy {
         loop {
             let next = self.pending.lock().unwrap_or_else(|e| e.into_inner()).pop();
             match next {
-                Some(addr) => self.fault(addr),
+                Some(addr) => {
+                    let t = Instant::now();
+                    let class = self.fault(addr);
+                    self.latency.record(class, t.elapsed());
+                }
                 None => return,
             }
         }
@@ -156,13 +164,13 @@ impl Lazy {
         (addr < e).then_some((ri, addr - s))
     }
 
-    fn fault(&self, addr: u64) {
+    fn fault(&self, addr: u64) -> FaultClass {
         let Some((ri, off)) = self.locate(addr) else {
             if self.remote() {
                 // The peer registered memory it did not declare: nobody can serve it.
                 self.fail(SnapshotError::PeerFaultOutside { addr });
             }
-            return;
+            return FaultClass::Error;
         };
         let lr = &self.regions[ri];
         let block = lr.first_block + off / self.image.block_bytes();
@@ -173,7 +181,11 @@ impl Lazy {
                     .unwrap_or_else(|e| e.into_inner())
                     .push(block);
                 self.counters.fault_blocks.fetch_add(1, Ordering::Relaxed);
-                self.serve(block);
+                match self.serve(block) {
+                    Some(true) => FaultClass::Zero,
+                    Some(false) => FaultClass::File,
+                    None => FaultClass::Error,
+                }
             }
             Err(DONE) => {
                 // The message raced the block's install, or the owner dropped the page since
@@ -200,11 +212,13 @@ impl Lazy {
                     }),
                 };
                 let _ = self.uffd.wake(t, at, page);
+                FaultClass::Present
             }
             Err(BUSY) => {
                 self.counters.busy.fetch_add(1, Ordering::Relaxed);
+                FaultClass::InFlight
             }
-            Err(_) => {}
+            Err(_) => FaultClass::Error,
         }
     }
 
@@ -299,8 +313,9 @@ impl Lazy {
             .map(|_| ())
     }
 
-    /// Fills a claimed block and marks it done, or fails the restore.
-    fn serve(&self, block: u64) {
+    /// Fills a claimed block and marks it done, or fails the restore. Whether it was a zero
+    /// block, or `None` when it could not be filled.
+    fn serve(&self, block: u64) -> Option<bool> {
         match self.fill(block) {
             Ok(()) => {
                 self.state[block as usize].store(DONE, Ordering::Release);
@@ -310,6 +325,7 @@ impl Lazy {
                     let _g = self.wait.lock().unwrap_or_else(|e| e.into_inner());
                     self.cv.notify_all();
                 }
+                Some(!self.image.held_from(block, 0))
             }
             Err(e) if self.remote() && peer_gone(&e) => {
                 // The peer's address space is gone (it exited): nothing is left to serve.
@@ -321,6 +337,7 @@ impl Lazy {
                     self.cv.notify_all();
                 }
                 let _ = crate::sys::eventfd_signal(self.changed.as_fd());
+                None
             }
             Err(e) => {
                 self.state[block as usize].store(FAILED, Ordering::Release);
@@ -334,6 +351,7 @@ impl Lazy {
                 // ever, and a hook that touches the block gets SIGBUS, not a wait.
                 self.poison_block(block);
                 self.fail(e);
+                None
             }
         }
     }

@@ -61,8 +61,8 @@ use std::time::{Duration, Instant};
 
 pub use files::{MemoryFile, WorkingSetFile};
 pub use fleet::{
-    Drainer, Fleet, FleetConfig, FleetReport, FleetSocket, SessionEnd, SessionReport,
-    DEFAULT_MAX_SESSIONS,
+    Drainer, Exposed, Fleet, FleetConfig, FleetReport, FleetSocket, FleetStatus, SessionEnd,
+    SessionReport, SessionStatus, SocketStatus, StatusHandle, DEFAULT_MAX_SESSIONS,
 };
 pub use handshake::{
     parse_regions, Handshake, HandshakeError, UffdRegion, MAX_HANDSHAKE_BYTES, PAGE_SIZES,

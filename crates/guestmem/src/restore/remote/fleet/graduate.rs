@@ -12,6 +12,7 @@ impl Fleet {
         let cfg = &self.cfg.serve;
         let pool = &self.pool;
         let state = &self.state;
+        let status = &self.status;
         let done: Vec<SessionReport> = std::thread::scope(|sc| {
             let hs: Vec<_> = sessions
                 .into_iter()
@@ -36,6 +37,7 @@ impl Fleet {
                             }
                             (Ok(_), Err(e)) => (SessionEnd::Failed(e.to_string()), None),
                         };
+                        status.ended(id, engine.as_ref());
                         cfg.log.say(&format!(
                             "session {id}: {end:?} after {:.3} s",
                             s.t0.elapsed().as_secs_f64()

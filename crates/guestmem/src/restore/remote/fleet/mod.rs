@@ -27,8 +27,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+mod expose;
 mod graduate;
+#[cfg(feature = "metrics")]
+mod metrics;
 mod restart;
+mod status;
+
+pub use expose::Exposed;
+pub use status::{FleetStatus, SessionStatus, SocketStatus, StatusHandle};
 
 use super::handshake::{receive_checked, Handshake, Refused};
 use super::listen::MAX_PENDING_HANDSHAKES;
@@ -174,6 +181,7 @@ pub struct Fleet {
     notify: Arc<OwnedFd>,
     inbox: Arc<Inbox>,
     pool: Pool,
+    status: StatusHandle,
     state: Option<StateDir>,
     sessions: BTreeMap<u64, Session>,
     next_id: u64,
@@ -214,7 +222,9 @@ impl Fleet {
         let mut mems = Vec::new();
         let mut firsts = Vec::new();
         let mut listeners = Vec::new();
+        let mut names = Vec::new();
         for s in sockets {
+            names.push((s.listener.path().to_path_buf(), s.mem.path().to_path_buf()));
             mems.push(s.mem);
             firsts.push(s.first);
             listeners.push(Some(s.listener));
@@ -232,6 +242,7 @@ impl Fleet {
                 pool_threads: pool.threads(),
                 secs: 0.0,
             },
+            status: StatusHandle::new(names, pool.threads()),
             pool,
             cfg,
             state,
@@ -245,6 +256,12 @@ impl Fleet {
     /// A handle that makes [`Fleet::run`] drain and return.
     pub fn drainer(&self) -> Drainer {
         Drainer(self.drain.clone())
+    }
+
+    /// A handle that reads the fleet's status from any thread (and serves it on a control
+    /// socket or a metrics address).
+    pub fn status(&self) -> StatusHandle {
+        self.status.clone()
     }
 
     /// Serves every VM that connects until drained; then every VM graduates (see the module
@@ -273,6 +290,7 @@ impl Fleet {
             }
             if !draining && readable(self.drain.as_fd()) {
                 draining = true;
+                self.status.draining();
                 // Paths first (new VMs are refused at connect), then every connection already
                 // in a backlog is accepted (its VM may have sent its userfaultfd and would
                 // wait for ever), then the sockets close.
@@ -450,6 +468,7 @@ impl Fleet {
                 }
                 Some((_, Err(Refused { error, .. }))) => {
                     self.report.dropped += 1;
+                    self.status.dropped();
                     self.cfg.serve.log.say(&format!(
                         "dropped a connection that is not a VM's (it sent no userfaultfd): \
                          {error}"
@@ -530,6 +549,8 @@ impl Fleet {
             self.sessions.len() + 1
         ));
         self.served_bytes += bytes;
+        self.status
+            .started(id, i, server.peer_pid(), bytes, server.pooled());
         self.sessions.insert(
             id,
             Session {
@@ -544,6 +565,7 @@ impl Fleet {
 
     /// Records a VM refused (and already ended as the policy says).
     fn refused(&mut self, pid: Option<i32>, bytes: u64, why: String) {
+        self.status.refused();
         self.report.sessions.push(SessionReport {
             id: u64::MAX,
             socket: usize::MAX,
@@ -581,6 +603,7 @@ impl Fleet {
                 (SessionEnd::Failed(e.to_string()), None)
             }
         };
+        self.status.ended(id, engine.as_ref());
         self.cfg.serve.log.say(&format!(
             "session {id}: ended ({end:?}) after {:.3} s; {} VMs served",
             t0.elapsed().as_secs_f64(),

@@ -1,0 +1,114 @@
+//! A fleet's status as Prometheus metrics, through prometheus-client: a collector that
+//! reads the status at each scrape. Series per socket and fault class only (bounded by the
+//! operator's configuration, never by the number of VMs).
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use super::status::FleetStatus;
+use crate::restore::FaultClass;
+
+/// The status at one scrape.
+#[derive(Debug)]
+struct Scrape(FleetStatus);
+
+type Labels = Vec<(&'static str, String)>;
+
+impl Collector for Scrape {
+    fn encode(&self, mut enc: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let s = &self.0;
+        let gauge = |enc: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: i64| {
+            let m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            ConstGauge::new(v).encode(m)
+        };
+        gauge(
+            &mut enc,
+            "guestmem_fleet_vms",
+            "VMs served now",
+            s.sessions.len() as i64,
+        )?;
+        gauge(
+            &mut enc,
+            "guestmem_fleet_draining",
+            "1 while draining",
+            i64::from(s.draining),
+        )?;
+        let counter = |enc: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64| {
+            let m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+            ConstCounter::new(v).encode(m)
+        };
+        counter(
+            &mut enc,
+            "guestmem_fleet_refused",
+            "VMs refused or ended",
+            s.refused,
+        )?;
+        counter(
+            &mut enc,
+            "guestmem_fleet_dropped",
+            "connections that were not a VM's",
+            s.dropped,
+        )?;
+        let per_socket = |i: usize| -> Labels { vec![("socket", i.to_string())] };
+        {
+            let mut m = enc.encode_descriptor(
+                "guestmem_vms_admitted",
+                "VMs admitted on a socket since the start",
+                None,
+                MetricType::Counter,
+            )?;
+            for k in &s.sockets {
+                let labels = per_socket(k.socket);
+                ConstCounter::new(k.sessions).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        {
+            let mut m = enc.encode_descriptor(
+                "guestmem_bytes_copied",
+                "bytes installed into VMs' memory",
+                None,
+                MetricType::Counter,
+            )?;
+            for k in &s.sockets {
+                let labels = per_socket(k.socket);
+                ConstCounter::new(k.bytes_copied).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let mut m = enc.encode_descriptor(
+            "guestmem_fault_latency_seconds",
+            "time from reading a fault to its install, by class",
+            None,
+            MetricType::Histogram,
+        )?;
+        for k in &s.sockets {
+            for class in FaultClass::ALL {
+                let l = k.fault_latency.class(class);
+                let labels: Labels = vec![
+                    ("socket", k.socket.to_string()),
+                    ("class", class.name().to_string()),
+                ];
+                m.encode_family(&labels)?.encode_histogram::<Labels>(
+                    l.sum_us / 1e6,
+                    l.count,
+                    &l.coarse(),
+                    None,
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The status in Prometheus' text exposition format.
+pub(super) fn encode(s: &FleetStatus) -> String {
+    let mut r = Registry::default();
+    r.register_collector(Box::new(Scrape(s.clone())));
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, &r);
+    out
+}

@@ -1,0 +1,244 @@
+//! What a fleet is doing, for an operator: the VMs served now with what their engines did,
+//! and per snapshot (socket) totals over every VM served so far, fault latency by class
+//! included. Read at any time from any thread ([`StatusHandle`]); the counts come from the
+//! engines' own atomics, so reading costs the fleet nothing. Series are per socket, never
+//! per VM, so a metrics scrape stays bounded however many VMs come and go.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::restore::lazy::Pooled;
+use crate::restore::{FaultLatency, LazyReport};
+
+/// A fleet's state now.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct FleetStatus {
+    /// Since the fleet started, seconds.
+    pub uptime_secs: f64,
+    /// Whether it is draining (no VM is accepted any more).
+    pub draining: bool,
+    /// Threads in the fault-serving pool.
+    pub pool_threads: usize,
+    /// Each socket (a snapshot), with totals over every VM it served.
+    pub sockets: Vec<SocketStatus>,
+    /// The VMs served now.
+    pub sessions: Vec<SessionStatus>,
+    /// VMs refused or ended because they could not be served.
+    pub refused: u64,
+    /// Connections dropped that were not a VM's.
+    pub dropped: u64,
+}
+
+/// One socket's totals.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SocketStatus {
+    /// Its index, in the order given.
+    pub socket: usize,
+    /// Where VMs connect.
+    pub path: PathBuf,
+    /// The memory file it serves.
+    pub mem_file: PathBuf,
+    /// VMs served now.
+    pub serving: usize,
+    /// VMs admitted since the start.
+    pub sessions: u64,
+    /// Faults answered, all its VMs.
+    pub faults: u64,
+    /// Bytes installed, all its VMs.
+    pub bytes_copied: u64,
+    /// Fault latency by class, all its VMs together.
+    pub fault_latency: FaultLatency,
+}
+
+/// One VM served now.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct SessionStatus {
+    /// Its session number.
+    pub id: u64,
+    /// The socket it came on.
+    pub socket: usize,
+    /// Its process.
+    pub pid: Option<i32>,
+    /// Guest memory, bytes.
+    pub bytes: u64,
+    /// Since it was admitted, seconds.
+    pub age_secs: f64,
+    /// What its engine did so far (first fault and all-resident times included).
+    pub engine: LazyReport,
+}
+
+/// A VM being served, as the status sees it.
+struct LiveSession {
+    socket: usize,
+    pid: Option<i32>,
+    bytes: u64,
+    since: Instant,
+    pooled: Pooled,
+}
+
+/// Totals of a socket's ended sessions.
+#[derive(Default, Clone)]
+struct Ended {
+    sessions: u64,
+    faults: u64,
+    bytes: u64,
+    latency: FaultLatency,
+}
+
+/// What the supervisor keeps up to date.
+#[derive(Default)]
+pub(super) struct Live {
+    sessions: BTreeMap<u64, LiveSession>,
+    ended: BTreeMap<usize, Ended>,
+    refused: u64,
+    dropped: u64,
+    draining: bool,
+}
+
+/// Reads a fleet's status from any thread.
+#[derive(Clone)]
+pub struct StatusHandle {
+    live: Arc<Mutex<Live>>,
+    sockets: Arc<Vec<(PathBuf, PathBuf)>>,
+    pool_threads: usize,
+    t0: Instant,
+}
+
+impl std::fmt::Debug for StatusHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StatusHandle")
+            .field("sockets", &self.sockets.len())
+            .finish()
+    }
+}
+
+impl StatusHandle {
+    pub(super) fn new(sockets: Vec<(PathBuf, PathBuf)>, pool_threads: usize) -> StatusHandle {
+        StatusHandle {
+            live: Arc::new(Mutex::new(Live::default())),
+            sockets: Arc::new(sockets),
+            pool_threads,
+            t0: Instant::now(),
+        }
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut Live) -> T) -> T {
+        f(&mut self.live.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// A VM admitted.
+    pub(super) fn started(
+        &self,
+        id: u64,
+        socket: usize,
+        pid: Option<i32>,
+        bytes: u64,
+        pooled: Pooled,
+    ) {
+        self.with(|l| {
+            l.sessions.insert(
+                id,
+                LiveSession {
+                    socket,
+                    pid,
+                    bytes,
+                    since: Instant::now(),
+                    pooled,
+                },
+            )
+        });
+    }
+
+    /// A VM's session ended; `engine` is what it did, when it was served at all.
+    pub(super) fn ended(&self, id: u64, engine: Option<&LazyReport>) {
+        self.with(|l| {
+            let Some(s) = l.sessions.remove(&id) else {
+                return;
+            };
+            let e = l.ended.entry(s.socket).or_default();
+            e.sessions += 1;
+            if let Some(r) = engine {
+                e.faults += r.faults;
+                e.bytes += r.bytes_copied;
+                e.latency = e.latency.merge(&r.fault_latency);
+            }
+        });
+    }
+
+    /// A VM refused (and ended).
+    pub(super) fn refused(&self) {
+        self.with(|l| l.refused += 1);
+    }
+
+    /// A connection dropped that was not a VM's.
+    pub(super) fn dropped(&self) {
+        self.with(|l| l.dropped += 1);
+    }
+
+    /// The fleet began to drain.
+    pub(super) fn draining(&self) {
+        self.with(|l| l.draining = true);
+    }
+
+    /// The status now.
+    pub fn snapshot(&self) -> FleetStatus {
+        self.with(|l| {
+            let sessions: Vec<SessionStatus> = l
+                .sessions
+                .iter()
+                .map(|(&id, s)| SessionStatus {
+                    id,
+                    socket: s.socket,
+                    pid: s.pid,
+                    bytes: s.bytes,
+                    age_secs: s.since.elapsed().as_secs_f64(),
+                    engine: s.pooled.report(),
+                })
+                .collect();
+            let sockets = self
+                .sockets
+                .iter()
+                .enumerate()
+                .map(|(i, (path, mem))| {
+                    let mut t = l.ended.get(&i).cloned().unwrap_or_default();
+                    let live = sessions.iter().filter(|s| s.socket == i);
+                    let mut serving = 0;
+                    for s in live {
+                        serving += 1;
+                        t.sessions += 1;
+                        t.faults += s.engine.faults;
+                        t.bytes += s.engine.bytes_copied;
+                        t.latency = t.latency.merge(&s.engine.fault_latency);
+                    }
+                    SocketStatus {
+                        socket: i,
+                        path: path.clone(),
+                        mem_file: mem.clone(),
+                        serving,
+                        sessions: t.sessions,
+                        faults: t.faults,
+                        bytes_copied: t.bytes,
+                        fault_latency: t.latency,
+                    }
+                })
+                .collect();
+            FleetStatus {
+                uptime_secs: self.t0.elapsed().as_secs_f64(),
+                draining: l.draining,
+                pool_threads: self.pool_threads,
+                sockets,
+                sessions,
+                refused: l.refused,
+                dropped: l.dropped,
+            }
+        })
+    }
+
+    /// The status in Prometheus' text format (see `metrics.rs`).
+    #[cfg(feature = "metrics")]
+    pub fn prometheus(&self) -> String {
+        super::metrics::encode(&self.snapshot())
+    }
+}
