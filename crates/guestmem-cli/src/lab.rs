@@ -9,6 +9,7 @@ use clap::{Args as ClapArgs, Subcommand, ValueEnum};
 use guestmem::plan::parse_size;
 use guestmem_lab::all::{run_all, AllConfig, Profile};
 use guestmem_lab::faults::{run_faults, FaultsLabConfig};
+use guestmem_lab::fleet::{run_fleet, FleetLabConfig};
 use guestmem_lab::guards::{run_guards, GuardsLabConfig};
 use guestmem_lab::populate::{run_populate, LayoutKind, PopulateLabConfig, DEFAULT_SETTLE};
 use guestmem_lab::report::{write_run, LabReport, LabResult};
@@ -49,6 +50,9 @@ enum Scenario {
     /// and without the recorded working set), beside the Firecracker-style peer and the
     /// plainest eager reader, until it has verified every page
     VmRestore(VmRestoreArgs),
+    /// Many VMs restored at once from one snapshot: one guestmem fleet, a guestmem page
+    /// server per VM, and Firecracker's example handler per VM.
+    Fleet(FleetArgs),
     /// Every scenario, one after the other, into one folder with an index.md of all reports.
     All(AllArgs),
 }
@@ -65,6 +69,26 @@ pub struct RestoreArgs {
     /// Handler threads of the serve-uffd variants.
     #[arg(long, default_value_t = guestmem_lab::restore::DEFAULT_HANDLERS as u32, value_parser = clap::value_parser!(u32).range(1..=1024))]
     handlers: u32,
+    #[command(flatten)]
+    protocol: ProtocolArgs,
+}
+
+/// Flags of `guestmem lab fleet`.
+#[derive(ClapArgs)]
+pub struct FleetArgs {
+    /// VMs restored at once.
+    #[arg(long, default_value_t = guestmem_lab::fleet::DEFAULT_VMS as u32, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    vms: u32,
+    /// Memory per VM (a multiple of 1M).
+    #[arg(long, default_value = "64M", value_parser = size)]
+    size: u64,
+    /// Fault-serving threads: the fleet's pool, each once-server's handlers [default: the
+    /// CPUs].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pool: Option<u32>,
+    /// Firecracker's uffd_on_demand_handler [default: ../shared/firecracker's, if there].
+    #[arg(long)]
+    fc_handler: Option<PathBuf>,
     #[command(flatten)]
     protocol: ProtocolArgs,
 }
@@ -242,6 +266,7 @@ pub fn run(args: Args) -> Result<()> {
         Scenario::Translate(a) => &a.protocol.out,
         Scenario::Restore(a) => &a.protocol.out,
         Scenario::VmRestore(a) => &a.protocol.out,
+        Scenario::Fleet(a) => &a.protocol.out,
         Scenario::All(a) => &a.out,
     };
     prepare_out(out).with_context(|| format!("--out {}", out.display()))?;
@@ -276,6 +301,19 @@ pub fn run(args: Args) -> Result<()> {
                 &run_vm_restore(&cfg).context("lab vm-restore")?,
                 &a.protocol.out,
             )
+        }
+        Scenario::Fleet(a) => {
+            let d = FleetLabConfig::default();
+            let cfg = FleetLabConfig {
+                vms: a.vms as usize,
+                size: a.size,
+                pool: a.pool.map_or(d.pool, |p| p as usize),
+                fc_handler: a.fc_handler.clone().or(d.fc_handler.clone()),
+                protocol: a.protocol.protocol(d.protocol),
+                command: command_line(),
+                ..d
+            };
+            emit(&run_fleet(&cfg).context("lab fleet")?, &a.protocol.out)
         }
         Scenario::Populate(a) => populate(a),
         Scenario::Guards(a) => {

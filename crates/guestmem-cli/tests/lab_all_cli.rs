@@ -94,6 +94,7 @@ fn lab_all_quick_runs_every_scenario_into_one_folder() {
         "translate",
         "restore",
         "vm-restore",
+        "fleet",
     ] {
         match runs
             .iter()
@@ -120,6 +121,6 @@ fn lab_all_quick_runs_every_scenario_into_one_folder() {
         .write(true)
         .open("/dev/kvm")
         .is_ok();
-    assert_eq!(runs.len(), if kvm { 6 } else { 5 }, "{index}");
+    assert_eq!(runs.len(), if kvm { 7 } else { 6 }, "{index}");
     let _ = std::fs::remove_dir_all(&out);
 }

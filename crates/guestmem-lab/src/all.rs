@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::faults::{run_faults, FaultsLabConfig};
+use crate::fleet::{run_fleet, FleetLabConfig};
 use crate::guards::{run_guards, GuardsLabConfig};
 use crate::populate::{run_populate, LayoutKind, PopulateLabConfig};
 use crate::report::{run_line, write_run, LabReport, LabResult};
@@ -56,13 +57,14 @@ type Step = (
 );
 
 /// The scenarios, in the order they run.
-const STEPS: [Step; 6] = [
+const STEPS: [Step; 7] = [
     ("populate", populate),
     ("guards", guards),
     ("faults", faults),
     ("translate", translate),
     ("restore", restore),
     ("vm-restore", vm_restore),
+    ("fleet", fleet),
 ];
 
 /// One round, no warm-up: the quick profile's protocol.
@@ -165,6 +167,19 @@ fn vm_restore(base: &Path, cmd: &str, p: Profile) -> Result<(PathBuf, String), L
         ..d
     };
     written(run_vm_restore(&cfg)?, base)
+}
+
+fn fleet(base: &Path, cmd: &str, p: Profile) -> Result<(PathBuf, String), LabError> {
+    let d = FleetLabConfig::default();
+    let q = p == Profile::Quick;
+    let cfg = FleetLabConfig {
+        vms: if q { 4 } else { d.vms },
+        size: if q { 4 << 20 } else { d.size },
+        protocol: if q { ONE_ROUND } else { d.protocol },
+        command: cmd.into(),
+        ..d
+    };
+    written(run_fleet(&cfg)?, base)
 }
 
 /// The index's head: the command, commit, kernel and CPU, and what the profile means.

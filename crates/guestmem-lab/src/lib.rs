@@ -8,6 +8,10 @@
 //! - [`faults`]: seed 002, page-fault scaling over threads with one VMA or one per thread.
 //! - [`translate`]: seed 004, multi-threaded lookups: per-thread cached translators against
 //!   a shared binary search (guestmem's snapshot, vm-memory's `find_region`).
+//! - [`restore`], [`vm_restore`]: snapshot restores (page servers beside a Firecracker-style
+//!   one, mapped and eager; a KVM guest restored every way until it verified every page).
+//! - [`fleet`]: many VMs restored at once from one snapshot: one guestmem fleet, a page
+//!   server per VM, Firecracker's example handler per VM.
 //! - [`vm`]: the guest side of `guestmem vm`: a hand-assembled guest on KVM over guestmem's
 //!   memslots, and the `dirty_log_perf_test` engine.
 //! - [`report`]: the one result frame every scenario fills ([`LabResult`]), the Markdown
@@ -25,6 +29,7 @@ pub mod all;
 pub mod error;
 pub mod faults;
 pub mod fc_standin;
+pub mod fleet;
 pub mod guards;
 pub mod peer;
 pub mod peer_ch;
