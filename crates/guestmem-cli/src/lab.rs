@@ -89,6 +89,9 @@ pub struct FleetArgs {
     /// Firecracker's uffd_on_demand_handler [default: ../shared/firecracker's, if there].
     #[arg(long)]
     fc_handler: Option<PathBuf>,
+    /// Run only these variants (fleet, once-servers, fc-example), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
     #[command(flatten)]
     protocol: ProtocolArgs,
 }
@@ -309,6 +312,7 @@ pub fn run(args: Args) -> Result<()> {
                 size: a.size,
                 pool: a.pool.map_or(d.pool, |p| p as usize),
                 fc_handler: a.fc_handler.clone().or(d.fc_handler.clone()),
+                only: a.only.clone(),
                 protocol: a.protocol.protocol(d.protocol),
                 command: command_line(),
                 ..d

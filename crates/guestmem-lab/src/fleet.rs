@@ -54,6 +54,9 @@ pub struct FleetLabConfig {
     pub pool: usize,
     /// Firecracker's `uffd_on_demand_handler` (the variant is left out without it).
     pub fc_handler: Option<PathBuf>,
+    /// Which variants run (empty: all there are).
+    #[serde(default)]
+    pub only: Vec<String>,
     /// Where the memory file and sockets go (removed afterwards).
     pub work_dir: PathBuf,
     /// Warm-up, rounds, order.
@@ -75,6 +78,7 @@ impl Default for FleetLabConfig {
             size: DEFAULT_SIZE,
             pool: available_cpus(),
             fc_handler: fc.exists().then_some(fc),
+            only: Vec::new(),
             work_dir: std::env::temp_dir()
                 .join(format!("guestmem-lab-fleet-{}", std::process::id())),
             protocol: Protocol {
@@ -416,6 +420,8 @@ fn fc_round(
     mem: &Path,
     digest: u64,
 ) -> Result<FleetSample, LabError> {
+    // Declared before the handlers so that, on every path, the handlers drop first (see
+    // below).
     let mut vms = vms(cfg)?;
     let mut handlers = Vec::new();
     for i in 0..cfg.vms {
@@ -435,7 +441,20 @@ fn fc_round(
     }
     let t0 = Instant::now();
     for (vm, (socket, _)) in vms.iter_mut().zip(&handlers) {
-        vm.connect(socket).map_err(err)?;
+        // The handler binds its socket before it listens: a connect in between is refused.
+        let t = Instant::now();
+        loop {
+            match vm.connect(socket) {
+                Ok(()) => break,
+                Err(e)
+                    if e.raw_os_error() == Some(libc::ECONNREFUSED)
+                        && t.elapsed() < Duration::from_secs(10) =>
+                {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Err(e) => return Err(err(e)),
+            }
+        }
     }
     let reads = read_all(&vms);
     let seconds = t0.elapsed().as_secs_f64();
@@ -445,6 +464,9 @@ fn fc_round(
     for (socket, _) in &handlers {
         let _ = std::fs::remove_file(socket);
     }
+    // The handlers go first: one that sees its VM's socket close takes it for a new VM,
+    // finds no descriptor, panics, and its panic hook SIGKILLs the peer (this process).
+    drop(handlers);
     drop(vms);
     s
 }
@@ -475,6 +497,7 @@ fn run_in(cfg: &FleetLabConfig) -> Result<FleetResult, LabError> {
     if cfg.fc_handler.is_some() {
         names.push("fc-example");
     }
+    names.retain(|n| cfg.only.is_empty() || cfg.only.iter().any(|o| o == n));
     let samples = cfg.protocol.run(names.len(), |i| match names[i] {
         "fleet" => fleet_round(cfg, &mem, digest),
         "once-servers" => once_round(cfg, &mem, digest),
