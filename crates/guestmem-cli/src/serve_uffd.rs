@@ -38,6 +38,12 @@ pub struct Args {
     /// (`pidfd_getfd`), and none is lost.
     #[arg(long, conflicts_with = "once")]
     state_dir: Option<PathBuf>,
+    /// Learn each snapshot's working set from the VMs served (blocks faulted, first fault
+    /// first, merged across VMs), keep it beside its memory file
+    /// (`<mem-file>.guestmem-ws.json`, keyed by the file's identity) and prefetch it for
+    /// every later VM of that snapshot, its own faults first.
+    #[arg(long, conflicts_with = "once")]
+    learn_working_sets: bool,
     /// A control socket: one command a connection (`status`, `health`, `drain`, `metrics`);
     /// `guestmem serve-ctl --control PATH status` sends one.
     #[arg(long, conflicts_with = "once")]
@@ -168,6 +174,7 @@ pub fn run(a: Args) -> Result<()> {
             max_sessions: a.max_vms as usize,
             max_bytes: a.max_memory,
             state_dir: a.state_dir.clone(),
+            learn_working_sets: a.learn_working_sets,
         },
     )?;
     let drainer = fleet.drainer();

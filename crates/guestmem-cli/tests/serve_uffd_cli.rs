@@ -1275,3 +1275,87 @@ fn status_metrics_and_drain_over_the_control_socket() {
     assert_eq!(status.code(), Some(0));
     assert!(!control.exists(), "the control socket is removed");
 }
+
+#[test]
+fn a_working_set_learnt_from_one_clone_is_prefetched_for_the_next() {
+    need_uffd!();
+    let d = dir("fleet-learn");
+    let mem = mem_file(&d, 16 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let control = d.join("ctl.sock");
+    let srv = fleet(
+        &[(&socket, &mem)],
+        &[
+            "--learn-working-sets",
+            "--control",
+            control.to_str().unwrap(),
+            "--on-failure",
+            "leave",
+            "--json",
+        ],
+    );
+    let learnt = d.join("memory.guestmem-ws.json");
+    // The first clone touches the second half, last MiB first.
+    let touch = |vm: &Standin| {
+        for m in (8..16).rev() {
+            assert_eq!(vm.word(m * MIB), word((m * MIB) as u64));
+        }
+    };
+    let mut first = Standin::new(&[16 * MIB], false).unwrap();
+    first.connect(&socket).unwrap();
+    touch(&first);
+    first.disconnect();
+    let t = Instant::now();
+    while !learnt.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "no learnt working set"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let ws: serde_json::Value = serde_json::from_slice(&std::fs::read(&learnt).unwrap()).unwrap();
+    let offsets: Vec<u64> = ws["offsets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        offsets,
+        (8..16).rev().map(|m| (m * MIB) as u64).collect::<Vec<_>>(),
+        "first touch first: {ws}"
+    );
+    // The next clone gets those blocks prefetched: wait for them, then touch the same.
+    let mut next = Standin::new(&[16 * MIB], false).unwrap();
+    next.connect(&socket).unwrap();
+    let t = Instant::now();
+    loop {
+        let st: serde_json::Value = serde_json::from_str(&ctl(&control, "status")).unwrap();
+        let s = st["sessions"].as_array().unwrap();
+        if s.len() == 1 && s[0]["engine"]["prefetched_blocks"].as_u64().unwrap() >= 8 {
+            assert_eq!(s[0]["engine"]["prefetched_working_set"], 8, "{st}");
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "no prefetch: {st}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    touch(&next);
+    // Faults avoided: none of the blocks the first clone faulted was faulted again.
+    let st: serde_json::Value = serde_json::from_str(&ctl(&control, "status")).unwrap();
+    assert_eq!(st["sessions"][0]["engine"]["fault_blocks"], 0, "{st}");
+    assert_eq!(next.compare(&mem).unwrap(), Ok(()));
+    next.disconnect();
+    drop((first, next));
+    let (code, out, err, _) = terminate(srv);
+    assert_eq!(code, 0, "{err}");
+    let rep: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let faults: Vec<u64> = rep["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["engine"]["fault_blocks"].as_u64().unwrap())
+        .collect();
+    // The first clone faulted its 8 blocks in (the next one's compare then read the first
+    // half too, faulting in what the prefetch of the rest had not brought yet).
+    assert_eq!(faults[0], 8, "{out}");
+}

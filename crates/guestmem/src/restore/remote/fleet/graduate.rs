@@ -13,6 +13,7 @@ impl Fleet {
         let pool = &self.pool;
         let state = &self.state;
         let status = &self.status;
+        let learnt = &self.learnt;
         let done: Vec<SessionReport> = std::thread::scope(|sc| {
             let hs: Vec<_> = sessions
                 .into_iter()
@@ -26,7 +27,10 @@ impl Fleet {
                         let gone = s.server.ended(0);
                         let (result, process) = s.server.conclude(Some("graduated"));
                         let (end, engine) = match (graduated, result) {
-                            (Ok(_), Ok(r)) => (SessionEnd::Graduated, Some(r.engine)),
+                            (Ok(_), Ok(r)) => {
+                                super::learn_into(learnt, cfg, s.socket, &r.working_set);
+                                (SessionEnd::Graduated, Some(r.engine))
+                            }
                             (Err(_), _) if gone == Some(Some("peer exited")) => {
                                 (SessionEnd::PeerExited, None)
                             }

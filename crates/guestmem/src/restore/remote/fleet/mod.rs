@@ -29,6 +29,7 @@ use std::time::Instant;
 
 mod expose;
 mod graduate;
+mod learn;
 #[cfg(feature = "metrics")]
 mod metrics;
 mod restart;
@@ -75,6 +76,11 @@ pub struct FleetConfig {
     /// died takes the VMs back (`None`: a VM does not outlive its server). See
     /// [`Fleet::run`].
     pub state_dir: Option<std::path::PathBuf>,
+    /// Learn each snapshot's working set from the VMs served (the blocks they faulted, first
+    /// fault first, merged across VMs), keep it beside its memory file, and prefetch it for
+    /// every later VM of that snapshot (see the `learn` module). A socket given its own
+    /// working set (`FleetSocket::first`) uses that instead.
+    pub learn_working_sets: bool,
 }
 
 impl Default for FleetConfig {
@@ -84,6 +90,7 @@ impl Default for FleetConfig {
             max_sessions: DEFAULT_MAX_SESSIONS,
             max_bytes: None,
             state_dir: None,
+            learn_working_sets: false,
         }
     }
 }
@@ -182,6 +189,8 @@ pub struct Fleet {
     inbox: Arc<Inbox>,
     pool: Pool,
     status: StatusHandle,
+    /// Each socket's learnt working set (empty unless learning).
+    learnt: Arc<Mutex<Vec<learn::Learnt>>>,
     state: Option<StateDir>,
     sessions: BTreeMap<u64, Session>,
     next_id: u64,
@@ -243,6 +252,7 @@ impl Fleet {
                 secs: 0.0,
             },
             status: StatusHandle::new(names, pool.threads()),
+            learnt: Arc::new(Mutex::new(Vec::new())),
             pool,
             cfg,
             state,
@@ -251,6 +261,41 @@ impl Fleet {
             served_bytes: 0,
             t0: Instant::now(),
         })
+    }
+
+    /// Loads each socket's learnt working set (when learning).
+    fn load_learnt(&self) {
+        if !self.cfg.learn_working_sets {
+            return;
+        }
+        let mut all = Vec::new();
+        for mem in &self.mems {
+            let (l, why) = learn::Learnt::load(mem);
+            if let Some(why) = why {
+                self.cfg.serve.log.say(&format!("learnt working set {why}"));
+            } else if !l.offsets().is_empty() {
+                self.cfg.serve.log.say(&format!(
+                    "learnt working set {}: {} blocks to prefetch for each VM",
+                    l.path().display(),
+                    l.offsets().len()
+                ));
+            }
+            all.push(l);
+        }
+        *self.learnt.lock().unwrap_or_else(|e| e.into_inner()) = all;
+    }
+
+    /// The blocks to prefetch first for a VM of socket `i`: its given working set, else what
+    /// was learnt.
+    fn first_for(&self, i: usize) -> Vec<u64> {
+        if !self.firsts[i].is_empty() {
+            return self.firsts[i].clone();
+        }
+        self.learnt
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(i)
+            .map_or(Vec::new(), |l| l.offsets().to_vec())
     }
 
     /// A handle that makes [`Fleet::run`] drain and return.
@@ -273,6 +318,7 @@ impl Fleet {
     /// waited are woken to fault again. A VM that cannot be taken back (its memory file was
     /// replaced or truncated, its descriptor is gone) is ended as the policy says.
     pub fn run(mut self) -> Result<FleetReport, ServeError> {
+        self.load_learnt();
         self.resume_all();
         let mut draining = false;
         loop {
@@ -507,7 +553,11 @@ impl Fleet {
             return;
         }
         let mut cfg = self.cfg.serve.clone();
-        cfg.first = self.firsts[i].clone();
+        cfg.first = self.first_for(i);
+        if !cfg.first.is_empty() && cfg.prefetch_threads == 0 {
+            // A working set to replay: one thread per VM, below its faults in priority.
+            cfg.prefetch_threads = 1;
+        }
         let server =
             match PageServer::launch(h, &self.mems[i], &cfg, (Handlers::Pool, Target::Fresh)) {
                 Ok(s) => s,
@@ -563,6 +613,11 @@ impl Fleet {
         );
     }
 
+    /// Merges a VM's working set into its socket's learnt one and keeps it (when learning).
+    fn learn(&self, socket: usize, ws: &[u64]) {
+        learn_into(&self.learnt, &self.cfg.serve, socket, ws);
+    }
+
     /// Records a VM refused (and already ended as the policy says).
     fn refused(&mut self, pid: Option<i32>, bytes: u64, why: String) {
         self.status.refused();
@@ -591,13 +646,16 @@ impl Fleet {
         let (socket, bytes, t0) = (s.socket, s.bytes, s.t0);
         let (result, process) = s.server.conclude(ended);
         let (end, engine) = match result {
-            Ok(r) => (
-                match ended {
-                    Some("peer exited") => SessionEnd::PeerExited,
-                    _ => SessionEnd::PeerClosed,
-                },
-                Some(r.engine),
-            ),
+            Ok(r) => {
+                self.learn(socket, &r.working_set);
+                (
+                    match ended {
+                        Some("peer exited") => SessionEnd::PeerExited,
+                        _ => SessionEnd::PeerClosed,
+                    },
+                    Some(r.engine),
+                )
+            }
             Err(e) => {
                 end_peer(&process, &self.cfg.serve, &e);
                 (SessionEnd::Failed(e.to_string()), None)
@@ -642,4 +700,22 @@ fn drain_eventfd(fd: std::os::fd::BorrowedFd<'_>) {
     let mut buf = [0u8; 8];
     // SAFETY: reads at most 8 bytes into a live buffer; the eventfd is non-blocking.
     unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, 8) };
+}
+
+/// Merges `ws` into socket `socket`'s learnt working set and writes it; a failure to write
+/// is logged (the VMs are served all the same).
+fn learn_into(learnt: &Mutex<Vec<learn::Learnt>>, cfg: &ServeConfig, socket: usize, ws: &[u64]) {
+    let mut all = learnt.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(l) = all.get_mut(socket) else { return };
+    if ws.is_empty() {
+        return;
+    }
+    l.merge(ws);
+    l.count_vm();
+    if let Err(e) = l.store() {
+        cfg.log.say(&format!(
+            "learnt working set {}: not written: {e}",
+            l.path().display()
+        ));
+    }
 }
