@@ -9,6 +9,9 @@
 //!
 //! - `fleet`: one guestmem fleet ([`guestmem::restore::remote::Fleet`]) on one socket, its
 //!   pool of `pool` threads serving every VM;
+//! - `fleet-learnt`: the same, prefetching for every VM the working set the fleet learnt
+//!   from the VMs of a round before the measured ones (`--learn-working-sets`), each VM's
+//!   prefetch on one thread below its faults;
 //! - `once-servers`: a guestmem page server per VM (`serve-uffd --once`: its own socket and
 //!   `pool` handler threads each);
 //! - `fc-example`: a Firecracker `uffd_on_demand_handler` process per VM (one thread, one
@@ -124,6 +127,9 @@ pub struct FleetSample {
     pub server_cpu_secs: f64,
     /// Bytes the servers read through read calls (`None`: not measurable).
     pub server_read_bytes: Option<u64>,
+    /// Faults the servers answered, all VMs (`None`: not counted by that server).
+    #[serde(default)]
+    pub faults: Option<u64>,
 }
 
 /// Every variant (the result's body).
@@ -286,6 +292,7 @@ fn sample(
         worst_vm_p99_us: worst,
         server_cpu_secs: server.0,
         server_read_bytes: server.1,
+        faults: None,
     })
 }
 
@@ -316,8 +323,13 @@ fn serve_config(cfg: &FleetLabConfig) -> ServeConfig {
     }
 }
 
-/// One fleet serves every VM.
-fn fleet_round(cfg: &FleetLabConfig, mem: &Path, digest: u64) -> Result<FleetSample, LabError> {
+/// One fleet serves every VM (learning and replaying working sets when `learn`).
+fn fleet_round(
+    cfg: &FleetLabConfig,
+    mem: &Path,
+    digest: u64,
+    learn: bool,
+) -> Result<FleetSample, LabError> {
     let socket = cfg.work_dir.join("fleet.sock");
     let listener = Listener::bind(&socket).map_err(err)?;
     let fleet = Fleet::new(
@@ -328,6 +340,7 @@ fn fleet_round(cfg: &FleetLabConfig, mem: &Path, digest: u64) -> Result<FleetSam
         }],
         FleetConfig {
             serve: serve_config(cfg),
+            learn_working_sets: learn,
             ..FleetConfig::default()
         },
     )
@@ -351,16 +364,27 @@ fn fleet_round(cfg: &FleetLabConfig, mem: &Path, digest: u64) -> Result<FleetSam
         vm.disconnect();
     }
     drainer.drain();
-    sup.join()
+    let report = sup
+        .join()
         .map_err(|_| err("the fleet panicked"))?
         .map_err(err)?;
-    sample(
+    let name = if learn { "fleet-learnt" } else { "fleet" };
+    let mut s = sample(
         seconds,
         &reads,
         (server_cpu.max(0.0), Some(io)),
         digest,
-        "fleet",
-    )
+        name,
+    )?;
+    s.faults = Some(
+        report
+            .sessions
+            .iter()
+            .filter_map(|v| v.engine.as_ref())
+            .map(|e| e.faults)
+            .sum(),
+    );
+    Ok(s)
 }
 
 /// A guestmem page server per VM.
@@ -493,13 +517,18 @@ fn run_in(cfg: &FleetLabConfig) -> Result<FleetResult, LabError> {
     let run = RunInfo::collect(cfg.command.clone());
     let mem = cfg.work_dir.join("memory");
     let digest = memory_file(&mem, cfg.size)?;
-    let mut names = vec!["fleet", "once-servers"];
+    let mut names = vec!["fleet", "fleet-learnt", "once-servers"];
     if cfg.fc_handler.is_some() {
         names.push("fc-example");
     }
     names.retain(|n| cfg.only.is_empty() || cfg.only.iter().any(|o| o == n));
+    if names.contains(&"fleet-learnt") {
+        // The round the working set is learnt from (beside the memory file).
+        fleet_round(cfg, &mem, digest, true)?;
+    }
     let samples = cfg.protocol.run(names.len(), |i| match names[i] {
-        "fleet" => fleet_round(cfg, &mem, digest),
+        "fleet" => fleet_round(cfg, &mem, digest, false),
+        "fleet-learnt" => fleet_round(cfg, &mem, digest, true),
         "once-servers" => once_round(cfg, &mem, digest),
         _ => fc_round(cfg, cfg.fc_handler.as_deref().expect("given"), &mem, digest),
     })?;
@@ -554,8 +583,8 @@ impl LabReport for FleetResult {
         );
         md.push_str(
             "| variant | median s | min s | max s | spread (slowest/fastest VM) | Jain | p50 us \
-             | p99 us | p999 us | worst VM p99 us | server CPU s | server read MiB |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|\n",
+             | p99 us | p999 us | worst VM p99 us | server CPU s | server read MiB | faults |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for v in &self.body.variants {
             let m = |f: fn(&FleetSample) -> f64| summarise(&v.samples, f).median;
@@ -565,8 +594,14 @@ impl LabReport for FleetResult {
                 .rev()
                 .find_map(|s| s.sample.server_read_bytes)
                 .map_or("n/a".into(), |b| format!("{}", b >> 20));
+            let faults = v
+                .samples
+                .iter()
+                .rev()
+                .find_map(|s| s.sample.faults)
+                .map_or("n/a".into(), |f| f.to_string());
             md.push_str(&format!(
-                "| {} | {:.3} | {:.3} | {:.3} | {:.2} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {} |\n",
+                "| {} | {:.3} | {:.3} | {:.3} | {:.2} | {:.3} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {} | {} |\n",
                 v.name,
                 v.seconds.median,
                 v.seconds.min,
@@ -579,6 +614,7 @@ impl LabReport for FleetResult {
                 m(|s| s.worst_vm_p99_us),
                 m(|s| s.server_cpu_secs),
                 read,
+                faults,
             ));
         }
         md
