@@ -44,6 +44,11 @@ pub struct Args {
     /// every later VM of that snapshot, its own faults first.
     #[arg(long, conflicts_with = "once")]
     learn_working_sets: bool,
+    /// Take over, without downtime, from the fleet whose control socket this is (a server
+    /// being upgraded): its sockets and VMs are handed over (`SCM_RIGHTS`) and it exits;
+    /// give the same --socket/--mem-file pairs.
+    #[arg(long, conflicts_with = "once")]
+    take_over: Option<PathBuf>,
     /// A control socket: one command a connection (`status`, `health`, `drain`, `metrics`);
     /// `guestmem serve-ctl --control PATH status` sends one.
     #[arg(long, conflicts_with = "once")]
@@ -157,9 +162,20 @@ pub fn run(a: Args) -> Result<()> {
     // Before any thread starts, so that every thread inherits the mask and only the waiter
     // below takes the signals.
     let signals = block_drain_signals()?;
+    let mut taken = match &a.take_over {
+        Some(control) => Some(remote::take_over(control, Duration::from_secs(30))?),
+        None => None,
+    };
     let mut sockets = Vec::new();
     for ((path, mem), first) in a.socket.iter().zip(mems).zip(firsts) {
-        let listener = Listener::bind(path)?;
+        let handed = match taken.as_mut() {
+            Some(t) => t.listener(path)?,
+            None => None,
+        };
+        let listener = match handed {
+            Some(l) => l,
+            None => Listener::bind(path)?,
+        };
         eprintln!("guestmem serve-uffd: listening on {}", path.display());
         sockets.push(FleetSocket {
             listener,
@@ -177,6 +193,16 @@ pub fn run(a: Args) -> Result<()> {
             learn_working_sets: a.learn_working_sets,
         },
     )?;
+    let mut fleet = fleet;
+    if let Some(t) = taken {
+        eprintln!(
+            "guestmem serve-uffd: took over {} VMs from process {} in {:.3} s",
+            t.vms(),
+            t.old_pid.map_or("?".into(), |p| p.to_string()),
+            t.handed_secs
+        );
+        fleet.adopt(t);
+    }
     let drainer = fleet.drainer();
     let status = fleet.status();
     let _control = match &a.control {
@@ -285,6 +311,7 @@ fn print_fleet(report: &FleetReport, json: bool) -> Result<()> {
             SessionEnd::PeerClosed => "closed its socket".to_string(),
             SessionEnd::PeerExited => "exited".to_string(),
             SessionEnd::Graduated => "graduated (every block in, unregistered)".to_string(),
+            SessionEnd::HandedOff => "handed to the new server".to_string(),
             SessionEnd::Failed(why) => format!("failed: {why}"),
         };
         let faults = s.engine.as_ref().map_or(0, |e| e.faults);

@@ -1359,3 +1359,98 @@ fn a_working_set_learnt_from_one_clone_is_prefetched_for_the_next() {
     // half too, faulting in what the prefetch of the rest had not brought yet).
     assert_eq!(faults[0], 8, "{out}");
 }
+
+#[test]
+fn a_fleet_hands_its_sockets_and_vms_to_a_new_server_without_downtime() {
+    need_uffd!();
+    const SIZE: usize = 16 * MIB;
+    let d = dir("fleet-handoff");
+    let mem = mem_file(&d, SIZE, Some(5 * MIB));
+    let socket = d.join("uffd.sock");
+    let control = d.join("ctl.sock");
+    let args = [
+        "--control",
+        control.to_str().unwrap(),
+        "--on-failure",
+        "leave",
+    ];
+    let mut old = fleet(&[(&socket, &mem)], &args);
+    let t = Instant::now();
+    while !control.exists() {
+        assert!(t.elapsed() < Duration::from_secs(20), "no control socket");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let want = |at: usize| {
+        if (5 * MIB..6 * MIB).contains(&at) {
+            0
+        } else {
+            word(at as u64)
+        }
+    };
+    let mut first = Standin::new(&[SIZE], false).unwrap();
+    first.connect(&socket).unwrap();
+    for p in 0..SIZE / 2 / PAGE {
+        assert_eq!(first.word(p * PAGE), want(p * PAGE));
+    }
+    // The new server takes over (the same socket and file, the same control path).
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_guestmem"));
+    cmd.args(["serve-uffd", "--socket"])
+        .arg(&socket)
+        .arg("--mem-file")
+        .arg(&mem)
+        .arg("--take-over")
+        .arg(&control)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut new = Guard::new(cmd.spawn().unwrap());
+    let status = old.wait_exit(20);
+    assert_eq!(status.code(), Some(0), "the old server exits 0");
+    let mut out = String::new();
+    old.child()
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    assert!(out.contains("handed to the new server"), "{out}");
+    assert!(
+        socket.exists(),
+        "the socket path stays through the hand-off"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    if !new.running() {
+        let mut err = String::new();
+        new.child()
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        panic!("the new server exited: {err}");
+    }
+    // The VM goes on: the rest of its memory comes from the new server.
+    let t = Instant::now();
+    for p in SIZE / 2 / PAGE..SIZE / PAGE {
+        assert_eq!(first.word(p * PAGE), want(p * PAGE), "page {p}");
+    }
+    eprintln!(
+        "the second half read in {:?} across the hand-off",
+        t.elapsed()
+    );
+    // A new VM connects on the socket the new server was handed.
+    let mut second = Standin::new(&[SIZE], false).unwrap();
+    second.connect(&socket).unwrap();
+    for p in 0..SIZE / PAGE {
+        assert_eq!(second.word(p * PAGE), want(p * PAGE));
+    }
+    let (code, out, err, _) = terminate(new);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("took over 1 VMs"), "{err}");
+    assert_eq!(out.matches("graduated").count(), 2, "{out}\n{err}");
+    for vm in [&first, &second] {
+        for p in 0..SIZE / PAGE {
+            assert_eq!(vm.word(p * PAGE), want(p * PAGE));
+        }
+    }
+}

@@ -572,7 +572,7 @@ const MAX_FDS: usize = 8;
 /// One `recvmsg`: bytes into `buf`, and the descriptors that came with them (each owned;
 /// closed if the call then fails). The inner error says a message's descriptors were cut
 /// short (`MSG_CTRUNC`).
-fn recv_with_fds(
+pub(super) fn recv_with_fds(
     s: &UnixStream,
     buf: &mut [u8],
 ) -> io::Result<(usize, Result<Vec<OwnedFd>, ServeError>)> {

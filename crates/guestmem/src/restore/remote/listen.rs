@@ -46,6 +46,8 @@ pub struct Listener {
     dir: Dir,
     name: String,
     id: (u64, u64),
+    /// Leave the path when dropped (handed to another server).
+    keep_path: bool,
 }
 
 impl Listener {
@@ -112,7 +114,59 @@ impl Listener {
             dir,
             name,
             id,
+            keep_path: false,
         })
+    }
+
+    /// A listening socket handed over by another server (`fd`), published at `path`: it
+    /// must be a listening Unix socket, and `path` a socket.
+    pub(crate) fn adopt(fd: OwnedFd, path: &Path) -> Result<Listener, ServeError> {
+        let serr = |op: String| move |source| ServeError::Socket { op, source };
+        let shown = path.display();
+        let mut on: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: `on` is a live c_int and len its size; the kernel writes at most len bytes.
+        let r = unsafe {
+            libc::getsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_ACCEPTCONN,
+                &mut on as *mut libc::c_int as *mut libc::c_void,
+                &mut len,
+            )
+        };
+        if r != 0 || on == 0 {
+            return Err(serr(format!("adopt the socket handed over for {shown}"))(
+                io::Error::other("not a listening socket"),
+            ));
+        }
+        let socket = UnixListener::from(fd);
+        socket
+            .set_nonblocking(true)
+            .map_err(serr("make the socket non-blocking".into()))?;
+        let (parent, name) =
+            split(path).map_err(|e| serr(format!("--socket {shown}"))(e.source))?;
+        let dir = Dir::open(&parent).map_err(|e| serr(format!("--socket {shown}"))(e.source))?;
+        let m = std::fs::symlink_metadata(path).map_err(serr(format!("stat --socket {shown}")))?;
+        if !m.file_type().is_socket() {
+            return Err(ServeError::SocketPath {
+                path: path.to_path_buf(),
+                refusal: SocketRefusal::NotASocket,
+            });
+        }
+        Ok(Listener {
+            socket,
+            path: path.to_path_buf(),
+            dir,
+            name,
+            id: (m.dev(), m.ino()),
+            keep_path: false,
+        })
+    }
+
+    /// Leaves the path in place when dropped: the socket was handed to another server.
+    pub(super) fn keep_path(&mut self) {
+        self.keep_path = true;
     }
 
     /// The listening socket (non-blocking).
@@ -306,7 +360,9 @@ impl Listener {
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        self.unpublish();
+        if !self.keep_path {
+            self.unpublish();
+        }
     }
 }
 

@@ -61,8 +61,9 @@ use std::time::{Duration, Instant};
 
 pub use files::{MemoryFile, WorkingSetFile};
 pub use fleet::{
-    Drainer, Exposed, Fleet, FleetConfig, FleetReport, FleetSocket, FleetStatus, SessionEnd,
-    SessionReport, SessionStatus, SocketStatus, StatusHandle, DEFAULT_MAX_SESSIONS,
+    take_over, Drainer, Exposed, Fleet, FleetConfig, FleetReport, FleetSocket, FleetStatus,
+    SessionEnd, SessionReport, SessionStatus, SocketStatus, StatusHandle, TakeOver,
+    DEFAULT_MAX_SESSIONS,
 };
 pub use handshake::{
     parse_regions, Handshake, HandshakeError, UffdRegion, MAX_HANDSHAKE_BYTES, PAGE_SIZES,

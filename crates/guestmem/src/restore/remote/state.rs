@@ -27,7 +27,8 @@ pub(crate) struct FileId {
     dev: u64,
     ino: u64,
     size: u64,
-    mtime_ns: i128,
+    mtime_s: i64,
+    mtime_nsec: i64,
 }
 
 impl MemoryFile {
@@ -38,7 +39,8 @@ impl MemoryFile {
             dev: m.dev(),
             ino: m.ino(),
             size: m.size(),
-            mtime_ns: i128::from(m.mtime()) * 1_000_000_000 + i128::from(m.mtime_nsec()),
+            mtime_s: m.mtime(),
+            mtime_nsec: m.mtime_nsec(),
         })
     }
 }

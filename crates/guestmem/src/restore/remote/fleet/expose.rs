@@ -107,6 +107,12 @@ impl StatusHandle {
                 }
                 let req = read_request(&s, |b| b.contains(&b'\n'));
                 let line = String::from_utf8_lossy(&req);
+                if line.trim() == super::handoff::COMMAND {
+                    // The connection is the new server's: the fleet answers it.
+                    let _ = s.set_read_timeout(None);
+                    drainer.hand_off(s);
+                    continue;
+                }
                 let reply = match line.trim() {
                     "status" => serde_json::to_string_pretty(&status.snapshot())
                         .unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}")),

@@ -23,12 +23,14 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 mod expose;
 mod graduate;
+mod handoff;
 mod learn;
 #[cfg(feature = "metrics")]
 mod metrics;
@@ -36,6 +38,7 @@ mod restart;
 mod status;
 
 pub use expose::Exposed;
+pub use handoff::{take_over, TakeOver};
 pub use status::{FleetStatus, SessionStatus, SocketStatus, StatusHandle};
 
 use super::handshake::{receive_checked, Handshake, Refused};
@@ -95,14 +98,31 @@ impl Default for FleetConfig {
     }
 }
 
-/// Tells a running [`Fleet`] to drain: stop accepting, graduate every VM, return.
+/// Tells a running [`Fleet`] to drain: stop accepting, graduate every VM, return; or to
+/// hand everything to a new server ([`take_over`]).
 #[derive(Debug, Clone)]
-pub struct Drainer(Arc<OwnedFd>);
+pub struct Drainer {
+    drain: Arc<OwnedFd>,
+    handoff: Arc<HandoffSlot>,
+}
+
+/// A hand-off asked for: the new server's connection, and an eventfd that says so.
+#[derive(Debug)]
+struct HandoffSlot {
+    to: Mutex<Option<UnixStream>>,
+    ready: OwnedFd,
+}
 
 impl Drainer {
     /// Asks the fleet to drain (any thread; a second call changes nothing).
     pub fn drain(&self) {
-        let _ = crate::sys::eventfd_signal(self.0.as_fd());
+        let _ = crate::sys::eventfd_signal(self.drain.as_fd());
+    }
+
+    /// Asks the fleet to hand its sockets and VMs to the server on the other end of `to`.
+    pub(super) fn hand_off(&self, to: UnixStream) {
+        *self.handoff.to.lock().unwrap_or_else(|e| e.into_inner()) = Some(to);
+        let _ = crate::sys::eventfd_signal(self.handoff.ready.as_fd());
     }
 }
 
@@ -116,6 +136,8 @@ pub enum SessionEnd {
     PeerExited,
     /// Drained: every block was brought in and its ranges unregistered.
     Graduated,
+    /// Handed to a new server, which serves it on.
+    HandedOff,
     /// Refused at admission or ended by a failure; the VM was handled as
     /// [`ServeConfig::on_failure`] says. The reason.
     Failed(String),
@@ -185,12 +207,15 @@ pub struct Fleet {
     firsts: Vec<Vec<u64>>,
     cfg: FleetConfig,
     drain: Arc<OwnedFd>,
+    handoff: Arc<HandoffSlot>,
     notify: Arc<OwnedFd>,
     inbox: Arc<Inbox>,
     pool: Pool,
     status: StatusHandle,
     /// Each socket's learnt working set (empty unless learning).
     learnt: Arc<Mutex<Vec<learn::Learnt>>>,
+    /// VMs handed over by the server this one took over from, served from `run` on.
+    handed: Vec<handoff::HandedSession>,
     state: Option<StateDir>,
     sessions: BTreeMap<u64, Session>,
     next_id: u64,
@@ -224,6 +249,10 @@ impl Fleet {
             move |source| ServeError::Socket { op, source }
         };
         let drain = Arc::new(crate::sys::eventfd().map_err(sock_err("make an eventfd"))?);
+        let handoff = Arc::new(HandoffSlot {
+            to: Mutex::new(None),
+            ready: crate::sys::eventfd().map_err(sock_err("make an eventfd"))?,
+        });
         let notify = Arc::new(crate::sys::eventfd().map_err(sock_err("make an eventfd"))?);
         let pool = Pool::start(cfg.serve.handler_threads)
             .map_err(sock_err("start the fault-serving pool"))?;
@@ -243,6 +272,7 @@ impl Fleet {
             mems,
             firsts,
             drain,
+            handoff,
             notify,
             inbox: Arc::new(Inbox::default()),
             report: FleetReport {
@@ -253,6 +283,7 @@ impl Fleet {
             },
             status: StatusHandle::new(names, pool.threads()),
             learnt: Arc::new(Mutex::new(Vec::new())),
+            handed: Vec::new(),
             pool,
             cfg,
             state,
@@ -298,9 +329,89 @@ impl Fleet {
             .map_or(Vec::new(), |l| l.offsets().to_vec())
     }
 
+    /// Serves, from [`Fleet::run`] on, the VMs a server handed over ([`take_over`]); the
+    /// listening sockets it handed are given as this fleet's sockets
+    /// ([`TakeOver::listener`]).
+    pub fn adopt(&mut self, t: TakeOver) {
+        self.handed.extend(t.sessions);
+    }
+
+    /// Hands every socket and VM to the server on `to` and stops serving them: none is
+    /// ended, none graduates (see `handoff.rs`). Records stay on disk.
+    fn hand_off(&mut self, to: &UnixStream) {
+        let out = handoff::Outgoing { to };
+        let mut sent = (0, 0);
+        let mut failed = None;
+        for (i, l) in self.listeners.iter_mut().enumerate() {
+            if let Some(l) = l {
+                match out.listener(i, l.path(), l.socket().as_raw_fd()) {
+                    Ok(()) => {
+                        l.keep_path();
+                        sent.0 += 1;
+                    }
+                    Err(e) => failed = failed.or(Some(e)),
+                }
+            }
+        }
+        // No socket is served here from now on: connections wait in the backlog the new
+        // server took.
+        for l in &mut self.listeners {
+            *l = None;
+        }
+        let sessions = std::mem::take(&mut self.sessions);
+        for (id, s) in sessions {
+            // Stop serving it first: the new server may start as soon as the end is sent.
+            self.pool.remove(id);
+            let handed = self
+                .session_record(&s.server, s.socket)
+                .map_err(std::io::Error::other)
+                .and_then(|r| out.session(s.socket, r, s.server.uffd_fd().as_raw_fd()));
+            if let Err(e) = &handed {
+                failed = failed.or(Some(std::io::Error::other(e.to_string())));
+            }
+            let (result, process) = s.server.conclude(Some("handed off"));
+            // A VM that could not be handed is not left hung: it is ended.
+            let end = match handed {
+                Ok(()) => SessionEnd::HandedOff,
+                Err(e) => {
+                    let e = ServeError::Socket {
+                        op: "hand the VM to the new server".into(),
+                        source: e,
+                    };
+                    end_peer(&process, &self.cfg.serve, &e);
+                    SessionEnd::Failed(e.to_string())
+                }
+            };
+            self.status
+                .ended(id, result.as_ref().ok().map(|r| &r.engine));
+            sent.1 += usize::from(end == SessionEnd::HandedOff);
+            self.report.sessions.push(SessionReport {
+                id,
+                socket: s.socket,
+                pid: process.pid(),
+                bytes: s.bytes,
+                end,
+                engine: result.ok().map(|r| r.engine),
+                served_secs: s.t0.elapsed().as_secs_f64(),
+            });
+        }
+        if let Err(e) = out.end() {
+            failed = failed.or(Some(e));
+        }
+        self.cfg.serve.log.say(&format!(
+            "handed {} sockets and {} VMs to the new server{}",
+            sent.0,
+            sent.1,
+            failed.map_or(String::new(), |e| format!(" (with an error: {e})"))
+        ));
+    }
+
     /// A handle that makes [`Fleet::run`] drain and return.
     pub fn drainer(&self) -> Drainer {
-        Drainer(self.drain.clone())
+        Drainer {
+            drain: self.drain.clone(),
+            handoff: self.handoff.clone(),
+        }
     }
 
     /// A handle that reads the fleet's status from any thread (and serves it on a control
@@ -319,6 +430,7 @@ impl Fleet {
     /// replaced or truncated, its descriptor is gone) is ended as the policy says.
     pub fn run(mut self) -> Result<FleetReport, ServeError> {
         self.load_learnt();
+        self.resume_handed();
         self.resume_all();
         let mut draining = false;
         loop {
@@ -358,6 +470,19 @@ impl Fleet {
                 self.take_results();
                 break;
             }
+            if readable(self.handoff.ready.as_fd()) {
+                let to = self
+                    .handoff
+                    .to
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
+                if let Some(to) = to {
+                    self.hand_off(&to);
+                    self.report.secs = self.t0.elapsed().as_secs_f64();
+                    return Ok(self.report);
+                }
+            }
         }
         self.graduate_all();
         self.report.secs = self.t0.elapsed().as_secs_f64();
@@ -367,6 +492,8 @@ impl Fleet {
     /// Blocks until something needs the supervisor: which sockets have connections waiting,
     /// and which sessions' descriptors changed.
     fn wait(&self, draining: bool) -> Woken {
+        // The drain, handshake and hand-off eventfds come first.
+        const FIXED: usize = 3;
         // Once draining, the drain eventfd stays readable: left out, or every wait returns
         // at once.
         let drain = if draining { -1 } else { self.drain.as_raw_fd() };
@@ -377,6 +504,7 @@ impl Fleet {
                 revents: 0,
             },
             pollin(self.notify.as_fd()),
+            pollin(self.handoff.ready.as_fd()),
         ];
         let accepting = self.inbox.pending.load(Ordering::Acquire) < MAX_PENDING_HANDSHAKES;
         let mut listening = Vec::new();
@@ -411,11 +539,11 @@ impl Fleet {
             }
         }
         drain_eventfd(self.notify.as_fd());
-        let base = 2 + listening.len();
+        let base = FIXED + listening.len();
         let listening = listening
             .iter()
             .enumerate()
-            .map(|(k, &i)| (i, fds[2 + k].revents != 0))
+            .map(|(k, &i)| (i, fds[FIXED + k].revents != 0))
             .collect();
         let watched = ids
             .iter()

@@ -15,17 +15,7 @@ impl Fleet {
     pub(super) fn record(&self, server: &PageServer, i: usize) -> Option<std::path::PathBuf> {
         let state = self.state.as_ref()?;
         let p = server.process();
-        let written = (|| {
-            let pid = p.pid().ok_or("no pid")?;
-            let start = p.start_time().ok_or("no start time in /proc")?;
-            let fd = p
-                .fd_number_of(server.uffd_fd())
-                .map_err(|e| format!("its userfaultfd's number: {e}"))?;
-            let mem = self.mems[i]
-                .identity()
-                .map_err(|e| format!("the memory file: {e}"))?;
-            state.write(&SessionRecord::new(pid, start, fd, mem, server.regions()))
-        })();
+        let written = self.session_record(server, i).and_then(|r| state.write(&r));
         match written {
             Ok(path) => Some(path),
             Err(e) => {
@@ -34,6 +24,55 @@ impl Fleet {
                     p.pid().map_or("?".into(), |p| p.to_string())
                 ));
                 None
+            }
+        }
+    }
+
+    /// What a later server needs to serve `server`'s VM (of socket `i`) again.
+    pub(super) fn session_record(
+        &self,
+        server: &PageServer,
+        i: usize,
+    ) -> Result<SessionRecord, String> {
+        let p = server.process();
+        let pid = p.pid().ok_or("no pid")?;
+        let start = p.start_time().ok_or("no start time in /proc")?;
+        let fd = p
+            .fd_number_of(server.uffd_fd())
+            .map_err(|e| format!("its userfaultfd's number: {e}"))?;
+        let mem = self.mems[i]
+            .identity()
+            .map_err(|e| format!("the memory file: {e}"))?;
+        Ok(SessionRecord::new(pid, start, fd, mem, server.regions()))
+    }
+
+    /// Serves the VMs another server handed over (see `handoff.rs`), as after a restart.
+    pub(super) fn resume_handed(&mut self) {
+        for h in std::mem::take(&mut self.handed) {
+            let r = &h.record;
+            let process = match PeerProcess::reopen(r.pid, r.start_time) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.cfg
+                        .serve
+                        .log
+                        .say(&format!("handed-over VM {}: gone ({e})", r.pid));
+                    continue;
+                }
+            };
+            match self.resume_one(r, process, Some(h.uffd)) {
+                // The memory file is found by identity, whatever socket it is on now.
+                Ok((i, server, bytes)) => {
+                    self.cfg.serve.log.say(&format!(
+                        "took over peer {} (socket {} before, {i} now) from the old server",
+                        r.pid, h.index
+                    ));
+                    self.start_session(i, server, bytes);
+                }
+                Err((e, process)) => {
+                    end_peer(&process, &self.cfg.serve, &e);
+                    self.refused(process.pid(), 0, e.to_string());
+                }
             }
         }
     }
@@ -74,7 +113,7 @@ impl Fleet {
                     continue;
                 }
             };
-            match self.resume_one(&r, process) {
+            match self.resume_one(&r, process, None) {
                 Ok((i, server, bytes)) => {
                     self.cfg.serve.log.say(&format!(
                         "took back peer {} (its userfaultfd {}) from a server that died",
@@ -97,6 +136,7 @@ impl Fleet {
         &self,
         r: &SessionRecord,
         process: PeerProcess,
+        handed: Option<std::os::fd::OwnedFd>,
     ) -> Result<(usize, PageServer, u64), (ServeError, PeerProcess)> {
         let Some(i) = self
             .mems
@@ -115,10 +155,11 @@ impl Fleet {
             Ok(x) => x,
             Err(e) => return Err((e, process)),
         };
-        let uffd = match process
-            .take_fd(r.uffd_fd)
-            .and_then(crate::uffd::Uffd::from_received)
-        {
+        let fd = match handed {
+            Some(fd) => Ok(fd),
+            None => process.take_fd(r.uffd_fd),
+        };
+        let uffd = match fd.and_then(crate::uffd::Uffd::from_received) {
             Ok(u) => u,
             Err(source) => {
                 let e = ServeError::Socket {

@@ -1,0 +1,233 @@
+//! A zero-downtime upgrade: a running fleet hands its sockets and its VMs to a new server
+//! (a new binary, say) over its control socket, with `SCM_RIGHTS`, and exits without
+//! ending or graduating any VM.
+//!
+//! The new server ([`take_over`]) connects to the old one's control socket and sends
+//! `handoff`. The old one stops serving (its pool no longer reads the VMs' faults, which
+//! wait in the kernel) and sends, one message each: every listening socket (so no VM that
+//! connects meanwhile is refused: it waits in the same backlog), then every VM's session
+//! record (the same record a restart reads) with its userfaultfd, then an end mark; then it
+//! exits, leaving the socket paths in place and the records on disk. The new server waits
+//! for the old process to be gone (its pidfd), takes the state directory's lock if it keeps
+//! one, and serves every VM again as after a crash: pages already in are left, the ranges
+//! are woken so waiting faults come again ([`super::Fleet::run`]). The VMs stall only for
+//! the hand-over itself.
+
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::super::handshake::recv_with_fds;
+use super::super::peer::PeerProcess;
+use super::super::state::SessionRecord;
+use super::super::{Listener, ServeError};
+
+/// The command a new server sends.
+pub(super) const COMMAND: &str = "handoff";
+
+/// One message of a hand-off (its descriptors travel beside it).
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+enum Message {
+    /// A listening socket (one descriptor): the fleet's socket `index`, at `path`.
+    Listener { index: usize, path: PathBuf },
+    /// A VM (one descriptor: its userfaultfd) of socket `index`.
+    Session { index: usize, record: SessionRecord },
+    /// Nothing more.
+    End,
+}
+
+/// Sends `bytes` with `fds` in one `sendmsg`.
+fn send_with_fds(s: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    // u64 words keep the control buffer aligned for cmsghdr.
+    let mut control = [0u64; 8];
+    let data_len = std::mem::size_of_val(fds);
+    // SAFETY: CMSG_SPACE is arithmetic.
+    let space = unsafe { libc::CMSG_SPACE(data_len as u32) } as usize;
+    assert!(space <= std::mem::size_of_val(&control) && !bytes.is_empty());
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: an all-zero msghdr is valid (null pointers, zero lengths); set below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !fds.is_empty() {
+        msg.msg_control = control.as_mut_ptr() as *mut libc::c_void;
+        msg.msg_controllen = space;
+        // SAFETY: the control buffer holds `space` bytes, enough for one cmsghdr carrying
+        // `fds`; CMSG_FIRSTHDR and CMSG_DATA point inside it.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(data_len as u32) as usize;
+            std::ptr::copy_nonoverlapping(fds.as_ptr() as *const u8, libc::CMSG_DATA(c), data_len);
+        }
+    }
+    // SAFETY: msg points at live iov (over `bytes`) and control buffers; the kernel only
+    // reads them.
+    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if n as usize != bytes.len() {
+        return Err(io::Error::other("a hand-off message was cut short"));
+    }
+    Ok(())
+}
+
+/// One message as sent: its JSON, then a newline (a message is one `sendmsg`; the kernel
+/// never joins two that carry descriptors into one read).
+fn send(s: &UnixStream, m: &Message, fds: &[RawFd]) -> io::Result<()> {
+    let mut text = serde_json::to_vec(m).map_err(io::Error::other)?;
+    text.push(b'\n');
+    send_with_fds(s, &text, fds)
+}
+
+/// The old server's side: what it hands over.
+pub(super) struct Outgoing<'a> {
+    pub(super) to: &'a UnixStream,
+}
+
+impl Outgoing<'_> {
+    pub(super) fn listener(&self, index: usize, path: &Path, fd: RawFd) -> io::Result<()> {
+        send(
+            self.to,
+            &Message::Listener {
+                index,
+                path: path.to_path_buf(),
+            },
+            &[fd],
+        )
+    }
+
+    pub(super) fn session(
+        &self,
+        index: usize,
+        record: SessionRecord,
+        uffd: RawFd,
+    ) -> io::Result<()> {
+        send(self.to, &Message::Session { index, record }, &[uffd])
+    }
+
+    pub(super) fn end(&self) -> io::Result<()> {
+        send(self.to, &Message::End, &[])
+    }
+}
+
+/// A VM handed over: its record and its userfaultfd.
+#[derive(Debug)]
+pub struct HandedSession {
+    pub(super) index: usize,
+    pub(super) record: SessionRecord,
+    pub(super) uffd: OwnedFd,
+}
+
+/// What a running fleet handed over ([`take_over`]).
+#[derive(Debug)]
+pub struct TakeOver {
+    listeners: Vec<(usize, PathBuf, OwnedFd)>,
+    pub(super) sessions: Vec<HandedSession>,
+    /// The old server's process id.
+    pub old_pid: Option<i32>,
+    /// From sending `handoff` to the old server's exit, seconds (its VMs' faults waited
+    /// no longer than this before the new server can serve them).
+    pub handed_secs: f64,
+}
+
+impl TakeOver {
+    /// The listening socket that was at `path` (socket `index` of the old fleet), to serve
+    /// on in its place.
+    pub fn listener(&mut self, path: &Path) -> Result<Option<Listener>, ServeError> {
+        let Some(k) = self.listeners.iter().position(|(_, p, _)| p == path) else {
+            return Ok(None);
+        };
+        let (_, p, fd) = self.listeners.remove(k);
+        Listener::adopt(fd, &p).map(Some)
+    }
+
+    /// VMs handed over.
+    pub fn vms(&self) -> usize {
+        self.sessions.len()
+    }
+}
+
+/// Takes over the fleet whose control socket is `control`: receives its sockets and VMs
+/// (see the module docs) and waits, at most `wait`, for the old server to exit.
+pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError> {
+    let serr = |op: &str| {
+        let op = format!("take over from {}: {op}", control.display());
+        move |source| ServeError::Socket { op, source }
+    };
+    let s = UnixStream::connect(control).map_err(serr("connect"))?;
+    let old = PeerProcess::of(&s);
+    s.set_read_timeout(Some(wait))
+        .map_err(serr("set a timeout"))?;
+    let t0 = Instant::now();
+    (&s).write_all(format!("{COMMAND}\n").as_bytes())
+        .map_err(serr("send the command"))?;
+    let mut out = TakeOver {
+        listeners: Vec::new(),
+        sessions: Vec::new(),
+        old_pid: old.pid(),
+        handed_secs: 0.0,
+    };
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let (n, fds) = recv_with_fds(&s, &mut buf).map_err(serr("receive"))?;
+        let mut fds = fds?;
+        if n == 0 {
+            return Err(serr("receive")(io::Error::other(
+                "the old server closed the connection before the end of the hand-off (is \
+                 it a fleet with this version's control socket?)",
+            )));
+        }
+        let text = String::from_utf8_lossy(&buf[..n]);
+        let m: Message = serde_json::from_str(text.trim_end()).map_err(|e| {
+            serr("parse")(io::Error::other(format!(
+                "{e}: {}",
+                text.chars().take(200).collect::<String>()
+            )))
+        })?;
+        match (m, fds.pop()) {
+            (Message::Listener { index, path }, Some(fd)) => out.listeners.push((index, path, fd)),
+            (Message::Session { index, record }, Some(uffd)) => out.sessions.push(HandedSession {
+                index,
+                record,
+                uffd,
+            }),
+            (Message::End, _) => break,
+            (_, None) => {
+                return Err(serr("receive")(io::Error::other(
+                    "a hand-off message came without its descriptor",
+                )))
+            }
+        }
+    }
+    // The old server exits once it has sent everything: wait for that (its pidfd), so
+    // that one server at a time serves the VMs and holds the state directory.
+    let mut rest = Vec::new();
+    let _ = (&s).read_to_end(&mut rest);
+    if let Some(p) = old.pidfd() {
+        let left = wait.saturating_sub(t0.elapsed());
+        let mut pfd = libc::pollfd {
+            fd: p.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = left.as_millis().min(i32::MAX as u128) as i32;
+        // SAFETY: one live pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n != 1 {
+            return Err(serr("wait for the old server to exit")(io::Error::from(
+                io::ErrorKind::TimedOut,
+            )));
+        }
+    }
+    out.handed_secs = t0.elapsed().as_secs_f64();
+    Ok(out)
+}
