@@ -86,6 +86,10 @@ pub struct Args {
     /// would wait for ever): every refusal and serving failure after that point.
     #[arg(long, value_enum, default_value = "kill")]
     on_failure: OnFailure,
+    /// How log lines are written to standard error: text, or one JSON object a line (each
+    /// VM's session start, end and failure as one structured event).
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -98,6 +102,26 @@ enum OnFailure {
     Kill,
     /// Leave it (it hangs on the memory that never arrives).
     Leave,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object a line.
+    Json,
+}
+
+/// Sends the library's and this command's `tracing` events to standard error.
+fn init_logs(format: LogFormat) {
+    let b = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(false);
+    let _ = match format {
+        LogFormat::Text => b.try_init(),
+        LogFormat::Json => b.json().try_init(),
+    };
 }
 
 fn size(s: &str) -> Result<u64, String> {
@@ -115,6 +139,7 @@ fn secs(s: &str) -> Result<f64, String> {
 /// appears; then one VM is served (`--once`, `guestmem::restore::remote::serve_one`), or
 /// every VM until SIGTERM or SIGINT, which drains the fleet (`remote::Fleet`) and exits 0.
 pub fn run(a: Args) -> Result<()> {
+    init_logs(a.log_format);
     if a.socket.len() != a.mem_file.len() {
         bail!(
             "{} --socket and {} --mem-file given: each socket serves one memory file, in order",
@@ -176,7 +201,7 @@ pub fn run(a: Args) -> Result<()> {
             Some(l) => l,
             None => Listener::bind(path)?,
         };
-        eprintln!("guestmem serve-uffd: listening on {}", path.display());
+        tracing::info!("listening on {}", path.display());
         sockets.push(FleetSocket {
             listener,
             mem,
@@ -195,8 +220,8 @@ pub fn run(a: Args) -> Result<()> {
     )?;
     let mut fleet = fleet;
     if let Some(t) = taken {
-        eprintln!(
-            "guestmem serve-uffd: took over {} VMs from process {} in {:.3} s",
+        tracing::info!(
+            "took over {} VMs from process {} in {:.3} s",
             t.vms(),
             t.old_pid.map_or("?".into(), |p| p.to_string()),
             t.handed_secs
@@ -208,7 +233,7 @@ pub fn run(a: Args) -> Result<()> {
     let _control = match &a.control {
         Some(path) => {
             let l = Listener::bind(path)?;
-            eprintln!("guestmem serve-uffd: control socket {}", path.display());
+            tracing::info!("control socket {}", path.display());
             Some(status.serve_control(l, drainer.clone())?)
         }
         None => None,
@@ -216,7 +241,7 @@ pub fn run(a: Args) -> Result<()> {
     let _metrics = match a.metrics {
         Some(addr) => {
             let (m, bound) = status.serve_metrics(addr)?;
-            eprintln!("guestmem serve-uffd: metrics on http://{bound}/metrics");
+            tracing::info!("metrics on http://{bound}/metrics");
             Some(m)
         }
         None => None,
@@ -228,7 +253,7 @@ pub fn run(a: Args) -> Result<()> {
             let mut sig: libc::c_int = 0;
             // SAFETY: `signals` is an initialised sigset; sigwait writes one int.
             if unsafe { libc::sigwait(&signals, &mut sig) } == 0 {
-                eprintln!("guestmem serve-uffd: signal {sig}: draining");
+                tracing::info!("signal {sig}: draining");
             }
             drainer.drain();
         })?;
@@ -255,7 +280,7 @@ fn notify_ready(sockets: usize) {
         }
     })();
     if let Err(e) = sent {
-        eprintln!("guestmem serve-uffd: could not notify systemd at {to:?}: {e}");
+        tracing::warn!("could not notify systemd at {to:?}: {e}");
     }
 }
 
@@ -275,7 +300,8 @@ fn serve_config(a: &Args) -> ServeConfig {
         },
         handshake_timeout: Duration::from_secs_f64(a.handshake_timeout_s),
         accept_timeout: a.accept_timeout_s.map(Duration::from_secs_f64),
-        log: ServeLog::stderr("guestmem serve-uffd: "),
+        // Every line goes through `tracing` (see `init_logs`).
+        log: ServeLog::default(),
     }
 }
 
@@ -335,7 +361,7 @@ fn print_fleet(report: &FleetReport, json: bool) -> Result<()> {
 /// `--once`: one VM on one socket, as before the fleet.
 fn run_once(a: &Args, mem: MemoryFile, cfg: ServeConfig) -> Result<()> {
     let listener = Listener::bind(&a.socket[0])?;
-    eprintln!(
+    tracing::info!(
         "guestmem serve-uffd: listening on {}",
         a.socket[0].display()
     );

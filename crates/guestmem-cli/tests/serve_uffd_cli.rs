@@ -1454,3 +1454,43 @@ fn a_fleet_hands_its_sockets_and_vms_to_a_new_server_without_downtime() {
         }
     }
 }
+
+#[test]
+fn json_logs_carry_one_structured_event_per_session_start_and_end() {
+    need_uffd!();
+    let d = dir("fleet-json");
+    let mem = mem_file(&d, 4 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let srv = fleet(
+        &[(&socket, &mem)],
+        &["--log-format", "json", "--on-failure", "leave"],
+    );
+    let mut vm = Standin::new(&[4 * MIB], false).unwrap();
+    vm.connect(&socket).unwrap();
+    assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
+    vm.disconnect();
+    std::thread::sleep(Duration::from_millis(200));
+    let (code, _, err, _) = terminate(srv);
+    assert_eq!(code, 0, "{err}");
+    let events: Vec<serde_json::Value> = err
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    let of = |kind: &str| {
+        events
+            .iter()
+            .filter(|e| e["fields"]["event"] == kind)
+            .collect::<Vec<_>>()
+    };
+    let start = of("start");
+    assert_eq!(start.len(), 1, "{err}");
+    assert_eq!(start[0]["fields"]["session"], 0);
+    assert_eq!(start[0]["fields"]["bytes"], 4 * MIB as u64);
+    assert_eq!(
+        start[0]["fields"]["pid"].as_i64(),
+        Some(std::process::id() as i64)
+    );
+    let end = of("end");
+    assert_eq!(end.len(), 1, "{err}");
+    assert_eq!(end[0]["fields"]["reason"], "PeerClosed", "{err}");
+}

@@ -229,11 +229,53 @@ impl ServeLog {
         ServeLog(Some(Arc::new(f)))
     }
 
+    /// A line: to the callback, and as a `tracing` event (target `guestmem::serve`).
     pub(crate) fn say(&self, line: &str) {
+        tracing::info!(target: "guestmem::serve", "{line}");
         if let Some(f) = &self.0 {
             f(line);
         }
     }
+
+    /// A line about a VM the server could not serve (a `tracing` warning).
+    pub(crate) fn warn(&self, line: &str) {
+        tracing::warn!(target: "guestmem::serve", "{line}");
+        if let Some(f) = &self.0 {
+            f(line);
+        }
+    }
+
+    /// One structured event of a VM's session (its start, end, or failure) with `line`
+    /// as its message: fields `event`, `session`, `pid`, `socket`, `bytes` and, for an
+    /// end, `reason`.
+    pub(crate) fn session(&self, e: &SessionEvent<'_>, line: &str) {
+        let session = e.session.map_or(-1, |s| s as i64);
+        let pid = e.pid.unwrap_or(-1);
+        let reason = e.reason.unwrap_or("");
+        if e.failed {
+            tracing::warn!(target: "guestmem::fleet", event = e.event, session, pid,
+                socket = e.socket, bytes = e.bytes, reason, "{line}");
+        } else {
+            tracing::info!(target: "guestmem::fleet", event = e.event, session, pid,
+                socket = e.socket, bytes = e.bytes, reason, "{line}");
+        }
+        if let Some(f) = &self.0 {
+            f(line);
+        }
+    }
+}
+
+/// What a session event says ([`ServeLog::session`]).
+pub(crate) struct SessionEvent<'a> {
+    /// `start`, `end`, `refused`, `graduated`, `handed-off`, `taken-back`.
+    pub(crate) event: &'static str,
+    pub(crate) session: Option<u64>,
+    pub(crate) pid: Option<i32>,
+    pub(crate) socket: usize,
+    pub(crate) bytes: u64,
+    pub(crate) reason: Option<&'a str>,
+    /// A failure (logged as a warning).
+    pub(crate) failed: bool,
 }
 
 impl std::fmt::Debug for ServeLog {
@@ -388,14 +430,14 @@ pub(crate) fn end_peer(process: &PeerProcess, cfg: &ServeConfig, why: &dyn std::
     let who = process.pid().map_or("?".into(), |p| p.to_string());
     match cfg.on_failure {
         OnFailure::Kill => match process.kill() {
-            Ok(()) => cfg.log.say(&format!(
+            Ok(()) => cfg.log.warn(&format!(
                 "killed the peer {who} (through its pidfd): its memory cannot be served: {why}"
             )),
-            Err(e) => cfg.log.say(&format!(
+            Err(e) => cfg.log.warn(&format!(
                 "could not kill the peer {who} ({e}); it may wait for ever: {why}"
             )),
         },
-        OnFailure::Leave => cfg.log.say(&format!(
+        OnFailure::Leave => cfg.log.warn(&format!(
             "left the peer {who} as --on-failure leave says; it waits on memory that will not \
              come: {why}"
         )),

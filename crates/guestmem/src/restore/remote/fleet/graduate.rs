@@ -1,7 +1,7 @@
 //! Drain's last step: every VM still served graduates (all its blocks in, then its ranges
 //! unregistered), side by side, while the pool serves their faults.
 
-use super::super::{end_peer, ServeError};
+use super::super::{end_peer, ServeError, SessionEvent};
 use super::{Fleet, SessionEnd, SessionReport};
 
 impl Fleet {
@@ -42,10 +42,22 @@ impl Fleet {
                             (Ok(_), Err(e)) => (SessionEnd::Failed(e.to_string()), None),
                         };
                         status.ended(id, engine.as_ref());
-                        cfg.log.say(&format!(
-                            "session {id}: {end:?} after {:.3} s",
-                            s.t0.elapsed().as_secs_f64()
-                        ));
+                        let reason = format!("{end:?}");
+                        cfg.log.session(
+                            &SessionEvent {
+                                event: "graduated",
+                                session: Some(id),
+                                pid: process.pid(),
+                                socket: s.socket,
+                                bytes: s.bytes,
+                                reason: Some(&reason),
+                                failed: matches!(end, SessionEnd::Failed(_)),
+                            },
+                            &format!(
+                                "session {id}: {end:?} after {:.3} s",
+                                s.t0.elapsed().as_secs_f64()
+                            ),
+                        );
                         SessionReport {
                             id,
                             socket: s.socket,

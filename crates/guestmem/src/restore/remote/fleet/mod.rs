@@ -45,7 +45,9 @@ use super::handshake::{receive_checked, Handshake, Refused};
 use super::listen::MAX_PENDING_HANDSHAKES;
 use super::pool::Pool;
 use super::state::StateDir;
-use super::{end_peer, Listener, MemoryFile, PageServer, ServeConfig, ServeError, Setting};
+use super::{
+    end_peer, Listener, MemoryFile, PageServer, ServeConfig, ServeError, SessionEvent, Setting,
+};
 use crate::restore::lazy::{Handlers, Target};
 use crate::restore::LazyReport;
 
@@ -719,13 +721,24 @@ impl Fleet {
             self.refused(p.pid(), bytes, e.to_string());
             return;
         }
-        self.cfg.serve.log.say(&format!(
-            "session {id}: peer {} on socket {i} sent {} regions ({} MiB); {} VMs served",
-            server.peer_pid().map_or("?".into(), |p| p.to_string()),
-            server.regions().len(),
-            bytes >> 20,
-            self.sessions.len() + 1
-        ));
+        self.cfg.serve.log.session(
+            &SessionEvent {
+                event: "start",
+                session: Some(id),
+                pid: server.peer_pid(),
+                socket: i,
+                bytes,
+                reason: None,
+                failed: false,
+            },
+            &format!(
+                "session {id}: peer {} on socket {i} sent {} regions ({} MiB); {} VMs served",
+                server.peer_pid().map_or("?".into(), |p| p.to_string()),
+                server.regions().len(),
+                bytes >> 20,
+                self.sessions.len() + 1
+            ),
+        );
         self.served_bytes += bytes;
         self.status
             .started(id, i, server.peer_pid(), bytes, server.pooled());
@@ -749,6 +762,21 @@ impl Fleet {
     /// Records a VM refused (and already ended as the policy says).
     fn refused(&mut self, pid: Option<i32>, bytes: u64, why: String) {
         self.status.refused();
+        self.cfg.serve.log.session(
+            &SessionEvent {
+                event: "refused",
+                session: None,
+                pid,
+                socket: usize::MAX,
+                bytes,
+                reason: Some(&why),
+                failed: true,
+            },
+            &format!(
+                "peer {} refused: {why}",
+                pid.map_or("?".into(), |p| p.to_string())
+            ),
+        );
         self.report.sessions.push(SessionReport {
             id: u64::MAX,
             socket: usize::MAX,
@@ -790,11 +818,23 @@ impl Fleet {
             }
         };
         self.status.ended(id, engine.as_ref());
-        self.cfg.serve.log.say(&format!(
-            "session {id}: ended ({end:?}) after {:.3} s; {} VMs served",
-            t0.elapsed().as_secs_f64(),
-            self.sessions.len()
-        ));
+        let reason = format!("{end:?}");
+        self.cfg.serve.log.session(
+            &SessionEvent {
+                event: "end",
+                session: Some(id),
+                pid: process.pid(),
+                socket,
+                bytes,
+                reason: Some(&reason),
+                failed: matches!(end, SessionEnd::Failed(_)),
+            },
+            &format!(
+                "session {id}: ended ({end:?}) after {:.3} s; {} VMs served",
+                t0.elapsed().as_secs_f64(),
+                self.sessions.len()
+            ),
+        );
         self.report.sessions.push(SessionReport {
             id,
             socket,
