@@ -1494,3 +1494,51 @@ fn json_logs_carry_one_structured_event_per_session_start_and_end() {
     assert_eq!(end.len(), 1, "{err}");
     assert_eq!(end[0]["fields"]["reason"], "PeerClosed", "{err}");
 }
+
+#[test]
+fn a_memory_file_written_while_served_ends_its_vms_and_closes_its_socket() {
+    need_uffd!();
+    let d = dir("fleet-changed");
+    let (a_dir, b_dir) = (d.join("a"), d.join("b"));
+    std::fs::create_dir_all(&a_dir).unwrap();
+    std::fs::create_dir_all(&b_dir).unwrap();
+    let mem_a = mem_file(&a_dir, 8 * MIB, None);
+    let mem_b = mem_file(&b_dir, 8 * MIB, None);
+    let (sock_a, sock_b) = (d.join("a.sock"), d.join("b.sock"));
+    let srv = fleet(
+        &[(&sock_a, &mem_a), (&sock_b, &mem_b)],
+        &["--on-failure", "leave"],
+    );
+    let mut a = Standin::new(&[8 * MIB], false).unwrap();
+    a.connect(&sock_a).unwrap();
+    let mut b = Standin::new(&[8 * MIB], false).unwrap();
+    b.connect(&sock_b).unwrap();
+    assert_eq!(a.word(0), word(0));
+    // Someone writes snapshot A's file in place while its VM runs.
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&mem_a)
+            .unwrap();
+        f.write_all_at(&[0xff; 8], (4 * MIB) as u64).unwrap();
+    }
+    let t = Instant::now();
+    while sock_a.exists() {
+        assert!(t.elapsed() < Duration::from_secs(10), "socket A still open");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // A's VM is ended (left, here: it is this process); B's is untouched.
+    assert_eq!(b.compare(&mem_b).unwrap(), Ok(()));
+    assert!(
+        std::os::unix::net::UnixStream::connect(&sock_a).is_err(),
+        "socket A takes no VM"
+    );
+    let (code, out, err, _) = terminate(srv);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("changed while served"), "{err}");
+    assert!(err.contains("left the peer"), "{err}");
+    assert!(out.contains("graduated"), "{out}");
+    // A's VM never read the changed page; releasing it wakes nothing.
+    a.release().unwrap();
+}

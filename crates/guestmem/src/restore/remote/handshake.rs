@@ -123,6 +123,9 @@ pub enum HandshakeError {
     /// A VM connected to a one-VM server that has its VM already (or gave up waiting).
     #[error("a VM connected to a server that serves one VM and has it (or gave up)")]
     Late,
+    /// A VM's handshake completed after a draining fleet stopped waiting for it.
+    #[error("a VM's handshake completed after the server had begun to drain")]
+    Draining,
 }
 
 impl HandshakeError {

@@ -36,6 +36,7 @@ mod learn;
 mod metrics;
 mod restart;
 mod status;
+mod watch;
 
 pub use expose::Exposed;
 pub use handoff::{take_over, TakeOver};
@@ -198,9 +199,22 @@ struct Woken {
 /// Handshakes' results, left by their threads for the supervisor.
 #[derive(Default)]
 struct Inbox {
-    results: Mutex<VecDeque<(usize, Result<Handshake, Refused>)>>,
+    results: Mutex<InboxInner>,
     pending: AtomicUsize,
 }
+
+/// The results, and whether the fleet still takes them.
+#[derive(Default)]
+struct InboxInner {
+    /// The fleet stopped waiting (a drain's grace ran out): a late VM ends itself.
+    closed: bool,
+    results: VecDeque<(usize, Result<Handshake, Refused>)>,
+}
+
+/// How long a drain waits for handshakes in flight before it stops waiting (Firecracker
+/// sends its handshake in one message as it connects; a connection still silent by then
+/// is not a VM about to be served, and one that completes later is ended).
+const DRAIN_HANDSHAKE_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A page server for many VMs (see the module docs).
 pub struct Fleet {
@@ -218,6 +232,8 @@ pub struct Fleet {
     learnt: Arc<Mutex<Vec<learn::Learnt>>>,
     /// VMs handed over by the server this one took over from, served from `run` on.
     handed: Vec<handoff::HandedSession>,
+    /// The memory files, watched for changes while served.
+    watch: Option<watch::FileWatch>,
     state: Option<StateDir>,
     sessions: BTreeMap<u64, Session>,
     next_id: u64,
@@ -286,6 +302,7 @@ impl Fleet {
             status: StatusHandle::new(names, pool.threads()),
             learnt: Arc::new(Mutex::new(Vec::new())),
             handed: Vec::new(),
+            watch: None,
             pool,
             cfg,
             state,
@@ -431,10 +448,20 @@ impl Fleet {
     /// waited are woken to fault again. A VM that cannot be taken back (its memory file was
     /// replaced or truncated, its descriptor is gone) is ended as the policy says.
     pub fn run(mut self) -> Result<FleetReport, ServeError> {
+        self.watch = match watch::FileWatch::new(&self.mems) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                self.cfg.serve.log.warn(&format!(
+                    "memory files not watched ({e}): a file written in place while served \
+                     would not be noticed"
+                ));
+                None
+            }
+        };
         self.load_learnt();
         self.resume_handed();
         self.resume_all();
-        let mut draining = false;
+        let mut draining: Option<Instant> = None;
         loop {
             let Woken { listening, watched } = self.wait(draining);
             if listening.iter().any(|&(_, ready)| ready) {
@@ -448,8 +475,8 @@ impl Fleet {
             for id in watched {
                 self.check_session(id);
             }
-            if !draining && readable(self.drain.as_fd()) {
-                draining = true;
+            if draining.is_none() && readable(self.drain.as_fd()) {
+                draining = Some(Instant::now() + DRAIN_HANDSHAKE_GRACE);
                 self.status.draining();
                 // Paths first (new VMs are refused at connect), then every connection already
                 // in a backlog is accepted (its VM may have sent its userfaultfd and would
@@ -468,9 +495,32 @@ impl Fleet {
                     self.sessions.len()
                 ));
             }
-            if draining && self.inbox.pending.load(Ordering::Acquire) == 0 {
-                self.take_results();
-                break;
+            if let Some(deadline) = draining {
+                let pending = self.inbox.pending.load(Ordering::Acquire);
+                if pending == 0 || Instant::now() >= deadline {
+                    // From here a handshake that completes ends its own VM.
+                    self.inbox
+                        .results
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .closed = true;
+                    self.take_results();
+                    if pending > 0 {
+                        self.cfg.serve.log.say(&format!(
+                            "draining: {pending} connections still silent after {:.1} s are \
+                             not waited for",
+                            DRAIN_HANDSHAKE_GRACE.as_secs_f64()
+                        ));
+                    }
+                    break;
+                }
+            }
+            let changed = match (&mut self.watch, &self.mems) {
+                (Some(w), mems) if readable(w.fd()) => w.changed(mems),
+                _ => Vec::new(),
+            };
+            for i in changed {
+                self.file_changed(i);
             }
             if readable(self.handoff.ready.as_fd()) {
                 let to = self
@@ -493,12 +543,22 @@ impl Fleet {
 
     /// Blocks until something needs the supervisor: which sockets have connections waiting,
     /// and which sessions' descriptors changed.
-    fn wait(&self, draining: bool) -> Woken {
+    fn wait(&self, draining: Option<Instant>) -> Woken {
         // The drain, handshake and hand-off eventfds come first.
-        const FIXED: usize = 3;
+        const FIXED: usize = 4;
         // Once draining, the drain eventfd stays readable: left out, or every wait returns
         // at once.
-        let drain = if draining { -1 } else { self.drain.as_raw_fd() };
+        let drain = if draining.is_some() {
+            -1
+        } else {
+            self.drain.as_raw_fd()
+        };
+        // A drain waits on handshakes in flight until its grace runs out.
+        let ms = draining.map_or(-1, |d| {
+            d.saturating_duration_since(Instant::now())
+                .as_millis()
+                .clamp(1, 60_000) as i32
+        });
         let mut fds = vec![
             libc::pollfd {
                 fd: drain,
@@ -507,6 +567,11 @@ impl Fleet {
             },
             pollin(self.notify.as_fd()),
             pollin(self.handoff.ready.as_fd()),
+            libc::pollfd {
+                fd: self.watch.as_ref().map_or(-1, |w| w.fd().as_raw_fd()),
+                events: libc::POLLIN,
+                revents: 0,
+            },
         ];
         let accepting = self.inbox.pending.load(Ordering::Acquire) < MAX_PENDING_HANDSHAKES;
         let mut listening = Vec::new();
@@ -526,8 +591,8 @@ impl Fleet {
             fds.push(pollin(changed));
         }
         // SAFETY: `fds` is a live array of pollfds over descriptors borrowed from `self`;
-        // no timeout (idle means blocked).
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+        // no timeout (idle means blocked) but a drain's grace.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.raw_os_error() != Some(libc::EINTR) {
@@ -591,6 +656,10 @@ impl Fleet {
             self.inbox.pending.fetch_add(1, Ordering::AcqRel);
             let (inbox, notify) = (self.inbox.clone(), self.notify.clone());
             let timeout = self.cfg.serve.handshake_timeout;
+            let late_cfg = ServeConfig {
+                first: Vec::new(),
+                ..self.cfg.serve.clone()
+            };
             let spawned = std::thread::Builder::new()
                 .name("guestmem-handshake".into())
                 .spawn(move || {
@@ -603,11 +672,14 @@ impl Fleet {
                         let _ = crate::sys::eventfd_signal(notify.as_fd());
                         return;
                     };
-                    inbox
-                        .results
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push_back((i, r));
+                    let mut g = inbox.results.lock().unwrap_or_else(|e| e.into_inner());
+                    if g.closed {
+                        drop(g);
+                        end_late(r, &late_cfg);
+                    } else {
+                        g.results.push_back((i, r));
+                        drop(g);
+                    }
                     inbox.pending.fetch_sub(1, Ordering::AcqRel);
                     let _ = crate::sys::eventfd_signal(notify.as_fd());
                 });
@@ -628,6 +700,7 @@ impl Fleet {
                 .results
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
+                .results
                 .pop_front();
             match next {
                 None => return,
@@ -788,6 +861,51 @@ impl Fleet {
         });
     }
 
+    /// Socket `i`'s memory file changed while served: every VM of it is ended (it would be
+    /// served a mix of two files) and the socket takes no more VMs.
+    fn file_changed(&mut self, i: usize) {
+        let e = ServeError::MemoryFile {
+            path: self.mems[i].path().to_path_buf(),
+            reason: "changed while served (written in place, truncated or touched): its VMs \
+                     are ended and the socket closed; restart the server to serve the file \
+                     as it is now"
+                .into(),
+        };
+        self.cfg.serve.log.warn(&e.to_string());
+        if let Some(l) = self.listeners[i].take() {
+            drop(l);
+        }
+        let ids: Vec<u64> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.socket == i)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            let Some(s) = self.sessions.remove(&id) else {
+                continue;
+            };
+            self.pool.remove(id);
+            if let (Some(state), Some(p)) = (&self.state, &s.record) {
+                state.forget(p);
+            }
+            self.served_bytes -= s.bytes;
+            let (result, process) = s.server.conclude(None);
+            end_peer(&process, &self.cfg.serve, &e);
+            self.status
+                .ended(id, result.as_ref().ok().map(|r| &r.engine));
+            self.report.sessions.push(SessionReport {
+                id,
+                socket: i,
+                pid: process.pid(),
+                bytes: s.bytes,
+                end: SessionEnd::Failed(e.to_string()),
+                engine: result.ok().map(|r| r.engine),
+                served_secs: s.t0.elapsed().as_secs_f64(),
+            });
+        }
+    }
+
     /// Ends session `id` if its VM went or its serving failed.
     fn check_session(&mut self, id: u64) {
         let Some(ended) = self.sessions.get(&id).and_then(|s| s.server.ended(0)) else {
@@ -885,5 +1003,19 @@ fn learn_into(learnt: &Mutex<Vec<learn::Learnt>>, cfg: &ServeConfig, socket: usi
             "learnt working set {}: not written: {e}",
             l.path().display()
         ));
+    }
+}
+
+/// Ends a VM whose handshake completed after the fleet stopped taking them.
+fn end_late(r: Result<Handshake, Refused>, cfg: &ServeConfig) {
+    let late = match r {
+        Ok(h) => Some((
+            h.process,
+            ServeError::Handshake(super::HandshakeError::Draining),
+        )),
+        Err(Refused { error, process }) => process.map(|p| (p, error)),
+    };
+    if let Some((p, why)) = late {
+        end_peer(&p, cfg, &why);
     }
 }

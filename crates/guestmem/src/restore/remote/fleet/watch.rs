@@ -1,0 +1,106 @@
+//! The memory files, watched while served: a file written in place (or truncated) under
+//! a running VM would serve it a mix of two snapshots. `inotify` tells the supervisor when
+//! a served file is modified or its attributes change; the file is then compared with what
+//! it was when the fleet started (device, inode, size, modification time, through the
+//! descriptor served from), and if it differs every VM of that socket is ended (fail
+//! closed) and the socket stops taking VMs. A file replaced by a rename is not a change:
+//! the fleet goes on serving the file it opened, which is whole.
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+
+use super::super::state::FileId;
+use super::super::MemoryFile;
+
+/// The inotify watches of a fleet's memory files.
+pub(super) struct FileWatch {
+    fd: OwnedFd,
+    /// (watch descriptor, socket index).
+    wds: Vec<(i32, usize)>,
+    /// Each socket's file as it was when the fleet started.
+    ids: Vec<Option<FileId>>,
+}
+
+impl FileWatch {
+    /// Watches every file of `mems` (socket `i` is `mems[i]`).
+    pub(super) fn new(mems: &[MemoryFile]) -> io::Result<FileWatch> {
+        // SAFETY: flags only; returns a new descriptor or -1.
+        let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let mut wds = Vec::new();
+        for (i, m) in mems.iter().enumerate() {
+            let path = std::ffi::CString::new(m.path().as_os_str().as_bytes())
+                .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+            // SAFETY: a live NUL-terminated path and a descriptor we own.
+            let wd = unsafe {
+                libc::inotify_add_watch(
+                    fd.as_raw_fd(),
+                    path.as_ptr(),
+                    libc::IN_MODIFY | libc::IN_ATTRIB | libc::IN_CLOSE_WRITE,
+                )
+            };
+            if wd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            wds.push((wd, i));
+        }
+        Ok(FileWatch {
+            fd,
+            wds,
+            ids: mems.iter().map(|m| m.identity().ok()).collect(),
+        })
+    }
+
+    /// What the supervisor polls.
+    pub(super) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Reads what inotify has to say; the sockets whose file is no longer what it was.
+    pub(super) fn changed(&mut self, mems: &[MemoryFile]) -> Vec<usize> {
+        let mut buf = [0u64; 512];
+        let mut touched = Vec::new();
+        loop {
+            // SAFETY: reads into a live buffer of its size; the descriptor is non-blocking.
+            let n = unsafe {
+                libc::read(
+                    self.fd.as_raw_fd(),
+                    buf.as_mut_ptr() as *mut libc::c_void,
+                    std::mem::size_of_val(&buf),
+                )
+            };
+            if n <= 0 {
+                break;
+            }
+            let bytes = &bytemuck_bytes(&buf)[..n as usize];
+            let mut at = 0;
+            let head = std::mem::size_of::<libc::inotify_event>();
+            while at + head <= bytes.len() {
+                // SAFETY: the kernel wrote whole events; read_unaligned copies one header.
+                let ev: libc::inotify_event =
+                    unsafe { std::ptr::read_unaligned(bytes[at..].as_ptr() as *const _) };
+                if let Some(&(_, i)) = self.wds.iter().find(|(wd, _)| *wd == ev.wd) {
+                    touched.push(i);
+                }
+                at += head + ev.len as usize;
+            }
+        }
+        touched.sort_unstable();
+        touched.dedup();
+        touched
+            .into_iter()
+            .filter(|&i| mems[i].identity().ok() != self.ids[i])
+            .collect()
+    }
+}
+
+/// The bytes of a u64 buffer (aligned for inotify events).
+fn bytemuck_bytes(buf: &[u64]) -> &[u8] {
+    // SAFETY: a u64 slice is readable as bytes, its whole length.
+    unsafe { std::slice::from_raw_parts(buf.as_ptr() as *const u8, std::mem::size_of_val(buf)) }
+}
