@@ -1542,3 +1542,35 @@ fn a_memory_file_written_while_served_ends_its_vms_and_closes_its_socket() {
     // A's VM never read the changed page; releasing it wakes nothing.
     a.release().unwrap();
 }
+
+#[test]
+fn a_fleet_serves_a_balloons_removes_as_zero_pages() {
+    need_uffd!();
+    let d = dir("fleet-balloon");
+    let mem = mem_file(&d, 8 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let srv = fleet(
+        &[(&socket, &mem)],
+        &["--threads", "2", "--on-failure", "leave"],
+    );
+    let mut vm = Standin::new(&[8 * MIB], true).unwrap();
+    vm.connect(&socket).unwrap();
+    // A remove before the block came in, and one after.
+    let early = 5 * MIB + 3 * PAGE;
+    vm.remove(early, 4 * PAGE).unwrap();
+    assert_eq!(vm.word(0), word(0));
+    let late = 7 * PAGE;
+    vm.remove(late, 2 * PAGE).unwrap();
+    vm.read_all(2);
+    for p in 0..8 * MIB / PAGE {
+        let at = p * PAGE;
+        let removed =
+            (early..early + 4 * PAGE).contains(&at) || (late..late + 2 * PAGE).contains(&at);
+        let want = if removed { 0 } else { word(at as u64) };
+        assert_eq!(vm.word(at), want, "page at {at:#x} (removed {removed})");
+    }
+    vm.disconnect();
+    let (code, out, err, _) = terminate(srv);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("closed its socket"), "{out}");
+}
