@@ -232,7 +232,7 @@ pub fn run(a: Args) -> Result<()> {
     let status = fleet.status();
     let _control = match &a.control {
         Some(path) => {
-            let l = Listener::bind(path)?;
+            let l = Listener::bind_private(path)?;
             tracing::info!("control socket {}", path.display());
             Some(status.serve_control(l, drainer.clone())?)
         }

@@ -1235,6 +1235,10 @@ fn status_metrics_and_drain_over_the_control_socket() {
         assert!(t.elapsed() < Duration::from_secs(20), "no control socket");
         std::thread::sleep(Duration::from_millis(5));
     }
+    // Only this user may command the server (a hand-off gives away every VM's memory).
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&control).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "control socket mode {mode:o}");
     let mut vms: Vec<Standin> = (0..2)
         .map(|_| Standin::new(&[8 * MIB], false).unwrap())
         .collect();

@@ -55,6 +55,17 @@ impl Listener {
     /// into place. Refuses a path held by anything but a socket, and a socket another server
     /// listens on; a stale socket (nobody listening) is replaced.
     pub fn bind(path: &Path) -> Result<Listener, ServeError> {
+        Listener::bind_mode(path, None)
+    }
+
+    /// As [`Listener::bind`], for a socket only this user may connect to (mode 0600, set
+    /// before the path appears): a control socket, whose commands drain the server or hand
+    /// its VMs' descriptors to whoever asks.
+    pub fn bind_private(path: &Path) -> Result<Listener, ServeError> {
+        Listener::bind_mode(path, Some(0o600))
+    }
+
+    fn bind_mode(path: &Path, mode: Option<u32>) -> Result<Listener, ServeError> {
         let serr = |op: String| move |source| ServeError::Socket { op, source };
         let shown = path.display();
         let refuse = |refusal| ServeError::SocketPath {
@@ -89,6 +100,15 @@ impl Listener {
         if let Err(e) = socket.set_nonblocking(true) {
             dir.unlink(&tmp);
             return Err(serr("make the socket non-blocking".into())(e));
+        }
+        if let Some(mode) = mode {
+            use std::os::unix::fs::PermissionsExt;
+            // Under its temporary name, before anyone can find it.
+            let set = std::fs::set_permissions(&tmp_path, std::fs::Permissions::from_mode(mode));
+            if let Err(e) = set {
+                dir.unlink(&tmp);
+                return Err(serr(format!("chmod {}", tmp_path.display()))(e));
+            }
         }
         let published = (|| {
             let m = std::fs::symlink_metadata(&tmp_path)?;

@@ -78,6 +78,29 @@ fn read_request(mut s: impl Read, end: fn(&[u8]) -> bool) -> Vec<u8> {
     buf
 }
 
+/// Whether the process on the other end runs as this process's user, or as root.
+fn peer_is_us(s: &std::os::unix::net::UnixStream) -> bool {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: u32::MAX,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred is a live ucred and len its size; the kernel writes at most len bytes.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut libc::ucred as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    // SAFETY: geteuid takes nothing and cannot fail.
+    let us = unsafe { libc::geteuid() };
+    r == 0 && (cred.uid == us || cred.uid == 0)
+}
+
 fn spawn(name: &str, f: impl FnOnce(Arc<OwnedFd>) + Send + 'static) -> io::Result<Exposed> {
     let stop = Arc::new(crate::sys::eventfd()?);
     let s2 = stop.clone();
@@ -103,6 +126,12 @@ impl StatusHandle {
                     || s.set_read_timeout(Some(CLIENT_TIMEOUT)).is_err()
                     || s.set_write_timeout(Some(CLIENT_TIMEOUT)).is_err()
                 {
+                    continue;
+                }
+                // Only this user (or root) commands the server: a hand-off gives away every
+                // VM's memory.
+                if !peer_is_us(&s) {
+                    let _ = s.write_all(b"{\"error\":\"not this server's user\"}\n");
                     continue;
                 }
                 let req = read_request(&s, |b| b.contains(&b'\n'));
