@@ -48,7 +48,7 @@ mod files;
 mod fleet;
 mod handshake;
 mod listen;
-mod peer;
+pub(crate) mod peer;
 mod pool;
 mod state;
 

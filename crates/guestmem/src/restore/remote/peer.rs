@@ -157,6 +157,30 @@ impl PeerProcess {
     }
 }
 
+/// Whether the process on the other end of `s` runs as this process's user, or as root
+/// (`SO_PEERCRED`): who may command a server, or hand it VMs.
+pub(crate) fn same_user(s: &UnixStream) -> bool {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: u32::MAX,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred is a live ucred and len its size; the kernel writes at most len bytes.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut libc::ucred as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    // SAFETY: geteuid takes nothing and cannot fail.
+    let us = unsafe { libc::geteuid() };
+    r == 0 && (cred.uid == us || cred.uid == 0)
+}
+
 /// Field 22 of `/proc/PID/stat`: when the process started, clock ticks after boot.
 fn start_time_of(pid: i32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;

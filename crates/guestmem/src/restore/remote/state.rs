@@ -31,6 +31,13 @@ pub(crate) struct FileId {
     mtime_nsec: i64,
 }
 
+impl FileId {
+    /// The file's size, bytes.
+    pub(crate) fn size(&self) -> u64 {
+        self.size
+    }
+}
+
 impl MemoryFile {
     /// Its identity now (`fstat` of the descriptor served from).
     pub(crate) fn identity(&self) -> std::io::Result<FileId> {

@@ -13,7 +13,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::status::StatusHandle;
 use super::Drainer;
@@ -65,11 +65,42 @@ fn wait(fd: BorrowedFd<'_>, stop: BorrowedFd<'_>) -> bool {
     }
 }
 
-/// Reads a request until `end` says it is whole, within the client timeout and size cap.
-fn read_request(mut s: impl Read, end: fn(&[u8]) -> bool) -> Vec<u8> {
+/// A client's socket, with one deadline for its whole exchange.
+trait Timed: Read + Write {
+    fn set_timeouts(&self, left: Duration) -> io::Result<()>;
+}
+
+impl Timed for std::os::unix::net::UnixStream {
+    fn set_timeouts(&self, left: Duration) -> io::Result<()> {
+        self.set_read_timeout(Some(left))?;
+        self.set_write_timeout(Some(left))
+    }
+}
+
+#[cfg(feature = "metrics")]
+impl Timed for std::net::TcpStream {
+    fn set_timeouts(&self, left: Duration) -> io::Result<()> {
+        self.set_read_timeout(Some(left))?;
+        self.set_write_timeout(Some(left))
+    }
+}
+
+/// Time left before `deadline`, at least 1 ms (a zero timeout means none to the kernel).
+fn left(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
+}
+
+/// Reads a request until `end` says it is whole, by `deadline` and within the size cap: a
+/// client trickling bytes holds the thread no longer than the deadline.
+fn read_request(s: &mut impl Timed, end: fn(&[u8]) -> bool, deadline: Instant) -> Vec<u8> {
     let mut buf = Vec::new();
     let mut chunk = [0u8; 1024];
-    while buf.len() < MAX_REQUEST_BYTES && !end(&buf) {
+    while buf.len() < MAX_REQUEST_BYTES && !end(&buf) && Instant::now() < deadline {
+        if s.set_timeouts(left(deadline)).is_err() {
+            break;
+        }
         match s.read(&mut chunk) {
             Ok(0) | Err(_) => break,
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
@@ -78,27 +109,24 @@ fn read_request(mut s: impl Read, end: fn(&[u8]) -> bool) -> Vec<u8> {
     buf
 }
 
-/// Whether the process on the other end runs as this process's user, or as root.
-fn peer_is_us(s: &std::os::unix::net::UnixStream) -> bool {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: u32::MAX,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: cred is a live ucred and len its size; the kernel writes at most len bytes.
-    let r = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            &mut cred as *mut libc::ucred as *mut libc::c_void,
-            &mut len,
-        )
-    };
-    // SAFETY: geteuid takes nothing and cannot fail.
-    let us = unsafe { libc::geteuid() };
-    r == 0 && (cred.uid == us || cred.uid == 0)
+/// Writes a reply by `deadline` (a client that does not read is cut off then).
+fn write_reply(s: &mut impl Timed, bytes: &[u8], deadline: Instant) {
+    let mut at = 0;
+    while at < bytes.len() && Instant::now() < deadline {
+        if s.set_timeouts(left(deadline)).is_err() {
+            return;
+        }
+        match s.write(&bytes[at..]) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => at += n,
+        }
+    }
+}
+
+/// A failed `accept` (out of descriptors, say) leaves the listener readable: wait a little
+/// rather than spin.
+fn back_off() {
+    std::thread::sleep(Duration::from_millis(100));
 }
 
 fn spawn(name: &str, f: impl FnOnce(Arc<OwnedFd>) + Send + 'static) -> io::Result<Exposed> {
@@ -119,22 +147,29 @@ impl StatusHandle {
         let status = self.clone();
         spawn("guestmem-control", move |stop| {
             while wait(listener.socket().as_fd(), stop.as_fd()) {
-                let Ok((mut s, _)) = listener.socket().accept() else {
-                    continue;
+                let mut s = match listener.socket().accept() {
+                    Ok((s, _)) => s,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                    Err(_) => {
+                        back_off();
+                        continue;
+                    }
                 };
-                if s.set_nonblocking(false).is_err()
-                    || s.set_read_timeout(Some(CLIENT_TIMEOUT)).is_err()
-                    || s.set_write_timeout(Some(CLIENT_TIMEOUT)).is_err()
-                {
+                let deadline = Instant::now() + CLIENT_TIMEOUT;
+                if s.set_nonblocking(false).is_err() {
                     continue;
                 }
                 // Only this user (or root) commands the server: a hand-off gives away every
                 // VM's memory.
-                if !peer_is_us(&s) {
-                    let _ = s.write_all(b"{\"error\":\"not this server's user\"}\n");
+                if !crate::restore::remote::peer::same_user(&s) {
+                    write_reply(
+                        &mut s,
+                        b"{\"error\":\"not this server's user\"}\n",
+                        deadline,
+                    );
                     continue;
                 }
-                let req = read_request(&s, |b| b.contains(&b'\n'));
+                let req = read_request(&mut s, |b| b.contains(&b'\n'), deadline);
                 let line = String::from_utf8_lossy(&req);
                 if line.trim() == super::handoff::COMMAND {
                     // The connection is the new server's: the fleet answers it.
@@ -164,8 +199,7 @@ impl StatusHandle {
                         other.chars().take(64).collect::<String>()
                     ),
                 };
-                let _ = s.write_all(reply.as_bytes());
-                let _ = s.write_all(b"\n");
+                write_reply(&mut s, format!("{reply}\n").as_bytes(), deadline);
             }
         })
     }
@@ -180,33 +214,38 @@ impl StatusHandle {
         let status = self.clone();
         let exposed = spawn("guestmem-metrics", move |stop| {
             while wait(listener.as_fd(), stop.as_fd()) {
-                let Ok((mut s, _)) = listener.accept() else {
-                    continue;
+                let mut s = match listener.accept() {
+                    Ok((s, _)) => s,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                    Err(_) => {
+                        back_off();
+                        continue;
+                    }
                 };
-                if s.set_nonblocking(false).is_err()
-                    || s.set_read_timeout(Some(CLIENT_TIMEOUT)).is_err()
-                    || s.set_write_timeout(Some(CLIENT_TIMEOUT)).is_err()
-                {
+                let deadline = Instant::now() + CLIENT_TIMEOUT;
+                if s.set_nonblocking(false).is_err() {
                     continue;
                 }
-                let req = read_request(&s, |b| b.windows(4).any(|w| w == b"\r\n\r\n"));
+                let req =
+                    read_request(&mut s, |b| b.windows(4).any(|w| w == b"\r\n\r\n"), deadline);
                 let head = String::from_utf8_lossy(&req);
                 let path = head.split_whitespace().nth(1).unwrap_or("");
                 let (code, kind, body) = match (head.starts_with("GET "), path) {
                     (true, "/metrics") => (
                         "200 OK",
-                        "text/plain; version=0.0.4; charset=utf-8",
+                        // prometheus-client writes OpenMetrics text (`_total`, `# EOF`).
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
                         status.prometheus(),
                     ),
                     (true, "/health") => ("200 OK", "text/plain", "ok\n".to_string()),
                     _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
                 };
-                let _ = write!(
-                    s,
+                let response = format!(
                     "HTTP/1.0 {code}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\n\
                      Connection: close\r\n\r\n{body}",
                     body.len()
                 );
+                write_reply(&mut s, response.as_bytes(), deadline);
             }
         })?;
         Ok((exposed, bound))

@@ -143,7 +143,15 @@ impl TakeOver {
     /// The listening socket that was at `path` (socket `index` of the old fleet), to serve
     /// on in its place.
     pub fn listener(&mut self, path: &Path) -> Result<Option<Listener>, ServeError> {
-        let Some(k) = self.listeners.iter().position(|(_, p, _)| p == path) else {
+        use std::os::unix::fs::MetadataExt;
+        // The same file, however the path is spelled (relative, absolute, through a link).
+        let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+        let want = id(path);
+        let Some(k) = self
+            .listeners
+            .iter()
+            .position(|(_, p, _)| p == path || (want.is_some() && id(p) == want))
+        else {
             return Ok(None);
         };
         let (_, p, fd) = self.listeners.remove(k);
@@ -153,6 +161,58 @@ impl TakeOver {
     /// VMs handed over.
     pub fn vms(&self) -> usize {
         self.sessions.len()
+    }
+
+    /// The VMs, for the fleet that serves them from now on.
+    pub(super) fn take_sessions(&mut self) -> Vec<HandedSession> {
+        std::mem::take(&mut self.sessions)
+    }
+}
+
+impl Drop for TakeOver {
+    /// Whatever was handed over and not taken by a fleet (the new server failed before it
+    /// could serve) is ended, never left hung: each VM handed over, and each VM waiting in
+    /// a handed socket's backlog that has sent its userfaultfd, is killed through a pidfd.
+    fn drop(&mut self) {
+        for h in self.sessions.drain(..) {
+            let r = &h.record;
+            match PeerProcess::reopen(r.pid, r.start_time).and_then(|p| p.kill()) {
+                Ok(()) => tracing::warn!(
+                    target: "guestmem::fleet",
+                    "killed peer {} handed over but not served: the new server stopped first",
+                    r.pid
+                ),
+                Err(e) => tracing::warn!(
+                    target: "guestmem::fleet",
+                    "peer {} handed over but not served, and not killed ({e})",
+                    r.pid
+                ),
+            }
+        }
+        for (_, path, fd) in self.listeners.drain(..) {
+            let l = std::os::unix::net::UnixListener::from(fd);
+            if l.set_nonblocking(true).is_err() {
+                continue;
+            }
+            while let Ok((stream, _)) = l.accept() {
+                let _ = stream.set_nonblocking(false);
+                let got =
+                    super::super::handshake::receive_checked(stream, Duration::from_millis(200));
+                let vm = match got {
+                    Ok(h) => Some(h.process),
+                    Err(r) => r.process,
+                };
+                if let Some(p) = vm {
+                    let _ = p.kill();
+                    tracing::warn!(
+                        target: "guestmem::fleet",
+                        "killed peer {:?} waiting on {} handed over but not served",
+                        p.pid(),
+                        path.display()
+                    );
+                }
+            }
+        }
     }
 }
 
@@ -164,6 +224,13 @@ pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError>
         move |source| ServeError::Socket { op, source }
     };
     let s = UnixStream::connect(control).map_err(serr("connect"))?;
+    // Records from whoever listens there make this server kill processes it cannot serve:
+    // only a server of this user (or root) is believed.
+    if !super::super::peer::same_user(&s) {
+        return Err(serr("connect")(io::Error::other(
+            "the process listening there runs as another user",
+        )));
+    }
     let old = PeerProcess::of(&s);
     s.set_read_timeout(Some(wait))
         .map_err(serr("set a timeout"))?;

@@ -79,7 +79,18 @@ impl Learnt {
         })();
         match read {
             Ok(s) => {
-                l.merge(&s.offsets);
+                // Outside input: only offsets inside the file, at page boundaries, each once,
+                // and never more than the file has pages.
+                let size = file.map_or(0, |f| f.size());
+                let cap = (size / 4096) as usize;
+                for &o in &s.offsets {
+                    if l.offsets.len() >= cap {
+                        break;
+                    }
+                    if o < size {
+                        l.merge(&[o / 4096 * 4096]);
+                    }
+                }
                 l.vms = s.vms;
                 l.changed = false;
                 (l, None)

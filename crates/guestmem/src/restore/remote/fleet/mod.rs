@@ -232,8 +232,13 @@ pub struct Fleet {
     learnt: Arc<Mutex<Vec<learn::Learnt>>>,
     /// VMs handed over by the server this one took over from, served from `run` on.
     handed: Vec<handoff::HandedSession>,
+    /// The records (pid, start time, userfaultfd number) of VMs handed over: the state
+    /// directory's copies of them are not taken back a second time.
+    adopted: std::collections::HashSet<(i32, u64, i32)>,
     /// The memory files, watched for changes while served.
     watch: Option<watch::FileWatch>,
+    /// Sockets whose memory file changed while served: they take no more VMs.
+    retired: Vec<bool>,
     state: Option<StateDir>,
     sessions: BTreeMap<u64, Session>,
     next_id: u64,
@@ -275,6 +280,7 @@ impl Fleet {
         let pool = Pool::start(cfg.serve.handler_threads)
             .map_err(sock_err("start the fault-serving pool"))?;
         let state = cfg.state_dir.as_deref().map(StateDir::open).transpose()?;
+        let n_sockets = sockets.len();
         let mut mems = Vec::new();
         let mut firsts = Vec::new();
         let mut listeners = Vec::new();
@@ -302,7 +308,9 @@ impl Fleet {
             status: StatusHandle::new(names, pool.threads()),
             learnt: Arc::new(Mutex::new(Vec::new())),
             handed: Vec::new(),
+            adopted: std::collections::HashSet::new(),
             watch: None,
+            retired: vec![false; n_sockets],
             pool,
             cfg,
             state,
@@ -351,8 +359,32 @@ impl Fleet {
     /// Serves, from [`Fleet::run`] on, the VMs a server handed over ([`take_over`]); the
     /// listening sockets it handed are given as this fleet's sockets
     /// ([`TakeOver::listener`]).
-    pub fn adopt(&mut self, t: TakeOver) {
-        self.handed.extend(t.sessions);
+    pub fn adopt(&mut self, mut t: TakeOver) {
+        self.handed.extend(t.take_sessions());
+    }
+
+    /// Before a hand-off: waits (at most [`DRAIN_HANDSHAKE_GRACE`]) for handshakes in
+    /// flight, admits what came, and closes the inbox (a VM whose handshake completes later
+    /// ends itself rather than waits for a server that has gone).
+    fn settle_handshakes(&mut self) {
+        let deadline = Instant::now() + DRAIN_HANDSHAKE_GRACE;
+        while self.inbox.pending.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+            let mut p = pollin(self.notify.as_fd());
+            let ms = deadline
+                .saturating_duration_since(Instant::now())
+                .as_millis()
+                .clamp(1, 1000) as i32;
+            // SAFETY: one live pollfd.
+            unsafe { libc::poll(&mut p, 1, ms) };
+            drain_eventfd(self.notify.as_fd());
+            self.take_results();
+        }
+        self.inbox
+            .results
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .closed = true;
+        self.take_results();
     }
 
     /// Hands every socket and VM to the server on `to` and stops serving them: none is
@@ -530,6 +562,7 @@ impl Fleet {
                     .unwrap_or_else(|e| e.into_inner())
                     .take();
                 if let Some(to) = to {
+                    self.settle_handshakes();
                     self.hand_off(&to);
                     self.report.secs = self.t0.elapsed().as_secs_f64();
                     return Ok(self.report);
@@ -730,6 +763,15 @@ impl Fleet {
     /// Serves the VM of handshake `h` on socket `i`, or refuses it at a limit (ending it).
     fn admit(&mut self, i: usize, h: Handshake) {
         let bytes: u64 = h.regions.iter().map(|r| r.size).sum();
+        if self.retired[i] {
+            let e = ServeError::MemoryFile {
+                path: self.mems[i].path().to_path_buf(),
+                reason: "changed while served: this socket takes no more VMs".into(),
+            };
+            end_peer(&h.process, &self.cfg.serve, &e);
+            self.refused(h.process.pid(), bytes, e.to_string());
+            return;
+        }
         let limit = if self.sessions.len() >= self.cfg.max_sessions {
             Some(ServeError::Limit {
                 limit: "VMs served at once",
@@ -872,6 +914,10 @@ impl Fleet {
                 .into(),
         };
         self.cfg.serve.log.warn(&e.to_string());
+        // VMs already waiting in its backlog get their handshakes read, then are refused
+        // (admit ends them) rather than dropped with the socket.
+        self.retired[i] = true;
+        self.accept_all(i);
         if let Some(l) = self.listeners[i].take() {
             drop(l);
         }

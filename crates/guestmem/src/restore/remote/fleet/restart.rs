@@ -50,6 +50,7 @@ impl Fleet {
     pub(super) fn resume_handed(&mut self) {
         for h in std::mem::take(&mut self.handed) {
             let r = &h.record;
+            self.adopted.insert((r.pid, r.start_time, r.uffd_fd));
             let process = match PeerProcess::reopen(r.pid, r.start_time) {
                 Ok(p) => p,
                 Err(e) => {
@@ -91,6 +92,10 @@ impl Fleet {
                     continue;
                 }
             };
+            if self.adopted.contains(&(r.pid, r.start_time, r.uffd_fd)) {
+                // Handed over by the old server and served already.
+                continue;
+            }
             let process = match PeerProcess::reopen(r.pid, r.start_time) {
                 Ok(p) => p,
                 Err(e)
