@@ -310,6 +310,58 @@ fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_s
         "{err}"
     );
 
+    // Two real Firecracker VMs at once through one fleet (no --once): each touches and
+    // checks every page; SIGTERM graduates both (every block in, ranges unregistered), and
+    // with the server gone each guest checks every qword again and finds it right.
+    let fleet_socket = dir.join("fleet.sock");
+    let mut fleet = Guard::new(
+        Command::new(env!("CARGO_BIN_EXE_guestmem"))
+            .arg("serve-uffd")
+            .arg("--socket")
+            .arg(&fleet_socket)
+            .arg("--mem-file")
+            .arg(&mem)
+            .args(["--threads", "2"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let t = Instant::now();
+    while !fleet_socket.exists() {
+        assert!(fleet.running(), "the fleet exited: {}", stderr(&mut fleet));
+        assert!(t.elapsed() < Duration::from_secs(20), "no socket appeared");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut vms: Vec<Firecracker> = ["fleet-a", "fleet-b"]
+        .iter()
+        .map(|n| Firecracker::start(&dir, n))
+        .collect();
+    for fc in &vms {
+        fc.ok("PUT", "/snapshot/load", &load(&fleet_socket));
+    }
+    for fc in &mut vms {
+        fc.send(b't');
+    }
+    for fc in &vms {
+        let touch = fc.line("TOUCH", 120);
+        assert!(touch.ends_with(" BAD 0"), "fleet: {touch}");
+    }
+    // SAFETY: kill on our own child's pid (not reaped yet).
+    assert_eq!(unsafe { libc::kill(fleet.id() as i32, libc::SIGTERM) }, 0);
+    let st = fleet.wait_exit(30);
+    let err = stderr(&mut fleet);
+    assert!(st.success(), "{err}");
+    assert_eq!(err.matches("reason=\"Graduated\"").count(), 2, "{err}");
+    for fc in &mut vms {
+        fc.send(b'g');
+    }
+    for fc in &vms {
+        let pass = fc.line("PASS", 120);
+        assert!(pass.ends_with(" BAD 0"), "after graduation: {pass}");
+    }
+    drop(vms);
+
     // A memory file shorter than the VM's memory: refused after Firecracker connected, so
     // Firecracker is killed through its pidfd rather than left in snapshot/load for ever.
     let short = dir.join("short.mem");
