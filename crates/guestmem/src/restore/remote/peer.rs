@@ -160,6 +160,26 @@ impl PeerProcess {
 /// Whether the process on the other end of `s` runs as this process's user, or as root
 /// (`SO_PEERCRED`): who may command a server, or hand it VMs.
 pub(crate) fn same_user(s: &UnixStream) -> bool {
+    // SAFETY: geteuid takes nothing and cannot fail.
+    let us = unsafe { libc::geteuid() };
+    peer_cred(s).is_some_and(|c| c.uid == us || c.uid == 0)
+}
+
+/// Field 22 of `/proc/PID/stat`: when the process started, clock ticks after boot.
+fn start_time_of(pid: i32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses: count from the last ')'.
+    let rest = &s[s.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The peer's pid (`SO_PEERCRED`).
+fn peer_pid(s: &UnixStream) -> Option<i32> {
+    peer_cred(s).map(|c| c.pid).filter(|&p| p > 0)
+}
+
+/// The peer's credentials as it connected (`SO_PEERCRED`).
+fn peer_cred(s: &UnixStream) -> Option<libc::ucred> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: u32::MAX,
@@ -176,38 +196,7 @@ pub(crate) fn same_user(s: &UnixStream) -> bool {
             &mut len,
         )
     };
-    // SAFETY: geteuid takes nothing and cannot fail.
-    let us = unsafe { libc::geteuid() };
-    r == 0 && (cred.uid == us || cred.uid == 0)
-}
-
-/// Field 22 of `/proc/PID/stat`: when the process started, clock ticks after boot.
-fn start_time_of(pid: i32) -> Option<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may hold spaces and parentheses: count from the last ')'.
-    let rest = &s[s.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
-}
-
-/// The peer's pid (`SO_PEERCRED`).
-fn peer_pid(s: &UnixStream) -> Option<i32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: cred is a live ucred and len its size; the kernel writes at most len bytes.
-    let r = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            &mut cred as *mut libc::ucred as *mut libc::c_void,
-            &mut len,
-        )
-    };
-    (r == 0 && cred.pid > 0).then_some(cred.pid)
+    (r == 0).then_some(cred)
 }
 
 /// A pidfd of the peer (`SO_PEERPIDFD`).

@@ -123,10 +123,23 @@ fn write_reply(s: &mut impl Timed, bytes: &[u8], deadline: Instant) {
     }
 }
 
-/// A failed `accept` (out of descriptors, say) leaves the listener readable: wait a little
-/// rather than spin.
-fn back_off() {
-    std::thread::sleep(Duration::from_millis(100));
+/// A client just accepted, made blocking, with its deadline; `None` when there was none
+/// (or it could not be set up). A failed `accept` (out of descriptors, say) leaves the
+/// listener readable: it waits a little rather than spin.
+fn client<S>(
+    accepted: io::Result<S>,
+    blocking: impl FnOnce(&S) -> io::Result<()>,
+) -> Option<(S, Instant)> {
+    match accepted {
+        Ok(s) => blocking(&s)
+            .ok()
+            .map(|()| (s, Instant::now() + CLIENT_TIMEOUT)),
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
+        Err(_) => {
+            std::thread::sleep(Duration::from_millis(100));
+            None
+        }
+    }
 }
 
 fn spawn(name: &str, f: impl FnOnce(Arc<OwnedFd>) + Send + 'static) -> io::Result<Exposed> {
@@ -147,18 +160,13 @@ impl StatusHandle {
         let status = self.clone();
         spawn("guestmem-control", move |stop| {
             while wait(listener.socket().as_fd(), stop.as_fd()) {
-                let mut s = match listener.socket().accept() {
-                    Ok((s, _)) => s,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                    Err(_) => {
-                        back_off();
-                        continue;
-                    }
-                };
-                let deadline = Instant::now() + CLIENT_TIMEOUT;
-                if s.set_nonblocking(false).is_err() {
+                let Some((mut s, deadline)) =
+                    client(listener.socket().accept().map(|c| c.0), |s| {
+                        s.set_nonblocking(false)
+                    })
+                else {
                     continue;
-                }
+                };
                 // Only this user (or root) commands the server: a hand-off gives away every
                 // VM's memory.
                 if !crate::restore::remote::peer::same_user(&s) {
@@ -214,18 +222,11 @@ impl StatusHandle {
         let status = self.clone();
         let exposed = spawn("guestmem-metrics", move |stop| {
             while wait(listener.as_fd(), stop.as_fd()) {
-                let mut s = match listener.accept() {
-                    Ok((s, _)) => s,
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                    Err(_) => {
-                        back_off();
-                        continue;
-                    }
-                };
-                let deadline = Instant::now() + CLIENT_TIMEOUT;
-                if s.set_nonblocking(false).is_err() {
+                let Some((mut s, deadline)) =
+                    client(listener.accept().map(|c| c.0), |s| s.set_nonblocking(false))
+                else {
                     continue;
-                }
+                };
                 let req =
                     read_request(&mut s, |b| b.windows(4).any(|w| w == b"\r\n\r\n"), deadline);
                 let head = String::from_utf8_lossy(&req);
