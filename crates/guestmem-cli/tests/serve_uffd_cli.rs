@@ -1584,3 +1584,74 @@ fn a_fleet_serves_a_balloons_removes_as_zero_pages() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("closed its socket"), "{out}");
 }
+
+#[test]
+fn two_mib_guests_are_served_a_huge_page_per_fault_and_bad_ones_refused_by_field() {
+    need_uffd!();
+    const SIZE: usize = 32 * MIB;
+    let _host = guestmem_testkit::host_lock();
+    // The stand-in's memory (16 pages) and a stand-in for each refusal below (1 page each,
+    // never touched: reserved at mmap).
+    let pool = match guestmem_testkit::HugePool2M::grow(16 + 3) {
+        Ok(p) => p,
+        Err(why) => {
+            guestmem_testkit::skip(format_args!("{why}"));
+            return;
+        }
+    };
+    let d = dir("huge");
+    let mem = mem_file(&d, SIZE, Some(6 * MIB));
+    let socket = d.join("uffd.sock");
+    let srv = server(&socket, &mem, &["--threads", "2", "--json"]);
+    let mut vm = Standin::huge(&[SIZE], guestmem::HugePageSize::Size2M).unwrap();
+    assert_eq!(vm.wire_regions()[0].page_size, 2 * MIB);
+    vm.connect(&socket).unwrap();
+    // One reader: each 2 MiB page faults once and comes in whole.
+    vm.read_all(1);
+    assert_eq!(
+        vm.compare(&mem).unwrap(),
+        Ok(()),
+        "every qword as the file has it"
+    );
+    vm.disconnect();
+    let (code, out, err) = finish(srv);
+    assert_eq!(code, 0, "{err}");
+    let rep: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        rep["engine"]["faults"], 16,
+        "one fault per 2 MiB page: {out}"
+    );
+    assert_eq!(rep["engine"]["fault_blocks"], 16, "{out}");
+    assert_eq!(rep["engine"]["zero_blocks"], 0, "{out}");
+    drop(vm);
+
+    // A base or offset off a 2 MiB boundary, or a page size that is neither 4 KiB nor 2 MiB,
+    // is refused naming the field (the VM, here this process, is left and the server exits).
+    for (field, edit) in [
+        (
+            "base_host_virt_addr",
+            &(|r: &mut serde_json::Value| {
+                r["base_host_virt_addr"] =
+                    (r["base_host_virt_addr"].as_u64().unwrap() + 4096).into()
+            }) as &dyn Fn(&mut serde_json::Value),
+        ),
+        ("offset", &|r: &mut serde_json::Value| {
+            r["offset"] = 4096.into()
+        }),
+        ("page_size", &|r: &mut serde_json::Value| {
+            r["page_size"] = 8192.into();
+            r["page_size_kib"] = 8192.into();
+        }),
+    ] {
+        let srv = server(&socket, &mem, &["--on-failure", "leave"]);
+        let mut bad = Standin::huge(&[2 * MIB], guestmem::HugePageSize::Size2M).unwrap();
+        let mut regions = serde_json::to_value(bad.wire_regions()).unwrap();
+        edit(&mut regions[0]);
+        bad.send(&socket, regions.to_string().as_bytes(), true)
+            .unwrap();
+        let (code, _, err) = finish(srv);
+        assert_ne!(code, 0, "{field}: {err}");
+        assert!(err.contains(&format!("{field} ")), "{field}: {err}");
+    }
+    drop(pool);
+}

@@ -51,6 +51,8 @@ pub struct Standin {
     uffd: OwnedFd,
     regions: Vec<(Mapping, u64)>,
     sock: Option<UnixStream>,
+    /// The page size its memory has (and its handshake declares).
+    page: usize,
 }
 
 /// One full read of guest memory.
@@ -79,14 +81,35 @@ impl Standin {
     /// As [`Standin::new`], with the userfaultfd features given (`UFFD_FEATURE_*`): for peers
     /// that ask for more than Firecracker does (fork events, say).
     pub fn with_features(sizes: &[usize], features: u64) -> io::Result<Standin> {
+        Standin::build(sizes, features, None)
+    }
+
+    /// As [`Standin::new`] (no balloon), with private anonymous hugetlb memory of `size`
+    /// pages, as Firecracker maps a guest with `huge_pages`; its handshake declares that
+    /// page size. The hugetlb pool must hold the pages.
+    pub fn huge(sizes: &[usize], size: guestmem::HugePageSize) -> io::Result<Standin> {
+        Standin::build(sizes, 0, Some(size))
+    }
+
+    fn build(
+        sizes: &[usize],
+        features: u64,
+        huge: Option<guestmem::HugePageSize>,
+    ) -> io::Result<Standin> {
         let uffd = uffd_raw::open(features)?;
         let mut regions = Vec::new();
         let mut offset = 0u64;
         for &size in sizes {
-            let m = Mapping::anonymous(size).map_err(|e| e.into_io())?;
-            // Firecracker does not advise huge pages for guest memory.
-            m.advise(0, size, Advice::NoHugePage)
-                .map_err(|e| e.into_io())?;
+            let m = match huge {
+                Some(h) => Mapping::anonymous_huge(size, h).map_err(|e| e.into_io())?,
+                None => {
+                    let m = Mapping::anonymous(size).map_err(|e| e.into_io())?;
+                    // Firecracker does not advise huge pages for guest memory.
+                    m.advise(0, size, Advice::NoHugePage)
+                        .map_err(|e| e.into_io())?;
+                    m
+                }
+            };
             uffd_raw::register_missing(&uffd, m.as_ptr() as u64, size as u64)?;
             regions.push((m, offset));
             offset += size as u64;
@@ -95,6 +118,7 @@ impl Standin {
             uffd,
             regions,
             sock: None,
+            page: huge.map_or(PAGE, |h| h.bytes() as usize),
         })
     }
 
@@ -106,8 +130,8 @@ impl Standin {
                 base_host_virt_addr: m.as_ptr() as u64,
                 size: m.len(),
                 offset: *off,
-                page_size: PAGE,
-                page_size_kib: PAGE,
+                page_size: self.page,
+                page_size_kib: self.page,
             })
             .collect()
     }

@@ -193,3 +193,51 @@ mod tests {
         assert_eq!(r, -1);
     }
 }
+
+/// The 2 MiB hugetlb pool, grown by some pages for a test and put back when dropped (the
+/// caller holds [`host_lock`] meanwhile: the pool is the host's).
+#[derive(Debug)]
+pub struct HugePool2M {
+    old: u64,
+}
+
+const POOL_2M_DIR: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB";
+
+fn pool_2m(file: &str) -> Result<u64, String> {
+    let p = format!("{POOL_2M_DIR}/{file}");
+    std::fs::read_to_string(&p)
+        .map_err(|e| format!("{p}: {e}"))?
+        .trim()
+        .parse()
+        .map_err(|e| format!("{p}: {e}"))
+}
+
+impl HugePool2M {
+    /// Grows the pool so that at least `pages` pages are free and unreserved; why not,
+    /// when it cannot (not root, no such pool, the kernel found no memory).
+    pub fn grow(pages: u64) -> Result<HugePool2M, String> {
+        let old = pool_2m("nr_hugepages")?;
+        let guard = HugePool2M { old };
+        std::fs::write(
+            format!("{POOL_2M_DIR}/nr_hugepages"),
+            (old + pages).to_string(),
+        )
+        .map_err(|e| format!("cannot grow the 2 MiB hugetlb pool ({e}); needs root"))?;
+        let free = pool_2m("free_hugepages")?.saturating_sub(pool_2m("resv_hugepages")?);
+        if free < pages {
+            return Err(format!(
+                "asked for {pages} free 2 MiB pages, the pool has {free}"
+            ));
+        }
+        Ok(guard)
+    }
+}
+
+impl Drop for HugePool2M {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::write(format!("{POOL_2M_DIR}/nr_hugepages"), self.old.to_string())
+        {
+            eprintln!("could not put nr_hugepages back to {}: {e}", self.old);
+        }
+    }
+}

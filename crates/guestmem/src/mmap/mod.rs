@@ -400,6 +400,36 @@ impl Mapping {
         })
     }
 
+    /// A private anonymous mapping of `len` bytes of hugetlb pages of `size` (as Firecracker
+    /// maps a `huge_pages` guest), wherever the kernel puts it; `len` must be a whole number
+    /// of pages, and the pool must have them free when they are touched (else `SIGBUS`).
+    pub fn anonymous_huge(len: usize, size: crate::HugePageSize) -> Result<Mapping, MmapError> {
+        let page = size.bytes() as usize;
+        if len == 0 || !len.is_multiple_of(page) {
+            return Err(MmapError::Sys {
+                op: "mmap (hugetlb: not a whole number of pages)",
+                addr: 0,
+                len,
+                source: io::Error::from_raw_os_error(libc::EINVAL),
+            });
+        }
+        let huge = match size {
+            crate::HugePageSize::Size2M => libc::MAP_HUGE_2MB,
+            crate::HugePageSize::Size1G => libc::MAP_HUGE_1GB,
+        };
+        let addr = mmap_fresh(
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_HUGETLB | huge,
+            "mmap (hugetlb)",
+        )?;
+        Ok(Mapping {
+            owned: (addr, len),
+            addr,
+            len,
+        })
+    }
+
     /// The host address of the first byte. Reading or writing through it is `unsafe`; the
     /// memory stays mapped as long as `self` lives.
     pub fn as_ptr(&self) -> *mut u8 {

@@ -193,6 +193,13 @@ fn page_size_of(
     w: &WireRegion,
     bad: &dyn Fn(&'static str, String) -> HandshakeError,
 ) -> Result<u64, HandshakeError> {
+    // `page_size` is the field Firecracker means: checked first.
+    if let Some(p) = w.page_size.filter(|p| !PAGE_SIZES.contains(p)) {
+        return Err(bad(
+            "page_size",
+            format!("page_size {p}: page size {p}; Firecracker's memory has 4 KiB or 2 MiB pages"),
+        ));
+    }
     let kib = match w.page_size_kib {
         None => None,
         Some(4) | Some(4096) => Some(4096),
