@@ -53,31 +53,29 @@ impl Collector for Scrape {
             "connections that were not a VM's",
             s.dropped,
         )?;
-        let per_socket = |i: usize| -> Labels { vec![("socket", i.to_string())] };
-        {
-            let mut m = enc.encode_descriptor(
-                "guestmem_vms_admitted",
-                "VMs admitted on a socket since the start",
-                None,
-                MetricType::Counter,
-            )?;
+        let per_socket = |enc: &mut DescriptorEncoder<'_>,
+                          name: &str,
+                          help: &str,
+                          v: fn(&super::status::SocketStatus) -> u64| {
+            let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
             for k in &s.sockets {
-                let labels = per_socket(k.socket);
-                ConstCounter::new(k.sessions).encode(m.encode_family(&labels)?)?;
+                let labels: Labels = vec![("socket", k.socket.to_string())];
+                ConstCounter::new(v(k)).encode(m.encode_family(&labels)?)?;
             }
-        }
-        {
-            let mut m = enc.encode_descriptor(
-                "guestmem_bytes_copied",
-                "bytes installed into VMs' memory",
-                None,
-                MetricType::Counter,
-            )?;
-            for k in &s.sockets {
-                let labels = per_socket(k.socket);
-                ConstCounter::new(k.bytes_copied).encode(m.encode_family(&labels)?)?;
-            }
-        }
+            Ok::<(), std::fmt::Error>(())
+        };
+        per_socket(
+            &mut enc,
+            "guestmem_vms_admitted",
+            "VMs admitted on a socket since the start",
+            |k| k.sessions,
+        )?;
+        per_socket(
+            &mut enc,
+            "guestmem_bytes_copied",
+            "bytes installed into VMs' memory",
+            |k| k.bytes_copied,
+        )?;
         let mut m = enc.encode_descriptor(
             "guestmem_fault_latency_seconds",
             "time from reading a fault to its install, by class",

@@ -480,16 +480,7 @@ impl Fleet {
     /// waited are woken to fault again. A VM that cannot be taken back (its memory file was
     /// replaced or truncated, its descriptor is gone) is ended as the policy says.
     pub fn run(mut self) -> Result<FleetReport, ServeError> {
-        self.watch = match watch::FileWatch::new(&self.mems) {
-            Ok(w) => Some(w),
-            Err(e) => {
-                self.cfg.serve.log.warn(&format!(
-                    "memory files not watched ({e}): a file written in place while served \
-                     would not be noticed"
-                ));
-                None
-            }
-        };
+        self.watch_files();
         self.load_learnt();
         self.resume_handed();
         self.resume_all();
@@ -509,23 +500,7 @@ impl Fleet {
             }
             if draining.is_none() && readable(self.drain.as_fd()) {
                 draining = Some(Instant::now() + DRAIN_HANDSHAKE_GRACE);
-                self.status.draining();
-                // Paths first (new VMs are refused at connect), then every connection already
-                // in a backlog is accepted (its VM may have sent its userfaultfd and would
-                // wait for ever), then the sockets close.
-                for l in self.listeners.iter().flatten() {
-                    l.unpublish();
-                }
-                for i in 0..self.listeners.len() {
-                    self.accept_all(i);
-                }
-                for l in &mut self.listeners {
-                    *l = None;
-                }
-                self.cfg.serve.log.say(&format!(
-                    "draining: sockets closed; {} VMs to graduate",
-                    self.sessions.len()
-                ));
+                self.begin_drain();
             }
             if let Some(deadline) = draining {
                 let pending = self.inbox.pending.load(Ordering::Acquire);
@@ -572,6 +547,40 @@ impl Fleet {
         self.graduate_all();
         self.report.secs = self.t0.elapsed().as_secs_f64();
         Ok(self.report)
+    }
+
+    /// Starts watching the memory files (a failure is logged: the fleet serves all the same).
+    fn watch_files(&mut self) {
+        self.watch = match watch::FileWatch::new(&self.mems) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                self.cfg.serve.log.warn(&format!(
+                    "memory files not watched ({e}): a file written in place while served \
+                     would not be noticed"
+                ));
+                None
+            }
+        };
+    }
+
+    /// A drain's first step: paths first (new VMs are refused at connect), then every
+    /// connection already in a backlog is accepted (its VM may have sent its userfaultfd and
+    /// would wait for ever), then the sockets close.
+    fn begin_drain(&mut self) {
+        self.status.draining();
+        for l in self.listeners.iter().flatten() {
+            l.unpublish();
+        }
+        for i in 0..self.listeners.len() {
+            self.accept_all(i);
+        }
+        for l in &mut self.listeners {
+            *l = None;
+        }
+        self.cfg.serve.log.say(&format!(
+            "draining: sockets closed; {} VMs to graduate",
+            self.sessions.len()
+        ));
     }
 
     /// Blocks until something needs the supervisor: which sockets have connections waiting,
