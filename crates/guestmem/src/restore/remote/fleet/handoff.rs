@@ -22,7 +22,8 @@ use std::time::{Duration, Instant};
 use super::super::handshake::recv_with_fds;
 use super::super::peer::PeerProcess;
 use super::super::state::SessionRecord;
-use super::super::{Listener, ServeError};
+use super::super::{end_peer, Listener, ServeError};
+use super::{SessionEnd, SessionReport};
 
 /// The command a new server sends.
 pub(super) const COMMAND: &str = "handoff";
@@ -297,4 +298,76 @@ pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError>
     }
     out.handed_secs = t0.elapsed().as_secs_f64();
     Ok(out)
+}
+
+impl super::Fleet {
+    /// Hands every socket and VM to the server on `to` and stops serving them: none is
+    /// ended, none graduates (see `handoff.rs`). Records stay on disk.
+    pub(super) fn hand_off(&mut self, to: &UnixStream) {
+        let out = Outgoing { to };
+        let mut sent = (0, 0);
+        let mut failed = None;
+        for (i, l) in self.listeners.iter_mut().enumerate() {
+            if let Some(l) = l {
+                match out.listener(i, l.path(), l.socket().as_raw_fd()) {
+                    Ok(()) => {
+                        l.keep_path();
+                        sent.0 += 1;
+                    }
+                    Err(e) => failed = failed.or(Some(e)),
+                }
+            }
+        }
+        // No socket is served here from now on: connections wait in the backlog the new
+        // server took.
+        for l in &mut self.listeners {
+            *l = None;
+        }
+        let sessions = std::mem::take(&mut self.sessions);
+        for (id, s) in sessions {
+            // Stop serving it first: the new server may start as soon as the end is sent.
+            self.pool.remove(id);
+            let handed = self
+                .session_record(&s.server, s.socket)
+                .map_err(std::io::Error::other)
+                .and_then(|r| out.session(s.socket, r, s.server.uffd_fd().as_raw_fd()));
+            if let Err(e) = &handed {
+                failed = failed.or(Some(std::io::Error::other(e.to_string())));
+            }
+            let (result, process) = s.server.conclude(Some("handed off"));
+            // A VM that could not be handed is not left hung: it is ended.
+            let end = match handed {
+                Ok(()) => SessionEnd::HandedOff,
+                Err(e) => {
+                    let e = ServeError::Socket {
+                        op: "hand the VM to the new server".into(),
+                        source: e,
+                    };
+                    end_peer(&process, &self.cfg.serve, &e);
+                    SessionEnd::Failed(e.to_string())
+                }
+            };
+            self.status
+                .ended(id, result.as_ref().ok().map(|r| &r.engine));
+            sent.1 += usize::from(end == SessionEnd::HandedOff);
+            self.report.sessions.push(SessionReport {
+                id,
+                socket: s.socket,
+                pid: process.pid(),
+                bytes: s.bytes,
+                end,
+                engine: result.ok().map(|r| r.engine),
+                served_secs: s.t0.elapsed().as_secs_f64(),
+            });
+        }
+        if let Err(e) = out.end() {
+            failed = failed.or(Some(e));
+        }
+        self.cfg.serve.log.say(&format!(
+            "handed {} sockets and {} VMs to the new server{}",
+            sent.0,
+            sent.1,
+            failed.map_or(String::new(), |e| format!(" (with an error: {e})"))
+        ));
+    }
 }
