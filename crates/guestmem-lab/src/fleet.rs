@@ -504,13 +504,7 @@ pub fn run_fleet(cfg: &FleetLabConfig) -> Result<FleetResult, LabError> {
             reason: "VMs and pool threads must be non-zero, the size a multiple of 1 MiB".into(),
         });
     }
-    std::fs::create_dir_all(&cfg.work_dir).map_err(|source| LabError::Write {
-        path: cfg.work_dir.clone(),
-        source,
-    })?;
-    let r = run_in(cfg);
-    let _ = std::fs::remove_dir_all(&cfg.work_dir);
-    r
+    crate::run::in_work_dir(&cfg.work_dir, || run_in(cfg))
 }
 
 fn run_in(cfg: &FleetLabConfig) -> Result<FleetResult, LabError> {

@@ -348,13 +348,7 @@ pub fn run_restore(cfg: &RestoreLabConfig) -> Result<RestoreResult, LabError> {
     if cfg.vcpus.is_empty() || cfg.vcpus.contains(&0) || cfg.handlers == 0 {
         return Err(bad("vCPU and handler counts must be non-zero".into()));
     }
-    std::fs::create_dir_all(&cfg.work_dir).map_err(|source| LabError::Write {
-        path: cfg.work_dir.clone(),
-        source,
-    })?;
-    let r = run_in(cfg);
-    let _ = std::fs::remove_dir_all(&cfg.work_dir);
-    r
+    crate::run::in_work_dir(&cfg.work_dir, || run_in(cfg))
 }
 
 fn run_in(cfg: &RestoreLabConfig) -> Result<RestoreResult, LabError> {

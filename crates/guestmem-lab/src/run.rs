@@ -331,6 +331,21 @@ pub fn ratio(a: f64, b: f64) -> f64 {
     }
 }
 
+/// Runs `f` with `dir` made as its scratch folder, and removes the folder afterwards
+/// whatever `f` returned (a scenario's images, memory files and sockets).
+pub fn in_work_dir<T>(
+    dir: &std::path::Path,
+    f: impl FnOnce() -> Result<T, crate::LabError>,
+) -> Result<T, crate::LabError> {
+    std::fs::create_dir_all(dir).map_err(|source| crate::LabError::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let r = f();
+    let _ = std::fs::remove_dir_all(dir);
+    r
+}
+
 /// CPUs this process may run on.
 pub fn available_cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())

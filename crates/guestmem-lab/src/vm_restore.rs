@@ -364,13 +364,7 @@ pub fn run_vm_restore(cfg: &VmRestoreLabConfig) -> Result<VmRestoreResult, LabEr
         });
     }
     let _ = std::fs::remove_dir_all(&cfg.work_dir);
-    std::fs::create_dir_all(&cfg.work_dir).map_err(|source| LabError::Write {
-        path: cfg.work_dir.clone(),
-        source,
-    })?;
-    let r = run_in(cfg);
-    let _ = std::fs::remove_dir_all(&cfg.work_dir);
-    r
+    crate::run::in_work_dir(&cfg.work_dir, || run_in(cfg))
 }
 
 fn run_in(cfg: &VmRestoreLabConfig) -> Result<VmRestoreResult, LabError> {

@@ -29,6 +29,12 @@ impl Fleet {
             drain_eventfd(self.notify.as_fd());
             self.take_results();
         }
+        self.close_inbox();
+    }
+
+    /// Stops taking handshakes: from here a VM whose handshake completes ends itself
+    /// (`end_late`); what came before is admitted.
+    pub(super) fn close_inbox(&mut self) {
         self.inbox
             .results
             .lock()

@@ -410,13 +410,7 @@ impl Fleet {
             if let Some(deadline) = draining {
                 let pending = self.inbox.pending.load(Ordering::Acquire);
                 if pending == 0 || Instant::now() >= deadline {
-                    // From here a handshake that completes ends its own VM.
-                    self.inbox
-                        .results
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .closed = true;
-                    self.take_results();
+                    self.close_inbox();
                     if pending > 0 {
                         self.cfg.serve.log.say(&format!(
                             "draining: {pending} connections still silent after {:.1} s are \
