@@ -86,6 +86,10 @@ pub struct Args {
     /// would wait for ever): every refusal and serving failure after that point.
     #[arg(long, value_enum, default_value = "kill")]
     on_failure: OnFailure,
+    /// Once all of a VM's 4 KiB memory is in, collapse it to transparent huge pages in its
+    /// process (process_madvise MADV_COLLAPSE through its pidfd), in the background.
+    #[arg(long, value_enum, default_value = "on")]
+    regain_huge_pages: Switch,
     /// How log lines are written to standard error: text, or one JSON object a line (each
     /// VM's session start, end and failure as one structured event).
     #[arg(long, value_enum, default_value = "text")]
@@ -93,6 +97,12 @@ pub struct Args {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Switch {
+    On,
+    Off,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -302,6 +312,7 @@ fn serve_config(a: &Args) -> ServeConfig {
         accept_timeout: a.accept_timeout_s.map(Duration::from_secs_f64),
         // Every line goes through `tracing` (see `init_logs`).
         log: ServeLog::default(),
+        regain_huge: a.regain_huge_pages == Switch::On,
     }
 }
 

@@ -1588,6 +1588,47 @@ fn a_fleet_serves_a_balloons_removes_as_zero_pages() {
     assert!(out.contains("closed its socket"), "{out}");
 }
 
+/// Once a VM's memory is all in, the server collapses it to huge pages in the VM's process
+/// (process_madvise through its pidfd); `--regain-huge-pages off` leaves it on 4 KiB pages.
+#[test]
+fn a_served_vm_gets_huge_pages_back_once_all_its_memory_is_in() {
+    need_uffd!();
+    const SIZE: usize = 16 * MIB;
+    let d = dir("fleet-regain");
+    let mem = mem_file(&d, SIZE, None);
+    for (switch, want_huge) in [("on", true), ("off", false)] {
+        let socket = d.join(format!("uffd-{switch}.sock"));
+        let srv = fleet(
+            &[(&socket, &mem)],
+            &["--on-failure", "leave", "--regain-huge-pages", switch],
+        );
+        let mut vm = Standin::new(&[SIZE], false).unwrap();
+        vm.connect(&socket).unwrap();
+        vm.read_all(2);
+        assert_eq!(vm.anon_huge().unwrap(), 0, "UFFDIO_COPY fills 4 KiB pages");
+        // The collapse runs in the background once the last block is in: wait for it
+        // (at least 6 whole 2 MiB chunks lie in 16 MiB, however it is aligned).
+        let t = Instant::now();
+        while want_huge && vm.anon_huge().unwrap() < 6 * 2 * MIB as u64 {
+            if t.elapsed() > Duration::from_secs(20) {
+                let huge = vm.anon_huge().unwrap();
+                let (_, out, err, _) = terminate(srv);
+                panic!("no huge pages came back: {huge} bytes\n{out}\n{err}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(vm.compare(&mem).unwrap(), Ok(()), "{switch}");
+        vm.disconnect();
+        let (code, _, err, _) = terminate(srv);
+        assert_eq!(code, 0, "{err}");
+        if want_huge {
+            assert!(err.contains("huge pages regained in process"), "{err}");
+        } else {
+            assert_eq!(vm.anon_huge().unwrap(), 0, "off: left on 4 KiB pages");
+        }
+    }
+}
+
 #[test]
 fn two_mib_guests_are_served_a_huge_page_per_fault_and_bad_ones_refused_by_field() {
     need_uffd!();

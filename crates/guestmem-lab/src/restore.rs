@@ -308,6 +308,7 @@ fn restored(
         threads,
         handler_threads: 1,
         prefetch: Prefetch::None,
+        ..RestoreConfig::default()
     };
     let t0 = Instant::now();
     let r = restore(image, &image.specs(), &cfg).map_err(err)?;

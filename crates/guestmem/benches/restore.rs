@@ -61,6 +61,7 @@ fn bench(c: &mut Criterion) {
                     threads: 1,
                     handler_threads: handlers,
                     prefetch: Prefetch::None,
+                    ..RestoreConfig::default()
                 };
                 let r = restore(&image, &specs, &cfg).unwrap();
                 touch_all(&r.map, 2);

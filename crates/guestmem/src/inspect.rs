@@ -389,6 +389,23 @@ fn mappings_from(vmas: &[Vma], min_bytes: u64) -> Vec<MappingUsage> {
         .collect()
 }
 
+/// Bytes of process `pid`'s memory in `ranges` (`(start, len)`) that transparent huge pages
+/// map (smaps `AnonHugePages` of the VMAs that lie inside a range).
+pub(crate) fn anon_huge_in(pid: u32, ranges: &[(u64, u64)]) -> Result<u64, InspectError> {
+    let path = format!("/proc/{pid}/smaps");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|source| InspectError::ReadPath { path, source })?;
+    Ok(parse_smaps(&text)
+        .iter()
+        .filter(|v| {
+            ranges
+                .iter()
+                .any(|&(s, l)| v.start >= s && v.end <= s.saturating_add(l))
+        })
+        .map(|v| v.huge)
+        .sum())
+}
+
 /// Process-wide memory figures from `/proc/self/status`, in bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ProcessMemory {

@@ -131,6 +131,7 @@ fn cfg(mode: RestoreMode) -> RestoreConfig {
         threads: 2,
         handler_threads: 2,
         prefetch: Prefetch::None,
+        ..RestoreConfig::default()
     }
 }
 
@@ -815,6 +816,7 @@ fn a_hook_that_reads_the_failed_block_does_not_hang_finish() {
             threads: 1,
             handler_threads: 1,
             mode: RestoreMode::Lazy,
+            ..RestoreConfig::default()
         };
         let r = restore::restore(&image, &specs_plain(), &cfg).unwrap();
         let host = r.map.view().regions()[0].host_addr() as usize + 2 * MIB as usize;

@@ -114,6 +114,7 @@ pub(crate) fn start(run: &RestoreRun, t0: Instant) -> Result<(GuestMap, Started)
             },
             handler_threads: run.handler_threads,
             prefetch: run.prefetch,
+            ..RestoreConfig::default()
         };
         let r = restore::restore(&image, &image.specs(), &cfg)?;
         (r.map, r.lazy, None)

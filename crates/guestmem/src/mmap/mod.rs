@@ -345,6 +345,9 @@ pub enum Advice {
     /// `MADV_DONTNEED`: drop the pages; private anonymous memory reads as zero afterwards,
     /// file-backed memory as the file holds it.
     DontNeed,
+    /// `MADV_COLLAPSE` (Linux 6.1): copy the pages of each whole 2 MiB into a transparent
+    /// huge page now, keeping their contents (pages not present are allocated zero).
+    Collapse,
 }
 
 impl Advice {
@@ -354,6 +357,7 @@ impl Advice {
             Advice::NoHugePage => (libc::MADV_NOHUGEPAGE, "madvise(MADV_NOHUGEPAGE)"),
             Advice::PopulateWrite => (libc::MADV_POPULATE_WRITE, "madvise(MADV_POPULATE_WRITE)"),
             Advice::DontNeed => (libc::MADV_DONTNEED, "madvise(MADV_DONTNEED)"),
+            Advice::Collapse => (libc::MADV_COLLAPSE, "madvise(MADV_COLLAPSE)"),
         }
     }
 }

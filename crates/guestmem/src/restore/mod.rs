@@ -15,6 +15,10 @@
 //!   handler threads serve faults a block at a time while background workers prefetch the
 //!   rest, the recorded working set first. See [`LazyRestore`].
 //!
+//! Once an anonymous map's restore is complete (eager, or lazy with every block in), the
+//! regions that had transparent huge pages when saved get them back in the background
+//! ([`RegainHuge`], see `regain.rs`); [`Restored::regain`] says what that did.
+//!
 //! A restore refuses a map that holds resident memory, an image whose layout differs from
 //! the map's, and reports a corrupt, truncated or unreadable image naming the region, the
 //! guest address and the file offset. An eager restore that fails leaves the map as
@@ -23,6 +27,7 @@
 
 mod latency;
 mod lazy;
+mod regain;
 pub mod remote;
 
 use std::sync::Arc;
@@ -31,6 +36,7 @@ use std::time::Instant;
 pub use crate::lifecycle::RestoreState;
 pub use latency::{FaultClass, FaultLatency, LatencySummary};
 pub use lazy::{LazyReport, LazyRestore};
+pub use regain::{RegainHuge, RegainReport, Regaining};
 
 use crate::jobs::{Job, JobRange};
 use crate::layout::{Backing, RegionSpec};
@@ -77,6 +83,8 @@ pub struct RestoreConfig {
     pub handler_threads: usize,
     /// Lazy: what to prefetch.
     pub prefetch: Prefetch,
+    /// Whether huge pages come back once the restore is complete.
+    pub regain: RegainHuge,
 }
 
 impl Default for RestoreConfig {
@@ -86,6 +94,7 @@ impl Default for RestoreConfig {
             threads: crate::jobs::default_threads(),
             handler_threads: crate::jobs::default_threads(),
             prefetch: Prefetch::Recorded,
+            regain: RegainHuge::Saved,
         }
     }
 }
@@ -118,6 +127,9 @@ pub struct Restored {
     pub lazy: Option<LazyRestore>,
     /// What the call did.
     pub report: RestoreReport,
+    /// The huge pages coming back in the background, where the saved map had them
+    /// ([`RegainHuge::Saved`]): [`Regaining::wait`] says before and after.
+    pub regain: Option<Regaining>,
 }
 
 /// Maps `specs` (which must lay out the image's regions: [`Image::specs`] gives them) and
@@ -151,7 +163,7 @@ pub fn restore(
         }
         _ => GuestMap::from_specs(specs)?,
     };
-    let lazy = restore_mode(image, &map, cfg, t0)?;
+    let (lazy, regain) = restore_mode(image, &map, cfg, t0)?;
     let report = RestoreReport {
         mode: cfg.mode,
         memory_bytes: image.memory_bytes(),
@@ -161,12 +173,19 @@ pub fn restore(
         setup_secs: t0.elapsed().as_secs_f64(),
         threads: cfg.threads.max(1),
     };
-    Ok(Restored { map, lazy, report })
+    Ok(Restored {
+        map,
+        lazy,
+        report,
+        regain,
+    })
 }
 
 /// Restores `image` into `map`, a map of fresh memory with the image's layout, eagerly or
 /// lazily ([`RestoreMode::Mapped`] needs its own mappings: use [`restore`]). Returns the
-/// lazy restore serving it, for [`RestoreMode::Lazy`].
+/// lazy restore serving it, for [`RestoreMode::Lazy`] (its [`LazyRestore::regaining`]
+/// follows the huge pages coming back; an eager restore's come back unobserved: [`restore`]
+/// returns a handle for them).
 pub fn restore_into(
     image: &Image,
     map: &GuestMap,
@@ -175,15 +194,42 @@ pub fn restore_into(
     if cfg.mode == RestoreMode::Mapped {
         return Err(SnapshotError::MappedInto);
     }
-    restore_mode(image, map, cfg, Instant::now())
+    restore_mode(image, map, cfg, Instant::now()).map(|(lazy, _)| lazy)
 }
+
+/// The collapse that gives `regions` back the huge pages the image says they had, if any
+/// had them and `cfg` asks for it (anonymous regions only: hugetlb memory is huge already,
+/// and a mapped restore's memory is the file's).
+fn regain_job(
+    image: &Image,
+    regions: &[Arc<Region>],
+    cfg: &RestoreConfig,
+) -> Option<(regain::Job, Regaining)> {
+    if cfg.regain == RegainHuge::Off || cfg.mode == RestoreMode::Mapped {
+        return None;
+    }
+    let had: Vec<(&Arc<Region>, u64)> = regions
+        .iter()
+        .zip(image.regions())
+        .filter(|(r, ir)| ir.huge_bytes > 0 && r.backing() == &Backing::Anonymous)
+        .map(|(r, ir)| (r, ir.huge_bytes))
+        .collect();
+    if had.is_empty() {
+        return None;
+    }
+    let saved = had.iter().map(|(_, b)| b).sum();
+    let memory = regain::Memory::Local(had.iter().map(|(r, _)| Arc::downgrade(r)).collect());
+    Some(regain::Job::new(memory, Some(saved)))
+}
+
+type Started = (Option<LazyRestore>, Option<Regaining>);
 
 fn restore_mode(
     image: &Image,
     map: &GuestMap,
     cfg: &RestoreConfig,
     t0: Instant,
-) -> Result<Option<LazyRestore>, SnapshotError> {
+) -> Result<Started, SnapshotError> {
     let regions: Vec<Arc<Region>> = map.view().regions().to_vec();
     check_region_layout(image, &regions)?;
     // The regions are this restore's from here (a second restore, or a populate, is
@@ -203,9 +249,13 @@ fn restore_mode(
     let eager_from = match cfg.mode {
         RestoreMode::Lazy => {
             // The lazy restore owns the regions' state from here: complete or lose.
-            return LazyRestore::start(image, regions.clone(), cfg, t0)
-                .map(Some)
-                .inspect_err(|_| regions.iter().for_each(|r| r.lifecycle.restore.abort()));
+            let mut lazy = LazyRestore::start(image, regions.clone(), cfg, t0)
+                .inspect_err(|_| regions.iter().for_each(|r| r.lifecycle.restore.abort()))?;
+            let regain = regain_job(image, &regions, cfg).map(|(job, handle)| {
+                lazy.regain_when_complete(job, handle.clone());
+                handle
+            });
+            return Ok((Some(lazy), regain));
         }
         RestoreMode::Eager => Some(0),
         // The base save is the mapped file; later saves of a chain go on top.
@@ -219,7 +269,14 @@ fn restore_mode(
             Err(_) => r.lifecycle.restore.lose(),
         }
     }
-    done.map(|()| None)
+    done?;
+    Ok((
+        None,
+        regain_job(image, &regions, cfg).map(|(job, handle)| {
+            job.queue();
+            handle
+        }),
+    ))
 }
 
 /// Refuses regions that hold memory already (but for a mapped restore, whose memory is the

@@ -33,6 +33,8 @@ pub struct ImageRegion {
     pub page_size: u64,
     /// Backing when saved ([`Backing::name`]).
     pub backing: String,
+    /// Bytes transparent huge pages mapped when the newest save of the chain was taken.
+    pub huge_bytes: u64,
     /// Global index of its first block.
     pub first_block: u64,
 }
@@ -153,20 +155,22 @@ impl Layer {
     }
 }
 
-/// The base save's regions with the global index of each one's first block, and the
-/// blocks in all.
-fn image_regions(base: &Manifest) -> (Vec<ImageRegion>, u64) {
+/// The base save's regions with the global index of each one's first block (and the huge
+/// pages each had when the newest save, `top`, was taken), and the blocks in all.
+fn image_regions(base: &Manifest, top: &Manifest) -> (Vec<ImageRegion>, u64) {
     let mut first_block = 0;
     let regions = base
         .regions
         .iter()
-        .map(|r| {
+        .zip(&top.regions)
+        .map(|(r, t)| {
             let ir = ImageRegion {
                 guest_addr: r.guest_addr,
                 size: r.size,
                 file_offset: r.file_offset,
                 page_size: r.page_size,
                 backing: r.backing.clone(),
+                huge_bytes: t.huge_bytes,
                 first_block,
             };
             first_block += r.size.div_ceil(base.block_bytes);
@@ -208,7 +212,8 @@ impl Image {
         layers.reverse();
         let base = &layers[0].manifest;
         let block_bytes = base.block_bytes;
-        let (regions, total_blocks) = image_regions(base);
+        let top = &layers[layers.len() - 1].manifest;
+        let (regions, total_blocks) = image_regions(base, top);
         let plan = resolve_chain(layers.iter().map(|l| &l.manifest.blocks[..]));
         Ok(Image {
             inner: Arc::new(Inner {
@@ -265,6 +270,7 @@ impl Image {
                 file_offset,
                 page_size,
                 backing: "anonymous".into(),
+                huge_bytes: 0,
                 first_block,
             });
             first_block += blocks;
@@ -274,6 +280,7 @@ impl Image {
                 file_offset,
                 page_size,
                 backing: "anonymous".into(),
+                huge_bytes: 0,
             });
         }
         let manifest = Manifest {

@@ -115,6 +115,12 @@ fn check_regions(m: &Manifest) -> Result<u64, String> {
                 r.guest_addr, r.page_size, m.block_bytes
             ));
         }
+        if r.huge_bytes > r.size {
+            return Err(format!(
+                "region {i} at {:#x}: huge_bytes {:#x} is more than its size {:#x}",
+                r.guest_addr, r.huge_bytes, r.size
+            ));
+        }
         offset = offset.checked_add(r.size).ok_or("sizes overflow")?;
         prev_end = end.unwrap_or(u64::MAX);
     }

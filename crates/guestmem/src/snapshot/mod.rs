@@ -121,6 +121,12 @@ pub struct ManifestRegion {
     pub page_size: u64,
     /// Its backing when saved, as [`crate::Backing::name`].
     pub backing: String,
+    /// Bytes of it that transparent huge pages mapped when saved (smaps `AnonHugePages`;
+    /// 0 for other backings, and in manifests written before guestmem recorded it). A
+    /// restore collapses a region that had any back to huge pages (see
+    /// [`crate::restore::RegainHuge`]).
+    #[serde(default)]
+    pub huge_bytes: u64,
 }
 
 /// One block a save holds.

@@ -198,18 +198,27 @@ fn check_whole(regions: &[Arc<Region>]) -> Result<(), SnapshotError> {
     Ok(())
 }
 
-/// The regions as the manifest lists them, laid end to end in the memory file.
+/// The regions as the manifest lists them, laid end to end in the memory file, each with
+/// the transparent huge pages the kernel maps it with now (none recorded if smaps cannot be
+/// read: a restore then leaves its pages as they come).
 fn layout_of(regions: &[Arc<Region>]) -> Vec<ManifestRegion> {
+    let usage = crate::inspect::inspect_regions(regions).ok();
     let mut file_offset = 0u64;
     regions
         .iter()
-        .map(|r| {
+        .enumerate()
+        .map(|(i, r)| {
+            let huge_bytes = match (r.backing(), &usage) {
+                (crate::layout::Backing::Anonymous, Some(u)) => u[i].huge.min(r.size()),
+                _ => 0,
+            };
             let l = ManifestRegion {
                 guest_addr: r.guest_addr().0,
                 size: r.size(),
                 file_offset,
                 page_size: r.page_size(),
                 backing: r.backing().name(),
+                huge_bytes,
             };
             file_offset += r.size();
             l

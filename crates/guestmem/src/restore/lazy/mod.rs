@@ -53,6 +53,7 @@ use std::time::Instant;
 use linux_raw_sys::general as uapi;
 
 use super::latency::{ClassHistograms, FaultLatency};
+use super::regain::{self, Regaining};
 use super::{Prefetch, RestoreConfig};
 use crate::layout::Backing;
 use crate::mmap::Mapping;
@@ -120,6 +121,9 @@ pub struct LazyReport {
     pub removes: u64,
     /// How long faults took to answer, from reading the message to the install, by class.
     pub fault_latency: FaultLatency,
+    /// The huge pages brought back once every block was in, if that has ended (see
+    /// [`LazyRestore::regaining`]).
+    pub regain: Option<regain::RegainReport>,
 }
 
 #[derive(Default)]
@@ -171,6 +175,8 @@ struct Lazy {
     latency: ClassHistograms,
     /// When the first fault was read.
     first_fault: OnceLock<Instant>,
+    /// The huge-page collapse to queue once every block is in.
+    regain: Mutex<Option<regain::Job>>,
 }
 
 /// The memory a restore fills.
@@ -194,6 +200,7 @@ pub struct LazyRestore {
     prefetch_threads: usize,
     prefetched_working_set: usize,
     finished: bool,
+    regaining: Option<Regaining>,
 }
 
 impl Lazy {
@@ -222,6 +229,7 @@ impl Lazy {
             prefetched_working_set: threads.2,
             removes: get(&c.removes),
             fault_latency: self.latency.summary(),
+            regain: None,
         }
     }
 }
@@ -370,6 +378,7 @@ impl LazyRestore {
             resumed: target == Target::Resumed,
             latency: ClassHistograms::default(),
             first_fault: OnceLock::new(),
+            regain: Mutex::new(None),
         });
         let mut this = LazyRestore {
             lazy: lazy.clone(),
@@ -379,6 +388,7 @@ impl LazyRestore {
             prefetch_threads: threads.1.max(1),
             prefetched_working_set: 0,
             finished: false,
+            regaining: None,
         };
         let started = (|| {
             for i in 0..own_handlers {
@@ -437,6 +447,27 @@ impl LazyRestore {
         Ok(this)
     }
 
+    /// Queues `job` (a huge-page collapse) the moment every block is in: now, if they are.
+    pub(crate) fn regain_when_complete(&mut self, job: regain::Job, handle: Regaining) {
+        let l = &self.lazy;
+        let mut slot = l.regain.lock().unwrap_or_else(|e| e.into_inner());
+        if l.failed.load(Ordering::Acquire) {
+            drop(job);
+        } else if l.done.load(Ordering::Acquire) == l.total {
+            drop(slot);
+            job.queue();
+        } else {
+            *slot = Some(job);
+        }
+        self.regaining = Some(handle);
+    }
+
+    /// The huge-page collapse this restore queues once complete, if there is one: what it
+    /// did, or [`Regaining::wait`] for it.
+    pub fn regaining(&self) -> Option<&Regaining> {
+        self.regaining.as_ref()
+    }
+
     /// Its userfaultfd.
     pub(crate) fn uffd_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         self.lazy.uffd.fd()
@@ -470,6 +501,8 @@ impl LazyRestore {
     pub(crate) fn halt(&mut self) -> LazyReport {
         let l = self.lazy.clone();
         l.cancel.store(true, Ordering::Release);
+        // Not complete now, it never will be: no collapse. (One queued already goes on.)
+        drop(l.regain.lock().unwrap_or_else(|e| e.into_inner()).take());
         let _ = crate::sys::eventfd_signal(l.stop.as_fd());
         if let Some(p) = self.prefetcher.take() {
             let _ = p.join();
@@ -570,11 +603,13 @@ impl LazyRestore {
 
     /// What it did so far.
     pub fn report(&self) -> LazyReport {
-        self.lazy.report((
+        let mut r = self.lazy.report((
             self.handler_threads,
             self.prefetch_threads,
             self.prefetched_working_set,
-        ))
+        ));
+        r.regain = self.regaining.as_ref().and_then(Regaining::report);
+        r
     }
 
     /// Brings in every block not in yet, stops the handlers and unregisters the memory.

@@ -322,8 +322,18 @@ impl Lazy {
                 let n = self.done.fetch_add(1, Ordering::AcqRel) + 1;
                 if n == self.total {
                     let _ = self.complete_at.set(Instant::now());
-                    let _g = self.wait.lock().unwrap_or_else(|e| e.into_inner());
-                    self.cv.notify_all();
+                    {
+                        let _g = self.wait.lock().unwrap_or_else(|e| e.into_inner());
+                        self.cv.notify_all();
+                    }
+                    let job = self
+                        .regain
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .take();
+                    if let Some(job) = job {
+                        job.queue();
+                    }
                 }
                 Some(!self.image.held_from(block, 0))
             }
@@ -526,6 +536,8 @@ impl Lazy {
         }
         let text = e.to_string();
         *self.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        // No collapse of memory that will not be whole.
+        drop(self.regain.lock().unwrap_or_else(|p| p.into_inner()).take());
         let hooks = {
             let mut h = self.hooks.lock().unwrap_or_else(|p| p.into_inner());
             let _ = self.message.set(text.clone());

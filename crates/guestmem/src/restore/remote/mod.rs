@@ -309,6 +309,10 @@ pub struct ServeConfig {
     pub accept_timeout: Option<Duration>,
     /// Where log lines go: connections dropped, peers refused or ended, and why.
     pub log: ServeLog,
+    /// Once every block of a VM's 4 KiB memory is in, collapse it to transparent huge
+    /// pages in the VM's process (`process_madvise(MADV_COLLAPSE)` through its pidfd), in
+    /// the background, 2 MiB at a time, only where every page is present.
+    pub regain_huge: bool,
 }
 
 impl Default for ServeConfig {
@@ -322,6 +326,7 @@ impl Default for ServeConfig {
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             accept_timeout: None,
             log: ServeLog::default(),
+            regain_huge: true,
         }
     }
 }
@@ -517,14 +522,21 @@ impl PageServer {
                     })
             });
         match started {
-            Ok((lazy, image)) => Ok(PageServer {
-                lazy,
-                image,
-                peer,
-                process,
-                regions,
-                t0: Instant::now(),
-            }),
+            Ok((mut lazy, image)) => {
+                if cfg.regain_huge {
+                    if let Some((job, handle)) = regain_job(&regions, &process) {
+                        lazy.regain_when_complete(job, handle);
+                    }
+                }
+                Ok(PageServer {
+                    lazy,
+                    image,
+                    peer,
+                    process,
+                    regions,
+                    t0: Instant::now(),
+                })
+            }
             Err(e) => Err((e, process)),
         }
     }
@@ -658,6 +670,26 @@ impl PageServer {
         };
         (result, self.process)
     }
+}
+
+/// The collapse of the peer's 4 KiB regions to huge pages (hugetlb ones are huge already),
+/// through a duplicate of its pidfd; none without a pidfd or a pid.
+fn regain_job(
+    regions: &[UffdRegion],
+    process: &PeerProcess,
+) -> Option<(super::regain::Job, super::Regaining)> {
+    let ranges: Vec<(u64, u64)> = regions
+        .iter()
+        .filter(|r| r.page_size == 4096)
+        .map(|r| (r.base_host_virt_addr, r.size))
+        .collect();
+    let pid = u32::try_from(process.pid()?).ok()?;
+    let pidfd = process.pidfd()?.try_clone_to_owned().ok()?;
+    if ranges.is_empty() {
+        return None;
+    }
+    let memory = super::regain::Memory::Remote { pidfd, pid, ranges };
+    Some(super::regain::Job::new(memory, None))
 }
 
 /// The memory file as an image of the peer's regions, once checked to hold them all;

@@ -1,0 +1,386 @@
+//! Transparent huge pages back after a restore.
+//!
+//! A restore fills anonymous memory a page or a block at a time (`UFFDIO_COPY`, or `pread`
+//! into memory whose region is not THP-advised), so a guest that ran on transparent huge
+//! pages comes back on 4 KiB pages and pays the TLB misses for the rest of its life. Once
+//! every block is in, `MADV_COLLAPSE` (Linux 6.1) gives each 2 MiB of it a huge page again:
+//! in this process with `madvise`, in a served VM's process with
+//! `process_madvise(pidfd, ..., MADV_COLLAPSE)`.
+//!
+//! One thread per process does it for every restore, one 2 MiB chunk at a time, and rests
+//! after each chunk as long as the chunk took (at most half a CPU): a collapse holds that
+//! chunk's page table while it copies, so a vCPU touching it waits for one chunk (a few
+//! milliseconds), never for a region. Only chunks whose every page is present are collapsed,
+//! so no memory is added (a balloon's holes stay holes). A chunk the kernel cannot collapse
+//! (no huge page free, a range in use) is counted, the first reason is logged once per
+//! restore, and the memory stays as it was: the restore has succeeded either way. The
+//! thread waits on a channel when there is nothing to do.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use crate::layout::THP_BYTES;
+use crate::region::Region;
+
+/// Whether a restore brings transparent huge pages back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RegainHuge {
+    /// Collapse the anonymous regions that had huge pages when saved (the snapshot records
+    /// it per region), once the restore is complete, in the background (the default).
+    #[default]
+    Saved,
+    /// Leave the pages as the restore made them.
+    Off,
+}
+
+/// What bringing huge pages back did.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct RegainReport {
+    /// Bytes the saved memory had in transparent huge pages (`None` for a served VM: a
+    /// Firecracker memory file does not say).
+    pub saved_huge_bytes: Option<u64>,
+    /// Bytes mapped by transparent huge pages (smaps `AnonHugePages`) before the collapse.
+    pub huge_before: u64,
+    /// The same, after.
+    pub huge_after: u64,
+    /// 2 MiB chunks tried.
+    pub chunks: u64,
+    /// Of them, collapsed (or huge already).
+    pub collapsed: u64,
+    /// Skipped: a page of the chunk was not present (collapsing would allocate it).
+    pub skipped: u64,
+    /// Refused by the kernel.
+    pub failed: u64,
+    /// Why the first refused chunk was refused.
+    pub first_failure: Option<String>,
+    /// Seconds from the start of the collapse to its end (rests included).
+    pub secs: f64,
+    /// Stopped before the end: the memory or its process went, or the owner stopped it.
+    pub stopped: bool,
+}
+
+/// A collapse queued or running: what [`Regaining::wait`] waits on.
+#[derive(Debug, Clone, Default)]
+pub struct Regaining(Arc<Shared>);
+
+#[derive(Debug, Default)]
+struct Shared {
+    report: Mutex<Option<RegainReport>>,
+    cv: Condvar,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+impl Regaining {
+    /// Waits until the collapse has ended, and says what it did. Returns at once with a
+    /// report that says `stopped` if the restore never completed.
+    pub fn wait(&self) -> RegainReport {
+        let mut g = self.0.report.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(r) = &*g {
+                return r.clone();
+            }
+            g = self.0.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// What it did, once it has ended.
+    pub fn report(&self) -> Option<RegainReport> {
+        self.0
+            .report
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Asks the collapse to stop after the chunk it is on (or not to start).
+    pub fn stop(&self) {
+        self.0
+            .stop
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    fn stopped(&self) -> bool {
+        self.0.stop.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn end(&self, r: RegainReport) {
+        let mut g = self.0.report.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            *g = Some(r);
+        }
+        self.0.cv.notify_all();
+    }
+
+    /// Ends it without a collapse (the restore failed, or never completed).
+    fn abandon(&self) {
+        self.end(RegainReport {
+            stopped: true,
+            ..RegainReport::default()
+        });
+    }
+}
+
+/// Memory to collapse.
+#[derive(Debug)]
+pub(crate) enum Memory {
+    /// Regions of this process (weak: a map dropped meanwhile is not kept alive).
+    Local(Vec<Weak<Region>>),
+    /// Host ranges `(start, len)` of another process, reached through its pidfd.
+    Remote {
+        /// A pidfd of the process.
+        pidfd: OwnedFd,
+        /// Its pid, for `/proc/PID/smaps` and `pagemap` (checked alive through the pidfd).
+        pid: u32,
+        /// The ranges.
+        ranges: Vec<(u64, u64)>,
+    },
+}
+
+/// One restore's collapse, queued on the process's collapse thread when its restore
+/// completes.
+#[derive(Debug)]
+pub(crate) struct Job {
+    memory: Memory,
+    saved: Option<u64>,
+    handle: Regaining,
+}
+
+impl Job {
+    /// A collapse of `memory`, whose saved form had `saved` bytes in huge pages.
+    pub(crate) fn new(memory: Memory, saved: Option<u64>) -> (Job, Regaining) {
+        let handle = Regaining::default();
+        (
+            Job {
+                memory,
+                saved,
+                handle: handle.clone(),
+            },
+            handle,
+        )
+    }
+
+    /// Hands it to the collapse thread (started on first use). A job dropped unqueued (its
+    /// restore failed or stopped) ends its handle as stopped.
+    pub(crate) fn queue(self) {
+        static QUEUE: OnceLock<Mutex<Option<Sender<Job>>>> = OnceLock::new();
+        let q = QUEUE.get_or_init(|| {
+            let (tx, rx) = channel::<Job>();
+            let spawned = std::thread::Builder::new()
+                .name("guestmem-regain".into())
+                .spawn(move || {
+                    while let Ok(job) = rx.recv() {
+                        job.run();
+                    }
+                });
+            Mutex::new(spawned.ok().map(|_| tx))
+        });
+        let g = q.lock().unwrap_or_else(|e| e.into_inner());
+        match &*g {
+            Some(tx) => {
+                let _ = tx.send(self);
+            }
+            None => tracing::warn!("huge pages not regained: no thread to collapse them"),
+        }
+    }
+
+    fn run(self) {
+        let t0 = Instant::now();
+        let mut r = RegainReport {
+            saved_huge_bytes: self.saved,
+            ..RegainReport::default()
+        };
+        r.huge_before = self.huge_now();
+        let chunks = self.chunks();
+        for (addr, region) in chunks {
+            if self.handle.stopped() {
+                r.stopped = true;
+                break;
+            }
+            let t = Instant::now();
+            let region = region.map(|w| w.upgrade());
+            match self.collapse(addr, region.as_ref().map(Option::as_ref)) {
+                Chunk::Collapsed => r.collapsed += 1,
+                Chunk::NotPresent => r.skipped += 1,
+                Chunk::Failed(why) => {
+                    r.failed += 1;
+                    if r.first_failure.is_none() {
+                        tracing::warn!(
+                            "huge pages not regained at host address {addr:#x} (the memory \
+                             stays on 4 KiB pages there; the restore is complete): {why}"
+                        );
+                        r.first_failure = Some(why);
+                    }
+                }
+                Chunk::Gone => {
+                    r.stopped = true;
+                    break;
+                }
+            }
+            r.chunks += 1;
+            // Rest as long as the chunk took: at most half a CPU, and a vCPU never waits on
+            // more than one chunk's collapse at a time.
+            std::thread::sleep(t.elapsed().min(Duration::from_millis(50)));
+        }
+        r.huge_after = self.huge_now();
+        r.secs = t0.elapsed().as_secs_f64();
+        let whose = match &self.memory {
+            Memory::Local(_) => "this process".to_string(),
+            Memory::Remote { pid, .. } => format!("process {pid}"),
+        };
+        tracing::info!(
+            "huge pages regained in {whose}: AnonHugePages {} MiB -> {} MiB ({} of {} chunks \
+             of 2 MiB collapsed, {} not whole, {} refused) in {:.2} s{}",
+            r.huge_before >> 20,
+            r.huge_after >> 20,
+            r.collapsed,
+            r.chunks,
+            r.skipped,
+            r.failed,
+            r.secs,
+            if r.stopped { ", stopped early" } else { "" }
+        );
+        self.handle.end(r);
+    }
+
+    /// Every whole 2 MiB chunk of the memory, with the region it lies in (local; weak, so
+    /// that a map dropped meanwhile goes).
+    fn chunks(&self) -> Vec<(u64, Option<Weak<Region>>)> {
+        let spans: Vec<(u64, u64, Option<Weak<Region>>)> = match &self.memory {
+            Memory::Local(regions) => regions
+                .iter()
+                .filter_map(|w| {
+                    let r = w.upgrade()?;
+                    Some((r.host_addr() as u64, r.size(), Some(w.clone())))
+                })
+                .collect(),
+            Memory::Remote { ranges, .. } => ranges.iter().map(|&(s, l)| (s, l, None)).collect(),
+        };
+        let mut out = Vec::new();
+        for (start, len, region) in spans {
+            let mut a = start.next_multiple_of(THP_BYTES);
+            while a + THP_BYTES <= start + len {
+                out.push((a, region.clone()));
+                a += THP_BYTES;
+            }
+        }
+        out
+    }
+
+    /// Collapses the chunk at host address `addr`, in `region` when local (`Some(None)`:
+    /// the region is gone).
+    fn collapse(&self, addr: u64, region: Option<Option<&Arc<Region>>>) -> Chunk {
+        match (&self.memory, region) {
+            (Memory::Local(_), Some(Some(r))) => {
+                let offset = (addr - r.host_addr() as u64) as usize;
+                match crate::mmap::ProcMem::open()
+                    .and_then(|p| p.faulted_in(r.mapping(), offset, THP_BYTES as usize))
+                {
+                    Ok(pages) if pages.iter().all(|&p| p) => {}
+                    Ok(_) => return Chunk::NotPresent,
+                    Err(e) => return Chunk::Failed(format!("read /proc/self/pagemap: {e}")),
+                }
+                match r.mapping().advise(
+                    offset,
+                    THP_BYTES as usize,
+                    crate::mmap::Advice::Collapse,
+                ) {
+                    Ok(()) => Chunk::Collapsed,
+                    Err(e) => Chunk::Failed(e.to_string()),
+                }
+            }
+            (Memory::Remote { pidfd, pid, .. }, _) => {
+                match remote_present(*pid, addr) {
+                    Ok(true) => {}
+                    Ok(false) => return Chunk::NotPresent,
+                    Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Chunk::Gone,
+                    Err(e) => return Chunk::Failed(format!("read /proc/{pid}/pagemap: {e}")),
+                }
+                match process_collapse(pidfd, addr) {
+                    Ok(()) => Chunk::Collapsed,
+                    Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Chunk::Gone,
+                    Err(e) => Chunk::Failed(format!(
+                        "process_madvise(MADV_COLLAPSE) in process {pid}: {e}"
+                    )),
+                }
+            }
+            (Memory::Local(_), _) => Chunk::Gone,
+        }
+    }
+
+    /// Bytes in transparent huge pages now.
+    fn huge_now(&self) -> u64 {
+        match &self.memory {
+            Memory::Local(regions) => {
+                let live: Vec<Arc<Region>> = regions.iter().filter_map(Weak::upgrade).collect();
+                crate::inspect::inspect_regions(&live)
+                    .map(|u| u.iter().map(|u| u.huge).sum())
+                    .unwrap_or(0)
+            }
+            Memory::Remote { pid, ranges, .. } => {
+                crate::inspect::anon_huge_in(*pid, ranges).unwrap_or(0)
+            }
+        }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        // After `run` the handle holds its report already; otherwise it never ran.
+        self.handle.abandon();
+    }
+}
+
+enum Chunk {
+    Collapsed,
+    NotPresent,
+    Failed(String),
+    Gone,
+}
+
+/// Whether every page of the 2 MiB at `addr` in process `pid` is present.
+fn remote_present(pid: u32, addr: u64) -> std::io::Result<bool> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(format!("/proc/{pid}/pagemap")).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            std::io::Error::from_raw_os_error(libc::ESRCH)
+        } else {
+            e
+        }
+    })?;
+    let pages = (THP_BYTES / 4096) as usize;
+    let mut buf = vec![0u8; pages * 8];
+    f.read_exact_at(&mut buf, addr / 4096 * 8)?;
+    Ok(buf.chunks_exact(8).all(|e| {
+        let v = u64::from_ne_bytes(e.try_into().expect("8-byte entry"));
+        v & (1 << 63) != 0
+    }))
+}
+
+/// `process_madvise(pidfd, [addr, 2 MiB], MADV_COLLAPSE)`.
+fn process_collapse(pidfd: &OwnedFd, addr: u64) -> std::io::Result<()> {
+    let iov = libc::iovec {
+        iov_base: addr as usize as *mut libc::c_void,
+        iov_len: THP_BYTES as usize,
+    };
+    // SAFETY: process_madvise reads one iovec from our stack and advises the other
+    // process's memory; nothing of this process is touched. MADV_COLLAPSE keeps that
+    // memory's contents (it copies them into a huge page).
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_process_madvise,
+            pidfd.as_raw_fd(),
+            &iov as *const libc::iovec,
+            1usize,
+            libc::MADV_COLLAPSE,
+            0u32,
+        )
+    };
+    if ret < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
