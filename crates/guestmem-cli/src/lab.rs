@@ -11,6 +11,7 @@ use guestmem_lab::all::{run_all, AllConfig, Profile};
 use guestmem_lab::faults::{run_faults, FaultsLabConfig};
 use guestmem_lab::fleet::{run_fleet, FleetLabConfig};
 use guestmem_lab::guards::{run_guards, GuardsLabConfig};
+use guestmem_lab::huge_regain::{run_huge_regain, HugeRegainLabConfig};
 use guestmem_lab::populate::{run_populate, LayoutKind, PopulateLabConfig, DEFAULT_SETTLE};
 use guestmem_lab::report::{write_run, LabReport, LabResult};
 use guestmem_lab::restore::{run_restore, RestoreLabConfig};
@@ -53,6 +54,9 @@ enum Scenario {
     /// Many VMs restored at once from one snapshot: one guestmem fleet, a guestmem page
     /// server per VM, and Firecracker's example handler per VM.
     Fleet(FleetArgs),
+    /// A map saved on transparent huge pages, restored onto 4 KiB pages, against the same
+    /// restore collapsed back to huge pages: a random-access pass over each.
+    HugeRegain(HugeRegainArgs),
     /// Every scenario, one after the other, into one folder with an index.md of all reports.
     All(AllArgs),
 }
@@ -209,6 +213,19 @@ pub struct GuardsArgs {
     protocol: ProtocolArgs,
 }
 
+/// Flags of `guestmem lab huge-regain`.
+#[derive(ClapArgs)]
+pub struct HugeRegainArgs {
+    /// Memory saved and restored (a multiple of 2 MiB).
+    #[arg(long, default_value = "1G", value_parser = size)]
+    size: u64,
+    /// Random 8-byte reads per pass.
+    #[arg(long, default_value_t = guestmem_lab::huge_regain::DEFAULT_READS)]
+    reads: u64,
+    #[command(flatten)]
+    protocol: ProtocolArgs,
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum LayoutArg {
     /// One region of the whole size.
@@ -270,6 +287,7 @@ pub fn run(args: Args) -> Result<()> {
         Scenario::Restore(a) => &a.protocol.out,
         Scenario::VmRestore(a) => &a.protocol.out,
         Scenario::Fleet(a) => &a.protocol.out,
+        Scenario::HugeRegain(a) => &a.protocol.out,
         Scenario::All(a) => &a.out,
     };
     prepare_out(out).with_context(|| format!("--out {}", out.display()))?;
@@ -320,6 +338,20 @@ pub fn run(args: Args) -> Result<()> {
             emit(&run_fleet(&cfg).context("lab fleet")?, &a.protocol.out)
         }
         Scenario::Populate(a) => populate(a),
+        Scenario::HugeRegain(a) => {
+            let d = HugeRegainLabConfig::default();
+            let cfg = HugeRegainLabConfig {
+                size: a.size,
+                reads: a.reads,
+                protocol: a.protocol.protocol(d.protocol),
+                command: command_line(),
+                ..d
+            };
+            emit(
+                &run_huge_regain(&cfg).context("lab huge-regain")?,
+                &a.protocol.out,
+            )
+        }
         Scenario::Guards(a) => {
             let d = GuardsLabConfig::default();
             let cfg = GuardsLabConfig {

@@ -9,6 +9,7 @@ use std::time::Instant;
 use crate::faults::{run_faults, FaultsLabConfig};
 use crate::fleet::{run_fleet, FleetLabConfig};
 use crate::guards::{run_guards, GuardsLabConfig};
+use crate::huge_regain::{run_huge_regain, HugeRegainLabConfig};
 use crate::populate::{run_populate, LayoutKind, PopulateLabConfig};
 use crate::report::{run_line, write_run, LabReport, LabResult};
 use crate::restore::{run_restore, RestoreLabConfig};
@@ -57,7 +58,7 @@ type Step = (
 );
 
 /// The scenarios, in the order they run.
-const STEPS: [Step; 7] = [
+const STEPS: [Step; 8] = [
     ("populate", populate),
     ("guards", guards),
     ("faults", faults),
@@ -65,6 +66,7 @@ const STEPS: [Step; 7] = [
     ("restore", restore),
     ("vm-restore", vm_restore),
     ("fleet", fleet),
+    ("huge-regain", huge_regain),
 ];
 
 /// One round, no warm-up: the quick profile's protocol.
@@ -180,6 +182,19 @@ fn fleet(base: &Path, cmd: &str, p: Profile) -> Result<(PathBuf, String), LabErr
         ..d
     };
     written(run_fleet(&cfg)?, base)
+}
+
+fn huge_regain(base: &Path, cmd: &str, p: Profile) -> Result<(PathBuf, String), LabError> {
+    let d = HugeRegainLabConfig::default();
+    let q = p == Profile::Quick;
+    let cfg = HugeRegainLabConfig {
+        size: if q { 16 << 20 } else { d.size },
+        reads: if q { 1 << 16 } else { d.reads },
+        protocol: if q { ONE_ROUND } else { d.protocol },
+        command: cmd.into(),
+        ..d
+    };
+    written(run_huge_regain(&cfg)?, base)
 }
 
 /// The index's head: the command, commit, kernel and CPU, and what the profile means.

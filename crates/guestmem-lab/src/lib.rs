@@ -10,6 +10,8 @@
 //!   a shared binary search (guestmem's snapshot, vm-memory's `find_region`).
 //! - [`restore`], [`vm_restore`]: snapshot restores (page servers beside a Firecracker-style
 //!   one, mapped and eager; a KVM guest restored every way until it verified every page).
+//! - [`huge_regain`]: a restored map on 4 KiB pages against the same map collapsed back to
+//!   the transparent huge pages it was saved with: a random-access pass over each.
 //! - [`fleet`]: many VMs restored at once from one snapshot: one guestmem fleet, a page
 //!   server per VM, Firecracker's example handler per VM.
 //! - [`vm`]: the guest side of `guestmem vm`: a hand-assembled guest on KVM over guestmem's
@@ -31,6 +33,7 @@ pub mod faults;
 pub mod fc_standin;
 pub mod fleet;
 pub mod guards;
+pub mod huge_regain;
 pub mod peer;
 pub mod peer_ch;
 pub mod peer_qemu;

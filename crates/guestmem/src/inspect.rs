@@ -393,8 +393,8 @@ fn mappings_from(vmas: &[Vma], min_bytes: u64) -> Vec<MappingUsage> {
 /// map (smaps `AnonHugePages` of the VMAs that lie inside a range).
 pub(crate) fn anon_huge_in(pid: u32, ranges: &[(u64, u64)]) -> Result<u64, InspectError> {
     let path = format!("/proc/{pid}/smaps");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|source| InspectError::ReadPath { path, source })?;
+    let text =
+        std::fs::read_to_string(&path).map_err(|source| InspectError::ReadPath { path, source })?;
     Ok(parse_smaps(&text)
         .iter()
         .filter(|v| {

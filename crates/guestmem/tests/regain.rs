@@ -19,16 +19,25 @@ const SIZE: u64 = 64 * MIB;
 
 /// Why THP or MADV_COLLAPSE cannot be tried here, if they cannot.
 fn missing() -> Option<String> {
-    let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-        .unwrap_or_default();
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
     if thp.is_empty() || thp.contains("[never]") {
-        return Some(format!("transparent huge pages are off here ({:?})", thp.trim()));
+        return Some(format!(
+            "transparent huge pages are off here ({:?})",
+            thp.trim()
+        ));
     }
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let mut v = release.trim().split(['.', '-']).map(|p| p.parse::<u32>().unwrap_or(0));
+    let mut v = release
+        .trim()
+        .split(['.', '-'])
+        .map(|p| p.parse::<u32>().unwrap_or(0));
     let (major, minor) = (v.next().unwrap_or(0), v.next().unwrap_or(0));
     if (major, minor) < (6, 1) {
-        return Some(format!("MADV_COLLAPSE needs Linux 6.1, this is {}", release.trim()));
+        return Some(format!(
+            "MADV_COLLAPSE needs Linux 6.1, this is {}",
+            release.trim()
+        ));
     }
     None
 }
@@ -55,10 +64,14 @@ fn saved_thp_map(dir: &Scratch) -> (PathBuf, u64) {
     let map = GuestMap::from_specs(&[RegionSpec::new(GuestAddress(0), SIZE)]).unwrap();
     let view = map.view();
     for p in 0..SIZE / 4096 {
-        view.write_obj(word(p * 4096), GuestAddress(p * 4096)).unwrap();
+        view.write_obj(word(p * 4096), GuestAddress(p * 4096))
+            .unwrap();
     }
     let huge = inspect(&view).unwrap()[0].huge;
-    assert!(huge >= SIZE / 2, "the saved map ran on huge pages: {huge:#x}");
+    assert!(
+        huge >= SIZE / 2,
+        "the saved map ran on huge pages: {huge:#x}"
+    );
     let snap = dir.join("snap");
     snapshot::save(&view, &snap, &SaveConfig::default()).unwrap();
     let recorded = Image::open(&snap).unwrap().regions()[0].huge_bytes;
@@ -102,11 +115,21 @@ fn a_lazy_and_an_eager_restore_get_back_the_huge_pages_the_saved_map_had() {
         if let Some(l) = &r.lazy {
             l.wait_complete().unwrap();
         }
-        let rep = r.regain.as_ref().expect("the saved map had huge pages").wait();
+        let rep = r
+            .regain
+            .as_ref()
+            .expect("the saved map had huge pages")
+            .wait();
         eprintln!("{mode:?}: {rep:?}");
         assert_eq!(rep.saved_huge_bytes, Some(saved), "{mode:?}: {rep:?}");
-        assert!(rep.huge_before < saved, "{mode:?}: restored on 4 KiB pages: {rep:?}");
-        assert!(rep.huge_after >= saved, "{mode:?}: back at the saved level: {rep:?}");
+        assert!(
+            rep.huge_before < saved,
+            "{mode:?}: restored on 4 KiB pages: {rep:?}"
+        );
+        assert!(
+            rep.huge_after >= saved,
+            "{mode:?}: back at the saved level: {rep:?}"
+        );
         assert_eq!((rep.failed, rep.stopped), (0, false), "{mode:?}: {rep:?}");
         let now = inspect(&r.map.view()).unwrap()[0].huge;
         assert!(now >= saved, "{mode:?}: smaps says {now:#x}");

@@ -282,11 +282,10 @@ impl Job {
                     Ok(_) => return Chunk::NotPresent,
                     Err(e) => return Chunk::Failed(format!("read /proc/self/pagemap: {e}")),
                 }
-                match r.mapping().advise(
-                    offset,
-                    THP_BYTES as usize,
-                    crate::mmap::Advice::Collapse,
-                ) {
+                match r
+                    .mapping()
+                    .advise(offset, THP_BYTES as usize, crate::mmap::Advice::Collapse)
+                {
                     Ok(()) => Chunk::Collapsed,
                     Err(e) => Chunk::Failed(e.to_string()),
                 }

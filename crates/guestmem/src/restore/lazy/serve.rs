@@ -326,11 +326,7 @@ impl Lazy {
                         let _g = self.wait.lock().unwrap_or_else(|e| e.into_inner());
                         self.cv.notify_all();
                     }
-                    let job = self
-                        .regain
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .take();
+                    let job = self.regain.lock().unwrap_or_else(|e| e.into_inner()).take();
                     if let Some(job) = job {
                         job.queue();
                     }
