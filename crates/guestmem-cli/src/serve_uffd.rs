@@ -65,8 +65,10 @@ pub struct Args {
     /// --socket when given.
     #[arg(long)]
     prefetch: Vec<PathBuf>,
-    /// Threads prefetching [default: the CPUs with --prefetch, else 0: faults alone bring
-    /// memory in]. Without --prefetch, a non-zero count prefetches in address order.
+    /// Threads prefetching each VM's memory from the moment its handshake arrives, below its
+    /// faults in priority, reading ahead of its latest fault first [default: the CPUs with
+    /// --prefetch, else 1]. Without --prefetch, in address order. 0: faults alone bring
+    /// memory in (a VM that never touches a page never gets it).
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1024))]
     prefetch_threads: Option<u32>,
     /// Write the blocks the VM faulted, in order, here when the VM goes away (with --once).
@@ -301,7 +303,7 @@ fn serve_config(a: &Args) -> ServeConfig {
         handler_threads: a.threads.map_or(cpus, |t| t as usize),
         prefetch_threads: a
             .prefetch_threads
-            .map_or(if a.prefetch.is_empty() { 0 } else { cpus }, |t| t as usize),
+            .map_or(if a.prefetch.is_empty() { 1 } else { cpus }, |t| t as usize),
         first: Vec::new(),
         block_bytes: a.block,
         on_failure: match a.on_failure {

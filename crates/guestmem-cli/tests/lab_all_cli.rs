@@ -95,6 +95,7 @@ fn lab_all_quick_runs_every_scenario_into_one_folder() {
         "restore",
         "vm-restore",
         "fleet",
+        "huge-regain",
     ] {
         match runs
             .iter()
@@ -121,6 +122,6 @@ fn lab_all_quick_runs_every_scenario_into_one_folder() {
         .write(true)
         .open("/dev/kvm")
         .is_ok();
-    assert_eq!(runs.len(), if kvm { 7 } else { 6 }, "{index}");
+    assert_eq!(runs.len(), if kvm { 8 } else { 7 }, "{index}");
     let _ = std::fs::remove_dir_all(&out);
 }

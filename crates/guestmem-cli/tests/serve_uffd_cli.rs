@@ -198,7 +198,15 @@ fn serves_firecrackers_handshake_to_several_threads_with_balloon_removes() {
     let srv = server(
         &socket,
         &mem,
-        &["--threads", "2", "--record", record.to_str().unwrap()],
+        // Faults alone: the record is of what the VM touched.
+        &[
+            "--threads",
+            "2",
+            "--prefetch-threads",
+            "0",
+            "--record",
+            record.to_str().unwrap(),
+        ],
     );
     let mut vm = Standin::new(&sizes, true).unwrap();
     vm.connect(&socket).unwrap();
@@ -276,7 +284,12 @@ fn a_disconnect_mid_run_ends_the_server_cleanly() {
     let d = dir("disconnect");
     let mem = mem_file(&d, 64 * MIB, None);
     let socket = d.join("uffd.sock");
-    let srv = server(&socket, &mem, &["--threads", "1"]);
+    // Faults alone: what is in when the VM goes is what it read.
+    let srv = server(
+        &socket,
+        &mem,
+        &["--threads", "1", "--prefetch-threads", "0"],
+    );
     let mut vm = Standin::new(&[64 * MIB], false).unwrap();
     vm.connect(&socket).unwrap();
     // Read a quarter, then the VM goes away while most of its memory is still out.
@@ -495,7 +508,12 @@ fn a_vm_that_cannot_be_served_is_killed_through_its_pidfd() {
     // Serving fails mid-run: the file is cut short after the handshake was accepted.
     let cut = d.join("cut");
     std::fs::copy(&mem, &cut).unwrap();
-    let srv = server(&socket, &cut, &["--threads", "1"]);
+    // No prefetch: the file must still be needed when it is cut.
+    let srv = server(
+        &socket,
+        &cut,
+        &["--threads", "1", "--prefetch-threads", "0"],
+    );
     let mut vm = vm_child(&socket, 4 * MIB, 0, ChildDoes::Handshake, &go);
     let t = Instant::now();
     // Wait for the server to have started serving (it says so once the handshake is in).
@@ -693,7 +711,16 @@ fn record_is_checked_before_listening_and_written_whole() {
     }
     assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
     let record = d.join("ws.json");
-    let srv = server(&socket, &mem, &["--record", record.to_str().unwrap()]);
+    let srv = server(
+        &socket,
+        &mem,
+        &[
+            "--prefetch-threads",
+            "0",
+            "--record",
+            record.to_str().unwrap(),
+        ],
+    );
     let mut vm = Standin::new(&[4 * MIB], false).unwrap();
     vm.connect(&socket).unwrap();
     vm.read_all(1);
@@ -1020,9 +1047,12 @@ fn a_kill_9_of_the_server_loses_no_vm_and_no_page() {
     let mem = mem_file(&d, SIZE, Some(9 * MIB));
     let socket = d.join("uffd.sock");
     let state = d.join("state");
+    // Faults alone, so that most of the memory is still to serve across the restart.
     let args = [
         "--threads",
         "2",
+        "--prefetch-threads",
+        "0",
         "--on-failure",
         "leave",
         "--state-dir",
@@ -1044,14 +1074,15 @@ fn a_kill_9_of_the_server_loses_no_vm_and_no_page() {
     };
     // Both sessions are recorded before the VMs run.
     let t = Instant::now();
+    // (The socket is bound before the state directory is made: it may not be there yet.)
     let records = || {
-        std::fs::read_dir(&state)
-            .unwrap()
-            .filter(|e| {
+        std::fs::read_dir(&state).map_or(0, |d| {
+            d.filter(|e| {
                 let name = e.as_ref().unwrap().file_name();
                 name.to_str().unwrap().starts_with("session-")
             })
             .count()
+        })
     };
     while records() < 2 {
         assert!(t.elapsed() < Duration::from_secs(10), "no session records");
@@ -1231,6 +1262,9 @@ fn status_metrics_and_drain_over_the_control_socket() {
             &addr,
             "--on-failure",
             "leave",
+            // Faults alone: the counts below are the VM's.
+            "--prefetch-threads",
+            "0",
         ],
     );
     let t = Instant::now();
@@ -1378,11 +1412,14 @@ fn a_fleet_hands_its_sockets_and_vms_to_a_new_server_without_downtime() {
     let state = d.join("state");
     // Both servers keep records: the VMs handed over must not be taken back a second time
     // from the records the old server left.
+    // Faults alone, so that half the memory is still to serve after the hand-off.
     let args = [
         "--control",
         control.to_str().unwrap(),
         "--on-failure",
         "leave",
+        "--prefetch-threads",
+        "0",
         "--state-dir",
         state.to_str().unwrap(),
     ];
@@ -1588,6 +1625,53 @@ fn a_fleet_serves_a_balloons_removes_as_zero_pages() {
     assert!(out.contains("closed its socket"), "{out}");
 }
 
+/// The fleet prefetches every VM from its handshake on, on its one pool of threads (not a
+/// thread per VM): memory no vCPU touched comes in.
+#[test]
+fn a_fleet_prefetches_every_vm_on_its_pool_from_the_handshake() {
+    need_uffd!();
+    const SIZE: usize = 8 * MIB;
+    let d = dir("fleet-prefetch");
+    let mem = mem_file(&d, SIZE, Some(3 * MIB));
+    let socket = d.join("uffd.sock");
+    let srv = fleet(
+        &[(&socket, &mem)],
+        &["--threads", "1", "--on-failure", "leave"],
+    );
+    let mut vms: Vec<Standin> = (0..4)
+        .map(|_| Standin::new(&[SIZE], false).unwrap())
+        .collect();
+    for vm in &mut vms {
+        vm.connect(&socket).unwrap();
+    }
+    // Nothing is read; every page comes in anyway (the hole's as the shared zero page,
+    // which Rss does not count).
+    let t = Instant::now();
+    for vm in &vms {
+        while vm.resident().unwrap() < (SIZE - MIB) as u64 {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "not prefetched: {} of {SIZE} bytes in",
+                vm.resident().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let threads = threads_of(srv.id());
+    for vm in &mut vms {
+        assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
+        vm.disconnect();
+    }
+    let (code, out, err, _) = terminate(srv);
+    assert_eq!(code, 0, "{err}");
+    // Main, one pool thread, the huge-page collapser, a handshake thread or two at most.
+    assert!(
+        threads < 4 + 2,
+        "{threads} threads for 4 VMs: a prefetch thread each?"
+    );
+    assert_eq!(out.matches(", 0 faults,").count(), 4, "{out}");
+}
+
 /// Once a VM's memory is all in, the server collapses it to huge pages in the VM's process
 /// (process_madvise through its pidfd); `--regain-huge-pages off` leaves it on 4 KiB pages.
 #[test]
@@ -1646,7 +1730,12 @@ fn two_mib_guests_are_served_a_huge_page_per_fault_and_bad_ones_refused_by_field
     let d = dir("huge");
     let mem = mem_file(&d, SIZE, Some(6 * MIB));
     let socket = d.join("uffd.sock");
-    let srv = server(&socket, &mem, &["--threads", "2", "--json"]);
+    // Faults alone: one per 2 MiB page touched.
+    let srv = server(
+        &socket,
+        &mem,
+        &["--threads", "2", "--prefetch-threads", "0", "--json"],
+    );
     let mut vm = Standin::huge(&[SIZE], guestmem::HugePageSize::Size2M).unwrap();
     assert_eq!(vm.wire_regions()[0].page_size, 2 * MIB);
     vm.connect(&socket).unwrap();

@@ -222,18 +222,25 @@ impl Standin {
         word_at(&self.ranges(), at)
     }
 
-    /// Bytes of guest memory transparent huge pages map now (smaps `AnonHugePages`).
-    pub fn anon_huge(&self) -> Result<u64, guestmem::inspect::InspectError> {
-        let ranges: Vec<guestmem::inspect::HostRange> = self
-            .ranges()
+    /// Bytes of guest memory resident now (smaps `Rss`).
+    pub fn resident(&self) -> Result<u64, guestmem::inspect::InspectError> {
+        Ok(guestmem::inspect::inspect_host_ranges(&self.host_ranges())?.resident)
+    }
+
+    fn host_ranges(&self) -> Vec<guestmem::inspect::HostRange> {
+        self.ranges()
             .into_iter()
             .map(|(start, len)| guestmem::inspect::HostRange {
                 start: start as u64,
                 len: len as u64,
                 huge_align: 2 << 20,
             })
-            .collect();
-        Ok(guestmem::inspect::inspect_host_ranges(&ranges)?.huge)
+            .collect()
+    }
+
+    /// Bytes of guest memory transparent huge pages map now (smaps `AnonHugePages`).
+    pub fn anon_huge(&self) -> Result<u64, guestmem::inspect::InspectError> {
+        Ok(guestmem::inspect::inspect_host_ranges(&self.host_ranges())?.huge)
     }
 
     /// Compares all of guest memory with `memory_file`; the first difference, if any, is

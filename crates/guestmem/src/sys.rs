@@ -126,6 +126,18 @@ pub fn eventfd_signal(fd: BorrowedFd<'_>) -> io::Result<()> {
     }
 }
 
+/// Reads (and so clears) an eventfd's count; `WouldBlock` when it was not signalled.
+pub fn eventfd_read(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    let mut buf = [0u8; 8];
+    // SAFETY: reads at most 8 bytes into a live buffer from a descriptor we borrow.
+    let ret = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, 8) };
+    if ret == 8 {
+        Ok(u64::from_ne_bytes(buf))
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Punches a hole over `offset..offset+len` of `fd`, freeing its pages.
 pub fn punch_hole(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
     let off =

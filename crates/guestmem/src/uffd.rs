@@ -245,18 +245,34 @@ impl Uffd {
         src: &[u8],
         on_busy: &dyn Fn(),
     ) -> io::Result<usize> {
-        let r = target.uffd_range(offset, src.len())?;
+        // SAFETY: `src` is live memory of its length, borrowed for the call.
+        unsafe { self.copy_from(target, offset, (src.as_ptr(), src.len()), on_busy) }
+    }
+
+    /// As [`Uffd::copy`], from `len` bytes at `src`, which only the kernel reads.
+    ///
+    /// # Safety
+    /// `src..src + len` must stay mapped for the call. (A page of it the kernel cannot read,
+    /// a file mapping's page past a shrunk file's end, fails the copy with `EFAULT`.)
+    pub(crate) unsafe fn copy_from(
+        &self,
+        target: &dyn Target,
+        offset: usize,
+        (src, len): (*const u8, usize),
+        on_busy: &dyn Fn(),
+    ) -> io::Result<usize> {
+        let r = target.uffd_range(offset, len)?;
         let mut done = 0usize;
-        while done < src.len() {
+        while done < len {
             let mut c = uapi::uffdio_copy {
                 dst: r.start + done as u64,
-                src: src[done..].as_ptr() as u64,
-                len: (src.len() - done) as u64,
+                src: src as u64 + done as u64,
+                len: (len - done) as u64,
                 mode: 0,
                 copy: 0,
             };
             // SAFETY: a uffdio_copy for UFFDIO_COPY: `dst` lies in the target (checked above),
-            // `src` is the rest of `src`, live and borrowed for the call.
+            // `src` is the rest of the source, mapped for the call (the caller's contract).
             match unsafe { ioctl(&self.fd, nr::UFFDIO_COPY, &mut c) } {
                 Ok(()) => done += c.copy as usize,
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {

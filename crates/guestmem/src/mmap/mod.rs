@@ -404,6 +404,47 @@ impl Mapping {
         })
     }
 
+    /// A read-only shared mapping of the first `len` bytes of the file `fd`, wherever the
+    /// kernel puts it: a source for the kernel to copy from (`UFFDIO_COPY`), straight from
+    /// the page cache.
+    ///
+    /// # Safety
+    /// No CPU access may read it (neither through [`Mapping::slice`] nor its pointer): a
+    /// file that shrinks under it turns a read past its new end into `SIGBUS`, where the
+    /// kernel's own copy fails with `EFAULT`. (It is never writable.)
+    pub(crate) unsafe fn file_source(
+        fd: std::os::fd::BorrowedFd<'_>,
+        len: usize,
+    ) -> Result<Mapping, MmapError> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh shared read-only mapping at an address the kernel chooses (no
+        // MAP_FIXED) aliases nothing of this process; checked against MAP_FAILED below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(MmapError::Sys {
+                op: "mmap(PROT_READ, MAP_SHARED) of the memory file",
+                addr: 0,
+                len,
+                source: io::Error::last_os_error(),
+            });
+        }
+        let addr = p as usize;
+        Ok(Mapping {
+            owned: (addr, len),
+            addr,
+            len,
+        })
+    }
+
     /// A private anonymous mapping of `len` bytes of hugetlb pages of `size` (as Firecracker
     /// maps a `huge_pages` guest), wherever the kernel puts it; `len` must be a whole number
     /// of pages, and the pool must have them free when they are touched (else `SIGBUS`).

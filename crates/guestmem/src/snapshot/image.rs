@@ -96,6 +96,9 @@ struct Inner {
     total_blocks: u64,
     /// Whether blocks carry checksums to check (a raw memory file has none).
     checked: bool,
+    /// A raw image's memory file mapped read-only, for the kernel to copy blocks from
+    /// straight out of the page cache (never read by a CPU: see [`Mapping::file_source`]).
+    source: Option<crate::mmap::Mapping>,
 }
 
 impl Layer {
@@ -223,6 +226,7 @@ impl Image {
                 plan,
                 total_blocks,
                 checked: true,
+                source: None,
             }),
         })
     }
@@ -283,6 +287,16 @@ impl Image {
                 huge_bytes: 0,
             });
         }
+        // The file's length now; the caller checked it holds every region. If it shrinks
+        // later, the kernel's copies from past its end fail (EFAULT), never read zeros.
+        let source = match file.metadata().map(|m| m.len()) {
+            Ok(len) if len > 0 => usize::try_from(len).ok().and_then(|len| {
+                // SAFETY: the mapping is only ever a UFFDIO_COPY source (mapped_block),
+                // never read by a CPU.
+                unsafe { crate::mmap::Mapping::file_source(file.as_fd(), len) }.ok()
+            }),
+            _ => None,
+        };
         let manifest = Manifest {
             format: super::FORMAT.into(),
             version: super::VERSION,
@@ -309,6 +323,7 @@ impl Image {
                 plan,
                 total_blocks: first_block,
                 checked: false,
+                source,
             }),
         })
     }
@@ -316,6 +331,33 @@ impl Image {
     /// The regions, in guest-address order.
     pub fn regions(&self) -> &[ImageRegion] {
         &self.inner.regions
+    }
+
+    /// For a raw image (a Firecracker memory file), where `block`'s bytes lie in a read-only
+    /// mapping of the file, for the kernel to copy from (one copy, page cache to guest,
+    /// instead of a read into a buffer and a copy from it), once the kernel has been asked to
+    /// read them ahead (`POSIX_FADV_WILLNEED`: a cold cache is read a block at a time, not a
+    /// page per fault). `None` for a checked image, whose blocks must be read and hashed.
+    pub(crate) fn mapped_block(&self, block: u64) -> Option<(*const u8, usize)> {
+        let source = self.inner.source.as_ref()?;
+        let (ri, offset, len) = self.block_span(block);
+        let at = self.inner.regions[ri].file_offset + offset;
+        if at + len > source.len() as u64 {
+            return None;
+        }
+        // SAFETY: advice only; it reads nothing into this process.
+        unsafe {
+            libc::posix_fadvise(
+                self.inner.layers[0].file.as_raw_fd(),
+                at as libc::off_t,
+                len as libc::off_t,
+                libc::POSIX_FADV_WILLNEED,
+            )
+        };
+        Some((
+            source.as_ptr().wrapping_add(at as usize) as *const u8,
+            len as usize,
+        ))
     }
 
     /// Block size in bytes.

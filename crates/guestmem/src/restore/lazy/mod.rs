@@ -175,6 +175,15 @@ struct Lazy {
     latency: ClassHistograms,
     /// When the first fault was read.
     first_fault: OnceLock<Instant>,
+    /// The block after the latest fault's (`u64::MAX` before the first): where the guest
+    /// reads next if it reads in a stream.
+    fault_next: AtomicU64,
+    /// The next block the prefetch follows the guest's stream with (see `Lazy::follow`).
+    ahead: AtomicU64,
+    /// For a restore whose faults a pool serves: the order its prefetch goes in, a step at a
+    /// time on the pool's threads (see `Lazy::prefetch_step`), and how far it has got.
+    order: OnceLock<Vec<u64>>,
+    cursor: AtomicU64,
     /// The huge-page collapse to queue once every block is in.
     regain: Mutex<Option<regain::Job>>,
 }
@@ -378,6 +387,10 @@ impl LazyRestore {
             resumed: target == Target::Resumed,
             latency: ClassHistograms::default(),
             first_fault: OnceLock::new(),
+            fault_next: AtomicU64::new(u64::MAX),
+            ahead: AtomicU64::new(u64::MAX),
+            order: OnceLock::new(),
+            cursor: AtomicU64::new(0),
             regain: Mutex::new(None),
         });
         let mut this = LazyRestore {
@@ -400,7 +413,12 @@ impl LazyRestore {
             }
             if let Some(first) = first {
                 this.prefetched_working_set = first.len();
-                this.start_prefetch(first)?;
+                if threads.0 == Handlers::Pool {
+                    // No thread of its own: the pool prefetches between faults.
+                    let _ = lazy.order.set(lazy.plan(&first));
+                } else {
+                    this.start_prefetch(first)?;
+                }
             }
             Ok(())
         })();

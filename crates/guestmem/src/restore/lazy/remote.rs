@@ -53,6 +53,17 @@ impl Pooled {
         self.0.report(self.1)
     }
 
+    /// Whether the pool prefetches it, a step at a time between faults.
+    pub(crate) fn wants_prefetch(&self) -> bool {
+        self.0.order.get().is_some()
+    }
+
+    /// One step of its prefetch (one block, following the guest's latest fault first);
+    /// false when nothing is left to bring in.
+    pub(crate) fn prefetch_step(&self) -> bool {
+        self.0.prefetch_step()
+    }
+
     /// Whether it has failed, lost its peer or been stopped: nothing more to serve.
     pub(crate) fn over(&self) -> bool {
         self.0.failed.load(Ordering::Acquire) || self.0.cancel.load(Ordering::Acquire)

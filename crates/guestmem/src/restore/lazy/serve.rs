@@ -57,7 +57,21 @@ impl BlockAt<'_> {
             source,
         }
     }
+
+    /// A page of a block nobody had filled was there already, `copied` bytes in: something
+    /// else wrote this memory behind the restore's back.
+    fn present_before(&self, copied: usize) -> SnapshotError {
+        SnapshotError::Memory {
+            region: self.lr.name,
+            guest_addr: self.lr.name + (self.off + copied) as u64,
+            op: "UFFDIO_COPY (a page was present before its block was restored)",
+            source: std::io::Error::from_raw_os_error(libc::EEXIST),
+        }
+    }
 }
+
+/// How far past the guest's latest fault the prefetch reads ahead (see `Lazy::follow`).
+const FOLLOW_BYTES: u64 = 32 << 20;
 
 impl Lazy {
     /// A handler thread: read faults, serve them, until told to stop.
@@ -158,6 +172,28 @@ impl Lazy {
         }
     }
 
+    /// A fault on a block already in: the message raced the block's install, or the owner
+    /// dropped the page since. Maps the page (a zero page for private memory, the page
+    /// cache's for shared) if it is missing, and wakes the thread either way.
+    fn late(&self, lr: &LRegion, off: u64) {
+        self.counters.late.fetch_add(1, Ordering::Relaxed);
+        let page = lr.page as usize;
+        let at = off as usize / page * page;
+        let t = lr.target();
+        let _ = match lr.alias() {
+            None => self.zero_pages(lr, at, page),
+            Some(_) => self.uffd.continue_range(t, at, page, page).or_else(|_| {
+                let fo = lr
+                    .region()
+                    .and_then(|r| r.file_offset())
+                    .expect("a shared region has its file");
+                crate::sys::fallocate(fo.file().as_fd(), fo.start() + at as u64, page as u64)
+                    .and_then(|()| self.uffd.continue_range(t, at, page, page))
+            }),
+        };
+        let _ = self.uffd.wake(t, at, page);
+    }
+
     fn locate(&self, addr: u64) -> Option<(usize, u64)> {
         let i = self.by_host.partition_point(|&(s, _, _)| s <= addr);
         let &(s, e, ri) = self.by_host.get(i.checked_sub(1)?)?;
@@ -174,6 +210,9 @@ impl Lazy {
         };
         let lr = &self.regions[ri];
         let block = lr.first_block + off / self.image.block_bytes();
+        // The prefetch follows from here while this fault is served.
+        self.fault_next.store(block + 1, Ordering::Release);
+        self.ahead.store(block + 1, Ordering::Release);
         match self.claim(block) {
             Ok(()) => {
                 self.recorded
@@ -192,30 +231,19 @@ impl Lazy {
                 // (MADV_DONTNEED, a balloon): private memory then reads as zero, shared
                 // memory as its page cache holds it. Either way the page is mapped (or is
                 // already) and the thread woken.
-                self.counters.late.fetch_add(1, Ordering::Relaxed);
-                let page = lr.page as usize;
-                let at = off as usize / page * page;
-                let t = lr.target();
-                let _ = match lr.alias() {
-                    None => self.zero_pages(lr, at, page),
-                    Some(_) => self.uffd.continue_range(t, at, page, page).or_else(|_| {
-                        let fo = lr
-                            .region()
-                            .and_then(|r| r.file_offset())
-                            .expect("a shared region has its file");
-                        crate::sys::fallocate(
-                            fo.file().as_fd(),
-                            fo.start() + at as u64,
-                            page as u64,
-                        )
-                        .and_then(|()| self.uffd.continue_range(t, at, page, page))
-                    }),
-                };
-                let _ = self.uffd.wake(t, at, page);
+                self.late(lr, off);
                 FaultClass::Present
             }
             Err(BUSY) => {
-                self.counters.busy.fetch_add(1, Ordering::Relaxed);
+                self.counters.busy.fetch_add(1, Ordering::SeqCst);
+                // The block may have landed since the claim failed, its fill's wakes all
+                // done before this fault was raised (a page the peer removed after it was
+                // copied): then it is served as late. Else its filler wakes the block once
+                // in (see `serve`: one of the two sees the other).
+                if self.state[block as usize].load(Ordering::SeqCst) == DONE {
+                    self.late(lr, off);
+                    return FaultClass::Present;
+                }
                 FaultClass::InFlight
             }
             Err(_) => FaultClass::Error,
@@ -316,9 +344,18 @@ impl Lazy {
     /// Fills a claimed block and marks it done, or fails the restore. Whether it was a zero
     /// block, or `None` when it could not be filled.
     fn serve(&self, block: u64) -> Option<bool> {
+        let busy = self.counters.busy.load(Ordering::SeqCst);
         match self.fill(block) {
             Ok(()) => {
-                self.state[block as usize].store(DONE, Ordering::Release);
+                self.state[block as usize].store(DONE, Ordering::SeqCst);
+                if self.counters.busy.load(Ordering::SeqCst) != busy {
+                    // A thread faulted on this block while it was filled, perhaps on a page
+                    // the fill had copied and woken already and the peer removed since: wake
+                    // the block, and it faults again (to a late zero page) or reads on.
+                    let (ri, offset, len) = self.image.block_span(block);
+                    let lr = &self.regions[ri];
+                    let _ = self.uffd.wake(lr.target(), offset as usize, len as usize);
+                }
                 let n = self.done.fetch_add(1, Ordering::AcqRel) + 1;
                 if n == self.total {
                     let _ = self.complete_at.set(Instant::now());
@@ -436,6 +473,23 @@ impl Lazy {
             self.counters.zero.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
+        if !self.resumed && !self.any_removed(lr, off, n) {
+            if let Some(src) = self.image.mapped_block(block) {
+                // SAFETY: the image keeps its source mapping for as long as it lives, and
+                // `self` holds the image.
+                let copied =
+                    unsafe { self.uffd.copy_from(lr.target(), off, src, &|| self.drain()) }
+                        .map_err(|e| match e.raw_os_error() {
+                            Some(libc::EFAULT) => self.image.mapped_copy_error(block, e),
+                            _ => at.mem_err("UFFDIO_COPY")(e),
+                        })?;
+                if copied < n {
+                    return Err(at.present_before(copied));
+                }
+                self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                return Ok(());
+            }
+        }
         let scratch = SCRATCH.take();
         // Sized once per thread by the largest block the image holds (a block is cut at its
         // region's end), capped by the manifest's block-size limits.
@@ -463,14 +517,7 @@ impl Lazy {
                 .copy(lr.target(), off, src, &|| self.drain())
                 .map_err(at.mem_err("UFFDIO_COPY"))?;
             if copied < n {
-                // A page of a block nobody had filled was there already: something else wrote
-                // this memory behind the restore's back.
-                return Err(SnapshotError::Memory {
-                    region: lr.name,
-                    guest_addr: lr.name + (off + copied) as u64,
-                    op: "UFFDIO_COPY (a page was present before its block was restored)",
-                    source: std::io::Error::from_raw_os_error(libc::EEXIST),
-                });
+                return Err(at.present_before(copied));
             }
             Ok(())
         })?;
@@ -505,6 +552,16 @@ impl Lazy {
             .continue_range(lr.target(), off, n, lr.page as usize)
             .map_err(at.mem_err("UFFDIO_CONTINUE"))?;
         Ok(())
+    }
+
+    /// Whether the peer has removed a page of `off..off + n` of `lr`.
+    fn any_removed(&self, lr: &LRegion, off: usize, n: usize) -> bool {
+        if lr.removed.is_empty() {
+            return false;
+        }
+        let page = lr.page as usize;
+        (off / page..(off + n).div_ceil(page))
+            .any(|p| lr.removed[p / 64].load(Ordering::Acquire) >> (p % 64) & 1 != 0)
     }
 
     /// Zeroes, in a block's staging copy (`off..off + n` of `lr`), the pages the peer has
@@ -565,20 +622,11 @@ impl Lazy {
 
     /// Prefetches `first` (runs of it, in its order), then every other block.
     pub(super) fn prefetch(&self, first: &[u64], threads: usize) {
-        let mut seen = vec![false; self.total as usize];
-        let mut ranges = Vec::new();
-        let push = |ranges: &mut Vec<JobRange>, b: u64| match ranges.last_mut() {
-            Some(r) if r.start + r.len == b => r.len += 1,
-            _ => ranges.push(JobRange::new(b, 1)),
-        };
-        for &b in first {
-            if b < self.total && !std::mem::replace(&mut seen[b as usize], true) {
-                push(&mut ranges, b);
-            }
-        }
-        for b in 0..self.total {
-            if !seen[b as usize] {
-                push(&mut ranges, b);
+        let mut ranges: Vec<JobRange> = Vec::new();
+        for b in self.plan(first) {
+            match ranges.last_mut() {
+                Some(r) if r.start + r.len == b => r.len += 1,
+                _ => ranges.push(JobRange::new(b, 1)),
             }
         }
         let job = Job::over(ranges)
@@ -590,6 +638,7 @@ impl Lazy {
                 if self.failed.load(Ordering::Acquire) || self.cancel.load(Ordering::Acquire) {
                     return Err(());
                 }
+                self.follow();
                 if self.claim(b).is_ok() {
                     self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
                     self.serve(b);
@@ -598,6 +647,88 @@ impl Lazy {
             }
             Ok(())
         });
+    }
+
+    /// Every block once: those of `first` (a recorded working set) in its order, then the
+    /// rest in address order.
+    pub(super) fn plan(&self, first: &[u64]) -> Vec<u64> {
+        let mut seen = vec![false; self.total as usize];
+        let mut order = Vec::with_capacity(self.total as usize);
+        for &b in first {
+            if b < self.total && !std::mem::replace(&mut seen[b as usize], true) {
+                order.push(b);
+            }
+        }
+        order.extend((0..self.total).filter(|&b| !seen[b as usize]));
+        order
+    }
+
+    /// One step of a pool's prefetch for this restore: a block just past the guest's latest
+    /// fault, else the next of its planned order not in yet. False once nothing is left to
+    /// bring in (or the restore is over).
+    pub(super) fn prefetch_step(&self) -> bool {
+        if self.failed.load(Ordering::Acquire) || self.cancel.load(Ordering::Acquire) {
+            return false;
+        }
+        if self.follow_one() {
+            return true;
+        }
+        let Some(order) = self.order.get() else {
+            return false;
+        };
+        loop {
+            let i = self.cursor.fetch_add(1, Ordering::AcqRel) as usize;
+            let Some(&b) = order.get(i) else {
+                return false;
+            };
+            if self.claim(b).is_ok() {
+                self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
+                self.serve(b);
+                self.serve_pending();
+                return true;
+            }
+        }
+    }
+
+    /// Read-ahead that follows the guest: brings in, in order, the blocks just past its
+    /// latest fault, up to [`FOLLOW_BYTES`] beyond it, before the planned order goes on. A
+    /// guest that reads its memory in a stream (a boot, a scan, a checksum) then finds its
+    /// next blocks in before it gets there, and faults once per window instead of once per
+    /// block; one that reads at random loses a window of prefetch order, no more.
+    fn follow(&self) {
+        while self.follow_one() {}
+    }
+
+    /// One block of [`Lazy::follow`]: true when one was brought in (or found in already)
+    /// and the stream may go on.
+    fn follow_one(&self) -> bool {
+        let window = (FOLLOW_BYTES / self.image.block_bytes()).max(1);
+        loop {
+            let h = self.ahead.load(Ordering::Acquire);
+            let limit = self
+                .fault_next
+                .load(Ordering::Acquire)
+                .saturating_add(window);
+            if h >= self.total || h >= limit {
+                return false;
+            }
+            if self
+                .ahead
+                .compare_exchange(h, h + 1, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                continue;
+            }
+            if self.failed.load(Ordering::Acquire) || self.cancel.load(Ordering::Acquire) {
+                return false;
+            }
+            if self.claim(h).is_ok() {
+                self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
+                self.serve(h);
+                self.serve_pending();
+                return true;
+            }
+        }
     }
 
     /// Poisons one block (see the module docs). Returns false when the kernel cannot.

@@ -8,8 +8,15 @@
 //! in parallel); re-arming puts the VM at the back of epoll's ready list, so a VM whose
 //! vCPUs storm gets one batch per turn and cannot starve the others. Idle means blocked:
 //! the threads wait in `epoll_wait` with no timeout; a stop eventfd wakes them all.
+//!
+//! The same threads prefetch, below the faults: while some VM still has blocks to bring in,
+//! a thread that finds no fault ready (`epoll_wait` with a zero timeout) brings in one block
+//! of the VM at the head of the prefetch queue (following that VM's latest fault first) and
+//! puts it at the back; so the VMs are prefetched in turn, a block each, and a fault waits
+//! for at most the block a thread is on. A kick eventfd wakes one thread when a VM that
+//! wants prefetch is added.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
@@ -19,6 +26,8 @@ use crate::restore::lazy::Pooled;
 
 /// The epoll token of the stop eventfd (session ids count up from 0 and never reach it).
 const STOP: u64 = u64::MAX;
+/// The epoll token of the kick eventfd: prefetch work came.
+const KICK: u64 = u64::MAX - 1;
 /// Readiness events one `epoll_wait` returns at most.
 const EVENTS_PER_WAIT: usize = 8;
 
@@ -26,7 +35,10 @@ const EVENTS_PER_WAIT: usize = 8;
 struct Shared {
     epoll: OwnedFd,
     stop: OwnedFd,
+    kick: OwnedFd,
     sessions: Mutex<HashMap<u64, Pooled>>,
+    /// Sessions with blocks left to prefetch, in turn.
+    prefetch: Mutex<VecDeque<u64>>,
 }
 
 /// Threads serving the faults of every VM added to it (see the module docs).
@@ -54,10 +66,21 @@ impl Pool {
             libc::EPOLLIN as u32,
             STOP,
         )?;
+        // One-shot: a kick wakes one thread, which re-arms it once it has read it.
+        let kick = crate::sys::eventfd()?;
+        ctl(
+            epoll.as_fd(),
+            libc::EPOLL_CTL_ADD,
+            kick.as_fd(),
+            armed(),
+            KICK,
+        )?;
         let shared = Arc::new(Shared {
             epoll,
             stop,
+            kick,
             sessions: Mutex::new(HashMap::new()),
+            prefetch: Mutex::new(VecDeque::new()),
         });
         let mut pool = Pool {
             shared,
@@ -97,6 +120,13 @@ impl Pool {
         );
         if r.is_err() {
             self.remove(id);
+        } else if p.wants_prefetch() {
+            self.shared
+                .prefetch
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push_back(id);
+            let _ = crate::sys::eventfd_signal(self.shared.kick.as_fd());
         }
         r
     }
@@ -155,21 +185,56 @@ fn ctl(
     }
 }
 
-/// A pool thread: wait, read a batch of a ready VM's messages, re-arm it, serve the batch.
+/// One prefetch step for the session at the head of the queue, which goes to the back if it
+/// has more to bring in. False when the queue is empty.
+fn prefetch_step(s: &Shared) -> bool {
+    let id = s
+        .prefetch
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .pop_front();
+    let Some(id) = id else { return false };
+    let p = s
+        .sessions
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&id)
+        .cloned();
+    // A session removed meanwhile drops out of the queue.
+    if p.is_some_and(|p| p.prefetch_step()) {
+        s.prefetch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(id);
+    }
+    true
+}
+
+/// A pool thread: wait, read a batch of a ready VM's messages, re-arm it, serve the batch;
+/// with no fault ready and prefetch to do, a prefetch step.
 fn serve_loop(s: &Shared) {
     let mut ready = [libc::epoll_event { events: 0, u64: 0 }; EVENTS_PER_WAIT];
     let mut batch = Vec::new();
     loop {
+        let prefetching = !s
+            .prefetch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty();
         // SAFETY: `ready` is a live array of EVENTS_PER_WAIT events the kernel writes into;
-        // no timeout (idle means blocked).
+        // no timeout (idle means blocked) unless prefetch work waits.
         let n = unsafe {
             libc::epoll_wait(
                 s.epoll.as_raw_fd(),
                 ready.as_mut_ptr(),
                 EVENTS_PER_WAIT as i32,
-                -1,
+                if prefetching { 0 } else { -1 },
             )
         };
+        if n == 0 {
+            prefetch_step(s);
+            continue;
+        }
         if n < 0 {
             if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
                 continue;
@@ -181,6 +246,17 @@ fn serve_loop(s: &Shared) {
             let (events, id) = (ev.events, ev.u64);
             if id == STOP {
                 return;
+            }
+            if id == KICK {
+                let _ = crate::sys::eventfd_read(s.kick.as_fd());
+                let _ = ctl(
+                    s.epoll.as_fd(),
+                    libc::EPOLL_CTL_MOD,
+                    s.kick.as_fd(),
+                    armed(),
+                    KICK,
+                );
+                continue;
             }
             let p = s
                 .sessions

@@ -125,6 +125,35 @@ impl Image {
     }
 }
 
+impl Image {
+    /// The error for a kernel copy out of [`Image::mapped_block`]'s mapping of `block` that
+    /// failed with `source` (`EFAULT`: a page past the file's end, the file having shrunk):
+    /// named as a short read of the file would be.
+    pub(crate) fn mapped_copy_error(&self, block: u64, source: std::io::Error) -> SnapshotError {
+        let (ri, offset, len) = self.block_span(block);
+        let region = &self.inner.regions[ri];
+        let layer = &self.inner.layers[0];
+        let at = region.file_offset + offset;
+        match file_len(&layer.file) {
+            Ok(file_len) if file_len < at + len => SnapshotError::Truncated {
+                region: region.guest_addr,
+                guest_addr: region.guest_addr + offset + file_len.saturating_sub(at),
+                path: layer.path.clone(),
+                offset: file_len.max(at),
+                file_len,
+            },
+            _ => SnapshotError::Io {
+                region: region.guest_addr,
+                guest_addr: region.guest_addr + offset,
+                op: "copy (UFFDIO_COPY) from the mapped",
+                path: layer.path.clone(),
+                offset: at,
+                source,
+            },
+        }
+    }
+}
+
 /// Reads `len` bytes at `offset` of the layer's memory file into `dst`.
 ///
 /// # Safety
