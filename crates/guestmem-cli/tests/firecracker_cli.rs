@@ -8,57 +8,36 @@
 //! takes seconds on this emulating KVM. Skipped, with the reason, where Firecracker, its guest
 //! source, `/dev/kvm`, userfaultfd or gcc and ld are missing.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::net::UnixStream;
+use std::io::Read;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{ChildStdin, Command, Stdio};
-
-use guestmem_testkit::{ChildGuard as Guard, Scratch};
-use std::sync::mpsc;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use guestmem_lab::firecracker::vmm::{self, Backend, Vmm};
+use guestmem_testkit::{ChildGuard as Guard, Scratch};
 
 /// The guest's region, MiB (the shared build uses 512).
 const REGION_MB: u64 = 64;
 /// The VM's memory, MiB: the region starts at 64 MiB.
 const MEM_MIB: u64 = 192;
+/// How long the guest has for a pass.
+const PASS: Duration = Duration::from_secs(120);
 
-fn shared() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/firecracker")
+fn firecracker() -> PathBuf {
+    vmm::shared_dir().join("firecracker")
 }
 
 /// Why Firecracker cannot be run here, if it cannot.
 fn missing() -> Option<String> {
-    let fc = shared().join("firecracker");
+    let fc = firecracker();
     if !fc.exists() {
         return Some(format!("no Firecracker build at {}", fc.display()));
     }
-    if !shared().join("guest.S").exists() {
+    if !vmm::shared_dir().join("guest.S").exists() {
         return Some("no guest source (guest.S) beside it".into());
     }
-    if std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_err()
-    {
-        return Some("no usable /dev/kvm".into());
-    }
-    // SAFETY: flags only; the descriptor is closed at once.
-    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Some("userfaultfd unavailable (needs root)".into());
-    }
-    // SAFETY: our own descriptor, closed once.
-    unsafe { libc::close(fd as i32) };
-    for tool in ["gcc", "ld"] {
-        if Command::new(tool).arg("--version").output().is_err() {
-            return Some(format!(
-                "{tool} is not installed (the guest is built from source)"
-            ));
-        }
-    }
-    None
+    vmm::host_unavailable().or_else(vmm::guest_toolchain_missing)
 }
 
 /// Its stderr, once it has exited.
@@ -70,147 +49,9 @@ fn stderr(g: &mut Guard) -> String {
     s
 }
 
-/// Builds the shared guest with a `REGION_MB` region into `dir`.
-fn build_guest(dir: &Path) -> PathBuf {
-    let obj = dir.join("guest.o");
-    let elf = dir.join("guest.elf");
-    let ok = Command::new("gcc")
-        .arg(format!("-DREGION_MB={REGION_MB}"))
-        .arg("-c")
-        .arg(shared().join("guest.S"))
-        .arg("-o")
-        .arg(&obj)
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "gcc failed on guest.S");
-    let ok = Command::new("ld")
-        .args([
-            "-m",
-            "elf_x86_64",
-            "-static",
-            "-nostdlib",
-            "-z",
-            "max-page-size=0x1000",
-        ])
-        .args([
-            "-z",
-            "noexecstack",
-            "--build-id=none",
-            "--no-warn-rwx-segments",
-            "-T",
-        ])
-        .arg(shared().join("guest.ld"))
-        .arg("-o")
-        .arg(&elf)
-        .arg(&obj)
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "ld failed on guest.o");
-    elf
-}
-
-/// A Firecracker process: its API socket, its serial console's input and output lines.
-struct Firecracker {
-    proc: Guard,
-    api: PathBuf,
-    stdin: ChildStdin,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Firecracker {
-    fn start(dir: &Path, name: &str) -> Firecracker {
-        let api = dir.join(format!("{name}.api.sock"));
-        let _ = std::fs::remove_file(&api);
-        let mut child = Command::new(shared().join("firecracker"))
-            .arg("--api-sock")
-            .arg(&api)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let t = Instant::now();
-        while !api.exists() {
-            assert!(t.elapsed() < Duration::from_secs(20), "no API socket");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Firecracker {
-            proc: Guard::new(child),
-            api,
-            stdin,
-            lines,
-        }
-    }
-
-    /// One API request; the HTTP status and body, or the error if the VMM went away.
-    fn call(&self, method: &str, path: &str, body: &str) -> std::io::Result<(u16, String)> {
-        let mut s = UnixStream::connect(&self.api)?;
-        s.set_read_timeout(Some(Duration::from_secs(60)))?;
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
-             Accept: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-            body.len()
-        )?;
-        let mut reader = BufReader::new(s);
-        let mut status = String::new();
-        reader.read_line(&mut status)?;
-        let code = status
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .ok_or_else(|| std::io::Error::other(format!("bad status line {status:?}")))?;
-        let mut len = 0usize;
-        loop {
-            let mut h = String::new();
-            reader.read_line(&mut h)?;
-            if h.trim().is_empty() {
-                break;
-            }
-            if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
-                len = v.trim().parse().unwrap_or(0);
-            }
-        }
-        let mut b = vec![0u8; len];
-        reader.read_exact(&mut b)?;
-        Ok((code, String::from_utf8_lossy(&b).into_owned()))
-    }
-
-    fn ok(&self, method: &str, path: &str, body: &str) {
-        let (code, text) = self.call(method, path, body).unwrap();
-        assert!((200..300).contains(&code), "{method} {path}: {code} {text}");
-    }
-
-    /// Waits for a console line starting with `prefix`.
-    fn line(&self, prefix: &str, secs: u64) -> String {
-        let deadline = Instant::now() + Duration::from_secs(secs);
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) if l.starts_with(prefix) => return l,
-                Ok(_) => {}
-                Err(_) => panic!("no {prefix:?} line from the guest within {secs} s"),
-            }
-        }
-    }
-
-    fn send(&mut self, key: u8) {
-        self.stdin.write_all(&[key]).unwrap();
-        self.stdin.flush().unwrap();
-    }
+/// A fresh Firecracker process with its API socket in `dir`.
+fn start(dir: &Path, name: &str) -> Vmm {
+    Vmm::start(&firecracker(), dir, name).unwrap()
 }
 
 /// Starts `guestmem serve-uffd` on `socket` for `mem` and waits for its socket.
@@ -248,57 +89,29 @@ fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_s
         return;
     }
     let dir = Scratch::new("firecracker");
-    let guest = build_guest(&dir);
+    let guest = vmm::build_guest(&vmm::shared_dir(), &dir, REGION_MB).unwrap();
 
     // Boot, fill, snapshot.
     let (vmstate, mem) = (dir.join("snap.vmstate"), dir.join("snap.mem"));
     {
-        let fc = Firecracker::start(&dir, "boot");
-        fc.ok(
-            "PUT",
-            "/boot-source",
-            &format!(
-                r#"{{"kernel_image_path": "{}", "boot_args": "console=ttyS0 reboot=k panic=1"}}"#,
-                guest.display()
-            ),
-        );
-        fc.ok(
-            "PUT",
-            "/machine-config",
-            &format!(r#"{{"vcpu_count": 1, "mem_size_mib": {MEM_MIB}}}"#),
-        );
-        fc.ok("PUT", "/actions", r#"{"action_type": "InstanceStart"}"#);
-        fc.line("READY", 120);
-        fc.ok("PATCH", "/vm", r#"{"state": "Paused"}"#);
-        fc.ok(
-            "PUT",
-            "/snapshot/create",
-            &format!(
-                r#"{{"snapshot_type": "Full", "snapshot_path": "{}", "mem_file_path": "{}"}}"#,
-                vmstate.display(),
-                mem.display()
-            ),
-        );
+        let fc = start(&dir, "boot");
+        fc.boot(&guest, MEM_MIB, false).unwrap();
+        fc.line("READY", PASS).unwrap();
+        fc.snapshot(&vmstate, &mem).unwrap();
     }
-    let load = |backend: &Path| {
-        format!(
-            r#"{{"snapshot_path": "{}", "mem_backend": {{"backend_type": "Uffd", "backend_path": "{}"}}, "resume_vm": true}}"#,
-            vmstate.display(),
-            backend.display()
-        )
-    };
+    let load = |backend: &Path| Vmm::load_body(&vmstate, Backend::Uffd(backend));
 
     // Restore through the page server: the guest touches every page and finds each right.
     let socket = dir.join("uffd.sock");
     let mut srv = serve(&socket, &mem);
-    let mut fc = Firecracker::start(&dir, "restore");
-    fc.ok("PUT", "/snapshot/load", &load(&socket));
-    fc.send(b't');
-    let touch = fc.line("TOUCH", 120);
+    let mut fc = start(&dir, "restore");
+    fc.load(&vmstate, Backend::Uffd(&socket)).unwrap();
+    fc.send(b't').unwrap();
+    let touch = fc.line("TOUCH", PASS).unwrap();
     assert!(touch.ends_with(" BAD 0"), "{touch}");
     // And every qword, now that all is in.
-    fc.send(b'g');
-    let pass = fc.line("PASS", 120);
+    fc.send(b'g').unwrap();
+    let pass = fc.line("PASS", PASS).unwrap();
     assert!(pass.ends_with(" BAD 0"), "{pass}");
     drop(fc);
     let st = srv.wait_exit(20);
@@ -333,18 +146,18 @@ fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_s
         assert!(t.elapsed() < Duration::from_secs(20), "no socket appeared");
         std::thread::sleep(Duration::from_millis(5));
     }
-    let mut vms: Vec<Firecracker> = ["fleet-a", "fleet-b"]
+    let mut vms: Vec<Vmm> = ["fleet-a", "fleet-b"]
         .iter()
-        .map(|n| Firecracker::start(&dir, n))
+        .map(|n| start(&dir, n))
         .collect();
     for fc in &vms {
-        fc.ok("PUT", "/snapshot/load", &load(&fleet_socket));
+        fc.load(&vmstate, Backend::Uffd(&fleet_socket)).unwrap();
     }
     for fc in &mut vms {
-        fc.send(b't');
+        fc.send(b't').unwrap();
     }
     for fc in &vms {
-        let touch = fc.line("TOUCH", 120);
+        let touch = fc.line("TOUCH", PASS).unwrap();
         assert!(touch.ends_with(" BAD 0"), "fleet: {touch}");
     }
     // SAFETY: kill on our own child's pid (not reaped yet).
@@ -354,10 +167,10 @@ fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_s
     assert!(st.success(), "{err}");
     assert_eq!(err.matches("reason=\"Graduated\"").count(), 2, "{err}");
     for fc in &mut vms {
-        fc.send(b'g');
+        fc.send(b'g').unwrap();
     }
     for fc in &vms {
-        let pass = fc.line("PASS", 120);
+        let pass = fc.line("PASS", PASS).unwrap();
         assert!(pass.ends_with(" BAD 0"), "after graduation: {pass}");
     }
     drop(vms);
@@ -373,10 +186,10 @@ fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_s
         .set_len(MEM_MIB << 19)
         .unwrap();
     let mut srv = serve(&socket, &short);
-    let mut fc = Firecracker::start(&dir, "refused");
+    let mut fc = start(&dir, "refused");
     let t = Instant::now();
     let r = fc.call("PUT", "/snapshot/load", &load(&socket));
-    let st = fc.proc.wait_exit(30);
+    let st = fc.wait_exit(Duration::from_secs(30)).unwrap();
     assert_eq!(st.signal(), Some(libc::SIGKILL), "{st:?} (load said {r:?})");
     assert!(t.elapsed() < Duration::from_secs(30));
     let st = srv.wait_exit(20);

@@ -26,13 +26,14 @@
 //! the file, so its reads do not show there). Every VM's words are checked against the file.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use guestmem::restore::remote::{
     serve_one, Fleet, FleetConfig, FleetSocket, Listener, MemoryFile, ServeConfig,
 };
 
+use crate::child::Reaped;
 use crate::error::LabError;
 use crate::fc_standin::{Standin, PAGE};
 use crate::plot::{Bar, BarGroup};
@@ -427,16 +428,6 @@ fn once_round(cfg: &FleetLabConfig, mem: &Path, digest: u64) -> Result<FleetSamp
     )
 }
 
-/// Kills and reaps a handler process when dropped.
-struct Handler(Child);
-
-impl Drop for Handler {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A Firecracker example handler process per VM.
 fn fc_round(
     cfg: &FleetLabConfig,
@@ -458,7 +449,7 @@ fn fc_round(
             .stderr(Stdio::null())
             .spawn()
             .map_err(err)?;
-        handlers.push((socket, Handler(child)));
+        handlers.push((socket, Reaped::new(child)));
     }
     for (socket, _) in &handlers {
         wait_for(socket)?;
@@ -482,7 +473,7 @@ fn fc_round(
     }
     let reads = read_all(&vms);
     let seconds = t0.elapsed().as_secs_f64();
-    let server_cpu: f64 = handlers.iter().map(|(_, h)| child_cpu(h.0.id())).sum();
+    let server_cpu: f64 = handlers.iter().map(|(_, h)| child_cpu(h.id())).sum();
     // The handler maps the memory file: its reads are page faults, not read calls.
     let s = sample(seconds, &reads, (server_cpu, None), digest, "fc-example");
     for (socket, _) in &handlers {

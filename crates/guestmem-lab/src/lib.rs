@@ -14,6 +14,8 @@
 //!   the transparent huge pages it was saved with: a random-access pass over each.
 //! - [`fleet`]: many VMs restored at once from one snapshot: one guestmem fleet, a page
 //!   server per VM, Firecracker's example handler per VM.
+//! - [`firecracker`]: real Firecracker (the shared build and guest); [`firecracker::vmm`]
+//!   drives a Firecracker process.
 //! - [`vm`]: the guest side of `guestmem vm`: a hand-assembled guest on KVM over guestmem's
 //!   memslots, and the `dirty_log_perf_test` engine.
 //! - [`report`]: the one result frame every scenario fills ([`LabResult`]), the Markdown
@@ -28,9 +30,11 @@
 #![deny(missing_docs)]
 
 pub mod all;
+mod child;
 pub mod error;
 pub mod faults;
 pub mod fc_standin;
+pub mod firecracker;
 pub mod fleet;
 pub mod guards;
 pub mod huge_regain;

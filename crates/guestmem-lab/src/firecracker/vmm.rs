@@ -1,0 +1,330 @@
+//! Driving a real Firecracker process: its API over its unix socket (one hand-written
+//! HTTP/1.1 request a connection, as `curl --unix-socket` sends), its serial console's
+//! output read line by line on a thread, bytes written to its serial input, and the process
+//! killed and reaped when the [`Vmm`] is dropped. Also what a run needs around it: the
+//! shared build's folder, whether this host can run it, the shared guest built with another
+//! region size, and waiting for a page handler's socket to listen.
+
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::child::Reaped;
+
+/// How long a fresh process has to create its API socket.
+const API_SOCKET_WAIT: Duration = Duration::from_secs(20);
+/// How long one API request may take (a `snapshot/load` waits on its page server).
+const API_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The shared Firecracker build (`../shared/firecracker` beside the workspace): the VMM, its
+/// two example page handlers, the guest and its source.
+pub fn shared_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/firecracker")
+}
+
+/// Why this host cannot run a Firecracker VM restored through userfaultfd, if it cannot:
+/// no usable `/dev/kvm`, or no userfaultfd.
+pub fn host_unavailable() -> Option<String> {
+    if std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_err()
+    {
+        return Some("no usable /dev/kvm".into());
+    }
+    // SAFETY: flags only; the descriptor is closed at once.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Some("userfaultfd unavailable (needs root)".into());
+    }
+    // SAFETY: our own descriptor, closed once.
+    unsafe { libc::close(fd as i32) };
+    None
+}
+
+/// Why [`build_guest`] cannot run here, if it cannot (gcc or ld missing).
+pub fn guest_toolchain_missing() -> Option<String> {
+    ["gcc", "ld"]
+        .into_iter()
+        .find(|tool| Command::new(tool).arg("--version").output().is_err())
+        .map(|tool| format!("{tool} is not installed (the guest is built from source)"))
+}
+
+/// Builds the shared guest (`guest.S`, `guest.ld` in `src`) with a `region_mb` MiB region
+/// into `out/guest.elf`, as the shared README says; returns its path.
+pub fn build_guest(src: &Path, out: &Path, region_mb: u64) -> io::Result<PathBuf> {
+    let obj = out.join("guest.o");
+    let elf = out.join("guest.elf");
+    let run = |cmd: &mut Command, what: &str| match cmd.status()?.success() {
+        true => Ok(()),
+        false => Err(io::Error::other(format!("{what} failed"))),
+    };
+    run(
+        Command::new("gcc")
+            .arg(format!("-DREGION_MB={region_mb}"))
+            .arg("-c")
+            .arg(src.join("guest.S"))
+            .arg("-o")
+            .arg(&obj),
+        "gcc on guest.S",
+    )?;
+    run(
+        Command::new("ld")
+            .args(["-m", "elf_x86_64", "-static", "-nostdlib"])
+            .args(["-z", "max-page-size=0x1000", "-z", "noexecstack"])
+            .args(["--build-id=none", "--no-warn-rwx-segments", "-T"])
+            .arg(src.join("guest.ld"))
+            .arg("-o")
+            .arg(&elf)
+            .arg(&obj),
+        "ld on guest.o",
+    )?;
+    Ok(elf)
+}
+
+/// Waits until a unix socket is bound at `path` and listening (from `/proc/net/unix`), at
+/// most `limit`: a page handler that binds before it listens refuses a connect in between,
+/// and probing it with a connect would take its one connection.
+pub fn wait_listening(path: &Path, limit: Duration) -> io::Result<()> {
+    /// `__SO_ACCEPTCON` in `/proc/net/unix`'s flags: the socket listens.
+    const LISTENING: u32 = 1 << 16;
+    let name = path.display().to_string();
+    let t = Instant::now();
+    loop {
+        let table = std::fs::read_to_string("/proc/net/unix")?;
+        let listening = table.lines().skip(1).any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() >= 8
+                && f[7] == name
+                && u32::from_str_radix(f[3], 16).is_ok_and(|flags| flags & LISTENING != 0)
+        });
+        if listening {
+            return Ok(());
+        }
+        if t.elapsed() > limit {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("nothing listens at {name} after {limit:?}"),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Where a restored VM's memory comes from (`snapshot/load`'s `mem_backend`).
+#[derive(Debug, Clone, Copy)]
+pub enum Backend<'a> {
+    /// The memory file, mapped by Firecracker itself.
+    File(&'a Path),
+    /// A page server listening on this socket.
+    Uffd(&'a Path),
+}
+
+/// A Firecracker process: its API socket, its serial console's input and output lines.
+/// Dropping it kills and reaps the process and removes its API socket.
+#[derive(Debug)]
+pub struct Vmm {
+    proc: Reaped,
+    api: PathBuf,
+    stdin: ChildStdin,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Vmm {
+    /// Starts `bin` with its API socket at `dir/<name>.api.sock` (a name no other live
+    /// process uses) and waits for the socket.
+    pub fn start(bin: &Path, dir: &Path, name: &str) -> io::Result<Vmm> {
+        let api = dir.join(format!("{name}.api.sock"));
+        let _ = std::fs::remove_file(&api);
+        let mut child = Command::new(bin)
+            .arg("--api-sock")
+            .arg(&api)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = child.stdout.take().expect("piped");
+        let proc = Reaped::new(child);
+        let (tx, lines) = mpsc::channel();
+        std::thread::Builder::new()
+            .name(format!("{name}-console"))
+            .spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    if tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            })?;
+        let mut vmm = Vmm {
+            proc,
+            api,
+            stdin,
+            lines,
+        };
+        let t = Instant::now();
+        while !vmm.api.exists() {
+            if let Ok(Some(st)) = vmm.proc.try_status() {
+                return Err(io::Error::other(format!("firecracker exited: {st}")));
+            }
+            if t.elapsed() > API_SOCKET_WAIT {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("no API socket at {}", vmm.api.display()),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(vmm)
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> u32 {
+        self.proc.id()
+    }
+
+    /// One API request; the HTTP status and body, or the error if the VMM went away.
+    pub fn call(&self, method: &str, path: &str, body: &str) -> io::Result<(u16, String)> {
+        let mut s = UnixStream::connect(&self.api)?;
+        s.set_read_timeout(Some(API_TIMEOUT))?;
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n\
+             Accept: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )?;
+        let mut reader = BufReader::new(s);
+        let mut status = String::new();
+        reader.read_line(&mut status)?;
+        let code = status
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .ok_or_else(|| io::Error::other(format!("bad status line {status:?}")))?;
+        let mut len = 0usize;
+        loop {
+            let mut h = String::new();
+            reader.read_line(&mut h)?;
+            if h.trim().is_empty() {
+                break;
+            }
+            if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                len = v.trim().parse().unwrap_or(0);
+            }
+        }
+        let mut b = vec![0u8; len];
+        reader.read_exact(&mut b)?;
+        Ok((code, String::from_utf8_lossy(&b).into_owned()))
+    }
+
+    /// One API request that must succeed (a 2xx status); its body.
+    pub fn ok(&self, method: &str, path: &str, body: &str) -> io::Result<String> {
+        match self.call(method, path, body)? {
+            (200..=299, text) => Ok(text),
+            (code, text) => Err(io::Error::other(format!(
+                "{method} {path}: HTTP {code}: {text}"
+            ))),
+        }
+    }
+
+    /// Boots `kernel` with `mem_mib` MiB on one vCPU, in 2 MiB hugetlb pages when `huge`.
+    pub fn boot(&self, kernel: &Path, mem_mib: u64, huge: bool) -> io::Result<()> {
+        self.ok(
+            "PUT",
+            "/boot-source",
+            &format!(
+                r#"{{"kernel_image_path": "{}", "boot_args": "console=ttyS0 reboot=k panic=1"}}"#,
+                kernel.display()
+            ),
+        )?;
+        let pages = if huge { r#", "huge_pages": "2M""# } else { "" };
+        self.ok(
+            "PUT",
+            "/machine-config",
+            &format!(r#"{{"vcpu_count": 1, "mem_size_mib": {mem_mib}{pages}}}"#),
+        )?;
+        self.ok("PUT", "/actions", r#"{"action_type": "InstanceStart"}"#)
+            .map(drop)
+    }
+
+    /// Pauses the VM and writes a full snapshot: its state to `vmstate`, its memory to `mem`.
+    pub fn snapshot(&self, vmstate: &Path, mem: &Path) -> io::Result<()> {
+        self.ok("PATCH", "/vm", r#"{"state": "Paused"}"#)?;
+        self.ok(
+            "PUT",
+            "/snapshot/create",
+            &format!(
+                r#"{{"snapshot_type": "Full", "snapshot_path": "{}", "mem_file_path": "{}"}}"#,
+                vmstate.display(),
+                mem.display()
+            ),
+        )
+        .map(drop)
+    }
+
+    /// `snapshot/load`'s request body: `vmstate` restored from `backend`, resumed.
+    pub fn load_body(vmstate: &Path, backend: Backend<'_>) -> String {
+        let (kind, path) = match backend {
+            Backend::File(p) => ("File", p),
+            Backend::Uffd(p) => ("Uffd", p),
+        };
+        format!(
+            r#"{{"snapshot_path": "{}", "mem_backend": {{"backend_type": "{kind}", "backend_path": "{}"}}, "resume_vm": true}}"#,
+            vmstate.display(),
+            path.display()
+        )
+    }
+
+    /// Restores `vmstate` from `backend` into this (fresh) process and resumes it.
+    pub fn load(&self, vmstate: &Path, backend: Backend<'_>) -> io::Result<()> {
+        self.ok("PUT", "/snapshot/load", &Vmm::load_body(vmstate, backend))
+            .map(drop)
+    }
+
+    /// Waits at most `limit` for a console line starting with `prefix`, skipping others.
+    pub fn line(&self, prefix: &str, limit: Duration) -> io::Result<String> {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.starts_with(prefix) => return Ok(l),
+                Ok(_) => {}
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!("no {prefix:?} line from the guest within {limit:?}"),
+                    ))
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(io::Error::other(format!(
+                        "firecracker closed its console before a {prefix:?} line"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Writes `key` to the guest's serial input.
+    pub fn send(&mut self, key: u8) -> io::Result<()> {
+        self.stdin.write_all(&[key])?;
+        self.stdin.flush()
+    }
+
+    /// Waits at most `limit` for the process to exit by itself.
+    pub fn wait_exit(&mut self, limit: Duration) -> io::Result<ExitStatus> {
+        self.proc.wait_exit(limit)
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        // The process first (Reaped's own drop would come after this), then its socket.
+        self.proc.kill();
+        let _ = std::fs::remove_file(&self.api);
+    }
+}
