@@ -14,8 +14,9 @@
 //!   the transparent huge pages it was saved with: a random-access pass over each.
 //! - [`fleet`]: many VMs restored at once from one snapshot: one guestmem fleet, a page
 //!   server per VM, Firecracker's example handler per VM.
-//! - [`firecracker`]: real Firecracker (the shared build and guest); [`firecracker::vmm`]
-//!   drives a Firecracker process.
+//! - [`firecracker`]: restores of a real Firecracker VM (the shared build and guest): its
+//!   File backend and example handlers beside guestmem's page server, 4 KiB and 2 MiB
+//!   guests, warm and cold page cache; [`firecracker::vmm`] drives a Firecracker process.
 //! - [`vm`]: the guest side of `guestmem vm`: a hand-assembled guest on KVM over guestmem's
 //!   memslots, and the `dirty_log_perf_test` engine.
 //! - [`report`]: the one result frame every scenario fills ([`LabResult`]), the Markdown
