@@ -9,6 +9,7 @@ use clap::{Args as ClapArgs, Subcommand, ValueEnum};
 use guestmem::plan::parse_size;
 use guestmem_lab::all::{run_all, AllConfig, Profile};
 use guestmem_lab::faults::{run_faults, FaultsLabConfig};
+use guestmem_lab::firecracker::{run_firecracker, Cache, FirecrackerLabConfig};
 use guestmem_lab::fleet::{run_fleet, FleetLabConfig};
 use guestmem_lab::guards::{run_guards, GuardsLabConfig};
 use guestmem_lab::huge_regain::{run_huge_regain, HugeRegainLabConfig};
@@ -57,6 +58,10 @@ enum Scenario {
     /// A map saved on transparent huge pages, restored onto 4 KiB pages, against the same
     /// restore collapsed back to huge pages: a random-access pass over each.
     HugeRegain(HugeRegainArgs),
+    /// Restores of a real Firecracker VM: its File backend and example page handlers beside
+    /// guestmem's page server, 4 KiB and 2 MiB guests, warm and cold page cache; every page
+    /// checked by the guest.
+    Firecracker(FirecrackerArgs),
     /// Every scenario, one after the other, into one folder with an index.md of all reports.
     All(AllArgs),
 }
@@ -98,6 +103,36 @@ pub struct FleetArgs {
     only: Vec<String>,
     #[command(flatten)]
     protocol: ProtocolArgs,
+}
+
+/// Flags of `guestmem lab firecracker`.
+#[derive(ClapArgs)]
+pub struct FirecrackerArgs {
+    /// The Firecracker binary; guest.elf and the example handlers are taken from its folder
+    /// [default: ../shared/firecracker/firecracker, if there; without one the scenario
+    /// reports that it did not run].
+    #[arg(long)]
+    firecracker: Option<PathBuf>,
+    /// Run only these variants (file, fc-on-demand, fc-fault-all, guestmem-4k,
+    /// guestmem-2m), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Page-cache states of the memory file to measure in, comma-separated.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "warm,cold")]
+    cache: Vec<CacheArg>,
+    /// Handler threads of guestmem's page server [default: the CPUs, as serve-uffd].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    threads: Option<u32>,
+    #[command(flatten)]
+    protocol: ProtocolArgs,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum CacheArg {
+    /// The memory file read whole before each round.
+    Warm,
+    /// The memory file dropped from the page cache before each round.
+    Cold,
 }
 
 /// Flags of `guestmem lab vm-restore`.
@@ -288,6 +323,7 @@ pub fn run(args: Args) -> Result<()> {
         Scenario::VmRestore(a) => &a.protocol.out,
         Scenario::Fleet(a) => &a.protocol.out,
         Scenario::HugeRegain(a) => &a.protocol.out,
+        Scenario::Firecracker(a) => &a.protocol.out,
         Scenario::All(a) => &a.out,
     };
     prepare_out(out).with_context(|| format!("--out {}", out.display()))?;
@@ -336,6 +372,29 @@ pub fn run(args: Args) -> Result<()> {
                 ..d
             };
             emit(&run_fleet(&cfg).context("lab fleet")?, &a.protocol.out)
+        }
+        Scenario::Firecracker(a) => {
+            let d = FirecrackerLabConfig::default();
+            let cfg = FirecrackerLabConfig {
+                firecracker: a.firecracker.clone().or(d.firecracker.clone()),
+                only: a.only.clone(),
+                caches: a
+                    .cache
+                    .iter()
+                    .map(|c| match c {
+                        CacheArg::Warm => Cache::Warm,
+                        CacheArg::Cold => Cache::Cold,
+                    })
+                    .collect(),
+                server_threads: a.threads.map_or(d.server_threads, |t| t as usize),
+                protocol: a.protocol.protocol(d.protocol),
+                command: command_line(),
+                ..d
+            };
+            emit(
+                &run_firecracker(&cfg).context("lab firecracker")?,
+                &a.protocol.out,
+            )
         }
         Scenario::Populate(a) => populate(a),
         Scenario::HugeRegain(a) => {

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::faults::{run_faults, FaultsLabConfig};
+use crate::firecracker::{run_firecracker, FirecrackerLabConfig};
 use crate::fleet::{run_fleet, FleetLabConfig};
 use crate::guards::{run_guards, GuardsLabConfig};
 use crate::huge_regain::{run_huge_regain, HugeRegainLabConfig};
@@ -58,7 +59,7 @@ type Step = (
 );
 
 /// The scenarios, in the order they run.
-const STEPS: [Step; 8] = [
+const STEPS: [Step; 9] = [
     ("populate", populate),
     ("guards", guards),
     ("faults", faults),
@@ -67,6 +68,7 @@ const STEPS: [Step; 8] = [
     ("vm-restore", vm_restore),
     ("fleet", fleet),
     ("huge-regain", huge_regain),
+    ("firecracker", firecracker),
 ];
 
 /// One round, no warm-up: the quick profile's protocol.
@@ -195,6 +197,22 @@ fn huge_regain(base: &Path, cmd: &str, p: Profile) -> Result<(PathBuf, String), 
         ..d
     };
     written(run_huge_regain(&cfg)?, base)
+}
+
+fn firecracker(base: &Path, cmd: &str, p: Profile) -> Result<(PathBuf, String), LabError> {
+    if p == Profile::Quick {
+        return Err(LabError::Config {
+            scenario: crate::firecracker::SCENARIO,
+            reason: "quick profile: Firecracker rounds take minutes (each boot fills 512 MiB \
+                     for ~35 s on this emulating KVM)"
+                .into(),
+        });
+    }
+    let cfg = FirecrackerLabConfig {
+        command: cmd.into(),
+        ..FirecrackerLabConfig::default()
+    };
+    written(run_firecracker(&cfg)?, base)
 }
 
 /// The index's head: the command, commit, kernel and CPU, and what the profile means.
