@@ -15,7 +15,12 @@
 //!   the whole file on the first fault), processes beside the binary, on a Uffd socket;
 //! - `guestmem-4k`: guestmem's page server in this process
 //!   ([`guestmem::restore::remote::serve_one`]) set as `guestmem serve-uffd --once` sets it
-//!   by default: a handler thread per CPU, 1 MiB blocks, no prefetch; on the 4 KiB snapshot;
+//!   by default: a handler thread per CPU, 1 MiB blocks, one prefetch thread from the
+//!   handshake on (reading ahead of the latest fault first); on the 4 KiB snapshot;
+//! - `guestmem-4k-faults`: the same without prefetch (`--prefetch-threads 0`): blocks come in
+//!   only when faulted;
+//! - `guestmem-4k-noregain`: the same as `guestmem-4k` without the collapse to huge pages
+//!   (`--regain-huge-pages off`), to see whether the collapse costs the guest;
 //! - `guestmem-2m`: the same on the 2 MiB hugetlb snapshot (Firecracker restores a hugetlb
 //!   guest only through Uffd; the restored VM maps fresh pool pages).
 //!
@@ -32,6 +37,8 @@
 //! every block in (the engine's clock, which starts just after the handshake, added to it,
 //! so these two are a little early). Without prefetch a block comes in only when faulted,
 //! and this guest never touches most of its first 64 MiB: every block in is then `n/a`.
+//! guestmem's server collapses the VM's memory to huge pages once all of it is in
+//! (`--regain-huge-pages`, on by default), in the background of the touch.
 //!
 //! **Checked**: every round's `TOUCH` must say `BAD 0`; in each variant's last round, per
 //! cache state, `g` then checks every qword (`PASS … BAD 0`). Anything else fails the
@@ -104,17 +111,24 @@ pub enum Variant {
     FcFaultAll,
     /// guestmem's page server, 4 KiB snapshot.
     Guestmem4k,
+    /// guestmem's page server without prefetch (`--prefetch-threads 0`), 4 KiB snapshot.
+    Guestmem4kFaults,
+    /// guestmem's page server without the collapse to huge pages once all is in
+    /// (`--regain-huge-pages off`), 4 KiB snapshot.
+    Guestmem4kNoRegain,
     /// guestmem's page server, 2 MiB hugetlb snapshot.
     Guestmem2m,
 }
 
 impl Variant {
     /// Every variant, in report order.
-    pub const ALL: [Variant; 5] = [
+    pub const ALL: [Variant; 7] = [
         Variant::File,
         Variant::FcOnDemand,
         Variant::FcFaultAll,
         Variant::Guestmem4k,
+        Variant::Guestmem4kFaults,
+        Variant::Guestmem4kNoRegain,
         Variant::Guestmem2m,
     ];
 
@@ -125,6 +139,8 @@ impl Variant {
             Variant::FcOnDemand => "fc-on-demand",
             Variant::FcFaultAll => "fc-fault-all",
             Variant::Guestmem4k => "guestmem-4k",
+            Variant::Guestmem4kFaults => "guestmem-4k-faults",
+            Variant::Guestmem4kNoRegain => "guestmem-4k-noregain",
             Variant::Guestmem2m => "guestmem-2m",
         }
     }
@@ -228,6 +244,10 @@ pub struct FcSample {
     pub vmm_minor_faults: u64,
     /// Its major page faults (read from disk).
     pub vmm_major_faults: u64,
+    /// Bytes of its large mappings (guest memory) transparent huge pages mapped at the
+    /// `TOUCH` line (smaps `AnonHugePages`).
+    #[serde(default)]
+    pub huge_at_touch: u64,
     /// guestmem's page server's report (its variants only).
     pub server: Option<ServerSample>,
 }

@@ -42,7 +42,7 @@ fn row(v: &FcVariant) -> String {
         false => "n/a".into(),
     };
     format!(
-        "| {} | {} | {} | {} | {} | {} | {} | {:.0}% | {:.0} / {:.0} | {} | {} | {} | {} | {} |\n",
+        "| {} | {} | {} | {} | {} | {} | {} | {:.0}% | {:.0} / {:.0} | {} | {} | {} | {} | {:.0} | {} |\n",
         v.name,
         v.cache.name(),
         if v.page_size >= 2 << 20 { "2M" } else { "4K" },
@@ -57,6 +57,7 @@ fn row(v: &FcVariant) -> String {
         phase(v, |s| s.handshake_secs),
         phase(v, |s| s.first_fault_secs),
         phase(v, |s| s.all_in_secs),
+        m(|s| s.huge_at_touch as f64) / f64::from(1 << 20),
         if v.samples.iter().any(|s| s.sample.checked) {
             "yes"
         } else {
@@ -80,7 +81,7 @@ impl LabReport for FirecrackerResult {
             &format!(
                 "Firecracker {fc}; the shared guest (512 MiB filled from 64 MiB) in a {} MiB VM, \
                  one vCPU; guestmem's server as `serve-uffd --once` runs it ({} handler \
-                 threads, 1 MiB blocks, no prefetch). Timed: {}. Cache: the memory file read \
+                 threads, 1 MiB blocks, one prefetch thread; `-faults`: none). Timed: {}. Cache: the memory file read \
                  whole (warm) or written back and dropped with POSIX_FADV_DONTNEED (cold) \
                  before each round; `cached` is what mincore found then. Server phases are \
                  seconds after sending snapshot/load (medians). Every TOUCH said BAD 0; \
@@ -100,8 +101,8 @@ impl LabReport for FirecrackerResult {
         md.push_str(
             "\n| variant | cache | page | load s | first full touch s | load / file \
              | touch / file | cached | VMM faults min / maj | server faults / blocks in \
-             | handshake s | first fault s | all in s | checked |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+             | handshake s | first fault s | all in s | huge MiB at touch | checked |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for v in &self.body.variants {
             md.push_str(&row(v));

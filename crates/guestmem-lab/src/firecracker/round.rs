@@ -57,10 +57,12 @@ impl Server {
         let mem = MemoryFile::open(mem).map_err(err)?;
         let handshake = Arc::new(Mutex::new(None));
         let seen = handshake.clone();
-        // As `guestmem serve-uffd --once` serves by default (no prefetch without --prefetch).
+        // As `guestmem serve-uffd --once` serves by default: one prefetch thread (none for
+        // the faults-only variant, as `--prefetch-threads 0`).
         let scfg = ServeConfig {
             handler_threads: ctx.cfg.server_threads,
-            prefetch_threads: 0,
+            prefetch_threads: usize::from(v != Variant::Guestmem4kFaults),
+            regain_huge: v != Variant::Guestmem4kNoRegain,
             accept_timeout: Some(SOCKET_LIMIT),
             // Its one line on a handshake: "peer PID sent N regions (M MiB)".
             log: ServeLog::to(move |line: &str| {
@@ -169,6 +171,8 @@ pub(super) fn measure(
     let touch = vm.line("TOUCH", PASS_LIMIT).map_err(failed(&what))?;
     let touch_secs = t0.elapsed().as_secs_f64();
     let (vmm_minor_faults, vmm_major_faults) = faults_of(vm.pid());
+    let huge_at_touch = guestmem::inspect::inspect_process(Some(vm.pid()), 64 << 20)
+        .map_or(0, |m| m.iter().map(|m| m.huge).sum());
     verdict(&vm, &touch, &what)?;
     if check {
         vm.send(b'g').map_err(failed(&what))?;
@@ -184,6 +188,7 @@ pub(super) fn measure(
         checked: check,
         vmm_minor_faults,
         vmm_major_faults,
+        huge_at_touch,
         server,
     })
 }
