@@ -320,6 +320,10 @@ fn serve_config(cfg: &FleetLabConfig) -> ServeConfig {
     ServeConfig {
         handler_threads: cfg.pool,
         prefetch_threads: 0,
+        // The stand-in VMs are threads of this one process: a collapse in one VM's memory
+        // takes the address space's lock that every other VM's faults need here, where
+        // separate VM processes would not share it (it cost the fleet ~0.3 s of 0.8 here).
+        regain_huge: false,
         ..ServeConfig::default()
     }
 }

@@ -41,6 +41,17 @@ struct Shared {
     prefetch: Mutex<VecDeque<u64>>,
 }
 
+impl Shared {
+    /// Session `id`'s fault side, if it is still in the pool.
+    fn session(&self, id: u64) -> Option<Pooled> {
+        self.sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .cloned()
+    }
+}
+
 /// Threads serving the faults of every VM added to it (see the module docs).
 pub(crate) struct Pool {
     shared: Arc<Shared>,
@@ -194,14 +205,8 @@ fn prefetch_step(s: &Shared) -> bool {
         .unwrap_or_else(|e| e.into_inner())
         .pop_front();
     let Some(id) = id else { return false };
-    let p = s
-        .sessions
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&id)
-        .cloned();
     // A session removed meanwhile drops out of the queue.
-    if p.is_some_and(|p| p.prefetch_step()) {
+    if s.session(id).is_some_and(|p| p.prefetch_step()) {
         s.prefetch
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -258,13 +263,7 @@ fn serve_loop(s: &Shared) {
                 );
                 continue;
             }
-            let p = s
-                .sessions
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&id)
-                .cloned();
-            let Some(p) = p else { continue };
+            let Some(p) = s.session(id) else { continue };
             if events & (libc::EPOLLERR | libc::EPOLLHUP) as u32 != 0 {
                 // Not re-armed: the session is failed, and its supervisor ends it.
                 p.fail_descriptor();
