@@ -22,11 +22,16 @@ fn serial() -> MutexGuard<'static, ()> {
     guestmem_testkit::host_lock()
 }
 
+/// Where [`scratch`] makes `name`'s directory.
+fn scratch_path(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("snapshot-tests")
+        .join(name)
+}
+
 /// A fresh directory under the target dir, removed first if a run before left it.
 fn scratch(name: &str) -> PathBuf {
-    let d = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("snapshot-tests")
-        .join(name);
+    let d = scratch_path(name);
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -192,6 +197,23 @@ fn hugetlb_round_trip_every_mode() {
     let _s = serial();
     let Some(_pool) = Pool::grow(14) else { return };
     round_trip(Backing::Hugetlb(HugePageSize::Size2M), "hugetlb");
+    // Saved in 2 MiB pages: memory of 4 KiB pages is refused, naming both sizes.
+    let image = Image::open(&scratch_path("hugetlb")).unwrap();
+    for mode in [RestoreMode::Eager, RestoreMode::Lazy] {
+        let e = restore::restore(&image, &specs(Backing::Anonymous), &cfg(mode)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                SnapshotError::PageSizeDiffers {
+                    saved: 0x200000,
+                    map: 0x1000,
+                    ..
+                }
+            ),
+            "{mode:?}: {e}"
+        );
+        assert!(e.to_string().contains("0x200000") && e.to_string().contains("0x1000"));
+    }
     assert_eq!(
         Host::read().pool(HugePageSize::Size2M).unwrap().reserved,
         0,

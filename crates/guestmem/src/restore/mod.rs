@@ -231,7 +231,7 @@ fn restore_mode(
     t0: Instant,
 ) -> Result<Started, SnapshotError> {
     let regions: Vec<Arc<Region>> = map.view().regions().to_vec();
-    check_region_layout(image, &regions)?;
+    check_region_layout(image, &regions, cfg.mode)?;
     // The regions are this restore's from here (a second restore, or a populate, is
     // refused), and only then are they checked fresh and their dirty base changed.
     begin(&regions)?;
@@ -343,7 +343,13 @@ fn check_spec_layout(image: &Image, specs: &[&RegionSpec]) -> Result<(), Snapsho
     )
 }
 
-fn check_region_layout(image: &Image, regions: &[Arc<Region>]) -> Result<(), SnapshotError> {
+/// The regions against the image: addresses and sizes, and (but for a mapped restore, whose
+/// memory is the file's, in base pages) the page size each was saved with.
+fn check_region_layout(
+    image: &Image,
+    regions: &[Arc<Region>],
+    mode: RestoreMode,
+) -> Result<(), SnapshotError> {
     check_pairs(
         image,
         regions
@@ -353,6 +359,13 @@ fn check_region_layout(image: &Image, regions: &[Arc<Region>]) -> Result<(), Sna
         "the map",
     )?;
     for (r, ir) in regions.iter().zip(image.regions()) {
+        if mode != RestoreMode::Mapped && r.page_size() != ir.page_size {
+            return Err(SnapshotError::PageSizeDiffers {
+                region: ir.guest_addr,
+                saved: ir.page_size,
+                map: r.page_size(),
+            });
+        }
         if !image.block_bytes().is_multiple_of(r.page_size()) {
             return Err(SnapshotError::PageSize {
                 region: ir.guest_addr,

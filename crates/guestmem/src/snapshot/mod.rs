@@ -215,6 +215,19 @@ pub enum SnapshotError {
         /// The parent's directory.
         parent: PathBuf,
     },
+    /// A region's page size is not the one its memory had when saved.
+    #[error(
+        "region at {region:#x}: saved with pages of {saved:#x} bytes, but the map's region has \
+         pages of {map:#x} bytes; restore into memory of the page size it was saved with"
+    )]
+    PageSizeDiffers {
+        /// The region.
+        region: u64,
+        /// The page size the snapshot records.
+        saved: u64,
+        /// The map region's page size.
+        map: u64,
+    },
     /// A region's page size does not divide the image's block size.
     #[error("region at {region:#x}: page size {page_size:#x} does not divide the image's block size {block_bytes:#x}")]
     PageSize {
