@@ -293,11 +293,14 @@ impl Uffd {
 
     /// Maps the zero page at `offset..offset + len` of `target` (private anonymous memory)
     /// and wakes the waiters.
+    /// `on_busy` runs when the kernel made no progress (`EAGAIN`: an event waits to be read,
+    /// perhaps by this very thread).
     pub(crate) fn zeropage(
         &self,
         target: &dyn Target,
         offset: usize,
         len: usize,
+        on_busy: &dyn Fn(),
     ) -> io::Result<()> {
         let mut r = target.uffd_range(offset, len)?;
         while r.len > 0 {
@@ -315,7 +318,7 @@ impl Uffd {
                     r.start += n;
                     r.len -= n;
                     if n == 0 {
-                        std::thread::yield_now();
+                        on_busy();
                     }
                 }
                 Err(e) if e.raw_os_error() == Some(libc::EEXIST) => return Ok(()),

@@ -169,3 +169,44 @@ fn off_leaves_4k_pages_and_a_refused_collapse_leaves_a_whole_restore() {
     r.lazy.unwrap().finish().unwrap();
     check_words(&r.map);
 }
+
+#[test]
+fn chunks_the_snapshot_holds_no_data_for_are_not_made_real_memory() {
+    let _g = guestmem_testkit::host_lock();
+    guestmem_testkit::skip_unless!(missing().or_else(no_uffd));
+    let dir = Scratch::new("regain-holes");
+    // Only the first half is ever written: the second is a hole in the snapshot.
+    let map = GuestMap::from_specs(&[RegionSpec::new(GuestAddress(0), SIZE)]).unwrap();
+    let view = map.view();
+    for p in 0..SIZE / 2 / 4096 {
+        view.write_obj(word(p * 4096), GuestAddress(p * 4096))
+            .unwrap();
+    }
+    let snap = dir.join("snap");
+    snapshot::save(&view, &snap, &SaveConfig::default()).unwrap();
+    drop(map);
+    let image = Image::open(&snap).unwrap();
+    assert!(
+        image.regions()[0].huge_bytes >= SIZE / 4,
+        "{:?}",
+        image.regions()[0]
+    );
+    let r = restore::restore(&image, &plain(), &cfg(RestoreMode::Lazy, RegainHuge::Saved)).unwrap();
+    // Every block in (the hole's as the shared zero page), then unregistered: from then on
+    // the kernel would collapse a chunk of zero pages into 2 MiB of real memory.
+    let lazy = r.lazy.unwrap();
+    lazy.wait_complete().unwrap();
+    lazy.finish().unwrap();
+    let rep = r.regain.as_ref().unwrap().wait();
+    assert!(
+        rep.skipped >= SIZE / 2 / (2 << 20),
+        "the hole's chunks are skipped: {rep:?}"
+    );
+    let u = inspect(&r.map.view()).unwrap().remove(0);
+    assert!(
+        u.resident <= SIZE / 2 + (2 << 20),
+        "the hole became memory: {} bytes resident of {SIZE}",
+        u.resident
+    );
+    assert!(u.huge >= SIZE / 4, "the data half is huge again: {u:?}");
+}

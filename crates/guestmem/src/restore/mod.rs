@@ -219,7 +219,12 @@ fn regain_job(
     }
     let saved = had.iter().map(|(_, b)| b).sum();
     let memory = regain::Memory::Local(had.iter().map(|(r, _)| Arc::downgrade(r)).collect());
-    Some(regain::Job::new(memory, Some(saved)))
+    let hosts: Vec<u64> = regions.iter().map(|r| r.host_addr() as u64).collect();
+    Some(regain::Job::new(
+        memory,
+        Some(saved),
+        image.data_spans(&hosts),
+    ))
 }
 
 type Started = (Option<LazyRestore>, Option<Regaining>);

@@ -50,7 +50,8 @@ pub struct RegainReport {
     pub chunks: u64,
     /// Of them, collapsed (or huge already).
     pub collapsed: u64,
-    /// Skipped: a page of the chunk was not present (collapsing would allocate it).
+    /// Skipped: the chunk holds no saved data, or a page of it was not present (collapsing
+    /// would allocate memory the guest never had).
     pub skipped: u64,
     /// Refused by the kernel.
     pub failed: u64,
@@ -74,8 +75,11 @@ struct Shared {
 }
 
 impl Regaining {
-    /// Waits until the collapse has ended, and says what it did. Returns at once with a
-    /// report that says `stopped` if the restore never completed.
+    /// Waits until the collapse has ended, and says what it did. The collapse starts once
+    /// the restore is complete: a lazy restore without prefetch completes only when its
+    /// guest has touched every block, or at `LazyRestore::finish`, so do not wait on this
+    /// before either on the thread that would call `finish`. A restore that fails, is
+    /// halted or dropped ends it with a report that says `stopped`.
     pub fn wait(&self) -> RegainReport {
         let mut g = self.0.report.lock().unwrap_or_else(|e| e.into_inner());
         loop {
@@ -145,21 +149,40 @@ pub(crate) enum Memory {
 pub(crate) struct Job {
     memory: Memory,
     saved: Option<u64>,
+    /// Host ranges that hold saved data, sorted: only a chunk inside one is collapsed (a
+    /// chunk of zero blocks would become 2 MiB of real memory once the range is no longer
+    /// registered, where the kernel no longer refuses it).
+    data: Vec<(u64, u64)>,
     handle: Regaining,
 }
 
 impl Job {
-    /// A collapse of `memory`, whose saved form had `saved` bytes in huge pages.
-    pub(crate) fn new(memory: Memory, saved: Option<u64>) -> (Job, Regaining) {
+    /// A collapse of `memory`, whose saved form had `saved` bytes in huge pages, where
+    /// `data` (host ranges, sorted) holds saved data.
+    pub(crate) fn new(
+        memory: Memory,
+        saved: Option<u64>,
+        data: Vec<(u64, u64)>,
+    ) -> (Job, Regaining) {
         let handle = Regaining::default();
         (
             Job {
                 memory,
                 saved,
+                data,
                 handle: handle.clone(),
             },
             handle,
         )
+    }
+
+    /// Whether the 2 MiB at `addr` lie inside one range of saved data.
+    fn holds_data(&self, addr: u64) -> bool {
+        let i = self.data.partition_point(|&(s, _)| s <= addr);
+        i > 0 && {
+            let (s, l) = self.data[i - 1];
+            addr + THP_BYTES <= s + l
+        }
     }
 
     /// Hands it to the collapse thread (started on first use). A job dropped unqueued (its
@@ -199,12 +222,17 @@ impl Job {
                 r.stopped = true;
                 break;
             }
+            if !self.holds_data(addr) {
+                r.skipped += 1;
+                r.chunks += 1;
+                continue;
+            }
             let t = Instant::now();
             let region = region.map(|w| w.upgrade());
             match self.collapse(addr, region.as_ref().map(Option::as_ref)) {
                 Chunk::Collapsed => r.collapsed += 1,
                 Chunk::NotPresent => r.skipped += 1,
-                Chunk::Failed(why) => {
+                Chunk::Failed(why, denied) => {
                     r.failed += 1;
                     if r.first_failure.is_none() {
                         tracing::warn!(
@@ -212,6 +240,11 @@ impl Job {
                              stays on 4 KiB pages there; the restore is complete): {why}"
                         );
                         r.first_failure = Some(why);
+                    }
+                    if denied {
+                        // No right to this process's memory: every chunk would be refused.
+                        r.stopped = true;
+                        break;
                     }
                 }
                 Chunk::Gone => {
@@ -280,29 +313,40 @@ impl Job {
                 {
                     Ok(pages) if pages.iter().all(|&p| p) => {}
                     Ok(_) => return Chunk::NotPresent,
-                    Err(e) => return Chunk::Failed(format!("read /proc/self/pagemap: {e}")),
+                    Err(e) => return failed("read /proc/self/pagemap".into(), &e),
                 }
                 match r
                     .mapping()
                     .advise(offset, THP_BYTES as usize, crate::mmap::Advice::Collapse)
                 {
                     Ok(()) => Chunk::Collapsed,
-                    Err(e) => Chunk::Failed(e.to_string()),
+                    Err(e) => Chunk::Failed(e.to_string(), false),
                 }
             }
             (Memory::Remote { pidfd, pid, .. }, _) => {
+                // The pid is read through /proc: first make sure it is still this process
+                // (its pidfd turns readable when it exits).
+                if exited(pidfd) {
+                    return Chunk::Gone;
+                }
                 match remote_present(*pid, addr) {
                     Ok(true) => {}
                     Ok(false) => return Chunk::NotPresent,
-                    Err(e) if e.raw_os_error() == Some(libc::ESRCH) => return Chunk::Gone,
-                    Err(e) => return Chunk::Failed(format!("read /proc/{pid}/pagemap: {e}")),
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::ESRCH)
+                            || e.kind() == std::io::ErrorKind::UnexpectedEof =>
+                    {
+                        return Chunk::Gone
+                    }
+                    Err(e) => return failed(format!("read /proc/{pid}/pagemap"), &e),
                 }
                 match process_collapse(pidfd, addr) {
                     Ok(()) => Chunk::Collapsed,
                     Err(e) if e.raw_os_error() == Some(libc::ESRCH) => Chunk::Gone,
-                    Err(e) => Chunk::Failed(format!(
-                        "process_madvise(MADV_COLLAPSE) in process {pid}: {e}"
-                    )),
+                    Err(e) => failed(
+                        format!("process_madvise(MADV_COLLAPSE) in process {pid}"),
+                        &e,
+                    ),
                 }
             }
             (Memory::Local(_), _) => Chunk::Gone,
@@ -335,8 +379,27 @@ impl Drop for Job {
 enum Chunk {
     Collapsed,
     NotPresent,
-    Failed(String),
+    /// Refused, and why; `true` when for want of the right to (every chunk would be).
+    Failed(String, bool),
     Gone,
+}
+
+/// A refusal of `op`: its text, and whether it is for want of the right to.
+fn failed(op: String, e: &std::io::Error) -> Chunk {
+    let denied = matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM));
+    Chunk::Failed(format!("{op}: {e}"), denied)
+}
+
+/// Whether the process of `pidfd` has exited (its pidfd polls readable).
+fn exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd, no timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n != 0
 }
 
 /// Whether every page of the 2 MiB at `addr` in process `pid` is present.

@@ -360,6 +360,40 @@ impl Image {
         ))
     }
 
+    /// Unmaps from this process the page-cache pages a copy out of [`Image::mapped_block`]
+    /// mapped for `block` (the page cache keeps them): a server's own memory does not grow
+    /// by every memory file it serves.
+    pub(crate) fn release_mapped(&self, block: u64) {
+        let Some(source) = self.inner.source.as_ref() else {
+            return;
+        };
+        let (ri, offset, len) = self.block_span(block);
+        let at = self.inner.regions[ri].file_offset + offset;
+        if at + len <= source.len() as u64 {
+            let _ = source.advise(at as usize, len as usize, crate::mmap::Advice::DontNeed);
+        }
+    }
+
+    /// The host ranges `(start, len)` that hold saved data, each region `i` of the image at
+    /// host address `hosts[i]`: the blocks some save holds, joined where they touch (blocks
+    /// no save holds read as zero).
+    pub(crate) fn data_spans(&self, hosts: &[u64]) -> Vec<(u64, u64)> {
+        let mut spans: Vec<(u64, u64)> = Vec::new();
+        for b in 0..self.total_blocks() {
+            if !self.held_from(b, 0) {
+                continue;
+            }
+            let (ri, offset, len) = self.block_span(b);
+            let Some(&host) = hosts.get(ri) else { continue };
+            let start = host + offset;
+            match spans.last_mut() {
+                Some((s, l)) if *s + *l == start => *l += len,
+                _ => spans.push((start, len)),
+            }
+        }
+        spans
+    }
+
     /// Block size in bytes.
     pub fn block_bytes(&self) -> u64 {
         self.inner.block_bytes

@@ -261,7 +261,7 @@ impl Lazy {
     /// pages; hugetlb has no zero-page call, so a zeroed staging buffer is copied there.
     fn zero_pages(&self, lr: &LRegion, at: usize, len: usize) -> std::io::Result<()> {
         if lr.page as usize <= crate::sys::base_page_size() as usize {
-            return self.uffd.zeropage(lr.target(), at, len);
+            return self.uffd.zeropage(lr.target(), at, len, &|| self.drain());
         }
         with_staging(
             len,
@@ -483,6 +483,7 @@ impl Lazy {
                             Some(libc::EFAULT) => self.image.mapped_copy_error(block, e),
                             _ => at.mem_err("UFFDIO_COPY")(e),
                         })?;
+                self.image.release_mapped(block);
                 if copied < n {
                     return Err(at.present_before(copied));
                 }

@@ -524,7 +524,7 @@ impl PageServer {
         match started {
             Ok((mut lazy, image)) => {
                 if cfg.regain_huge {
-                    if let Some((job, handle)) = regain_job(&regions, &process) {
+                    if let Some((job, handle)) = regain_job(&regions, &process, &image) {
                         lazy.regain_when_complete(job, handle);
                     }
                 }
@@ -677,6 +677,7 @@ impl PageServer {
 fn regain_job(
     regions: &[UffdRegion],
     process: &PeerProcess,
+    image: &Image,
 ) -> Option<(super::regain::Job, super::Regaining)> {
     let ranges: Vec<(u64, u64)> = regions
         .iter()
@@ -689,7 +690,12 @@ fn regain_job(
         return None;
     }
     let memory = super::regain::Memory::Remote { pidfd, pid, ranges };
-    Some(super::regain::Job::new(memory, None))
+    let hosts: Vec<u64> = regions.iter().map(|r| r.base_host_virt_addr).collect();
+    Some(super::regain::Job::new(
+        memory,
+        None,
+        image.data_spans(&hosts),
+    ))
 }
 
 /// The memory file as an image of the peer's regions, once checked to hold them all;
