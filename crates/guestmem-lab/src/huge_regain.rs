@@ -196,11 +196,12 @@ fn measure(
     let t = Instant::now();
     let mut sum = 0u64;
     for a in addresses(cfg.size, cfg.reads) {
+        let p = (host + a as usize) as *const u64;
         // SAFETY: `a + 8 <= size`, 8-byte aligned, inside the restored region, which `r.map`
         // keeps mapped; every block is in (waited above), so the read never faults to a
         // server; guest memory is read only through raw pointers here.
-        sum =
-            sum.wrapping_add(unsafe { std::ptr::read_volatile((host + a as usize) as *const u64) });
+        let w = unsafe { std::ptr::read_volatile(p) };
+        sum = sum.wrapping_add(w);
     }
     let seconds = t.elapsed().as_secs_f64();
     if sum != want {
