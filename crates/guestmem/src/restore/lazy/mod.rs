@@ -62,6 +62,7 @@ use crate::snapshot::{Image, SnapshotError};
 use crate::uffd::{RegisterMode, Uffd};
 
 mod place;
+mod prefetch;
 mod remote;
 mod serve;
 

@@ -9,29 +9,10 @@ use std::time::Instant;
 use linux_raw_sys::general as uapi;
 
 use super::{LRegion, Lazy, Place, BUSY, DONE, EMPTY, FAILED, POLL_MS, SCRATCH, STAGING};
-use crate::jobs::{Job, JobRange};
 use crate::mmap::{Advice, Mapping};
 use crate::restore::latency::FaultClass;
 use crate::snapshot::SnapshotError;
 use crate::uffd::Event;
-
-/// Nice value of prefetch threads: below the vCPUs, the VMM and the fault handlers, so
-/// prefetch takes the CPU time they leave (a vCPU waiting on a fault leaves its CPU), and a
-/// guest's start is not queued behind it.
-const PREFETCH_NICE: libc::c_int = 5;
-
-/// Lowers the calling thread's priority to [`PREFETCH_NICE`], once per thread.
-fn lower_priority() {
-    thread_local!(static DONE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
-    if !DONE.with(|d| d.replace(true)) {
-        // SAFETY: gettid takes nothing; setpriority on our own thread id touches no memory.
-        // Best effort: a failure leaves the thread at its priority.
-        unsafe {
-            let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-            libc::setpriority(libc::PRIO_PROCESS, tid, PREFETCH_NICE);
-        }
-    }
-}
 
 /// A block being filled: where it is in its region, and whether it reads as zero.
 #[derive(Clone, Copy)]
@@ -69,9 +50,6 @@ impl BlockAt<'_> {
         }
     }
 }
-
-/// How far past the guest's latest fault the prefetch reads ahead (see `Lazy::follow`).
-const FOLLOW_BYTES: u64 = 32 << 20;
 
 impl Lazy {
     /// A handler thread: read faults, serve them, until told to stop.
@@ -136,7 +114,7 @@ impl Lazy {
     }
 
     /// Serves the faults [`Lazy::drain`] queued.
-    fn serve_pending(&self) {
+    pub(super) fn serve_pending(&self) {
         loop {
             let next = self.pending.lock().unwrap_or_else(|e| e.into_inner()).pop();
             match next {
@@ -335,7 +313,7 @@ impl Lazy {
         }
     }
 
-    fn claim(&self, block: u64) -> Result<(), u8> {
+    pub(super) fn claim(&self, block: u64) -> Result<(), u8> {
         self.state[block as usize]
             .compare_exchange(EMPTY, BUSY, Ordering::AcqRel, Ordering::Acquire)
             .map(|_| ())
@@ -343,7 +321,7 @@ impl Lazy {
 
     /// Fills a claimed block and marks it done, or fails the restore. Whether it was a zero
     /// block, or `None` when it could not be filled.
-    fn serve(&self, block: u64) -> Option<bool> {
+    pub(super) fn serve(&self, block: u64) -> Option<bool> {
         let busy = self.counters.busy.load(Ordering::SeqCst);
         match self.fill(block) {
             Ok(()) => {
@@ -618,117 +596,6 @@ impl Lazy {
             // No thread to be had: nothing to do but say so (running them here could block
             // this handler on the memory it serves).
             eprintln!("guestmem: lazy restore failure hooks not run: cannot spawn a thread: {e}");
-        }
-    }
-
-    /// Prefetches `first` (runs of it, in its order), then every other block.
-    pub(super) fn prefetch(&self, first: &[u64], threads: usize) {
-        let mut ranges: Vec<JobRange> = Vec::new();
-        for b in self.plan(first) {
-            match ranges.last_mut() {
-                Some(r) if r.start + r.len == b => r.len += 1,
-                _ => ranges.push(JobRange::new(b, 1)),
-            }
-        }
-        let job = Job::over(ranges)
-            .expect("block ranges fit")
-            .with_max_threads(threads);
-        let _ = job.run(|chunk| {
-            lower_priority();
-            for b in chunk.start..chunk.start + chunk.len {
-                if self.failed.load(Ordering::Acquire) || self.cancel.load(Ordering::Acquire) {
-                    return Err(());
-                }
-                self.follow();
-                if self.claim(b).is_ok() {
-                    self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
-                    self.serve(b);
-                }
-                self.serve_pending();
-            }
-            Ok(())
-        });
-    }
-
-    /// Every block once: those of `first` (a recorded working set) in its order, then the
-    /// rest in address order.
-    pub(super) fn plan(&self, first: &[u64]) -> Vec<u64> {
-        let mut seen = vec![false; self.total as usize];
-        let mut order = Vec::with_capacity(self.total as usize);
-        for &b in first {
-            if b < self.total && !std::mem::replace(&mut seen[b as usize], true) {
-                order.push(b);
-            }
-        }
-        order.extend((0..self.total).filter(|&b| !seen[b as usize]));
-        order
-    }
-
-    /// One step of a pool's prefetch for this restore: a block just past the guest's latest
-    /// fault, else the next of its planned order not in yet. False once nothing is left to
-    /// bring in (or the restore is over).
-    pub(super) fn prefetch_step(&self) -> bool {
-        if self.failed.load(Ordering::Acquire) || self.cancel.load(Ordering::Acquire) {
-            return false;
-        }
-        if self.follow_one() {
-            return true;
-        }
-        let Some(order) = self.order.get() else {
-            return false;
-        };
-        loop {
-            let i = self.cursor.fetch_add(1, Ordering::AcqRel) as usize;
-            let Some(&b) = order.get(i) else {
-                return false;
-            };
-            if self.claim(b).is_ok() {
-                self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
-                self.serve(b);
-                self.serve_pending();
-                return true;
-            }
-        }
-    }
-
-    /// Read-ahead that follows the guest: brings in, in order, the blocks just past its
-    /// latest fault, up to [`FOLLOW_BYTES`] beyond it, before the planned order goes on. A
-    /// guest that reads its memory in a stream (a boot, a scan, a checksum) then finds its
-    /// next blocks in before it gets there, and faults once per window instead of once per
-    /// block; one that reads at random loses a window of prefetch order, no more.
-    fn follow(&self) {
-        while self.follow_one() {}
-    }
-
-    /// One block of [`Lazy::follow`]: true when one was brought in (or found in already)
-    /// and the stream may go on.
-    fn follow_one(&self) -> bool {
-        let window = (FOLLOW_BYTES / self.image.block_bytes()).max(1);
-        loop {
-            let h = self.ahead.load(Ordering::Acquire);
-            let limit = self
-                .fault_next
-                .load(Ordering::Acquire)
-                .saturating_add(window);
-            if h >= self.total || h >= limit {
-                return false;
-            }
-            if self
-                .ahead
-                .compare_exchange(h, h + 1, Ordering::AcqRel, Ordering::Acquire)
-                .is_err()
-            {
-                continue;
-            }
-            if self.failed.load(Ordering::Acquire) || self.cancel.load(Ordering::Acquire) {
-                return false;
-            }
-            if self.claim(h).is_ok() {
-                self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
-                self.serve(h);
-                self.serve_pending();
-                return true;
-            }
         }
     }
 
