@@ -389,6 +389,23 @@ fn mappings_from(vmas: &[Vma], min_bytes: u64) -> Vec<MappingUsage> {
         .collect()
 }
 
+/// The share (0 to 1) of `file`'s pages in the page cache, read with `mincore` on a
+/// read-only mapping of it (which reads nothing in): whether a restore from it will read the
+/// disk.
+pub fn page_cache_share(file: &std::fs::File) -> std::io::Result<f64> {
+    use std::os::fd::AsFd;
+    let len = usize::try_from(file.metadata()?.len()).map_err(std::io::Error::other)?;
+    if len == 0 {
+        return Ok(0.0);
+    }
+    // SAFETY: the mapping is only asked for its residency (mincore), never read by a CPU.
+    let m =
+        unsafe { crate::mmap::Mapping::file_source(file.as_fd(), len) }.map_err(|e| e.into_io())?;
+    let pages = len.div_ceil(crate::sys::base_page_size() as usize);
+    let cached = m.resident_pages(0, len).map_err(|e| e.into_io())?;
+    Ok(cached as f64 / pages as f64)
+}
+
 /// Bytes of process `pid`'s memory in `ranges` (`(start, len)`) that transparent huge pages
 /// map (smaps `AnonHugePages` of the VMAs that lie inside a range).
 pub(crate) fn anon_huge_in(pid: u32, ranges: &[(u64, u64)]) -> Result<u64, InspectError> {
@@ -447,6 +464,17 @@ impl ProcessMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_just_written_is_all_in_the_page_cache_and_an_empty_one_has_none() {
+        let path = std::env::temp_dir().join(format!("gm-{}-cached", std::process::id()));
+        std::fs::write(&path, vec![7u8; 3 * 4096 + 100]).unwrap();
+        let f = std::fs::File::open(&path).unwrap();
+        assert_eq!(page_cache_share(&f).unwrap(), 1.0);
+        std::fs::write(&path, b"").unwrap();
+        assert_eq!(page_cache_share(&f).unwrap(), 0.0);
+        let _ = std::fs::remove_file(&path);
+    }
 
     const SMAPS: &str = "\
 7f0000000000-7f0000400000 rw-p 00000000 00:00 0 

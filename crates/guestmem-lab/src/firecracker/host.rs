@@ -33,40 +33,10 @@ pub fn drop_cache(path: &Path) -> io::Result<()> {
     }
 }
 
-/// The share of `path`'s pages in the page cache (0 to 1), from `mincore` on a read-only
-/// shared mapping of it (which reads nothing in).
+/// The share of `path`'s pages in the page cache (0 to 1)
+/// ([`guestmem::inspect::page_cache_share`]).
 pub fn cached_share(path: &Path) -> io::Result<f64> {
-    let f = File::open(path)?;
-    let len = usize::try_from(f.metadata()?.len()).map_err(io::Error::other)?;
-    if len == 0 {
-        return Ok(0.0);
-    }
-    // SAFETY: a fresh read-only mapping of our own descriptor; the kernel picks the place.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            f.as_raw_fd(),
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    let page = 4096;
-    let mut vec = vec![0u8; len.div_ceil(page)];
-    // SAFETY: `p` maps `len` bytes; `vec` holds one byte per page of them.
-    let r = unsafe { libc::mincore(p, len, vec.as_mut_ptr()) };
-    let e = io::Error::last_os_error();
-    // SAFETY: unmaps exactly the mapping made above, used by nothing else.
-    unsafe { libc::munmap(p, len) };
-    if r != 0 {
-        return Err(e);
-    }
-    let cached = vec.iter().filter(|&&b| b & 1 != 0).count();
-    Ok(cached as f64 / vec.len() as f64)
+    guestmem::inspect::page_cache_share(&File::open(path)?)
 }
 
 /// A value of the 2 MiB pool's sysfs file `file`.

@@ -557,6 +557,33 @@ impl Mapping {
     /// got there (written through the descriptor or another mapping too). Read in batches,
     /// stopping at the first resident page.
     pub fn any_resident(&self, offset: usize, len: usize) -> Result<bool, MmapError> {
+        let mut any = false;
+        self.residency(offset, len, |pages| {
+            any = pages.iter().any(|&b| b & 1 != 0);
+            !any
+        })?;
+        Ok(any)
+    }
+
+    /// How many base pages of `offset..offset+len` are resident (`mincore`: for a file
+    /// mapping, in the page cache, whether or not this process touched them).
+    pub(crate) fn resident_pages(&self, offset: usize, len: usize) -> Result<usize, MmapError> {
+        let mut n = 0;
+        self.residency(offset, len, |pages| {
+            n += pages.iter().filter(|&&b| b & 1 != 0).count();
+            true
+        })?;
+        Ok(n)
+    }
+
+    /// `mincore` over `offset..offset+len` a batch at a time, each batch's bytes (one per
+    /// base page) given to `each`, until it returns false.
+    fn residency(
+        &self,
+        offset: usize,
+        len: usize,
+        mut each: impl FnMut(&[u8]) -> bool,
+    ) -> Result<(), MmapError> {
         /// Pages whose residency one `mincore` call reads.
         const BATCH_PAGES: usize = 1 << 14;
         let addr = self.range(offset, len)?;
@@ -573,12 +600,12 @@ impl Mapping {
             // writes n <= BATCH_PAGES bytes into `vec`.
             let ret = unsafe { libc::mincore(at as *mut libc::c_void, n * page, vec.as_mut_ptr()) };
             sys_result(ret, "mincore", at, n * page)?;
-            if vec[..n].iter().any(|&b| b & 1 != 0) {
-                return Ok(true);
+            if !each(&vec[..n]) {
+                return Ok(());
             }
             at += n * page;
         }
-        Ok(false)
+        Ok(())
     }
 
     /// Binds `offset..offset+len` to NUMA node `node` (`mbind(MPOL_BIND)`; libc has no
