@@ -27,7 +27,11 @@
 //! **What is measured**, per round: from sending `snapshot/load` to its HTTP reply (`load`),
 //! and from sending `snapshot/load` to the guest's `TOUCH` line, `t` being sent as soon as the
 //! load returned (`first full touch`: the guest reads two words of every one of its 131072
-//! pages). Each in two page-cache states of the memory file: `warm` (read whole just
+//! pages), then the same pass again (`resident pass`: every page in and mapped, so the
+//! guest's own work, which on this host's emulating `/dev/kvm` is most of a pass and drifts
+//! with the host's load); `restore cost` is the first less the second, round by round, and
+//! each variant's first full touch is also put over `file`'s of the same round. Each in two
+//! page-cache states of the memory file: `warm` (read whole just
 //! before) and `cold` (written back and dropped with `POSIX_FADV_DONTNEED` just before). The
 //! share of the file cached when the round starts is read with `mincore` and recorded, so the
 //! state is verified, not trusted; `cold` is this VM's page cache only (the host below may
@@ -236,6 +240,10 @@ pub struct FcSample {
     pub load_secs: f64,
     /// From sending `snapshot/load` to the guest's `TOUCH` line, seconds.
     pub touch_secs: f64,
+    /// The same `t` pass sent again right after, every page resident and mapped: the
+    /// guest's own work, seconds (from sending `t` to its `TOUCH` line).
+    #[serde(default)]
+    pub resident_secs: f64,
     /// The share of the memory file in the page cache as the round started (`mincore`).
     pub cached_before: f64,
     /// Whether `g` checked every qword this round (it found each right, or the run failed).
@@ -269,6 +277,20 @@ pub struct FcVariant {
     pub load_vs_file: f64,
     /// Median first full touch over `file`'s in the same cache state (0: no `file`).
     pub touch_vs_file: f64,
+    /// The resident pass, seconds.
+    #[serde(default)]
+    pub resident: Summary,
+    /// What the restore cost the guest: the first full touch less the resident pass of the
+    /// same round, seconds.
+    #[serde(default)]
+    pub cost: Summary,
+    /// Median cost over `file`'s in the same cache state (0: no `file`).
+    #[serde(default)]
+    pub cost_vs_file: f64,
+    /// First full touch over `file`'s in the same round and cache state, one ratio per
+    /// measured round (rounds side by side share the host's speed of the moment).
+    #[serde(default)]
+    pub touch_vs_file_paired: Summary,
     /// Every round, warm-ups included, in run order.
     pub samples: Vec<Sampled<FcSample>>,
 }
@@ -490,20 +512,42 @@ fn summarise_variants(
             touch: summarise(&samples, |s| s.touch_secs),
             load_vs_file: 0.0,
             touch_vs_file: 0.0,
+            resident: summarise(&samples, |s| s.resident_secs),
+            cost: summarise(&samples, |s| s.touch_secs - s.resident_secs),
+            cost_vs_file: 0.0,
+            touch_vs_file_paired: Summary::default(),
             samples,
         })
         .collect();
     for i in 0..out.len() {
-        let file = out
+        let Some(file) = out
             .iter()
             .find(|f| f.name == Variant::File.name() && f.cache == out[i].cache)
-            .map(|f| (f.load.median, f.touch.median));
-        if let Some((load, touch)) = file {
-            out[i].load_vs_file = ratio(out[i].load.median, load);
-            out[i].touch_vs_file = ratio(out[i].touch.median, touch);
+        else {
+            continue;
+        };
+        let (load, touch, cost) = (file.load.median, file.touch.median, file.cost.median);
+        let paired = paired_ratios(&out[i].samples, &file.samples);
+        let v = &mut out[i];
+        v.load_vs_file = ratio(v.load.median, load);
+        v.touch_vs_file = ratio(v.touch.median, touch);
+        v.cost_vs_file = ratio(v.cost.median, cost);
+        if !paired.is_empty() {
+            v.touch_vs_file_paired = Summary::of(&paired);
         }
     }
     out
+}
+
+/// First full touch over `file`'s, round by round (measured rounds both have).
+fn paired_ratios(v: &[Sampled<FcSample>], file: &[Sampled<FcSample>]) -> Vec<f64> {
+    v.iter()
+        .filter(|s| !s.at.warmup)
+        .filter_map(|s| {
+            let f = file.iter().find(|f| f.at.round == s.at.round)?;
+            Some(ratio(s.sample.touch_secs, f.sample.touch_secs))
+        })
+        .collect()
 }
 
 /// The result frame around what was found.
@@ -524,7 +568,8 @@ fn result(
         },
         timed: "load: from sending snapshot/load to its reply; first full touch: from sending \
                 snapshot/load to the guest's TOUCH line (t sent when the load returned), in a \
-                fresh Firecracker process each round"
+                fresh Firecracker process each round; resident pass: the same t pass sent again \
+                right after; restore cost: the first less the second"
             .into(),
         body: FirecrackerFindings {
             skipped,

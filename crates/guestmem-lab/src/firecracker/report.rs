@@ -42,7 +42,7 @@ fn row(v: &FcVariant) -> String {
         false => "n/a".into(),
     };
     format!(
-        "| {} | {} | {} | {} | {} | {} | {} | {:.0}% | {:.0} / {:.0} | {} | {} | {} | {} | {:.0} | {} |\n",
+        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0}% | {:.0} / {:.0} | {} | {} | {} | {} | {:.0} | {} |\n",
         v.name,
         v.cache.name(),
         if v.page_size >= 2 << 20 { "2M" } else { "4K" },
@@ -50,6 +50,18 @@ fn row(v: &FcVariant) -> String {
         secs(&v.touch),
         ratio(v.load_vs_file),
         ratio(v.touch_vs_file),
+        match v.touch_vs_file_paired.n {
+            0 => "n/a".to_string(),
+            _ => format!(
+                "{:.2} ({:.2}-{:.2})",
+                v.touch_vs_file_paired.median,
+                v.touch_vs_file_paired.min,
+                v.touch_vs_file_paired.max
+            ),
+        },
+        secs(&v.resident),
+        secs(&v.cost),
+        ratio(v.cost_vs_file),
         m(|s| s.cached_before) * 100.0,
         m(|s| s.vmm_minor_faults as f64),
         m(|s| s.vmm_major_faults as f64),
@@ -84,7 +96,11 @@ impl LabReport for FirecrackerResult {
                  threads, 1 MiB blocks, one prefetch thread; `-faults`: none). Timed: {}. Cache: the memory file read \
                  whole (warm) or written back and dropped with POSIX_FADV_DONTNEED (cold) \
                  before each round; `cached` is what mincore found then. Server phases are \
-                 seconds after sending snapshot/load (medians). Every TOUCH said BAD 0; \
+                 seconds after sending snapshot/load (medians). `touch / file, round by round`: \
+                 each round's first full touch over `file`'s in the same round, median \
+                 (min-max) of those ratios. `resident pass`: the same `t` pass sent again \
+                 right after, every page in (the guest's own work); `restore cost`: first \
+                 full touch less that pass, round by round. Every TOUCH said BAD 0; \
                  `checked`: a `g` pass also found every qword right.\n",
                 s.mem_mib, s.server_threads, self.timed
             ),
@@ -100,9 +116,10 @@ impl LabReport for FirecrackerResult {
         }
         md.push_str(
             "\n| variant | cache | page | load s | first full touch s | load / file \
-             | touch / file | cached | VMM faults min / maj | server faults / blocks in \
+             | touch / file | touch / file, round by round | resident pass s | restore cost s \
+             | cost / file | cached | VMM faults min / maj | server faults / blocks in \
              | handshake s | first fault s | all in s | huge MiB at touch | checked |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for v in &self.body.variants {
             md.push_str(&row(v));
