@@ -24,6 +24,14 @@ use crate::mmap::Mapping;
 const UFFDIO_POISON: u32 =
     (3 << 30) | ((std::mem::size_of::<uapi::uffdio_poison>() as u32) << 16) | (0xAA << 8) | 8;
 
+/// `_IOWR(UFFDIO, _UFFDIO_MOVE, struct uffdio_move)`: linux-raw-sys 0.12 has the struct and
+/// the feature bit but not the ioctl number: read|write (3 << 30), size 40 << 16, type 0xAA
+/// << 8, number 5.
+const UFFDIO_MOVE: u32 = (3 << 30)
+    | ((std::mem::size_of::<uapi::uffdio_move>() as u32) << 16)
+    | (0xAA << 8)
+    | uapi::_UFFDIO_MOVE;
+
 /// What a range is registered for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum RegisterMode {
@@ -50,6 +58,10 @@ pub(crate) enum Event {
 pub(crate) struct Uffd {
     fd: OwnedFd,
     features: u64,
+    /// Opened by this process for its own memory (not received from a peer): only then do
+    /// addresses of our own mappings name memory of the descriptor's address space, which
+    /// `UFFDIO_MOVE` needs for its source.
+    own: bool,
 }
 
 /// Memory a userfaultfd call may name: it turns `offset..offset + len` into the kernel's
@@ -143,7 +155,14 @@ impl Uffd {
         };
         // SAFETY: a uffdio_api for UFFDIO_API; it names no memory.
         unsafe { ioctl(&fd, nr::UFFDIO_API, &mut api) }?;
-        Ok((Uffd { fd, features }, api.features))
+        Ok((
+            Uffd {
+                fd,
+                features,
+                own: true,
+            },
+            api.features,
+        ))
     }
 
     /// A userfaultfd another process opened and sent us (its API enabled there, its ranges
@@ -173,7 +192,11 @@ impl Uffd {
         if set < 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(Uffd { fd, features })
+        Ok(Uffd {
+            fd,
+            features,
+            own: false,
+        })
     }
 
     /// The features enabled on it.
@@ -289,6 +312,66 @@ impl Uffd {
             }
         }
         Ok(done)
+    }
+
+    /// Whether [`Uffd::move_in`] may be used: the kernel has `UFFDIO_MOVE` (6.8 and later),
+    /// it was enabled, and this process opened the descriptor for its own memory.
+    pub(crate) fn can_move(&self) -> bool {
+        self.own && self.has(uapi::UFFD_FEATURE_MOVE)
+    }
+
+    /// Moves the pages of `src` at `src_offset..src_offset + len` into `target` at
+    /// `offset` (missing there) with `UFFDIO_MOVE`, and wakes the threads waiting there: no
+    /// copy, and a transparent huge page of `src` moved whole to a 2 MiB-aligned range of
+    /// `target` stays huge there. `src`'s range is left unmapped (it reads as zero and
+    /// faults fresh pages when next written). Returns the bytes moved and, when that is not
+    /// all of them, why it stopped (`EEXIST`: a page of `target` was present; `EBUSY`: a
+    /// page of `src` is shared or pinned, and must be copied instead); what was not moved
+    /// is still in `src`.
+    ///
+    /// # Safety
+    /// Nothing may read or write `src`'s range during the call, and no reference into it
+    /// may be live: its pages change owner under it.
+    pub(crate) unsafe fn move_in(
+        &self,
+        target: &Mapping,
+        offset: usize,
+        src: &Mapping,
+        src_offset: usize,
+        len: usize,
+        on_busy: &dyn Fn(),
+    ) -> (usize, Option<io::Error>) {
+        if !self.can_move() {
+            return (0, Some(io::Error::from_raw_os_error(libc::EINVAL)));
+        }
+        let (d, s) = match (target.uffd_range(offset, len), range(src, src_offset, len)) {
+            (Ok(d), Ok(s)) => (d, s),
+            (Err(e), _) | (_, Err(e)) => return (0, Some(e)),
+        };
+        let mut done = 0usize;
+        while done < len {
+            let mut m = uapi::uffdio_move {
+                dst: d.start + done as u64,
+                src: s.start + done as u64,
+                len: (len - done) as u64,
+                mode: 0,
+                move_: 0,
+            };
+            // SAFETY: a uffdio_move for UFFDIO_MOVE on a descriptor this process opened for
+            // its own address space (`can_move`): `dst` lies in `target`, `src` in `src`, both
+            // our own mappings (checked above); the caller keeps everything else off `src`.
+            match unsafe { ioctl(&self.fd, UFFDIO_MOVE, &mut m) } {
+                Ok(()) => done += m.move_ as usize,
+                Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
+                    if m.move_ <= 0 {
+                        on_busy();
+                    }
+                    done += m.move_.max(0) as usize;
+                }
+                Err(e) => return (done + m.move_.max(0) as usize, Some(e)),
+            }
+        }
+        (done, None)
     }
 
     /// Maps the zero page at `offset..offset + len` of `target` (private anonymous memory)

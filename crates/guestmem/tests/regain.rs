@@ -2,7 +2,9 @@
 //! huge pages is saved (the manifest records how much), restored into memory with no THP
 //! advice (where a restore's 4 KiB fills stay 4 KiB), and smaps shows `AnonHugePages` back
 //! at the saved level once the collapse has run; the bytes read back are the saved ones.
-//! A collapse the kernel refuses leaves a whole restore on 4 KiB pages.
+//! A collapse the kernel refuses leaves a whole restore on 4 KiB pages. A lazy restore in
+//! 2 MiB blocks into memory that takes huge pages moves them in whole (`UFFDIO_MOVE`): huge
+//! from the start, no collapse.
 
 use std::path::PathBuf;
 
@@ -17,6 +19,17 @@ use guestmem_testkit::Scratch;
 const MIB: u64 = 1 << 20;
 const SIZE: u64 = 64 * MIB;
 
+/// This kernel's release, and its major and minor numbers.
+fn kernel() -> (String, u32, u32) {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut v = release
+        .trim()
+        .split(['.', '-'])
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (v.next().unwrap_or(0), v.next().unwrap_or(0));
+    (release.trim().to_string(), major, minor)
+}
+
 /// Why THP or MADV_COLLAPSE cannot be tried here, if they cannot.
 fn missing() -> Option<String> {
     let thp =
@@ -27,17 +40,9 @@ fn missing() -> Option<String> {
             thp.trim()
         ));
     }
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let mut v = release
-        .trim()
-        .split(['.', '-'])
-        .map(|p| p.parse::<u32>().unwrap_or(0));
-    let (major, minor) = (v.next().unwrap_or(0), v.next().unwrap_or(0));
+    let (release, major, minor) = kernel();
     if (major, minor) < (6, 1) {
-        return Some(format!(
-            "MADV_COLLAPSE needs Linux 6.1, this is {}",
-            release.trim()
-        ));
+        return Some(format!("MADV_COLLAPSE needs Linux 6.1, this is {release}"));
     }
     None
 }
@@ -209,4 +214,93 @@ fn chunks_the_snapshot_holds_no_data_for_are_not_made_real_memory() {
         u.resident
     );
     assert!(u.huge >= SIZE / 4, "the data half is huge again: {u:?}");
+}
+
+/// `UFFDIO_MOVE`, for restores that move huge pages in whole: offered by this kernel, which
+/// must be 6.16 or later (guestmem moves nothing on earlier ones).
+fn no_move() -> Option<String> {
+    use linux_raw_sys::general::{uffdio_api, UFFD_API, UFFD_FEATURE_MOVE};
+    let (release, major, minor) = kernel();
+    if (major, minor) < (6, 16) {
+        return Some(format!(
+            "guestmem moves pages in only on Linux 6.16 and later, this is {release}"
+        ));
+    }
+    // SAFETY: flags only.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) } as i32;
+    if fd < 0 {
+        return Some("userfaultfd unavailable (needs root)".into());
+    }
+    let mut api = uffdio_api {
+        api: u64::from(UFFD_API),
+        features: 0,
+        ioctls: 0,
+    };
+    // SAFETY: a uffdio_api for UFFDIO_API on our own descriptor, closed right after.
+    let r = unsafe { libc::ioctl(fd, linux_raw_sys::ioctl::UFFDIO_API as _, &mut api) };
+    // SAFETY: our own descriptor, closed once.
+    unsafe { libc::close(fd) };
+    (r != 0 || api.features & u64::from(UFFD_FEATURE_MOVE) == 0)
+        .then(|| "this kernel's userfaultfd does not offer UFFDIO_MOVE".into())
+}
+
+#[test]
+fn a_lazy_restore_of_2m_blocks_moves_huge_pages_in_whole_and_they_stay_huge() {
+    let _g = guestmem_testkit::host_lock();
+    guestmem_testkit::skip_unless!(missing().or_else(no_uffd).or_else(no_move));
+    let dir = Scratch::new("regain-move");
+    // Saved in 2 MiB blocks: each one a whole huge page at a 2 MiB-aligned address.
+    let map = GuestMap::from_specs(&[RegionSpec::new(GuestAddress(0), SIZE)]).unwrap();
+    let view = map.view();
+    for p in 0..SIZE / 4096 {
+        view.write_obj(word(p * 4096), GuestAddress(p * 4096))
+            .unwrap();
+    }
+    let snap = dir.join("snap");
+    let save = SaveConfig {
+        block_bytes: 2 * MIB,
+        ..SaveConfig::default()
+    };
+    let source_huge = inspect(&view).unwrap()[0].huge;
+    assert!(
+        source_huge >= SIZE / 2,
+        "the saved map ran on huge pages (else this host gives none, whatever a restore does): \
+         {source_huge:#x}"
+    );
+    snapshot::save(&view, &snap, &save).unwrap();
+    drop(map);
+    let image = Image::open(&snap).unwrap();
+    // Huge pages asked for (the default spec), no collapse: whatever is huge after came in
+    // huge. Faults only, the pages read at once (each fault moves its block), then with
+    // prefetch (the prefetch thread moves them).
+    let huge = vec![RegionSpec::new(GuestAddress(0), SIZE)];
+    for prefetch in [Prefetch::None, Prefetch::Recorded] {
+        let rcfg = RestoreConfig {
+            prefetch,
+            ..cfg(RestoreMode::Lazy, RegainHuge::Off)
+        };
+        let r = restore::restore(&image, &huge, &rcfg).unwrap();
+        check_words(&r.map);
+        let l = r.lazy.unwrap();
+        l.wait_complete().unwrap();
+        let rep = l.finish().unwrap();
+        assert_eq!(
+            (rep.bytes_moved, rep.bytes_copied),
+            (SIZE, SIZE),
+            "{prefetch:?}: every block moved in: {rep:?}"
+        );
+        let now = inspect(&r.map.view()).unwrap()[0].huge;
+        assert!(
+            now >= SIZE / 2,
+            "{prefetch:?}: the moved pages are huge: smaps says {now:#x} of {SIZE:#x}"
+        );
+        check_words(&r.map);
+    }
+    // Huge pages refused for the target: copied, 4 KiB, as before.
+    let no = vec![RegionSpec::new(GuestAddress(0), SIZE).with_thp(Thp::NoHuge)];
+    let r = restore::restore(&image, &no, &cfg(RestoreMode::Lazy, RegainHuge::Off)).unwrap();
+    let rep = r.lazy.unwrap().finish().unwrap();
+    assert_eq!((rep.bytes_moved, rep.bytes_copied), (0, SIZE), "{rep:?}");
+    assert_eq!(inspect(&r.map.view()).unwrap()[0].huge, 0);
+    check_words(&r.map);
 }

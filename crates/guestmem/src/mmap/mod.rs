@@ -348,6 +348,9 @@ pub enum Advice {
     /// `MADV_COLLAPSE` (Linux 6.1): copy the pages of each whole 2 MiB into a transparent
     /// huge page now, keeping their contents (pages not present are allocated zero).
     Collapse,
+    /// `MADV_DONTFORK`: a child made by `fork` does not get the range (this process keeps
+    /// it as it is).
+    DontFork,
 }
 
 impl Advice {
@@ -358,6 +361,7 @@ impl Advice {
             Advice::PopulateWrite => (libc::MADV_POPULATE_WRITE, "madvise(MADV_POPULATE_WRITE)"),
             Advice::DontNeed => (libc::MADV_DONTNEED, "madvise(MADV_DONTNEED)"),
             Advice::Collapse => (libc::MADV_COLLAPSE, "madvise(MADV_COLLAPSE)"),
+            Advice::DontFork => (libc::MADV_DONTFORK, "madvise(MADV_DONTFORK)"),
         }
     }
 }

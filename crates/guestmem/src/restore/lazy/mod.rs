@@ -10,8 +10,10 @@
 //!
 //! - Private anonymous regions: the block is read into a per-thread staging buffer, checked,
 //!   and placed with `UFFDIO_COPY` (a zero block with `UFFDIO_ZEROPAGE`). The kernel installs
-//!   4 KiB pages: a lazily restored anonymous region holds no transparent huge pages until
-//!   khugepaged collapses them (restore eagerly to keep them).
+//!   4 KiB pages, collapsed back to huge pages once the restore is complete (`regain`).
+//!   Blocks of whole 2 MiB pages in memory advised `MADV_HUGEPAGE` are read into a staging
+//!   buffer on huge pages and moved in whole with `UFFDIO_MOVE` instead: huge from the start
+//!   (`moved.rs` says where and why).
 //! - memfd and hugetlb regions: registered for missing and minor faults; the block is read
 //!   into the page cache through a second, unregistered mapping of the same file (a zero block
 //!   with `fallocate`), then mapped with `UFFDIO_CONTINUE`. Blocks are whole huge pages, so
@@ -61,6 +63,7 @@ use crate::region::Region;
 use crate::snapshot::{Image, SnapshotError};
 use crate::uffd::{RegisterMode, Uffd};
 
+mod moved;
 mod place;
 mod prefetch;
 mod remote;
@@ -106,6 +109,11 @@ pub struct LazyReport {
     pub zero_blocks: u64,
     /// Bytes read from the image and installed.
     pub bytes_copied: u64,
+    /// Of those, bytes of blocks moved in with `UFFDIO_MOVE` rather than copied: pages read
+    /// into a staging buffer on transparent huge pages move whole and stay huge (in-process
+    /// restores of anonymous memory advised `MADV_HUGEPAGE`, blocks of whole 2 MiB pages,
+    /// Linux 6.16 and later).
+    pub bytes_moved: u64,
     /// Blocks in all.
     pub blocks: u64,
     /// From the start of the restore until every block was in, seconds.
@@ -136,6 +144,7 @@ struct Counters {
     prefetched: AtomicU64,
     zero: AtomicU64,
     bytes: AtomicU64,
+    moved: AtomicU64,
     removes: AtomicU64,
 }
 
@@ -231,6 +240,7 @@ impl Lazy {
             prefetched_blocks: get(&c.prefetched),
             zero_blocks: get(&c.zero),
             bytes_copied: get(&c.bytes),
+            bytes_moved: get(&c.moved),
             blocks: self.total,
             complete_secs: since(&self.complete_at),
             first_fault_secs: since(&self.first_fault),
@@ -276,7 +286,8 @@ impl LazyRestore {
             | uapi::UFFD_FEATURE_MISSING_HUGETLBFS
             | uapi::UFFD_FEATURE_MINOR_SHMEM
             | uapi::UFFD_FEATURE_MINOR_HUGETLBFS
-            | uapi::UFFD_FEATURE_POISON;
+            | uapi::UFFD_FEATURE_POISON
+            | uapi::UFFD_FEATURE_MOVE;
         let uffd = Uffd::open(u64::from(want)).map_err(uerr(
             "open (needs CAP_SYS_PTRACE, or vm.unprivileged_userfaultfd = 1, to see KVM's faults)",
         ))?;

@@ -93,7 +93,7 @@ impl Lazy {
     /// (a remove) waits to be read before the kernel lets the copy go on, and this thread
     /// may be the only reader. Reads what is pending: removes are applied at once, faults
     /// queued for [`Lazy::serve_pending`].
-    fn drain(&self) {
+    pub(super) fn drain(&self) {
         let mut events = Vec::new();
         if self.uffd.read_events(&self.stop, 0, &mut events).is_ok() {
             for ev in events {
@@ -464,6 +464,16 @@ impl Lazy {
                 self.image.release_mapped(block);
                 if copied < n {
                     return Err(at.present_before(copied));
+                }
+                self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                return Ok(());
+            }
+        }
+        if !self.resumed && self.movable(lr, off, n) {
+            let err = |op, e| at.mem_err(op)(e);
+            if let Some(placed) = self.fill_moved(block, lr, off, n, err)? {
+                if placed < n {
+                    return Err(at.present_before(placed));
                 }
                 self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
                 return Ok(());
