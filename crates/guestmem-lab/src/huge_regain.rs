@@ -200,7 +200,9 @@ fn addresses(size: u64, reads: u64) -> impl Iterator<Item = u64> {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        (x % (size / 8)) * 8
+        // Lemire's multiply-shift reduction to [0, words): a 64-bit division here would
+        // bound the pass (the divider is not pipelined) and hide the page walks it measures.
+        ((u128::from(x) * u128::from(size / 8)) >> 64) as u64 * 8
     })
 }
 
