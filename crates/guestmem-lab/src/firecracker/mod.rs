@@ -5,7 +5,7 @@
 //! `../shared/firecracker/README.md`) fills 512 MiB from guest-physical 64 MiB and waits; it
 //! is booted twice at once (so the two fills of ~35 s overlap), with [`DEFAULT_MEM_MIB`] MiB,
 //! once in 4 KiB pages and once in 2 MiB hugetlb pages (`"huge_pages": "2M"`, a pool reserved
-//! for the run by [`host::HugePool`] and always given back), each paused and snapshotted
+//! for the run by `guestmem_testkit::HugePool2M` and always given back), each paused and snapshotted
 //! (Full) into the scratch folder. Then every round restores each variant into a fresh
 //! Firecracker process (`snapshot/load`, `resume_vm: true`):
 //!
@@ -67,7 +67,7 @@ use crate::run::{
     available_cpus, in_work_dir, ratio, summarise, thp_mode, Order, Protocol, RunInfo, Sampled,
     Summary,
 };
-use host::HugePool;
+use guestmem_testkit::HugePool2M;
 use round::measure;
 use vmm::Vmm;
 
@@ -421,7 +421,7 @@ fn measure_all(
     let mut _pool = None;
     if variants.iter().any(|v| v.huge()) {
         // The booted VM and one restored VM at a time.
-        match HugePool::reserve(2 * cfg.mem_mib.div_ceil(2)) {
+        match HugePool2M::grow(2 * cfg.mem_mib.div_ceil(2)) {
             Ok(p) => _pool = Some(p),
             Err(why) => {
                 left_out.push(format!("guestmem-2m: {why}"));
