@@ -52,26 +52,23 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use linux_raw_sys::general as uapi;
-
 use super::latency::{ClassHistograms, FaultLatency};
 use super::regain::{self, Regaining};
-use super::{Prefetch, RestoreConfig};
-use crate::layout::Backing;
 use crate::mmap::Mapping;
-use crate::region::Region;
 use crate::snapshot::{Image, SnapshotError};
-use crate::uffd::{RegisterMode, Uffd};
+use crate::uffd::Uffd;
 
+mod fill;
 mod moved;
 mod place;
 mod prefetch;
 mod remote;
 mod serve;
+mod start;
 
 pub(crate) use remote::Pooled;
 
-use place::{alias, LRegion, Place};
+use place::{LRegion, Place};
 
 const EMPTY: u8 = 0;
 const BUSY: u8 = 1;
@@ -272,211 +269,6 @@ thread_local! {
 }
 
 impl LazyRestore {
-    pub(super) fn start(
-        image: &Image,
-        regions: Vec<Arc<Region>>,
-        cfg: &RestoreConfig,
-        t0: Instant,
-    ) -> Result<LazyRestore, SnapshotError> {
-        let uerr = |op: &str| {
-            let op = op.to_string();
-            move |source| SnapshotError::Userfaultfd { op, source }
-        };
-        let want = uapi::UFFD_FEATURE_MISSING_SHMEM
-            | uapi::UFFD_FEATURE_MISSING_HUGETLBFS
-            | uapi::UFFD_FEATURE_MINOR_SHMEM
-            | uapi::UFFD_FEATURE_MINOR_HUGETLBFS
-            | uapi::UFFD_FEATURE_POISON
-            | uapi::UFFD_FEATURE_MOVE;
-        let uffd = Uffd::open(u64::from(want)).map_err(uerr(
-            "open (needs CAP_SYS_PTRACE, or vm.unprivileged_userfaultfd = 1, to see KVM's faults)",
-        ))?;
-        let mut lregions = Vec::with_capacity(regions.len());
-        for (r, ir) in regions.iter().zip(image.regions()) {
-            let (shared, feature) = match r.backing() {
-                Backing::Anonymous => (false, 0),
-                Backing::Memfd => (true, uapi::UFFD_FEATURE_MINOR_SHMEM),
-                Backing::Hugetlb(_) => (true, uapi::UFFD_FEATURE_MINOR_HUGETLBFS),
-                b => {
-                    return Err(SnapshotError::LazyBacking {
-                        region: r.guest_addr().0,
-                        backing: b.name(),
-                    })
-                }
-            };
-            if shared && !uffd.has(feature) {
-                return Err(SnapshotError::Userfaultfd {
-                    op: format!(
-                        "region at {:#x} ({}): the kernel offers no minor faults for it",
-                        r.guest_addr().0,
-                        r.backing().name()
-                    ),
-                    source: std::io::Error::from_raw_os_error(libc::EOPNOTSUPP),
-                });
-            }
-            let alias = if shared { Some(alias(r)?) } else { None };
-            lregions.push(LRegion::own(r.clone(), alias, ir.first_block));
-        }
-        let mut registered = Vec::new();
-        for lr in &lregions {
-            let region = lr.region().expect("our own regions");
-            let mode = if lr.alias().is_some() {
-                RegisterMode::MissingMinor
-            } else {
-                RegisterMode::Missing
-            };
-            if let Err(e) = uffd.register(region.mapping(), mode) {
-                for m in registered {
-                    let _ = uffd.unregister(m);
-                }
-                return Err(SnapshotError::Userfaultfd {
-                    op: format!(
-                        "register region at {:#x} ({:#x} bytes)",
-                        region.guest_addr().0,
-                        region.size()
-                    ),
-                    source: e,
-                });
-            }
-            registered.push(region.mapping());
-        }
-        let first = match cfg.prefetch {
-            Prefetch::Recorded => Some(image.working_set().to_vec()),
-            Prefetch::None => None,
-        };
-        let threads = (Handlers::Own(cfg.handler_threads), cfg.threads);
-        LazyRestore::launch(image, lregions, uffd, (t0, Target::Fresh), threads, first)
-            .map_err(uerr("spawn a handler or prefetch thread"))
-    }
-
-    /// Builds the engine over `lregions` (registered with `uffd`) and starts `threads.0`
-    /// handlers, and with `first` a prefetch of `threads.1` workers that brings in `first`'s
-    /// blocks first. Undoes what started if a thread cannot be spawned.
-    fn launch(
-        image: &Image,
-        lregions: Vec<LRegion>,
-        uffd: Uffd,
-        (t0, target): (Instant, Target),
-        threads: (Handlers, usize),
-        first: Option<Vec<u64>>,
-    ) -> std::io::Result<LazyRestore> {
-        let own_handlers = match threads.0 {
-            Handlers::Own(n) => n.max(1),
-            Handlers::Pool => 0,
-        };
-        let mut by_host: Vec<(u64, u64, usize)> = lregions
-            .iter()
-            .enumerate()
-            .map(|(i, l)| (l.host, l.host + l.size, i))
-            .collect();
-        by_host.sort_unstable();
-        let total = image.total_blocks();
-        let stop = crate::sys::eventfd()?;
-        let changed = crate::sys::eventfd()?;
-        let lazy = Arc::new(Lazy {
-            image: image.clone(),
-            regions: lregions,
-            by_host,
-            uffd,
-            stop,
-            changed,
-            state: (0..total).map(|_| AtomicU8::new(EMPTY)).collect(),
-            done: AtomicU64::new(0),
-            total,
-            wait: Mutex::new(()),
-            cv: Condvar::new(),
-            failed: AtomicBool::new(false),
-            cancel: AtomicBool::new(false),
-            error: Mutex::new(None),
-            message: OnceLock::new(),
-            hooks: Mutex::new(Vec::new()),
-            t0,
-            complete_at: OnceLock::new(),
-            counters: Counters::default(),
-            recorded: Mutex::new(Vec::new()),
-            pending: Mutex::new(Vec::new()),
-            gone: AtomicBool::new(false),
-            resumed: target == Target::Resumed,
-            latency: ClassHistograms::default(),
-            first_fault: OnceLock::new(),
-            fault_next: AtomicU64::new(u64::MAX),
-            ahead: AtomicU64::new(u64::MAX),
-            order: OnceLock::new(),
-            cursor: AtomicU64::new(0),
-            regain: Mutex::new(None),
-        });
-        let mut this = LazyRestore {
-            lazy: lazy.clone(),
-            handlers: Vec::new(),
-            prefetcher: None,
-            handler_threads: own_handlers,
-            prefetch_threads: threads.1.max(1),
-            prefetched_working_set: 0,
-            finished: false,
-            regaining: None,
-        };
-        let started = (|| {
-            for i in 0..own_handlers {
-                let l = lazy.clone();
-                let h = std::thread::Builder::new()
-                    .name(format!("guestmem-uffd{i}"))
-                    .spawn(move || l.handle())?;
-                this.handlers.push(h);
-            }
-            if let Some(first) = first {
-                this.prefetched_working_set = first.len();
-                if threads.0 == Handlers::Pool {
-                    // No thread of its own: the pool prefetches between faults.
-                    let _ = lazy.order.set(lazy.plan(&first));
-                } else {
-                    this.start_prefetch(first)?;
-                }
-            }
-            Ok(())
-        })();
-        if let Err(e) = started {
-            this.abort_start();
-            return Err(e);
-        }
-        Ok(this)
-    }
-
-    /// Serves another process's memory: `regions` (host address in the peer, size, page size)
-    /// registered there with `uffd`, which that process sent, filled from `image` (whose
-    /// regions are these, in this order). Nothing is registered here; the peer owns the
-    /// registration.
-    pub(crate) fn start_remote(
-        image: &Image,
-        regions: &[(u64, u64, u64)],
-        uffd: Uffd,
-        threads: (Handlers, usize),
-        first: Option<Vec<u64>>,
-        target: Target,
-    ) -> std::io::Result<LazyRestore> {
-        let lregions: Vec<LRegion> = regions
-            .iter()
-            .zip(image.regions())
-            .map(|(&(host, size, page), ir)| LRegion::remote(host, size, page, ir.first_block))
-            .collect();
-        let this = LazyRestore::launch(
-            image,
-            lregions,
-            uffd,
-            (Instant::now(), target),
-            threads,
-            first,
-        )?;
-        if target == Target::Resumed {
-            // Threads that faulted while no server read their messages (or whose messages
-            // died with the last server) wait in the kernel: woken, they touch the page
-            // again and fault anew, to this server.
-            for lr in &this.lazy.regions {
-                let _ = this.lazy.uffd.wake(lr.target(), 0, lr.size as usize);
-            }
-        }
-        Ok(this)
-    }
-
     /// Queues `job` (a huge-page collapse) the moment every block is in: now, if they are.
     pub(crate) fn regain_when_complete(&mut self, job: regain::Job, handle: Regaining) {
         let l = &self.lazy;
@@ -551,32 +343,6 @@ impl LazyRestore {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
-    }
-
-    /// Undoes a start that could not spawn its threads: stops what did start and unregisters
-    /// the memory. The caller gets the error, and with `restore_into` a map that the
-    /// prefetch may have partly filled (with the image's data; the rest reads as fresh
-    /// memory), which it should drop.
-    fn abort_start(&mut self) {
-        self.halt();
-        let l = self.lazy.clone();
-        for r in l.regions.iter().filter_map(LRegion::region) {
-            // The prefetch may have filled part of it: not whole, not to be saved.
-            r.lifecycle.restore.lose();
-            let _ = l.uffd.unregister(r.mapping());
-        }
-        self.finished = true;
-    }
-
-    fn start_prefetch(&mut self, first: Vec<u64>) -> std::io::Result<()> {
-        let l = self.lazy.clone();
-        let threads = self.prefetch_threads;
-        self.prefetcher = Some(
-            std::thread::Builder::new()
-                .name("guestmem-prefetch".into())
-                .spawn(move || l.prefetch(&first, threads))?,
-        );
-        Ok(())
     }
 
     /// Runs `hook` with the error's text when the restore fails (at once, on this thread, if

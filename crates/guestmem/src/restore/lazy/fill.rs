@@ -1,0 +1,299 @@
+//! Block fills: what bringing one block in does for each backing (a private region's copy,
+//! zero pages, or move; a shared region's page cache and `UFFDIO_CONTINUE`), and the
+//! per-thread staging buffer the copies go through.
+
+use std::os::fd::AsFd;
+use std::sync::atomic::Ordering;
+
+use super::{LRegion, Lazy, SCRATCH, STAGING};
+use crate::mmap::{Advice, Mapping};
+use crate::snapshot::SnapshotError;
+
+/// A block being filled: where it is in its region, and whether it reads as zero.
+#[derive(Clone, Copy)]
+struct BlockAt<'a> {
+    block: u64,
+    lr: &'a LRegion,
+    /// Offset in the region, bytes.
+    off: usize,
+    /// Length, bytes.
+    n: usize,
+    /// No save holds any of it.
+    zero: bool,
+}
+
+impl BlockAt<'_> {
+    /// An error of `op` on this block's memory.
+    fn mem_err(&self, op: &'static str) -> impl FnOnce(std::io::Error) -> SnapshotError {
+        let (region, guest_addr) = (self.lr.name, self.lr.name + self.off as u64);
+        move |source| SnapshotError::Memory {
+            region,
+            guest_addr,
+            op,
+            source,
+        }
+    }
+
+    /// A page of a block nobody had filled was there already, `copied` bytes in: something
+    /// else wrote this memory behind the restore's back.
+    fn present_before(&self, copied: usize) -> SnapshotError {
+        SnapshotError::Memory {
+            region: self.lr.name,
+            guest_addr: self.lr.name + (self.off + copied) as u64,
+            op: "UFFDIO_COPY (a page was present before its block was restored)",
+            source: std::io::Error::from_raw_os_error(libc::EEXIST),
+        }
+    }
+}
+
+impl Lazy {
+    /// Maps zero pages at `at..at + len` of a private region: `UFFDIO_ZEROPAGE` for 4 KiB
+    /// pages; hugetlb has no zero-page call, so a zeroed staging buffer is copied there.
+    pub(super) fn zero_pages(&self, lr: &LRegion, at: usize, len: usize) -> std::io::Result<()> {
+        if lr.page as usize <= crate::sys::base_page_size() as usize {
+            return self.uffd.zeropage(lr.target(), at, len, &|| self.drain());
+        }
+        with_staging(
+            len,
+            |e| e,
+            |staging| {
+                // SAFETY: this thread's own staging mapping, at least len bytes, borrowed for
+                // the copy only.
+                unsafe { std::ptr::write_bytes(staging.as_ptr(), 0, len) };
+                // SAFETY: as above; just written.
+                let src = unsafe { std::slice::from_raw_parts(staging.as_ptr(), len) };
+                self.uffd
+                    .copy(lr.target(), at, src, &|| self.drain())
+                    .map(|_| ())
+            },
+        )
+    }
+
+    /// For memory a dead server partly filled: copies `src` (zeros when `None`) into
+    /// `off..off + n` of `lr`, page by page past any page already present (`EEXIST`: never
+    /// overwritten).
+    fn copy_missing(
+        &self,
+        lr: &LRegion,
+        off: usize,
+        src: Option<&[u8]>,
+        n: usize,
+    ) -> std::io::Result<()> {
+        // The page size the peer declared is not trusted to step by: a present page is
+        // skipped a base page at a time; memory of larger pages (hugetlb) refuses a copy
+        // inside a page (EINVAL), and then the step goes on to the next declared page.
+        let base = crate::sys::base_page_size() as usize;
+        let page = lr.page as usize;
+        let copy = |src: &[u8]| {
+            let mut done = 0;
+            while done < n {
+                match self
+                    .uffd
+                    .copy(lr.target(), off + done, &src[done..n], &|| self.drain())
+                {
+                    Ok(k) => done += k,
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EINVAL)
+                            && page > base
+                            && !(off + done).is_multiple_of(page) =>
+                    {
+                        done = (off + done).next_multiple_of(page) - off;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
+                if done < n {
+                    // A present page: skip it.
+                    done += base;
+                }
+            }
+            Ok(())
+        };
+        match src {
+            Some(src) => copy(src),
+            None => with_staging(
+                n,
+                |e| e,
+                |staging| {
+                    // SAFETY: this thread's own staging mapping, at least n bytes, borrowed for
+                    // the copies only.
+                    unsafe { std::ptr::write_bytes(staging.as_ptr(), 0, n) };
+                    // SAFETY: as above; just written.
+                    copy(unsafe { std::slice::from_raw_parts(staging.as_ptr(), n) })
+                },
+            ),
+        }
+    }
+
+    /// Brings `block` in: a private region's through a staging copy and `UFFDIO_COPY`, a
+    /// shared region's into its page cache and `UFFDIO_CONTINUE`; a zero block without
+    /// reading anything.
+    pub(super) fn fill(&self, block: u64) -> Result<(), SnapshotError> {
+        let (ri, offset, len) = self.image.block_span(block);
+        let lr = &self.regions[ri];
+        let at = BlockAt {
+            block,
+            lr,
+            off: offset as usize,
+            n: len as usize,
+            zero: !self.image.held_from(block, 0),
+        };
+        match lr.alias() {
+            None => self.fill_private(&at),
+            Some(alias) => self.fill_shared(&at, alias),
+        }
+    }
+
+    fn fill_private(&self, at: &BlockAt<'_>) -> Result<(), SnapshotError> {
+        let BlockAt {
+            block, lr, off, n, ..
+        } = *at;
+        if at.zero && self.resumed {
+            self.copy_missing(lr, off, None, n)
+                .map_err(at.mem_err("UFFDIO_COPY"))?;
+            self.counters.zero.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        if at.zero {
+            self.zero_pages(lr, off, n)
+                .map_err(at.mem_err("UFFDIO_ZEROPAGE"))?;
+            self.counters.zero.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        if !self.resumed && !self.any_removed(lr, off, n) {
+            if let Some(src) = self.image.mapped_block(block) {
+                // SAFETY: the image keeps its source mapping for as long as it lives, and
+                // `self` holds the image.
+                let copied =
+                    unsafe { self.uffd.copy_from(lr.target(), off, src, &|| self.drain()) }
+                        .map_err(|e| match e.raw_os_error() {
+                            Some(libc::EFAULT) => self.image.mapped_copy_error(block, e),
+                            _ => at.mem_err("UFFDIO_COPY")(e),
+                        })?;
+                self.image.release_mapped(block);
+                if copied < n {
+                    return Err(at.present_before(copied));
+                }
+                self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                return Ok(());
+            }
+        }
+        if !self.resumed && self.movable(lr, off, n) {
+            let err = |op, e| at.mem_err(op)(e);
+            if let Some(placed) = self.fill_moved(block, lr, off, n, err)? {
+                if placed < n {
+                    return Err(at.present_before(placed));
+                }
+                self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                return Ok(());
+            }
+        }
+        let scratch = SCRATCH.take();
+        // Sized once per thread by the largest block the image holds (a block is cut at its
+        // region's end), capped by the manifest's block-size limits.
+        let bb = self.image.largest_block() as usize;
+        with_staging(bb, at.mem_err("map a staging buffer"), |staging| {
+            let mut scratch = scratch;
+            // SAFETY: the staging mapping is this thread's own, at least a block long,
+            // page-aligned, and nothing else touches it.
+            unsafe {
+                self.image
+                    .read_block(block, staging.as_ptr(), false, &mut scratch)?
+            };
+            SCRATCH.set(scratch);
+            self.zero_removed(lr, off, n, staging);
+            // SAFETY: as above: the first n bytes of this thread's staging mapping, just
+            // written, borrowed only for the copies below.
+            let src = unsafe { std::slice::from_raw_parts(staging.as_ptr(), n) };
+            if self.resumed {
+                return self
+                    .copy_missing(lr, off, Some(src), n)
+                    .map_err(at.mem_err("UFFDIO_COPY"));
+            }
+            let copied = self
+                .uffd
+                .copy(lr.target(), off, src, &|| self.drain())
+                .map_err(at.mem_err("UFFDIO_COPY"))?;
+            if copied < n {
+                return Err(at.present_before(copied));
+            }
+            Ok(())
+        })?;
+        self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn fill_shared(&self, at: &BlockAt<'_>, alias: &Mapping) -> Result<(), SnapshotError> {
+        let BlockAt {
+            block, lr, off, n, ..
+        } = *at;
+        let region = lr.region().expect("an alias belongs to our own region");
+        if at.zero {
+            let fo = region.file_offset().expect("a shared region has its file");
+            crate::sys::fallocate(fo.file().as_fd(), fo.start() + off as u64, n as u64)
+                .map_err(at.mem_err("fallocate"))?;
+            self.counters.zero.fetch_add(1, Ordering::Relaxed);
+        } else {
+            let mut scratch = SCRATCH.take();
+            // Only the thread that claimed the block writes it, and the registered mapping
+            // maps none of it before the UFFDIO_CONTINUE below.
+            // SAFETY: the block lies inside the alias (the region's length), aligned.
+            let r = unsafe {
+                self.image
+                    .read_block(block, alias.as_ptr().add(off), false, &mut scratch)
+            };
+            SCRATCH.set(scratch);
+            r?;
+            self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        self.uffd
+            .continue_range(lr.target(), off, n, lr.page as usize)
+            .map_err(at.mem_err("UFFDIO_CONTINUE"))?;
+        Ok(())
+    }
+
+    /// Whether the peer has removed a page of `off..off + n` of `lr`.
+    fn any_removed(&self, lr: &LRegion, off: usize, n: usize) -> bool {
+        if lr.removed.is_empty() {
+            return false;
+        }
+        let page = lr.page as usize;
+        (off / page..(off + n).div_ceil(page))
+            .any(|p| lr.removed[p / 64].load(Ordering::Acquire) >> (p % 64) & 1 != 0)
+    }
+
+    /// Zeroes, in a block's staging copy (`off..off + n` of `lr`), the pages the peer has
+    /// removed: they must read as zero, not as the image holds them.
+    fn zero_removed(&self, lr: &LRegion, off: usize, n: usize, staging: &Mapping) {
+        if lr.removed.is_empty() {
+            return;
+        }
+        let page = lr.page as usize;
+        for p in off / page..(off + n).div_ceil(page) {
+            if lr.removed[p / 64].load(Ordering::Acquire) >> (p % 64) & 1 != 0 {
+                // SAFETY: page p of the block lies in the first n bytes of this thread's own
+                // staging mapping, which nothing else touches.
+                unsafe { std::ptr::write_bytes(staging.as_ptr().add(p * page - off), 0, page) };
+            }
+        }
+    }
+}
+
+/// Runs `f` with this thread's staging buffer, at least `len` bytes (mapped and faulted in
+/// the first time a thread needs one).
+fn with_staging<T, E>(
+    len: usize,
+    map_err: impl FnOnce(std::io::Error) -> E,
+    f: impl FnOnce(&Mapping) -> Result<T, E>,
+) -> Result<T, E> {
+    STAGING.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        if cell.as_ref().is_none_or(|m| m.len() < len) {
+            let m = Mapping::anonymous(len).map_err(|e| map_err(e.into_io()))?;
+            // Best effort: only saves the first copy's page faults.
+            let _ = m.advise(0, len, Advice::PopulateWrite);
+            *cell = Some(m);
+        }
+        f(cell.as_ref().expect("set above"))
+    })
+}
