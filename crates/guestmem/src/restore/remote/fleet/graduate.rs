@@ -28,7 +28,7 @@ impl Fleet {
                         let (result, process) = s.server.conclude(Some("graduated"));
                         let (end, engine) = match (graduated, result) {
                             (Ok(_), Ok(r)) => {
-                                super::learn_into(learnt, cfg, s.socket, &r.working_set);
+                                super::learn::learn_into(learnt, cfg, s.socket, &r.working_set);
                                 (SessionEnd::Graduated, Some(r.engine))
                             }
                             (Err(_), _) if gone == Some(Some("peer exited")) => {

@@ -7,13 +7,16 @@
 //! the blocks later VMs touched that no earlier one did. The file
 //! (`<memory file>.guestmem-ws.json`) names the memory file by its identity (device, inode,
 //! size, modification time), not its name: a file replaced since is not served a working
-//! set learnt from another. It is written whole (temporary file, fsync, rename).
+//! set learnt from another. It is written whole (temporary file, fsync, rename). The fleet
+//! loads them when it starts, hands them to its VMs, and merges in each VM's as it ends.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use super::super::state::FileId;
-use super::super::{MemoryFile, MAX_WORKING_SET_BYTES};
+use super::super::{MemoryFile, ServeConfig, MAX_WORKING_SET_BYTES};
+use super::Fleet;
 
 /// The file's `format`.
 const FORMAT: &str = "guestmem-learnt-working-set";
@@ -144,6 +147,66 @@ impl Learnt {
     /// Where it is kept.
     pub(super) fn path(&self) -> &Path {
         &self.path
+    }
+}
+
+impl Fleet {
+    /// Loads each socket's learnt working set (when learning).
+    pub(super) fn load_learnt(&self) {
+        if !self.cfg.learn_working_sets {
+            return;
+        }
+        let mut all = Vec::new();
+        for mem in &self.mems {
+            let (l, why) = Learnt::load(mem);
+            if let Some(why) = why {
+                self.cfg.serve.log.say(&format!("learnt working set {why}"));
+            } else if !l.offsets().is_empty() {
+                self.cfg.serve.log.say(&format!(
+                    "learnt working set {}: {} blocks to prefetch for each VM",
+                    l.path().display(),
+                    l.offsets().len()
+                ));
+            }
+            all.push(l);
+        }
+        *self.learnt.lock().unwrap_or_else(|e| e.into_inner()) = all;
+    }
+
+    /// The blocks to prefetch first for a VM of socket `i`: its given working set, else what
+    /// was learnt.
+    pub(super) fn first_for(&self, i: usize) -> Vec<u64> {
+        if !self.firsts[i].is_empty() {
+            return self.firsts[i].clone();
+        }
+        self.learnt
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(i)
+            .map_or(Vec::new(), |l| l.offsets().to_vec())
+    }
+}
+
+/// Merges `ws` into socket `socket`'s learnt working set and writes it; a failure to write
+/// is logged (the VMs are served all the same).
+pub(super) fn learn_into(
+    learnt: &Mutex<Vec<Learnt>>,
+    cfg: &ServeConfig,
+    socket: usize,
+    ws: &[u64],
+) {
+    let mut all = learnt.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(l) = all.get_mut(socket) else { return };
+    if ws.is_empty() {
+        return;
+    }
+    l.merge(ws);
+    l.count_vm();
+    if let Err(e) = l.store() {
+        cfg.log.say(&format!(
+            "learnt working set {}: not written: {e}",
+            l.path().display()
+        ));
     }
 }
 

@@ -320,41 +320,6 @@ impl Fleet {
         })
     }
 
-    /// Loads each socket's learnt working set (when learning).
-    fn load_learnt(&self) {
-        if !self.cfg.learn_working_sets {
-            return;
-        }
-        let mut all = Vec::new();
-        for mem in &self.mems {
-            let (l, why) = learn::Learnt::load(mem);
-            if let Some(why) = why {
-                self.cfg.serve.log.say(&format!("learnt working set {why}"));
-            } else if !l.offsets().is_empty() {
-                self.cfg.serve.log.say(&format!(
-                    "learnt working set {}: {} blocks to prefetch for each VM",
-                    l.path().display(),
-                    l.offsets().len()
-                ));
-            }
-            all.push(l);
-        }
-        *self.learnt.lock().unwrap_or_else(|e| e.into_inner()) = all;
-    }
-
-    /// The blocks to prefetch first for a VM of socket `i`: its given working set, else what
-    /// was learnt.
-    fn first_for(&self, i: usize) -> Vec<u64> {
-        if !self.firsts[i].is_empty() {
-            return self.firsts[i].clone();
-        }
-        self.learnt
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(i)
-            .map_or(Vec::new(), |l| l.offsets().to_vec())
-    }
-
     /// Serves, from [`Fleet::run`] on, the VMs a server handed over ([`take_over`]); the
     /// listening sockets it handed are given as this fleet's sockets
     /// ([`TakeOver::listener`]).
@@ -584,22 +549,4 @@ fn drain_eventfd(fd: std::os::fd::BorrowedFd<'_>) {
     let mut buf = [0u8; 8];
     // SAFETY: reads at most 8 bytes into a live buffer; the eventfd is non-blocking.
     unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, 8) };
-}
-
-/// Merges `ws` into socket `socket`'s learnt working set and writes it; a failure to write
-/// is logged (the VMs are served all the same).
-fn learn_into(learnt: &Mutex<Vec<learn::Learnt>>, cfg: &ServeConfig, socket: usize, ws: &[u64]) {
-    let mut all = learnt.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(l) = all.get_mut(socket) else { return };
-    if ws.is_empty() {
-        return;
-    }
-    l.merge(ws);
-    l.count_vm();
-    if let Err(e) = l.store() {
-        cfg.log.say(&format!(
-            "learnt working set {}: not written: {e}",
-            l.path().display()
-        ));
-    }
 }

@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use super::super::handshake::Handshake;
 use super::super::{end_peer, PageServer, ServeError, SessionEvent};
-use super::{learn_into, Fleet, Session, SessionEnd, SessionReport};
+use super::learn::learn_into;
+use super::{Fleet, Session, SessionEnd, SessionReport};
 use crate::restore::lazy::{Handlers, Target};
 
 impl Fleet {
