@@ -1,0 +1,125 @@
+//! Reading a userfaultfd: waiting for it (or a stop descriptor), and the fault and event
+//! messages the kernel queued on it, a batch at a time.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use linux_raw_sys::general as uapi;
+
+use super::Uffd;
+
+/// One fault or event read from the descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// A thread faulted at this (page-aligned) host address and waits.
+    Fault { addr: u64, write: bool, minor: bool },
+    /// The range was removed (`MADV_DONTNEED`/`MADV_REMOVE`) by its owner.
+    Remove { start: u64, end: u64 },
+    /// Another event guestmem does not ask for.
+    Other(u8),
+}
+
+impl Uffd {
+    /// Waits up to `timeout_ms` (or until `stop` is readable) and reads what is pending into
+    /// `out`. Returns `Ok(false)` when `stop` fired.
+    pub(crate) fn read_events(
+        &self,
+        stop: &OwnedFd,
+        timeout_ms: i32,
+        out: &mut Vec<Event>,
+    ) -> io::Result<bool> {
+        out.clear();
+        if timeout_ms == 0 {
+            // Called from inside a fill: whatever is pending, no waiting.
+            return self.read_pending(out).map(|()| true);
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: self.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: stop.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a live array of two pollfds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return if e.raw_os_error() == Some(libc::EINTR) {
+                Ok(true)
+            } else {
+                Err(e)
+            };
+        }
+        if fds[1].revents != 0 {
+            return Ok(false);
+        }
+        if fds[0].revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+            // The kernel reports POLLERR on a userfaultfd whose O_NONBLOCK flag was cleared
+            // (the peer shares the open file and can clear it): it would stay "ready" and
+            // every handler spin. A failure, not a spin.
+            return Err(io::Error::other(
+                "the userfaultfd reports an error to poll (its O_NONBLOCK flag was cleared by \
+                 another holder, or it is no longer valid)",
+            ));
+        }
+        if fds[0].revents & libc::POLLIN == 0 {
+            return Ok(true);
+        }
+        self.read_pending(out).map(|()| true)
+    }
+
+    /// Reads the messages pending now (none is fine) into `out`.
+    fn read_pending(&self, out: &mut Vec<Event>) -> io::Result<()> {
+        const BATCH: usize = 16;
+        let mut msgs = [std::mem::MaybeUninit::<uapi::uffd_msg>::uninit(); BATCH];
+        let size = std::mem::size_of::<uapi::uffd_msg>();
+        // SAFETY: the buffer holds BATCH messages; the kernel writes whole messages only.
+        let got = unsafe {
+            libc::read(
+                self.fd.as_raw_fd(),
+                msgs.as_mut_ptr() as *mut libc::c_void,
+                BATCH * size,
+            )
+        };
+        if got < 0 {
+            let e = io::Error::last_os_error();
+            // Another handler took the message first.
+            return match e.raw_os_error() {
+                Some(libc::EAGAIN) | Some(libc::EINTR) => Ok(()),
+                _ => Err(e),
+            };
+        }
+        for m in msgs.iter().take(got as usize / size) {
+            // SAFETY: the kernel wrote this message (got / size whole messages).
+            let m = unsafe { m.assume_init() };
+            let event = m.event;
+            out.push(match u32::from(event) {
+                uapi::UFFD_EVENT_PAGEFAULT => {
+                    // SAFETY: a pagefault message carries the pagefault member.
+                    let pf = unsafe { m.arg.pagefault };
+                    let flags = pf.flags;
+                    Event::Fault {
+                        addr: pf.address,
+                        write: flags & u64::from(uapi::UFFD_PAGEFAULT_FLAG_WRITE) != 0,
+                        minor: flags & u64::from(uapi::UFFD_PAGEFAULT_FLAG_MINOR) != 0,
+                    }
+                }
+                uapi::UFFD_EVENT_REMOVE => {
+                    // SAFETY: a remove message carries the remove member.
+                    let r = unsafe { m.arg.remove };
+                    Event::Remove {
+                        start: r.start,
+                        end: r.end,
+                    }
+                }
+                _ => Event::Other(event),
+            });
+        }
+        Ok(())
+    }
+}
