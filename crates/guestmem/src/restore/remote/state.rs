@@ -13,7 +13,7 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use super::handshake::{parse_regions, UffdRegion};
+use super::regions::{parse_regions, UffdRegion};
 use super::{MemoryFile, ServeError};
 
 /// A record's `format`.
