@@ -89,7 +89,8 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "kill")]
     on_failure: OnFailure,
     /// Once all of a VM's 4 KiB memory is in, collapse it to transparent huge pages in its
-    /// process (process_madvise MADV_COLLAPSE through its pidfd), in the background.
+    /// process (process_madvise MADV_COLLAPSE through its pidfd), in the background, from a
+    /// second later (the VM's first burst of work after the restore is left alone).
     #[arg(long, value_enum, default_value = "on")]
     regain_huge_pages: Switch,
     /// How log lines are written to standard error: text, or one JSON object a line (each

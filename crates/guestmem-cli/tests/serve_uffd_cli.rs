@@ -566,8 +566,10 @@ fn an_idle_server_blocks_instead_of_polling() {
     vm.connect(&socket).unwrap();
     vm.read_all(2);
     assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
-    // Let the prefetch finish what the reads left; then nothing is left to do.
-    std::thread::sleep(Duration::from_millis(500));
+    // Let the prefetch finish what the reads left, and the collapse to huge pages that
+    // starts a second later (REGAIN_SETTLE; 16 MiB takes it well under a second); then
+    // nothing is left to do.
+    std::thread::sleep(guestmem::restore::REGAIN_SETTLE + Duration::from_millis(1500));
     // SAFETY: sysconf reads a constant.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
     let before = cpu_ticks(srv.id());
@@ -1694,7 +1696,7 @@ fn a_served_vm_gets_huge_pages_back_once_all_its_memory_is_in() {
         vm.connect(&socket).unwrap();
         vm.read_all(2);
         assert_eq!(vm.anon_huge().unwrap(), 0, "UFFDIO_COPY fills 4 KiB pages");
-        // The collapse runs in the background once the last block is in: wait for it
+        // The collapse runs in the background a second after the last block is in: wait for it
         // (at least 6 whole 2 MiB chunks lie in 16 MiB, however it is aligned).
         let t = Instant::now();
         while want_huge && vm.anon_huge().unwrap() < 6 * 2 * MIB as u64 {

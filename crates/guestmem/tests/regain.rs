@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use guestmem::inspect::inspect;
 use guestmem::layout::{RegionSpec, Thp};
-use guestmem::restore::{self, Prefetch, RegainHuge, RestoreConfig, RestoreMode};
+use guestmem::restore::{self, Prefetch, RegainHuge, RestoreConfig, RestoreMode, REGAIN_SETTLE};
 use guestmem::snapshot::{self, Image, SaveConfig};
 use guestmem::vm_memory::Bytes;
 use guestmem::{GuestAddress, GuestMap};
@@ -136,6 +136,10 @@ fn a_lazy_and_an_eager_restore_get_back_the_huge_pages_the_saved_map_had() {
             "{mode:?}: back at the saved level: {rep:?}"
         );
         assert_eq!((rep.failed, rep.stopped), (0, false), "{mode:?}: {rep:?}");
+        assert!(
+            rep.settle_secs >= REGAIN_SETTLE.as_secs_f64(),
+            "{mode:?}: the collapse waits out the guest's first burst: {rep:?}"
+        );
         let now = inspect(&r.map.view()).unwrap()[0].huge;
         assert!(now >= saved, "{mode:?}: smaps says {now:#x}");
         check_words(&r.map);
@@ -144,6 +148,32 @@ fn a_lazy_and_an_eager_restore_get_back_the_huge_pages_the_saved_map_had() {
             assert_eq!(lr.regain.as_ref(), Some(&rep), "the lazy report carries it");
         }
     }
+}
+
+#[test]
+fn a_collapse_stopped_while_it_settles_collapses_nothing() {
+    let _g = guestmem_testkit::host_lock();
+    guestmem_testkit::skip_unless!(missing().or_else(no_uffd));
+    let dir = Scratch::new("regain-stop");
+    let (snap, saved) = saved_thp_map(&dir);
+    let image = Image::open(&snap).unwrap();
+    let r = restore::restore(&image, &plain(), &cfg(RestoreMode::Lazy, RegainHuge::Saved)).unwrap();
+    let lazy = r.lazy.unwrap();
+    lazy.wait_complete().unwrap();
+    // Complete now, so the collapse is queued and waits REGAIN_SETTLE: stop it meanwhile.
+    let regain = r.regain.as_ref().unwrap();
+    regain.stop();
+    let rep = regain.wait();
+    assert!(rep.stopped, "{rep:?}");
+    // A thread held up past the settle may have collapsed a chunk before it saw the stop;
+    // never the whole map.
+    assert!(rep.collapsed <= 1, "{rep:?}");
+    assert!(
+        inspect(&r.map.view()).unwrap()[0].huge < saved,
+        "stopped, yet huge pages came back"
+    );
+    lazy.finish().unwrap();
+    check_words(&r.map);
 }
 
 #[test]

@@ -36,7 +36,7 @@ use std::time::Instant;
 pub use crate::lifecycle::RestoreState;
 pub use latency::{FaultClass, FaultLatency, LatencySummary};
 pub use lazy::{LazyReport, LazyRestore};
-pub use regain::{RegainHuge, RegainReport, Regaining};
+pub use regain::{RegainHuge, RegainReport, Regaining, REGAIN_SETTLE};
 
 use crate::jobs::{Job, JobRange};
 use crate::layout::{Backing, RegionSpec};
@@ -83,7 +83,8 @@ pub struct RestoreConfig {
     pub handler_threads: usize,
     /// Lazy: what to prefetch.
     pub prefetch: Prefetch,
-    /// Whether huge pages come back once the restore is complete.
+    /// Whether huge pages come back once the restore is complete (from [`REGAIN_SETTLE`]
+    /// later).
     pub regain: RegainHuge,
 }
 

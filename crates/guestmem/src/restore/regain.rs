@@ -10,7 +10,9 @@
 //! One thread per process does it for every restore, one 2 MiB chunk at a time, and rests
 //! after each chunk as long as the chunk took (at most half a CPU): a collapse holds that
 //! chunk's page table while it copies, so a vCPU touching it waits for one chunk (a few
-//! milliseconds), never for a region. Only chunks whose every page is present are collapsed,
+//! milliseconds), never for a region. It starts [`REGAIN_SETTLE`] after the restore
+//! completes, not at once: a guest is busiest, and its latency counts most, just after a
+//! restore (the request that woke it), and the collapse is work beside it that can wait. Only chunks whose every page is present are collapsed,
 //! so no memory is added (a balloon's holes stay holes). A chunk the kernel cannot collapse
 //! (no huge page free, a range in use) is counted, the first reason is logged once per
 //! restore, and the memory stays as it was: the restore has succeeded either way. The
@@ -24,12 +26,25 @@ use std::time::{Duration, Instant};
 use crate::layout::THP_BYTES;
 use crate::region::Region;
 
+/// How long a collapse waits after its restore completes before the first chunk.
+///
+/// A collapse copies each 2 MiB again and holds its page table meanwhile; beside a guest
+/// that is still touching its memory for the first time, that is work the guest feels.
+/// Measured on this project's test host (a real Firecracker guest served by `serve-uffd`,
+/// its first full touch of 512 MiB sent the moment `snapshot/load` returns, warm page
+/// cache, 20 interleaved rounds): with the collapse starting as the last block came in, the
+/// pass took a median 7.5 ms longer than the same pass once everything was resident (38 ms
+/// in the slowest quarter of rounds); with no collapse, 3.5 ms (14 ms). A second outlasts
+/// that first pass here, and costs the huge pages one second.
+pub const REGAIN_SETTLE: Duration = Duration::from_secs(1);
+
 /// Whether a restore brings transparent huge pages back.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RegainHuge {
     /// Collapse the anonymous regions that had huge pages when saved (the snapshot records
-    /// it per region), once the restore is complete, in the background (the default).
+    /// it per region), from [`REGAIN_SETTLE`] after the restore is complete, in the
+    /// background (the default).
     #[default]
     Saved,
     /// Leave the pages as the restore made them.
@@ -57,6 +72,9 @@ pub struct RegainReport {
     pub failed: u64,
     /// Why the first refused chunk was refused.
     pub first_failure: Option<String>,
+    /// Seconds from the restore's completion to the collapse's start: [`REGAIN_SETTLE`], or
+    /// more when another restore's collapse ran first (one thread does them in turn).
+    pub settle_secs: f64,
     /// Seconds from the start of the collapse to its end (rests included).
     pub secs: f64,
     /// Stopped before the end: the memory or its process went, or the owner stopped it.
@@ -75,10 +93,10 @@ struct Shared {
 }
 
 impl Regaining {
-    /// Waits until the collapse has ended, and says what it did. The collapse starts once
-    /// the restore is complete: a lazy restore without prefetch completes only when its
-    /// guest has touched every block, or at `LazyRestore::finish`, so do not wait on this
-    /// before either on the thread that would call `finish`. A restore that fails, is
+    /// Waits until the collapse has ended, and says what it did. The collapse starts
+    /// [`REGAIN_SETTLE`] after the restore is complete: a lazy restore without prefetch
+    /// completes only when its guest has touched every block, or at `LazyRestore::finish`,
+    /// so do not wait on this before either on the thread that would call `finish`. A restore that fails, is
     /// halted or dropped ends it with a report that says `stopped`.
     pub fn wait(&self) -> RegainReport {
         let mut g = self.0.report.lock().unwrap_or_else(|e| e.into_inner());
@@ -104,6 +122,30 @@ impl Regaining {
         self.0
             .stop
             .store(true, std::sync::atomic::Ordering::Release);
+        // Under the lock: a collapse waiting out its settle either sees the flag or is
+        // already waiting, and is woken.
+        let _g = self.0.report.lock().unwrap_or_else(|e| e.into_inner());
+        self.0.cv.notify_all();
+    }
+
+    /// Waits until `until` unless stopped first; true when the wait ran its course.
+    fn settle_until(&self, until: Instant) -> bool {
+        let mut g = self.0.report.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if self.stopped() {
+                return false;
+            }
+            let now = Instant::now();
+            if now >= until {
+                return true;
+            }
+            g = self
+                .0
+                .cv
+                .wait_timeout(g, until - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 
     fn stopped(&self) -> bool {
@@ -154,6 +196,8 @@ pub(crate) struct Job {
     /// registered, where the kernel no longer refuses it).
     data: Vec<(u64, u64)>,
     handle: Regaining,
+    /// When its restore completed (set by [`Job::queue`]).
+    completed: Option<Instant>,
 }
 
 impl Job {
@@ -171,6 +215,7 @@ impl Job {
                 saved,
                 data,
                 handle: handle.clone(),
+                completed: None,
             },
             handle,
         )
@@ -185,9 +230,11 @@ impl Job {
         }
     }
 
-    /// Hands it to the collapse thread (started on first use). A job dropped unqueued (its
-    /// restore failed or stopped) ends its handle as stopped.
-    pub(crate) fn queue(self) {
+    /// Hands it to the collapse thread (started on first use), its restore complete now; it
+    /// starts [`REGAIN_SETTLE`] later. A job dropped unqueued (its restore failed or
+    /// stopped) ends its handle as stopped.
+    pub(crate) fn queue(mut self) {
+        self.completed = Some(Instant::now());
         static QUEUE: OnceLock<Mutex<Option<Sender<Job>>>> = OnceLock::new();
         let q = QUEUE.get_or_init(|| {
             let (tx, rx) = channel::<Job>();
@@ -210,11 +257,18 @@ impl Job {
     }
 
     fn run(self) {
-        let t0 = Instant::now();
+        let completed = self.completed.unwrap_or_else(Instant::now);
         let mut r = RegainReport {
             saved_huge_bytes: self.saved,
             ..RegainReport::default()
         };
+        if !self.handle.settle_until(completed + REGAIN_SETTLE) {
+            r.stopped = true;
+            self.handle.end(r);
+            return;
+        }
+        let t0 = Instant::now();
+        r.settle_secs = t0.saturating_duration_since(completed).as_secs_f64();
         r.huge_before = self.huge_now();
         let chunks = self.chunks();
         for (addr, region) in chunks {
@@ -265,7 +319,8 @@ impl Job {
         };
         tracing::info!(
             "huge pages regained in {whose}: AnonHugePages {} MiB -> {} MiB ({} of {} chunks \
-             of 2 MiB collapsed, {} not whole, {} refused) in {:.2} s{}",
+             of 2 MiB collapsed, {} not whole, {} refused) in {:.2} s, from {:.2} s after \
+             the restore completed{}",
             r.huge_before >> 20,
             r.huge_after >> 20,
             r.collapsed,
@@ -273,6 +328,7 @@ impl Job {
             r.skipped,
             r.failed,
             r.secs,
+            r.settle_secs,
             if r.stopped { ", stopped early" } else { "" }
         );
         self.handle.end(r);

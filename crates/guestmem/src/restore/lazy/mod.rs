@@ -10,7 +10,8 @@
 //!
 //! - Private anonymous regions: the block is read into a per-thread staging buffer, checked,
 //!   and placed with `UFFDIO_COPY` (a zero block with `UFFDIO_ZEROPAGE`). The kernel installs
-//!   4 KiB pages, collapsed back to huge pages once the restore is complete (`regain`).
+//!   4 KiB pages, collapsed back to huge pages a second after the restore is complete
+//!   (`regain`).
 //!   Blocks of whole 2 MiB pages in memory advised `MADV_HUGEPAGE` are read into a staging
 //!   buffer on huge pages and moved in whole with `UFFDIO_MOVE` instead: huge from the start
 //!   (`moved.rs` says where and why).
