@@ -41,8 +41,10 @@
 //! every block in (the engine's clock, which starts just after the handshake, added to it,
 //! so these two are a little early). Without prefetch a block comes in only when faulted,
 //! and this guest never touches most of its first 64 MiB: every block in is then `n/a`.
-//! guestmem's server collapses the VM's memory to huge pages once all of it is in
-//! (`--regain-huge-pages`, on by default), in the background of the touch.
+//! guestmem's server collapses the VM's memory to huge pages a second after all of it is in
+//! (`--regain-huge-pages`, on by default; `REGAIN_SETTLE`), mostly after the first full
+//! touch; the resident pass waits until that collapse has ended (its huge pages stop
+//! growing), so that it is the guest's own work, and the huge pages then are recorded.
 //!
 //! **Checked**: every round's `TOUCH` must say `BAD 0`; in each variant's last round, per
 //! cache state, `g` then checks every qword (`PASS … BAD 0`). Anything else fails the
@@ -154,6 +156,13 @@ impl Variant {
         self == Variant::Guestmem2m
     }
 
+    /// Whether guestmem's server collapses its memory to huge pages once all is in (the
+    /// 4 KiB variants with `--regain-huge-pages on`; faults alone never bring all of this
+    /// guest's memory in, so its collapse never starts).
+    fn regains(self) -> bool {
+        self == Variant::Guestmem4k
+    }
+
     /// The example handler binary it runs, beside `firecracker`.
     fn handler(self) -> Option<&'static str> {
         match self {
@@ -256,6 +265,10 @@ pub struct FcSample {
     /// `TOUCH` line (smaps `AnonHugePages`).
     #[serde(default)]
     pub huge_at_touch: u64,
+    /// The same once guestmem's server had collapsed it (its variants with the collapse on;
+    /// read just before the resident pass, which waits for it), or just before that pass.
+    #[serde(default)]
+    pub huge_settled: u64,
     /// guestmem's page server's report (its variants only).
     pub server: Option<ServerSample>,
 }
@@ -569,7 +582,8 @@ fn result(
         timed: "load: from sending snapshot/load to its reply; first full touch: from sending \
                 snapshot/load to the guest's TOUCH line (t sent when the load returned), in a \
                 fresh Firecracker process each round; resident pass: the same t pass sent again \
-                right after; restore cost: the first less the second"
+                right after (once guestmem's collapse to huge pages has ended); restore cost: \
+                the first less the second"
             .into(),
         body: FirecrackerFindings {
             skipped,

@@ -42,7 +42,7 @@ fn row(v: &FcVariant) -> String {
         false => "n/a".into(),
     };
     format!(
-        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0}% | {:.0} / {:.0} | {} | {} | {} | {} | {:.0} | {} |\n",
+        "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.0}% | {:.0} / {:.0} | {} | {} | {} | {} | {:.0} | {:.0} | {} |\n",
         v.name,
         v.cache.name(),
         if v.page_size >= 2 << 20 { "2M" } else { "4K" },
@@ -70,6 +70,7 @@ fn row(v: &FcVariant) -> String {
         phase(v, |s| s.first_fault_secs),
         phase(v, |s| s.all_in_secs),
         m(|s| s.huge_at_touch as f64) / f64::from(1 << 20),
+        m(|s| s.huge_settled as f64) / f64::from(1 << 20),
         if v.samples.iter().any(|s| s.sample.checked) {
             "yes"
         } else {
@@ -99,8 +100,11 @@ impl LabReport for FirecrackerResult {
                  seconds after sending snapshot/load (medians). `touch / file, round by round`: \
                  each round's first full touch over `file`'s in the same round, median \
                  (min-max) of those ratios. `resident pass`: the same `t` pass sent again \
-                 right after, every page in (the guest's own work); `restore cost`: first \
-                 full touch less that pass, round by round. Every TOUCH said BAD 0; \
+                 right after (for `guestmem-4k`, once its server's collapse to huge pages, \
+                 which starts a second after all is in, has ended), every page in (the \
+                 guest's own work); `restore cost`: first full touch less that pass, round by \
+                 round. `huge MiB after`: AnonHugePages (or hugetlb) just before that pass. \
+                 Every TOUCH said BAD 0; \
                  `checked`: a `g` pass also found every qword right.\n",
                 s.mem_mib, s.server_threads, self.timed
             ),
@@ -118,8 +122,9 @@ impl LabReport for FirecrackerResult {
             "\n| variant | cache | page | load s | first full touch s | load / file \
              | touch / file | touch / file, round by round | resident pass s | restore cost s \
              | cost / file | cached | VMM faults min / maj | server faults / blocks in \
-             | handshake s | first fault s | all in s | huge MiB at touch | checked |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+             | handshake s | first fault s | all in s | huge MiB at touch | huge MiB after \
+             | checked |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for v in &self.body.variants {
             md.push_str(&row(v));
