@@ -7,6 +7,7 @@
 //! from the start, no collapse.
 
 use std::path::PathBuf;
+use std::time::Instant;
 
 use guestmem::inspect::inspect;
 use guestmem::layout::{RegionSpec, Thp};
@@ -151,7 +152,7 @@ fn a_lazy_and_an_eager_restore_get_back_the_huge_pages_the_saved_map_had() {
 }
 
 #[test]
-fn a_collapse_stopped_while_it_settles_collapses_nothing() {
+fn a_collapse_stopped_while_it_settles_ends_at_once_and_collapses_nothing() {
     let _g = guestmem_testkit::host_lock();
     guestmem_testkit::skip_unless!(missing().or_else(no_uffd));
     let dir = Scratch::new("regain-stop");
@@ -160,18 +161,30 @@ fn a_collapse_stopped_while_it_settles_collapses_nothing() {
     let r = restore::restore(&image, &plain(), &cfg(RestoreMode::Lazy, RegainHuge::Saved)).unwrap();
     let lazy = r.lazy.unwrap();
     lazy.wait_complete().unwrap();
-    // Complete now, so the collapse is queued and waits REGAIN_SETTLE: stop it meanwhile.
+    let complete = Instant::now();
+    // The collapse is queued (just after the wake above) and waits REGAIN_SETTLE: stop it
+    // a fifth of the way in, and it must end then, not at the end of its wait.
+    std::thread::sleep(REGAIN_SETTLE / 5);
     let regain = r.regain.as_ref().unwrap();
+    let stopped_at = complete.elapsed();
     regain.stop();
     let rep = regain.wait();
     assert!(rep.stopped, "{rep:?}");
-    // A thread held up past the settle may have collapsed a chunk before it saw the stop;
-    // never the whole map.
-    assert!(rep.collapsed <= 1, "{rep:?}");
-    assert!(
-        inspect(&r.map.view()).unwrap()[0].huge < saved,
-        "stopped, yet huge pages came back"
-    );
+    if stopped_at < REGAIN_SETTLE * 3 / 5 {
+        assert_eq!(rep.collapsed, 0, "stopped while it waited: {rep:?}");
+        assert!(
+            rep.settle_secs < (REGAIN_SETTLE * 4 / 5).as_secs_f64(),
+            "the stop woke it: {rep:?}"
+        );
+        assert!(
+            inspect(&r.map.view()).unwrap()[0].huge < saved,
+            "stopped, yet huge pages came back"
+        );
+    } else {
+        // This thread was held up past most of the settle: the collapse may have started
+        // before the stop, which it then obeys between chunks.
+        eprintln!("the stop came {stopped_at:?} after completion: timing not checked");
+    }
     lazy.finish().unwrap();
     check_words(&r.map);
 }

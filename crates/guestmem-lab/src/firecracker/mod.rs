@@ -268,7 +268,7 @@ pub struct FcSample {
     /// The same once guestmem's server had collapsed it (its variants with the collapse on;
     /// read just before the resident pass, which waits for it), or just before that pass.
     #[serde(default)]
-    pub huge_settled: u64,
+    pub huge_before_resident: u64,
     /// guestmem's page server's report (its variants only).
     pub server: Option<ServerSample>,
 }

@@ -70,7 +70,7 @@ fn row(v: &FcVariant) -> String {
         phase(v, |s| s.first_fault_secs),
         phase(v, |s| s.all_in_secs),
         m(|s| s.huge_at_touch as f64) / f64::from(1 << 20),
-        m(|s| s.huge_settled as f64) / f64::from(1 << 20),
+        m(|s| s.huge_before_resident as f64) / f64::from(1 << 20),
         if v.samples.iter().any(|s| s.sample.checked) {
             "yes"
         } else {
@@ -101,9 +101,11 @@ impl LabReport for FirecrackerResult {
                  each round's first full touch over `file`'s in the same round, median \
                  (min-max) of those ratios. `resident pass`: the same `t` pass sent again \
                  right after (for `guestmem-4k`, once its server's collapse to huge pages, \
-                 which starts a second after all is in, has ended), every page in (the \
-                 guest's own work); `restore cost`: first full touch less that pass, round by \
-                 round. `huge MiB after`: AnonHugePages (or hugetlb) just before that pass. \
+                 which starts a second after all is in, has ended: a few seconds later, on \
+                 huge pages), every page in (the guest's own work, which huge pages do not \
+                 change on this host's emulating KVM); `restore cost`: first full touch less \
+                 that pass, round by round. `huge MiB after`: AnonHugePages (or hugetlb) just \
+                 before that pass. \
                  Every TOUCH said BAD 0; \
                  `checked`: a `g` pass also found every qword right.\n",
                 s.mem_mib, s.server_threads, self.timed

@@ -176,8 +176,8 @@ pub(super) fn measure(
     // guestmem's server collapses the VM's memory to huge pages once all of it is in and
     // `REGAIN_SETTLE` has passed, mostly after the first full touch: let it end first, so
     // that the next pass is the guest's own work with nothing beside it.
-    let huge_settled = match v.regains() {
-        true => collapse_settled(vm.pid()),
+    let huge_before_resident = match v.regains() {
+        true => wait_collapse_end(vm.pid()),
         false => huge_now(vm.pid()),
     };
     // The same pass again, every page now resident and mapped: the guest's own work, which
@@ -203,7 +203,7 @@ pub(super) fn measure(
         vmm_minor_faults,
         vmm_major_faults,
         huge_at_touch,
-        huge_settled,
+        huge_before_resident,
         server,
     })
 }
@@ -214,26 +214,28 @@ fn huge_now(pid: u32) -> u64 {
         .map_or(0, |m| m.iter().map(|m| m.huge).sum())
 }
 
-/// How long [`collapse_settled`] waits at most for a collapse to begin, past its settle.
+/// How long [`wait_collapse_end`] waits at most for a collapse to begin, past its settle.
 const COLLAPSE_START_LIMIT: Duration = Duration::from_secs(3);
 /// How long it waits at most for one to end.
 const COLLAPSE_END_LIMIT: Duration = Duration::from_secs(30);
 /// How often it looks, and how long huge pages must stay unchanged to count as ended.
 const COLLAPSE_POLL: Duration = Duration::from_millis(250);
 
-/// Waits until the server's collapse of process `pid`'s memory has ended (its huge pages
-/// grew and then stayed unchanged for a poll), or none came within the settle and
+/// Waits until the server's collapse of process `pid`'s memory has ended: its huge pages
+/// grew past what they were on entry and then stayed the same for a poll (the collapse
+/// rests at most 50 ms between chunks); or none came within the settle and
 /// [`COLLAPSE_START_LIMIT`] (a restore that never completed, or a kernel that refused every
-/// chunk); the huge pages then.
-fn collapse_settled(pid: u32) -> u64 {
+/// chunk); or [`COLLAPSE_END_LIMIT`] passed. The huge pages then.
+fn wait_collapse_end(pid: u32) -> u64 {
     let t = Instant::now();
-    let mut last = huge_now(pid);
+    let base = huge_now(pid);
+    let mut last = base;
     loop {
         std::thread::sleep(COLLAPSE_POLL);
         let now = huge_now(pid);
         let waited = t.elapsed();
-        let ended = now > 0 && now == last;
-        let none = now == 0 && waited > guestmem::restore::REGAIN_SETTLE + COLLAPSE_START_LIMIT;
+        let ended = now > base && now == last;
+        let none = now == base && waited > guestmem::restore::REGAIN_SETTLE + COLLAPSE_START_LIMIT;
         if ended || none || waited > COLLAPSE_END_LIMIT {
             return now;
         }

@@ -12,8 +12,9 @@
 //! chunk's page table while it copies, so a vCPU touching it waits for one chunk (a few
 //! milliseconds), never for a region. It starts [`REGAIN_SETTLE`] after the restore
 //! completes, not at once: a guest is busiest, and its latency counts most, just after a
-//! restore (the request that woke it), and the collapse is work beside it that can wait. Only chunks whose every page is present are collapsed,
-//! so no memory is added (a balloon's holes stay holes). A chunk the kernel cannot collapse
+//! restore (the request that woke it), and the collapse is work beside it that can wait.
+//! Only chunks whose every page is present are collapsed, so no memory is added (a
+//! balloon's holes stay holes). A chunk the kernel cannot collapse
 //! (no huge page free, a range in use) is counted, the first reason is logged once per
 //! restore, and the memory stays as it was: the restore has succeeded either way. The
 //! thread waits on a channel when there is nothing to do.
@@ -34,9 +35,14 @@ use crate::region::Region;
 /// its first full touch of 512 MiB sent the moment `snapshot/load` returns, warm page
 /// cache, 20 interleaved rounds): with the collapse starting as the last block came in, the
 /// pass took a median 7.5 ms longer than the same pass once everything was resident (38 ms
-/// in the slowest quarter of rounds); with no collapse, 3.5 ms (14 ms). A second outlasts
-/// that first pass here, and costs the huge pages one second.
+/// in the slowest quarter of rounds); with no collapse, 3.5 ms (14 ms). There the last
+/// block was in about 0.25 s after the load and the pass ended about half a second later
+/// (cold, a quarter of a second later): a second covers it, and costs the huge pages no
+/// more than that second.
 pub const REGAIN_SETTLE: Duration = Duration::from_secs(1);
+
+/// How often a collapse waiting out its settle looks whether its memory is gone.
+const SETTLE_CHECK: Duration = Duration::from_millis(100);
 
 /// Whether a restore brings transparent huge pages back.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -73,7 +79,8 @@ pub struct RegainReport {
     /// Why the first refused chunk was refused.
     pub first_failure: Option<String>,
     /// Seconds from the restore's completion to the collapse's start: [`REGAIN_SETTLE`], or
-    /// more when another restore's collapse ran first (one thread does them in turn).
+    /// more when another restore's collapse ran first (one thread does them in turn); or to
+    /// its end, when it was stopped, or its memory went, while it waited.
     pub settle_secs: f64,
     /// Seconds from the start of the collapse to its end (rests included).
     pub secs: f64,
@@ -96,8 +103,8 @@ impl Regaining {
     /// Waits until the collapse has ended, and says what it did. The collapse starts
     /// [`REGAIN_SETTLE`] after the restore is complete: a lazy restore without prefetch
     /// completes only when its guest has touched every block, or at `LazyRestore::finish`,
-    /// so do not wait on this before either on the thread that would call `finish`. A restore that fails, is
-    /// halted or dropped ends it with a report that says `stopped`.
+    /// so do not wait on this before either on the thread that would call `finish`. A
+    /// restore that fails, is halted or dropped ends it with a report that says `stopped`.
     pub fn wait(&self) -> RegainReport {
         let mut g = self.0.report.lock().unwrap_or_else(|e| e.into_inner());
         loop {
@@ -126,26 +133,6 @@ impl Regaining {
         // already waiting, and is woken.
         let _g = self.0.report.lock().unwrap_or_else(|e| e.into_inner());
         self.0.cv.notify_all();
-    }
-
-    /// Waits until `until` unless stopped first; true when the wait ran its course.
-    fn settle_until(&self, until: Instant) -> bool {
-        let mut g = self.0.report.lock().unwrap_or_else(|e| e.into_inner());
-        loop {
-            if self.stopped() {
-                return false;
-            }
-            let now = Instant::now();
-            if now >= until {
-                return true;
-            }
-            g = self
-                .0
-                .cv
-                .wait_timeout(g, until - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
     }
 
     fn stopped(&self) -> bool {
@@ -262,13 +249,14 @@ impl Job {
             saved_huge_bytes: self.saved,
             ..RegainReport::default()
         };
-        if !self.handle.settle_until(completed + REGAIN_SETTLE) {
+        let settled = self.settle(completed);
+        let t0 = Instant::now();
+        r.settle_secs = t0.saturating_duration_since(completed).as_secs_f64();
+        if !settled {
             r.stopped = true;
             self.handle.end(r);
             return;
         }
-        let t0 = Instant::now();
-        r.settle_secs = t0.saturating_duration_since(completed).as_secs_f64();
         r.huge_before = self.huge_now();
         let chunks = self.chunks();
         for (addr, region) in chunks {
@@ -332,6 +320,39 @@ impl Job {
             if r.stopped { ", stopped early" } else { "" }
         );
         self.handle.end(r);
+    }
+
+    /// Waits until [`REGAIN_SETTLE`] after `completed`; false when stopped, or when its
+    /// memory went (the VM exited, the map was dropped), meanwhile: then at once, so that
+    /// the one collapse thread is not held for nothing.
+    fn settle(&self, completed: Instant) -> bool {
+        let until = completed + REGAIN_SETTLE;
+        let shared = &self.handle.0;
+        let mut g = shared.report.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if self.handle.stopped() || self.gone() {
+                return false;
+            }
+            let now = Instant::now();
+            if now >= until {
+                return true;
+            }
+            // `stop` notifies under this lock; the memory going does not, so look again
+            // every SETTLE_CHECK.
+            g = shared
+                .cv
+                .wait_timeout(g, (until - now).min(SETTLE_CHECK))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Whether the memory is gone: every local region dropped, or the process exited.
+    fn gone(&self) -> bool {
+        match &self.memory {
+            Memory::Local(regions) => regions.iter().all(|w| w.strong_count() == 0),
+            Memory::Remote { pidfd, .. } => exited(pidfd),
+        }
     }
 
     /// Every whole 2 MiB chunk of the memory, with the region it lies in (local; weak, so

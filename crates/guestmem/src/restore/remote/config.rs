@@ -154,7 +154,8 @@ pub struct ServeConfig {
     pub log: ServeLog,
     /// Once every block of a VM's 4 KiB memory is in, collapse it to transparent huge
     /// pages in the VM's process (`process_madvise(MADV_COLLAPSE)` through its pidfd), in
-    /// the background, 2 MiB at a time, only where every page is present.
+    /// the background from [`REGAIN_SETTLE`](crate::restore::REGAIN_SETTLE) later, 2 MiB
+    /// at a time, only where every page is present.
     pub regain_huge: bool,
 }
 
