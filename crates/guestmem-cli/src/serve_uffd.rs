@@ -66,9 +66,8 @@ pub struct Args {
     #[arg(long)]
     prefetch: Vec<PathBuf>,
     /// Threads prefetching each VM's memory from the moment its handshake arrives, below its
-    /// faults in priority (SCHED_IDLE where the server may lift them out again when a fault
-    /// waits on one: root, or an RLIMIT_NICE of 15; else nice 5), reading ahead of its
-    /// latest fault first [default: the CPUs with --prefetch, else 1]. Without --prefetch, in address order. 0: faults alone bring
+    /// faults in priority, reading ahead of its latest fault first [default: the CPUs with
+    /// --prefetch, else 1]. Without --prefetch, in address order. 0: faults alone bring
     /// memory in (a VM that never touches a page never gets it).
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1024))]
     prefetch_threads: Option<u32>,

@@ -170,53 +170,6 @@ pub fn memlock_limit() -> io::Result<Option<u64>> {
     })
 }
 
-/// The soft `RLIMIT_NICE` of this process: a thread may lower its nice value to
-/// `20 - limit` (or leave `SCHED_IDLE` at such a nice value) without `CAP_SYS_NICE`.
-pub fn nice_limit() -> io::Result<u64> {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: `lim` is a valid, writable rlimit that outlives the call.
-    check(unsafe { libc::getrlimit(libc::RLIMIT_NICE, &mut lim) })?;
-    Ok(lim.rlim_cur)
-}
-
-/// The calling thread's id.
-pub fn gettid() -> libc::pid_t {
-    // SAFETY: gettid takes nothing and touches no memory.
-    unsafe { libc::syscall(libc::SYS_gettid) as libc::pid_t }
-}
-
-/// Sets thread `tid`'s nice value (`setpriority(PRIO_PROCESS, tid)`).
-pub fn set_nice(tid: libc::pid_t, nice: libc::c_int) -> io::Result<()> {
-    // SAFETY: setpriority names a thread and touches no memory.
-    check(unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, nice) })
-}
-
-/// A fair scheduling policy for a thread, for [`set_policy`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Policy {
-    /// `SCHED_OTHER`: shares the CPU by its nice value.
-    Normal,
-    /// `SCHED_IDLE`: runs only on CPU time no other thread wants; a thread that wakes takes
-    /// the CPU from it at once.
-    Idle,
-}
-
-/// Sets thread `tid`'s scheduling policy (its nice value stays). Leaving `SCHED_IDLE`
-/// needs `CAP_SYS_NICE` or an [`nice_limit`] that allows the thread's nice value.
-pub fn set_policy(tid: libc::pid_t, policy: Policy) -> io::Result<()> {
-    let param = libc::sched_param { sched_priority: 0 };
-    let policy = match policy {
-        Policy::Normal => libc::SCHED_OTHER,
-        Policy::Idle => libc::SCHED_IDLE,
-    };
-    // SAFETY: `param` is a valid sched_param that outlives the call; the call names a thread
-    // and touches no other memory.
-    check(unsafe { libc::sched_setscheduler(tid, policy, &param) })
-}
-
 /// A set of CPUs, for [`sched_setaffinity`].
 #[derive(Clone, Copy)]
 pub struct CpuSet(libc::cpu_set_t);

@@ -93,7 +93,7 @@ pub(super) fn parse_thp_mode(text: &str) -> Option<String> {
 }
 
 /// The `CapEff` bit mask of a `/proc/<pid>/status` text.
-pub(crate) fn parse_cap_eff(status: &str) -> Option<u64> {
+pub(super) fn parse_cap_eff(status: &str) -> Option<u64> {
     let v = status
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))?

@@ -194,15 +194,6 @@ struct Lazy {
     cursor: AtomicU64,
     /// The huge-page collapse to queue once every block is in.
     regain: Mutex<Option<regain::Job>>,
-    /// Prefetch threads under `SCHED_IDLE` that are inside a run of blocks now (see
-    /// `prefetch.rs`): the ones a fault may wait on.
-    prefetchers: Mutex<Vec<libc::pid_t>>,
-    /// Bumped after each boost of the prefetch threads; each lowers itself again at its next
-    /// block once it sees a new value.
-    boosts: AtomicU64,
-    /// Someone waits for the prefetch to end (`finish`, graduation, a halt): its threads
-    /// run at their nice value from now on, never under `SCHED_IDLE`.
-    hurry: AtomicBool,
 }
 
 /// The memory a restore fills.
@@ -336,7 +327,6 @@ impl LazyRestore {
         // Not complete now, it never will be: no collapse. (One queued already goes on.)
         drop(l.regain.lock().unwrap_or_else(|e| e.into_inner()).take());
         let _ = crate::sys::eventfd_signal(l.stop.as_fd());
-        l.hurry_prefetch();
         if let Some(p) = self.prefetcher.take() {
             let _ = p.join();
         }
@@ -432,7 +422,6 @@ impl LazyRestore {
         }
         self.finished = true;
         let l = self.lazy.clone();
-        l.hurry_prefetch();
         if !l.failed.load(Ordering::Acquire) && self.prefetcher.is_none() {
             if let Err(e) = self.start_prefetch(Vec::new()) {
                 l.fail(SnapshotError::Userfaultfd {

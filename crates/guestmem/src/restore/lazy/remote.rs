@@ -80,7 +80,6 @@ impl LazyRestore {
     /// the handlers, or the pool).
     pub(crate) fn graduate(&mut self) -> Result<LazyReport, SnapshotError> {
         let l = self.lazy.clone();
-        l.hurry_prefetch();
         if self.prefetcher.is_none() {
             self.start_prefetch(Vec::new())
                 .map_err(|source| SnapshotError::Userfaultfd {

@@ -66,8 +66,6 @@ impl Lazy {
                             .lock()
                             .unwrap_or_else(|e| e.into_inner())
                             .push(addr);
-                        // This thread (a prefetch thread, maybe) now holds a fault.
-                        self.boost_prefetch();
                     }
                     Event::Remove { start, end } => self.remove(start, end),
                     Event::Other(_) => {}
@@ -178,9 +176,6 @@ impl Lazy {
             }
             Err(BUSY) => {
                 self.counters.busy.fetch_add(1, Ordering::SeqCst);
-                // Its filler may be a prefetch thread under SCHED_IDLE: the fault now waits
-                // on it.
-                self.boost_prefetch();
                 // The block may have landed since the claim failed, its fill's wakes all
                 // done before this fault was raised (a page the peer removed after it was
                 // copied): then it is served as late. Else its filler wakes the block once

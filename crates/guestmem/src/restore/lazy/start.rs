@@ -150,9 +150,6 @@ impl LazyRestore {
             order: OnceLock::new(),
             cursor: AtomicU64::new(0),
             regain: Mutex::new(None),
-            prefetchers: Mutex::new(Vec::new()),
-            boosts: AtomicU64::new(0),
-            hurry: AtomicBool::new(false),
         });
         let mut this = LazyRestore {
             lazy: lazy.clone(),
