@@ -37,8 +37,8 @@ use crate::region::Region;
 /// pass took a median 7.5 ms longer than the same pass once everything was resident (38 ms
 /// in the slowest quarter of rounds); with no collapse, 3.5 ms (14 ms). There the last
 /// block was in about 0.25 s after the load and the pass ended about half a second later
-/// (cold, a quarter of a second later): a second covers it, and costs the huge pages no
-/// more than that second.
+/// (cold: in at about 0.4 s, the pass over 0.4 s later): a second covers it, and costs the
+/// huge pages no more than that second.
 pub const REGAIN_SETTLE: Duration = Duration::from_secs(1);
 
 /// How often a collapse waiting out its settle looks whether its memory is gone.
