@@ -14,10 +14,10 @@
 //! completes, not at once: a guest is busiest, and its latency counts most, just after a
 //! restore (the request that woke it), and the collapse is work beside it that can wait.
 //! Only chunks whose every page is present are collapsed, so no memory is added (a
-//! balloon's holes stay holes). A chunk the kernel cannot collapse
-//! (no huge page free, a range in use) is counted, the first reason is logged once per
-//! restore, and the memory stays as it was: the restore has succeeded either way. The
-//! thread waits on a channel when there is nothing to do.
+//! balloon's holes stay holes). A chunk the kernel cannot collapse (no huge page free, a
+//! range in use) is counted, the first reason is logged once per restore, and the memory
+//! stays as it was: the restore has succeeded either way. The thread waits on a channel
+//! when there is nothing to do.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::mpsc::{channel, Sender};
