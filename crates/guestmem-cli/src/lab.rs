@@ -223,6 +223,10 @@ pub struct TranslateArgs {
     /// Lookups per thread per run (a multiple of 1024).
     #[arg(long, default_value_t = guestmem_lab::translate::DEFAULT_LOOKUPS_PER_THREAD)]
     lookups: usize,
+    /// Access patterns, comma-separated: own (a region at a time, as a vCPU), scattered
+    /// (every lookup in a random region) [default: both].
+    #[arg(long, value_delimiter = ',', value_enum)]
+    patterns: Vec<TranslatePattern>,
     #[command(flatten)]
     protocol: ProtocolArgs,
 }
@@ -437,6 +441,11 @@ pub fn run(args: Args) -> Result<()> {
                 region_counts: counts_or(&a.regions, d.region_counts),
                 threads: counts_or(&a.threads, d.threads),
                 lookups_per_thread: a.lookups,
+                patterns: if a.patterns.is_empty() {
+                    d.patterns
+                } else {
+                    a.patterns.iter().map(|p| p.into()).collect()
+                },
                 protocol: a.protocol.protocol(d.protocol),
                 command: command_line(),
             };
@@ -444,6 +453,24 @@ pub fn run(args: Args) -> Result<()> {
                 &run_translate(&cfg).context("lab translate")?,
                 &a.protocol.out,
             )
+        }
+    }
+}
+
+/// Where `lab translate`'s lookups go.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum TranslatePattern {
+    /// A region at a time, as a vCPU touches its own memslot.
+    Own,
+    /// Every lookup in a pseudo-random region.
+    Scattered,
+}
+
+impl From<&TranslatePattern> for guestmem_lab::translate::Pattern {
+    fn from(p: &TranslatePattern) -> Self {
+        match p {
+            TranslatePattern::Own => guestmem_lab::translate::Pattern::Own,
+            TranslatePattern::Scattered => guestmem_lab::translate::Pattern::Scattered,
         }
     }
 }

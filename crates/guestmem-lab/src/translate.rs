@@ -6,7 +6,9 @@
 //! Regions of 2 MiB every 4 MiB (holes between, as memslots usually have). Thread `t` of `T`
 //! owns regions `t*n/T .. (t+1)*n/T` (region `t % n` when there are fewer regions than
 //! threads) and visits them in turn, [`LOOKUPS_PER_VISIT`] lookups per visit at
-//! pseudo-random 8-byte-aligned offsets. Three ways to look up:
+//! pseudo-random 8-byte-aligned offsets (the `own` pattern). In the `scattered` pattern each
+//! lookup goes to a pseudo-random region of the thread's share instead, the cache's worst
+//! case (a device worker serving buffers all over guest memory). Three ways to look up:
 //!
 //! - `guestmem-translator`: each thread's own [`guestmem::Translator`] (`find`), with its
 //!   last-used-region cache.
@@ -64,6 +66,8 @@ pub struct TranslateLabConfig {
     pub threads: Vec<usize>,
     /// Lookups each thread makes per run; a multiple of [`LOOKUPS_PER_VISIT`].
     pub lookups_per_thread: usize,
+    /// Access patterns (default: both).
+    pub patterns: Vec<Pattern>,
     /// Warm-up, rounds, order.
     pub protocol: Protocol,
     /// The command line to record.
@@ -78,12 +82,34 @@ impl Default for TranslateLabConfig {
             region_counts: DEFAULT_REGION_COUNTS.to_vec(),
             threads,
             lookups_per_thread: DEFAULT_LOOKUPS_PER_THREAD,
+            patterns: vec![Pattern::Own, Pattern::Scattered],
             protocol: Protocol {
                 warmup: DEFAULT_WARMUP_ROUNDS,
                 rounds: DEFAULT_ROUNDS,
                 order: Order::default(),
             },
             command: String::new(),
+        }
+    }
+}
+
+/// Where a thread's lookups go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Pattern {
+    /// [`LOOKUPS_PER_VISIT`] lookups in one region of the thread's share, then the next:
+    /// a vCPU touching its own memslot.
+    Own,
+    /// Every lookup in a pseudo-random region of the thread's share: the cache's worst case.
+    Scattered,
+}
+
+impl Pattern {
+    /// The name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pattern::Own => "own",
+            Pattern::Scattered => "scattered",
         }
     }
 }
@@ -133,10 +159,12 @@ pub struct TranslateSample {
 /// One variant's results on one region count.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TranslateVariant {
-    /// Name in reports: `<kind>-<threads>`.
+    /// Name in reports: `<kind>-<pattern>-<threads>`.
     pub name: String,
     /// How lookups are made.
     pub kind: LookupKind,
+    /// Where they go.
+    pub pattern: Pattern,
     /// Threads.
     pub threads: usize,
     /// Every run, warm-ups included.
@@ -145,7 +173,8 @@ pub struct TranslateVariant {
     pub ns_per_lookup: Summary,
     /// Aggregate lookups per second over the measured rounds.
     pub lookups_per_sec: Summary,
-    /// vm-memory's median ns per lookup at the same thread count / this variant's.
+    /// vm-memory's median ns per lookup at the same pattern and thread count / this
+    /// variant's.
     pub speedup_vs_vm_memory: f64,
 }
 
@@ -169,6 +198,9 @@ pub struct TranslateSettings {
     pub lookups_per_thread: usize,
     /// Lookups per visit to a region.
     pub lookups_per_visit: usize,
+    /// Access patterns.
+    #[serde(default)]
+    pub patterns: Vec<Pattern>,
     /// Warm-up, rounds, order.
     pub protocol: Protocol,
 }
@@ -192,56 +224,67 @@ fn share(t: usize, threads: usize, n: usize) -> std::ops::Range<usize> {
     }
 }
 
-/// Pseudo-random 8-byte-aligned offsets inside a region, one per lookup of a visit.
-fn offsets() -> Vec<u64> {
+/// The guest addresses of one pass of `pattern` over `regions`, and the sum of the region
+/// starts they are in (what one pass of lookups must find). `own`: each region in turn,
+/// [`LOOKUPS_PER_VISIT`] pseudo-random 8-byte-aligned offsets in it; `scattered`: as many
+/// lookups, each in a pseudo-random region of `regions`.
+fn addresses(regions: std::ops::Range<usize>, pattern: Pattern) -> (Vec<u64>, u64) {
     let mut x = OFFSET_SEED;
-    (0..LOOKUPS_PER_VISIT)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % REGION_BYTES) & !7
-        })
-        .collect()
-}
-
-/// Makes `lookups` lookups over `regions` with `find` (which returns the region's guest
-/// start); returns the sum of the starts found, `u64::MAX` on a miss.
-#[inline(always)]
-fn drive(
-    regions: std::ops::Range<usize>,
-    offsets: &[u64],
-    lookups: usize,
-    find: impl Fn(GuestAddress) -> Option<u64>,
-) -> u64 {
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let n = regions.len() as u64;
+    let mut out = Vec::with_capacity(regions.len() * LOOKUPS_PER_VISIT);
     let mut sum = 0u64;
-    let mut done = 0;
-    'outer: loop {
-        for r in regions.clone() {
-            let base = r as u64 * STRIDE_BYTES;
-            for &off in offsets {
-                match find(black_box(GuestAddress(base + off))) {
-                    Some(start) => sum = sum.wrapping_add(start),
-                    None => return u64::MAX,
-                }
-            }
-            done += offsets.len();
-            if done >= lookups {
-                break 'outer;
-            }
+    for r in regions.clone() {
+        for _ in 0..LOOKUPS_PER_VISIT {
+            let region = match pattern {
+                Pattern::Own => r as u64,
+                Pattern::Scattered => regions.start as u64 + (next() >> 32) % n,
+            };
+            let start = region * STRIDE_BYTES;
+            out.push(start + ((next() % REGION_BYTES) & !7));
+            sum = sum.wrapping_add(start);
         }
     }
-    sum
+    (out, sum)
 }
 
-/// The sum `drive` must return for `regions` and `lookups`.
-fn expected_sum(regions: std::ops::Range<usize>, lookups: usize) -> u64 {
-    let visits = lookups / LOOKUPS_PER_VISIT;
+/// Makes `lookups` lookups, going round `addresses` (one pass: `pass_sum`), with `find`
+/// (which returns the region's guest start); whether every lookup found its region.
+#[inline(always)]
+fn drive(
+    addresses: &[u64],
+    pass_sum: u64,
+    lookups: usize,
+    find: impl Fn(GuestAddress) -> Option<u64>,
+) -> bool {
     let mut sum = 0u64;
-    for r in regions.cycle().take(visits) {
-        sum = sum.wrapping_add((r as u64 * STRIDE_BYTES).wrapping_mul(LOOKUPS_PER_VISIT as u64));
+    let mut want = 0u64;
+    let mut done = 0;
+    while done < lookups {
+        let pass = &addresses[..addresses.len().min(lookups - done)];
+        for &a in pass {
+            match find(black_box(GuestAddress(a))) {
+                Some(start) => sum = sum.wrapping_add(start),
+                None => return false,
+            }
+        }
+        if pass.len() == addresses.len() {
+            want = want.wrapping_add(pass_sum);
+        } else {
+            // A last, partial pass (lookups are a multiple of a visit, a pass of visits).
+            let partial: u64 = pass.iter().fold(0u64, |s, &a| {
+                s.wrapping_add(a / STRIDE_BYTES * STRIDE_BYTES)
+            });
+            want = want.wrapping_add(partial);
+        }
+        done += pass.len();
     }
-    sum
+    sum == want
 }
 
 struct Maps {
@@ -275,28 +318,28 @@ fn build(n: usize) -> Result<Maps, LabError> {
 
 fn measure(
     maps: &Maps,
-    kind: LookupKind,
-    threads: usize,
+    (kind, pattern, threads): (LookupKind, Pattern, usize),
     lookups: usize,
 ) -> Result<TranslateSample, LabError> {
-    let offs = offsets();
+    let passes: Vec<(Vec<u64>, u64)> = (0..threads)
+        .map(|t| addresses(share(t, threads, maps.n), pattern))
+        .collect();
     let (seconds, times) = timed(SCENARIO, threads, |t| {
-        let regions = share(t, threads, maps.n);
-        let sum = match kind {
+        let (addrs, pass_sum) = (&passes[t].0, passes[t].1);
+        match kind {
             LookupKind::GuestmemTranslator => {
                 let tr = maps.guestmem.translator();
-                drive(regions.clone(), &offs, lookups, |a| {
+                drive(addrs, pass_sum, lookups, |a| {
                     tr.find(a).map(|r| r.guest_addr().0)
                 })
             }
-            LookupKind::GuestmemSnapshot => drive(regions.clone(), &offs, lookups, |a| {
+            LookupKind::GuestmemSnapshot => drive(addrs, pass_sum, lookups, |a| {
                 maps.snapshot.find(a).map(|r| r.guest_addr().0)
             }),
-            LookupKind::VmMemory => drive(regions.clone(), &offs, lookups, |a| {
+            LookupKind::VmMemory => drive(addrs, pass_sum, lookups, |a| {
                 maps.vmm.find_region(a).map(|r| r.start_addr().0)
             }),
-        };
-        sum == expected_sum(regions, lookups)
+        }
     })?;
     if let Some(t) = times.iter().position(|w| !w.value) {
         return Err(LabError::Config {
@@ -335,23 +378,31 @@ pub fn run_translate(cfg: &TranslateLabConfig) -> Result<TranslateResult, LabErr
         )));
     }
     let run = RunInfo::collect(cfg.command.clone());
-    let variants: Vec<(LookupKind, usize)> = cfg
-        .threads
+    if cfg.patterns.is_empty() {
+        return Err(bad("at least one pattern must be given".into()));
+    }
+    let variants: Vec<(LookupKind, Pattern, usize)> = cfg
+        .patterns
         .iter()
-        .flat_map(|&t| KINDS.iter().map(move |&k| (k, t)))
+        .flat_map(|&p| {
+            cfg.threads
+                .iter()
+                .flat_map(move |&t| KINDS.iter().map(move |&k| (k, p, t)))
+        })
         .collect();
     let mut region_counts = Vec::with_capacity(cfg.region_counts.len());
     for &n in &cfg.region_counts {
         let maps = build(n)?;
         let samples = cfg.protocol.run(variants.len(), |i| {
-            measure(&maps, variants[i].0, variants[i].1, cfg.lookups_per_thread)
+            measure(&maps, variants[i], cfg.lookups_per_thread)
         })?;
         let mut out: Vec<TranslateVariant> = variants
             .iter()
             .zip(samples)
-            .map(|(&(kind, threads), samples)| TranslateVariant {
-                name: format!("{}-{threads}", kind.name()),
+            .map(|(&(kind, pattern, threads), samples)| TranslateVariant {
+                name: format!("{}-{}-{threads}", kind.name(), pattern.name()),
                 kind,
+                pattern,
                 threads,
                 ns_per_lookup: summarise(&samples, |s| s.ns_per_lookup),
                 lookups_per_sec: summarise(&samples, |s| s.lookups_per_sec),
@@ -359,13 +410,16 @@ pub fn run_translate(cfg: &TranslateLabConfig) -> Result<TranslateResult, LabErr
                 samples,
             })
             .collect();
-        let vmm: Vec<(usize, f64)> = out
+        let vmm: Vec<(Pattern, usize, f64)> = out
             .iter()
             .filter(|v| v.kind == LookupKind::VmMemory)
-            .map(|v| (v.threads, v.ns_per_lookup.median))
+            .map(|v| (v.pattern, v.threads, v.ns_per_lookup.median))
             .collect();
         for v in &mut out {
-            if let Some(&(_, base)) = vmm.iter().find(|(t, _)| *t == v.threads) {
+            if let Some(&(_, _, base)) = vmm
+                .iter()
+                .find(|(p, t, _)| *p == v.pattern && *t == v.threads)
+            {
                 v.speedup_vs_vm_memory = ratio(base, v.ns_per_lookup.median);
             }
         }
@@ -383,6 +437,7 @@ pub fn run_translate(cfg: &TranslateLabConfig) -> Result<TranslateResult, LabErr
             threads: cfg.threads.clone(),
             lookups_per_thread: cfg.lookups_per_thread,
             lookups_per_visit: LOOKUPS_PER_VISIT,
+            patterns: cfg.patterns.clone(),
             protocol: cfg.protocol,
         },
         timed: "per thread: its lookup loop (ns/lookup); wall: first thread start to last \
@@ -403,7 +458,8 @@ impl LabReport for TranslateResult {
             &s.protocol,
             &format!(
                 "Regions of 2 MiB every 4 MiB; each thread owns an equal share of them and \
-                 makes {} lookups per run, {} per visit to a region. Timed: {}.\n",
+                 makes {} lookups per run: `own`, {} per visit to a region; `scattered`, each \
+                 in a pseudo-random region of its share. Timed: {}.\n",
                 s.lookups_per_thread, s.lookups_per_visit, self.timed
             ),
         );

@@ -4,13 +4,16 @@
 
 use guestmem_lab::report::{write_run, LabReport};
 use guestmem_lab::run::{Order, Protocol};
-use guestmem_lab::translate::{run_translate, LookupKind, TranslateLabConfig, LOOKUPS_PER_VISIT};
+use guestmem_lab::translate::{
+    run_translate, LookupKind, Pattern, TranslateLabConfig, LOOKUPS_PER_VISIT,
+};
 
 fn tiny() -> TranslateLabConfig {
     TranslateLabConfig {
         region_counts: vec![1, 3, 8],
         threads: vec![1, 2],
         lookups_per_thread: 16 * LOOKUPS_PER_VISIT,
+        patterns: vec![Pattern::Own, Pattern::Scattered],
         protocol: Protocol {
             warmup: 0,
             rounds: 1,
@@ -37,12 +40,18 @@ fn translate_tiny_every_kind_and_thread_count_runs_with_right_answers() {
         assert_eq!(
             names,
             [
-                "guestmem-translator-1",
-                "guestmem-snapshot-1",
-                "vm-memory-1",
-                "guestmem-translator-2",
-                "guestmem-snapshot-2",
-                "vm-memory-2",
+                "guestmem-translator-own-1",
+                "guestmem-snapshot-own-1",
+                "vm-memory-own-1",
+                "guestmem-translator-own-2",
+                "guestmem-snapshot-own-2",
+                "vm-memory-own-2",
+                "guestmem-translator-scattered-1",
+                "guestmem-snapshot-scattered-1",
+                "vm-memory-scattered-1",
+                "guestmem-translator-scattered-2",
+                "guestmem-snapshot-scattered-2",
+                "vm-memory-scattered-2",
             ]
         );
         for v in &rc.variants {
@@ -98,6 +107,6 @@ fn translate_tiny_writes_json_and_markdown_run_folder() {
     let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
     assert_eq!(md, result.markdown());
     assert!(md.contains("## 4 region(s)"));
-    assert!(md.contains("| vm-memory-2 | 2 |"));
+    assert!(md.contains("| vm-memory-scattered-2 | 2 |"));
     std::fs::remove_dir_all(&base).unwrap();
 }

@@ -8,10 +8,19 @@
 //! device worker's next request), much as KVM's vCPUs pick up new memslots between SRCU
 //! read sections.
 //!
-//! The cached entry is a (generation, index) pair. Before use it is checked against the
-//! pinned view's generation and read with a bounds-checked `get`, so a stale or
-//! out-of-range index can only miss, never read past the region array; the review of seed
-//! 004 asked for exactly this clamp against speculative out-of-bounds loads.
+//! The cached entry is a copy of the last region's span (start, end, host address) and its
+//! index. It is only ever filled from the view the translator pins, and
+//! [`Translator::refresh`], the one way to change that view, empties it, so the entry can
+//! never describe a region of another view: a hit is one unsigned compare against the
+//! copied bounds. The index is read with a bounds-checked `get`, so even a wrong index
+//! could only miss, never read past the region array; the review of seed 004 asked for
+//! exactly this clamp against speculative out-of-bounds loads.
+//!
+//! A cache costs a thread whose lookups jump between regions (a device worker serving many
+//! buffers): a miss is a binary search plus a mispredicted branch and a store. So after
+//! `MISS_STREAK_TO_BYPASS` misses in a row the cache steps aside: a lookup then costs one
+//! AND and a predictable branch more than the view's own binary search, and one guest page
+//! in `BYPASS_PROBE_ONE_IN_PAGES` still tries the cache, to notice when hits return.
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -94,30 +103,40 @@ pub enum TranslateError {
     },
 }
 
-/// After this many misses in a row the cache steps aside (see [`Translator::region_index`]).
+/// After this many misses in a row the cache steps aside (see the module docs).
 const MISS_STREAK_TO_BYPASS: u32 = 8;
 
 /// While bypassed, one lookup in this many (chosen by guest page number, so no counter has
 /// to be stored per lookup) still goes through the cache, to notice when hits return.
 const BYPASS_PROBE_ONE_IN_PAGES: u64 = 128;
 
-#[derive(Clone, Copy)]
-struct LastUsed {
-    generation: u64,
-    index: usize,
-    /// A copy of the region's span, so a hit reads only this translator's own memory.
-    span: Span,
-}
+/// The guest-address bits that are all clear on the pages that probe the cache while it is
+/// bypassed: the low bits of the page number (4 KiB pages).
+const BYPASS_MASK: u64 = (BYPASS_PROBE_ONE_IN_PAGES - 1) << 12;
 
 /// A per-thread translator. Not `Sync`: give every thread its own (they are cheap).
 pub struct Translator {
     map: GuestMap,
     snap: Arc<MapView>,
-    /// `snap.generation()`, kept beside the cache so validating it needs no pointer chase.
-    generation: u64,
-    last: Cell<LastUsed>,
+    /// The last region found: a copy of its span, so a hit reads only this translator's own
+    /// memory; empty (never hits) until the first lookup and after a refresh.
+    last: Cell<Span>,
+    /// The index of `last` in `snap`.
+    last_index: Cell<usize>,
+    /// Misses in a row, up to `MISS_STREAK_TO_BYPASS`.
     miss_streak: Cell<u32>,
+    /// Zero while the cache is on; [`BYPASS_MASK`] while it steps aside.
+    bypass: Cell<u64>,
 }
+
+/// A span that holds no address: an empty cache.
+const NO_SPAN: Span = Span {
+    start: 0,
+    end: 0,
+    host: 0,
+    read_only: false,
+    dirty: None,
+};
 
 impl std::fmt::Debug for Translator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -133,9 +152,10 @@ impl Clone for Translator {
         Translator {
             map: self.map.clone(),
             snap: self.snap.clone(),
-            generation: self.generation,
             last: Cell::new(self.last.get()),
+            last_index: Cell::new(self.last_index.get()),
             miss_streak: Cell::new(self.miss_streak.get()),
+            bypass: Cell::new(self.bypass.get()),
         }
     }
 }
@@ -153,31 +173,25 @@ impl Translator {
         let snap = map.view();
         Translator {
             map,
-            generation: snap.generation(),
             snap,
-            last: Cell::new(LastUsed {
-                generation: u64::MAX,
-                index: 0,
-                span: Span {
-                    start: 0,
-                    end: 0,
-                    host: 0,
-                    read_only: false,
-                    dirty: None,
-                },
-            }),
+            last: Cell::new(NO_SPAN),
+            last_index: Cell::new(0),
             miss_streak: Cell::new(0),
+            bypass: Cell::new(0),
         }
     }
 
     /// Moves to the newest view if the map changed; returns whether it did. One atomic
-    /// load when nothing changed.
+    /// load when nothing changed. The cache is emptied with the move: it only ever holds a
+    /// region of the view this translator pins.
     pub fn refresh(&mut self) -> bool {
         if self.map.generation() == self.snap.generation() {
             return false;
         }
         self.snap = self.map.view();
-        self.generation = self.snap.generation();
+        self.last.set(NO_SPAN);
+        self.miss_streak.set(0);
+        self.bypass.set(0);
         true
     }
 
@@ -193,48 +207,66 @@ impl Translator {
     }
 
     /// The index of the region holding `addr`: the cached one if it still holds it, else a
-    /// binary search whose answer is cached.
-    ///
-    /// A thread whose lookups jump between regions (a device worker serving many buffers)
-    /// would pay for the cache without profit: a 50/50 bounds branch, and a store whose
-    /// value the next lookup's check must wait for. Measured here, that made random lookups
-    /// 2x slower than a plain binary search. So after `MISS_STREAK_TO_BYPASS` misses in a
-    /// row the cache steps aside, and only lookups on one guest page in
-    /// `BYPASS_PROBE_ONE_IN_PAGES` still try it; the first hit turns it back on.
+    /// binary search whose answer is cached (see the module docs for when the cache steps
+    /// aside).
     #[inline]
     pub fn region_index(&self, addr: GuestAddress) -> Option<usize> {
-        self.lookup(addr.0).map(|(i, _)| i)
+        if self.bypassed(addr.0) {
+            // Only the index: a bypassed lookup costs what the view's own search costs.
+            return self.snap.find_index(addr);
+        }
+        self.cached(addr.0).map(|(i, _)| i)
     }
 
+    /// Whether this lookup skips the cache: it has missed `MISS_STREAK_TO_BYPASS` times in a
+    /// row, and `addr` is not on a page that probes it.
+    #[inline(always)]
+    fn bypassed(&self, addr: u64) -> bool {
+        // One load, one AND, one well-predicted branch: the mask is zero while the cache is
+        // on, and selects the page-number bits a probe page has clear while it is bypassed.
+        addr & self.bypass.get() != 0
+    }
+
+    /// The region holding `addr` and its span.
     #[inline]
     fn lookup(&self, addr: u64) -> Option<(usize, Span)> {
-        let streak = self.miss_streak.get();
-        if streak >= MISS_STREAK_TO_BYPASS
-            && !(addr >> 12).is_multiple_of(BYPASS_PROBE_ONE_IN_PAGES)
-        {
+        if self.bypassed(addr) {
             let i = self.snap.find_index(GuestAddress(addr))?;
-            return Some((i, self.snap.spans()[i]));
+            return self.snap.spans().get(i).map(|s| (i, *s));
         }
+        self.cached(addr)
+    }
+
+    /// A lookup through the cache: the cached region if it holds `addr`, else a binary
+    /// search whose answer is cached.
+    #[inline]
+    fn cached(&self, addr: u64) -> Option<(usize, Span)> {
         let last = self.last.get();
-        // The entry counts only if it was filled from the view this translator pins;
-        // then one unsigned compare tells whether `addr` lies in start..end.
-        if last.generation == self.generation
-            && addr.wrapping_sub(last.span.start) < last.span.end - last.span.start
-        {
-            if streak != 0 {
+        // One unsigned compare tells whether `addr` lies in start..end (an empty span never
+        // holds it).
+        if addr.wrapping_sub(last.start) < last.end - last.start {
+            if self.miss_streak.get() != 0 {
                 self.miss_streak.set(0);
+                self.bypass.set(0);
             }
-            return Some((last.index, last.span));
+            return Some((self.last_index.get(), last));
         }
+        self.miss(addr)
+    }
+
+    /// A cache miss: the binary search, its answer cached, and the streak counted.
+    #[inline]
+    fn miss(&self, addr: u64) -> Option<(usize, Span)> {
         let index = self.snap.find_index(GuestAddress(addr))?;
-        let span = self.snap.spans()[index];
-        self.last.set(LastUsed {
-            generation: self.generation,
-            index,
-            span,
-        });
-        if streak < MISS_STREAK_TO_BYPASS {
-            self.miss_streak.set(streak + 1);
+        let span = *self.snap.spans().get(index)?;
+        self.last.set(span);
+        self.last_index.set(index);
+        let streak = self.miss_streak.get() + 1;
+        if streak <= MISS_STREAK_TO_BYPASS {
+            self.miss_streak.set(streak);
+            if streak == MISS_STREAK_TO_BYPASS {
+                self.bypass.set(BYPASS_MASK);
+            }
         }
         Some((index, span))
     }
