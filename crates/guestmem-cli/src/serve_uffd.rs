@@ -1,15 +1,16 @@
 //! `guestmem serve-uffd`: a page server for Firecracker snapshot restores: every VM that
-//! connects, until SIGTERM (a fleet), or one VM with `--once`.
+//! connects, until SIGTERM (drained), or one VM with `--once`; one `guestmem::serve::Server`
+//! either way.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Args as ClapArgs, ValueEnum};
 use guestmem::plan::parse_size;
-use guestmem::restore::remote::{
-    self, Fleet, FleetConfig, FleetReport, FleetSocket, Listener, MemoryFile, ServeConfig,
-    ServeLog, SessionEnd, WorkingSetFile,
+use guestmem::serve::{
+    self, Listener, MemoryFile, ServeLog, Server, ServerConfig, ServerReport, Socket, Vms,
+    WorkingSetFile,
 };
 
 /// Flags of `guestmem serve-uffd`.
@@ -27,7 +28,7 @@ pub struct Args {
     #[arg(long)]
     once: bool,
     /// Most VMs served at once; the next is refused and ended with the reason.
-    #[arg(long, default_value_t = remote::DEFAULT_MAX_SESSIONS as u32, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    #[arg(long, default_value_t = serve::DEFAULT_MAX_VMS as u32, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_vms: u32,
     /// Most guest memory served at once, all VMs together (`64G`); past it a VM is refused
     /// and ended with the reason [default: no limit].
@@ -36,39 +37,39 @@ pub struct Args {
     /// Keep a record of each VM served here, so that a server started after this one died
     /// (same --mem-file) takes its VMs back: their userfaultfds come back from the VMs
     /// (`pidfd_getfd`), and none is lost.
-    #[arg(long, conflicts_with = "once")]
+    #[arg(long)]
     state_dir: Option<PathBuf>,
     /// Learn each snapshot's working set from the VMs served (blocks faulted, first fault
     /// first, merged across VMs), keep it beside its memory file
     /// (`<mem-file>.guestmem-ws.json`, keyed by the file's identity) and prefetch it for
     /// every later VM of that snapshot, its own faults first.
-    #[arg(long, conflicts_with = "once")]
+    #[arg(long)]
     learn_working_sets: bool,
-    /// Take over, without downtime, from the fleet whose control socket this is (a server
+    /// Take over, without downtime, from the server whose control socket this is (a server
     /// being upgraded): its sockets and VMs are handed over (`SCM_RIGHTS`) and it exits;
     /// give the same --socket/--mem-file pairs.
     #[arg(long, conflicts_with = "once")]
     take_over: Option<PathBuf>,
     /// A control socket: one command a connection (`status`, `health`, `drain`, `metrics`);
     /// `guestmem serve-ctl --control PATH status` sends one.
-    #[arg(long, conflicts_with = "once")]
+    #[arg(long)]
     control: Option<PathBuf>,
     /// Serve Prometheus metrics (`GET /metrics`) and `GET /health` over HTTP here
     /// (`127.0.0.1:9464`) [default: off].
-    #[arg(long, conflicts_with = "once")]
+    #[arg(long)]
     metrics: Option<std::net::SocketAddr>,
-    /// Threads serving faults [default: the CPUs]: with --once the VM's own, else one pool
-    /// shared by every VM.
+    /// Threads serving faults, shared by every VM [default: the CPUs].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
     /// A recorded working set (from --record): prefetch it first, then the rest. One per
     /// --socket when given.
     #[arg(long)]
     prefetch: Vec<PathBuf>,
-    /// Threads prefetching each VM's memory from the moment its handshake arrives, below its
-    /// faults in priority, reading ahead of its latest fault first [default: the CPUs with
-    /// --prefetch, else 1]. Without --prefetch, in address order. 0: faults alone bring
-    /// memory in (a VM that never touches a page never gets it).
+    /// Threads prefetching every VM's memory from the moment its handshake arrives, shared
+    /// by every VM and below their faults in priority, reading ahead of each VM's latest
+    /// fault first, then its working set (--prefetch, or learnt), then the rest in address
+    /// order [default: the CPUs with --prefetch, else 1]. 0: faults alone bring memory in
+    /// (a VM that never touches a page never gets it).
     #[arg(long, value_parser = clap::value_parser!(u32).range(0..=1024))]
     prefetch_threads: Option<u32>,
     /// Write the blocks the VM faulted, in order, here when the VM goes away (with --once).
@@ -149,8 +150,8 @@ fn secs(s: &str) -> Result<f64, String> {
 }
 
 /// Runs `guestmem serve-uffd`: everything that can be refused is refused before a socket
-/// appears; then one VM is served (`--once`, `guestmem::restore::remote::serve_one`), or
-/// every VM until SIGTERM or SIGINT, which drains the fleet (`remote::Fleet`) and exits 0.
+/// appears; then one server serves every VM until SIGTERM or SIGINT, which drains it and
+/// exits 0 (with `--once`, one VM, until it goes).
 pub fn run(a: Args) -> Result<()> {
     init_logs(a.log_format);
     if a.socket.len() != a.mem_file.len() {
@@ -176,62 +177,55 @@ pub fn run(a: Args) -> Result<()> {
     let mems = a
         .mem_file
         .iter()
-        .map(|p| MemoryFile::open(p))
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut firsts = a
+        .map(|p| MemoryFile::open(p).with_context(|| format!("--mem-file {}", p.display())))
+        .collect::<Result<Vec<_>>>()?;
+    let mut working_sets = a
         .prefetch
         .iter()
-        .map(|p| WorkingSetFile::read(p))
-        .collect::<Result<Vec<_>, _>>()?;
-    firsts.resize(a.socket.len(), Vec::new());
+        .map(|p| WorkingSetFile::read(p).with_context(|| format!("--prefetch {}", p.display())))
+        .collect::<Result<Vec<_>>>()?;
+    working_sets.resize(a.socket.len(), Vec::new());
     if let Some(path) = &a.record {
-        WorkingSetFile::check_writable(path)?;
+        WorkingSetFile::check_writable(path)
+            .with_context(|| format!("--record {}", path.display()))?;
     }
-    let cfg = serve_config(&a);
+    let cfg = server_config(&a);
     cfg.check()?;
-    if a.once {
-        let first = firsts.pop().unwrap_or_default();
-        return run_once(
-            &a,
-            mems.into_iter().next().expect("one"),
-            ServeConfig { first, ..cfg },
-        );
-    }
     // Before any thread starts, so that every thread inherits the mask and only the waiter
     // below takes the signals.
     let signals = block_drain_signals()?;
     let mut taken = match &a.take_over {
-        Some(control) => Some(remote::take_over(control, Duration::from_secs(30))?),
+        Some(control) => Some(
+            serve::take_over(control, Duration::from_secs(30))
+                .with_context(|| format!("--take-over {}", control.display()))?,
+        ),
         None => None,
     };
     let mut sockets = Vec::new();
-    for ((path, mem), first) in a.socket.iter().zip(mems).zip(firsts) {
+    for ((path, memory), working_set) in a.socket.iter().zip(mems).zip(working_sets) {
+        let flag = || format!("--socket {}", path.display());
         let handed = match taken.as_mut() {
-            Some(t) => t.listener(path)?,
+            Some(t) => t.listener(path).with_context(flag)?,
             None => None,
         };
         let listener = match handed {
             Some(l) => l,
-            None => Listener::bind(path)?,
+            None => Listener::bind(path).with_context(flag)?,
         };
         tracing::info!("listening on {}", path.display());
-        sockets.push(FleetSocket {
+        sockets.push(Socket {
             listener,
-            mem,
-            first,
+            memory,
+            working_set,
         });
     }
-    let fleet = Fleet::new(
-        sockets,
-        FleetConfig {
-            serve: cfg,
-            max_sessions: a.max_vms as usize,
-            max_bytes: a.max_memory,
-            state_dir: a.state_dir.clone(),
-            learn_working_sets: a.learn_working_sets,
-        },
-    )?;
-    let mut fleet = fleet;
+    let mut server = Server::new(sockets, cfg).with_context(|| {
+        a.state_dir
+            .as_ref()
+            .map_or(String::from("start the server"), |d| {
+                format!("start the server (--state-dir {})", d.display())
+            })
+    })?;
     if let Some(t) = taken {
         tracing::info!(
             "took over {} VMs from process {} in {:.3} s",
@@ -239,13 +233,14 @@ pub fn run(a: Args) -> Result<()> {
             t.old_pid.map_or("?".into(), |p| p.to_string()),
             t.handed_secs
         );
-        fleet.adopt(t);
+        server.adopt(t);
     }
-    let drainer = fleet.drainer();
-    let status = fleet.status();
+    let drainer = server.drainer();
+    let status = server.status();
     let _control = match &a.control {
         Some(path) => {
-            let l = Listener::bind_private(path)?;
+            let l = Listener::bind_private(path)
+                .with_context(|| format!("--control {}", path.display()))?;
             tracing::info!("control socket {}", path.display());
             Some(status.serve_control(l, drainer.clone())?)
         }
@@ -253,7 +248,9 @@ pub fn run(a: Args) -> Result<()> {
     };
     let _metrics = match a.metrics {
         Some(addr) => {
-            let (m, bound) = status.serve_metrics(addr)?;
+            let (m, bound) = status
+                .serve_metrics(addr)
+                .with_context(|| format!("--metrics {addr}"))?;
             tracing::info!("metrics on http://{bound}/metrics");
             Some(m)
         }
@@ -270,8 +267,12 @@ pub fn run(a: Args) -> Result<()> {
             }
             drainer.drain();
         })?;
-    let report = fleet.run()?;
-    print_fleet(&report, a.json)
+    let report = server.run()?;
+    if let (Some(path), Some(last)) = (&a.record, &report.last) {
+        WorkingSetFile::write(path, &last.working_set)
+            .with_context(|| format!("--record {}", path.display()))?;
+    }
+    print_report(&report, a.once, a.json)
 }
 
 /// Tells systemd the server is ready (`Type=notify`), once every socket listens: one
@@ -298,24 +299,33 @@ fn notify_ready(sockets: usize) {
 }
 
 /// The serving settings the flags give.
-fn serve_config(a: &Args) -> ServeConfig {
+fn server_config(a: &Args) -> ServerConfig {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    ServeConfig {
+    ServerConfig {
         handler_threads: a.threads.map_or(cpus, |t| t as usize),
         prefetch_threads: a
             .prefetch_threads
             .map_or(if a.prefetch.is_empty() { 1 } else { cpus }, |t| t as usize),
-        first: Vec::new(),
         block_bytes: a.block,
+        vms: if a.once {
+            Vms::One {
+                wait: a.accept_timeout_s.map(Duration::from_secs_f64),
+            }
+        } else {
+            Vms::Every
+        },
+        max_vms: a.max_vms as usize,
+        max_bytes: a.max_memory,
         on_failure: match a.on_failure {
-            OnFailure::Kill => remote::OnFailure::Kill,
-            OnFailure::Leave => remote::OnFailure::Leave,
+            OnFailure::Kill => serve::OnFailure::Kill,
+            OnFailure::Leave => serve::OnFailure::Leave,
         },
         handshake_timeout: Duration::from_secs_f64(a.handshake_timeout_s),
-        accept_timeout: a.accept_timeout_s.map(Duration::from_secs_f64),
+        state_dir: a.state_dir.clone(),
+        learn_working_sets: a.learn_working_sets,
+        regain_huge: a.regain_huge_pages == Switch::On,
         // Every line goes through `tracing` (see `init_logs`).
         log: ServeLog::default(),
-        regain_huge: a.regain_huge_pages == Switch::On,
     }
 }
 
@@ -339,60 +349,20 @@ fn block_drain_signals() -> Result<libc::sigset_t> {
     }
 }
 
-/// Prints a drained fleet's report: a line per VM and a total.
-fn print_fleet(report: &FleetReport, json: bool) -> Result<()> {
+/// Prints the report: with `--once`, what was done for the VM; else a line per socket.
+fn print_report(report: &ServerReport, once: bool, json: bool) -> Result<()> {
     if json {
         println!("{}", serde_json::to_string_pretty(report)?);
         return Ok(());
     }
-    for s in &report.sessions {
-        let pid = s.pid.map_or("?".into(), |p| p.to_string());
-        let what = match &s.end {
-            SessionEnd::PeerClosed => "closed its socket".to_string(),
-            SessionEnd::PeerExited => "exited".to_string(),
-            SessionEnd::Graduated => "graduated (every block in, unregistered)".to_string(),
-            SessionEnd::HandedOff => "handed to the new server".to_string(),
-            SessionEnd::Failed(why) => format!("failed: {why}"),
-        };
-        let faults = s.engine.as_ref().map_or(0, |e| e.faults);
+    if let (true, Some(last)) = (once, &report.last) {
+        let e = &last.engine;
         println!(
-            "VM {pid} on socket {}: {} MiB, {faults} faults, {what} after {:.3} s",
-            s.socket,
-            s.bytes >> 20,
-            s.served_secs
-        );
-    }
-    println!(
-        "served {} VMs on {} pool threads in {:.3} s; {} connections dropped",
-        report.sessions.len(),
-        report.pool_threads,
-        report.secs,
-        report.dropped
-    );
-    Ok(())
-}
-
-/// `--once`: one VM on one socket, as before the fleet.
-fn run_once(a: &Args, mem: MemoryFile, cfg: ServeConfig) -> Result<()> {
-    let listener = Listener::bind(&a.socket[0])?;
-    tracing::info!(
-        "guestmem serve-uffd: listening on {}",
-        a.socket[0].display()
-    );
-    let report = remote::serve_one(listener, &mem, &cfg)?;
-    if let Some(path) = &a.record {
-        WorkingSetFile::write(path, &report.working_set)?;
-    }
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        let e = &report.engine;
-        println!(
-            "served {:.3} s until the {}; {} faults ({} brought a block in, {} waited on one \
+            "served {:.3} s until {}; {} faults ({} brought a block in, {} waited on one \
              coming, {} came late), {} blocks prefetched, {} zero blocks, {} MiB copied, {} \
              removes; {} of {} blocks in",
-            report.served_secs,
-            report.ended,
+            last.served_secs,
+            last.end,
             e.faults,
             e.fault_blocks,
             e.faults_on_busy,
@@ -404,6 +374,35 @@ fn run_once(a: &Args, mem: MemoryFile, cfg: ServeConfig) -> Result<()> {
             e.fault_blocks + e.prefetched_blocks,
             e.blocks
         );
+        return Ok(());
     }
+    let st = &report.status;
+    for k in &st.sockets {
+        let e = &k.ended;
+        println!(
+            "socket {} ({}): {} VMs: {} graduated, {} closed their socket, {} exited, {} \
+             handed off, {} failed; {} faults, {} MiB copied",
+            k.socket,
+            k.path.display(),
+            k.sessions,
+            e.graduated,
+            e.peer_closed,
+            e.peer_exited,
+            e.handed_off,
+            e.failed,
+            k.faults,
+            k.bytes_copied >> 20
+        );
+    }
+    println!(
+        "served {} VMs on {} fault threads and {} prefetch threads in {:.3} s; {} refused, {} \
+         connections dropped",
+        st.sockets.iter().map(|k| k.sessions).sum::<u64>(),
+        st.pool_threads,
+        st.prefetch_threads,
+        st.uptime_secs,
+        st.refused,
+        st.dropped
+    );
     Ok(())
 }

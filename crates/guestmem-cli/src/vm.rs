@@ -147,7 +147,7 @@ pub fn run(args: Args) -> Result<()> {
             handler_threads: args.handler_threads as usize,
             prefetch_threads: args.prefetch_threads as usize,
             prefetch: match args.prefetch {
-                PrefetchArg::Recorded => Prefetch::Recorded,
+                PrefetchArg::Recorded => Prefetch::WorkingSet,
                 PrefetchArg::None => Prefetch::None,
             },
             record: args.record,

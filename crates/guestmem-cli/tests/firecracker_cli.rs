@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use guestmem_lab::firecracker::vmm::{self, Backend, Vmm};
+use guestmem_testkit::firecracker::vmm::{self, Backend, Vmm};
 use guestmem_testkit::{ChildGuard as Guard, Scratch};
 
 /// The guest's region, MiB (the shared build uses 512).
@@ -165,7 +165,7 @@ fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_s
     let st = fleet.wait_exit(30);
     let err = stderr(&mut fleet);
     assert!(st.success(), "{err}");
-    assert_eq!(err.matches("reason=\"Graduated\"").count(), 2, "{err}");
+    assert_eq!(err.matches("reason=\"graduated\"").count(), 2, "{err}");
     for fc in &mut vms {
         fc.send(b'g').unwrap();
     }

@@ -243,7 +243,7 @@ fn measure(
     let specs = [RegionSpec::new(GuestAddress(0), cfg.size).with_thp(way.thp)];
     let rcfg = RestoreConfig {
         mode: RestoreMode::Lazy,
-        prefetch: Prefetch::Recorded,
+        prefetch: Prefetch::WorkingSet,
         regain: way.regain,
         ..RestoreConfig::default()
     };

@@ -16,7 +16,7 @@
 //!   server per VM, Firecracker's example handler per VM.
 //! - [`firecracker`]: restores of a real Firecracker VM (the shared build and guest): its
 //!   File backend and example handlers beside guestmem's page server, 4 KiB and 2 MiB
-//!   guests, warm and cold page cache; [`firecracker::vmm`] drives a Firecracker process.
+//!   guests, warm and cold page cache; the test kit's `firecracker::vmm` drives a Firecracker process.
 //! - [`vm`]: the guest side of `guestmem vm`: a hand-assembled guest on KVM over guestmem's
 //!   memslots, and the `dirty_log_perf_test` engine.
 //! - [`report`]: the one result frame every scenario fills ([`LabResult`]), the Markdown
@@ -31,10 +31,8 @@
 #![deny(missing_docs)]
 
 pub mod all;
-mod child;
 pub mod error;
 pub mod faults;
-pub mod fc_standin;
 pub mod firecracker;
 pub mod fleet;
 pub mod guards;
@@ -48,7 +46,6 @@ pub mod report;
 pub mod restore;
 pub mod run;
 pub mod translate;
-mod uffd_raw;
 pub mod vm;
 pub mod vm_restore;
 mod workers;

@@ -7,7 +7,7 @@
 //! rounds) is restored and then read by 1..CPUs "vCPU" threads, each reading one word of
 //! every page of its contiguous share, as a restored guest touching all its memory would:
 //!
-//! - `fc-peer`: the [Firecracker stand-in](crate::fc_standin) hands its userfaultfd to the
+//! - `fc-peer`: the [Firecracker stand-in](guestmem_testkit::firecracker) hands its userfaultfd to the
 //!   lab's Firecracker-style server ([`crate::vm::fc_peer`]: one thread, one 4 KiB
 //!   `UFFDIO_COPY` per fault from a private mapping of the file, no prefetch).
 //! - `serve-uffd`: the same handshake to guestmem's page server
@@ -30,19 +30,19 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use guestmem::layout::RegionSpec;
-use guestmem::restore::remote::{Handshake, MemoryFile, PageServer, ServeConfig};
 use guestmem::restore::{restore, Prefetch, RestoreConfig, RestoreMode};
+use guestmem::serve::{Handshake, Listener, MemoryFile, Server, ServerConfig, Socket, Vms};
 use guestmem::snapshot::{save, Image, SaveConfig};
 use guestmem::vm_memory::Bytes;
 use guestmem::{GuestAddress, GuestMap};
 
 use crate::error::LabError;
-use crate::fc_standin::{read_ranges, Standin, PAGE};
 use crate::plot::{Bar, BarGroup};
 use crate::report::{header, LabReport, LabResult};
 use crate::run::{available_cpus, ratio, summarise, thp_mode, Order, Protocol, RunInfo};
 use crate::run::{Sampled, Summary};
 use crate::vm::fc_peer::FcPeer;
+use guestmem_testkit::firecracker::{read_ranges, Standin, PAGE};
 
 /// The scenario's name.
 pub const SCENARIO: &str = "restore";
@@ -228,18 +228,18 @@ fn served(
     socket: &Path,
     vcpus: usize,
     kind: RestoreKind,
-    cfg: &ServeConfig,
+    cfg: &Serving,
     digest: u64,
 ) -> Result<(RestoreSample, Vec<u64>), LabError> {
     let _ = std::fs::remove_file(socket);
-    let listener = UnixListener::bind(socket).map_err(err)?;
     let size = image.memory_bytes() as usize;
     let mut vm = Standin::new(&[size], false).map_err(err)?;
-    let t0 = Instant::now();
-    vm.connect(socket).map_err(err)?;
-    let h = Handshake::accept(&listener, HANDSHAKE_TIMEOUT, HANDSHAKE_TIMEOUT).map_err(err)?;
     let mem = image.memory_path().to_path_buf();
     let (run, seconds, faults, fault_blocks, prefetched, ws) = if kind == RestoreKind::FcPeer {
+        let listener = UnixListener::bind(socket).map_err(err)?;
+        let t0 = Instant::now();
+        vm.connect(socket).map_err(err)?;
+        let h = Handshake::accept(&listener, HANDSHAKE_TIMEOUT, HANDSHAKE_TIMEOUT).map_err(err)?;
         let (regions, fd, _sock) = h.into_parts();
         let peer = FcPeer::serve_handshake(&regions, fd, &mem).map_err(err)?;
         let run = vm.read_all(vcpus);
@@ -248,9 +248,25 @@ fn served(
         let n = peer.stop().map_err(err)?;
         (run, seconds, n, n, 0, Vec::new())
     } else {
-        let mem = MemoryFile::open(&mem).map_err(err)?;
-        let server = PageServer::start(h, &mem, cfg).map_err(err)?;
-        let waiter = std::thread::spawn(move || server.wait());
+        let server = Server::new(
+            vec![Socket {
+                listener: Listener::bind(socket).map_err(err)?,
+                memory: MemoryFile::open(&mem).map_err(err)?,
+                working_set: cfg.working_set.clone(),
+            }],
+            ServerConfig {
+                handler_threads: cfg.handlers,
+                prefetch_threads: cfg.prefetch_threads,
+                vms: Vms::One {
+                    wait: Some(HANDSHAKE_TIMEOUT),
+                },
+                ..ServerConfig::default()
+            },
+        )
+        .map_err(err)?;
+        let t0 = Instant::now();
+        let waiter = std::thread::spawn(move || server.run());
+        vm.connect(socket).map_err(err)?;
         let run = vm.read_all(vcpus);
         let seconds = t0.elapsed().as_secs_f64();
         vm.disconnect();
@@ -258,14 +274,17 @@ fn served(
             .join()
             .map_err(|_| err("the page server panicked"))?
             .map_err(err)?;
-        let e = rep.engine;
+        let last = rep
+            .last
+            .ok_or_else(|| err("the page server served no VM"))?;
+        let e = last.engine;
         (
             run,
             seconds,
             e.faults,
             e.fault_blocks,
             e.prefetched_blocks,
-            rep.working_set,
+            last.working_set,
         )
     };
     check(kind, run.digest, digest)?;
@@ -279,6 +298,14 @@ fn served(
         },
         ws,
     ))
+}
+
+/// How guestmem's page server is set for a served restore.
+#[derive(Debug, Clone)]
+struct Serving {
+    handlers: usize,
+    prefetch_threads: usize,
+    working_set: Vec<u64>,
 }
 
 fn check(kind: RestoreKind, got: u64, want: u64) -> Result<(), LabError> {
@@ -360,11 +387,10 @@ fn run_in(cfg: &RestoreLabConfig) -> Result<RestoreResult, LabError> {
     for &size in &cfg.sizes {
         let (image, digest) =
             make_image(&cfg.work_dir.join(format!("image-{}M", size >> 20)), size)?;
-        let plain = ServeConfig {
-            handler_threads: cfg.handlers,
+        let plain = Serving {
+            handlers: cfg.handlers,
             prefetch_threads: 0,
-            first: Vec::new(),
-            ..ServeConfig::default()
+            working_set: Vec::new(),
         };
         for &vcpus in &cfg.vcpus {
             // Record the working set the prefetch variant starts from: a serve-uffd run's
@@ -377,9 +403,9 @@ fn run_in(cfg: &RestoreLabConfig) -> Result<RestoreResult, LabError> {
                 &plain,
                 digest,
             )?;
-            let prefetch = ServeConfig {
+            let prefetch = Serving {
                 prefetch_threads: cpus,
-                first: recorded,
+                working_set: recorded,
                 ..plain.clone()
             };
             let samples = cfg.protocol.run(KINDS.len(), |i| match KINDS[i] {

@@ -253,7 +253,7 @@ fn restore_config(cfg: &VmRestoreLabConfig, snap: &Path, way: Way, record: bool)
             handlers,
             0,
             if recorded {
-                Prefetch::Recorded
+                Prefetch::WorkingSet
             } else {
                 Prefetch::None
             },

@@ -87,7 +87,7 @@ fn every_mode_restores_a_guest_that_verifies_clean() {
         (RestoreMode::Eager, Prefetch::None, false),
         (RestoreMode::Mapped, Prefetch::None, false),
         (RestoreMode::Lazy, Prefetch::None, true),
-        (RestoreMode::Lazy, Prefetch::Recorded, false),
+        (RestoreMode::Lazy, Prefetch::WorkingSet, false),
     ] {
         let r = run_with_deadline(restore_run(&snap, mode, prefetch, record))
             .unwrap_or_else(|e| panic!("{mode:?}/{prefetch:?}: {e}"));
@@ -150,7 +150,7 @@ fn flipped_byte_mid_lazy_restore_stops_the_guest() {
     f.write_all_at(&[b[0] ^ 1], off).unwrap();
     let want_guest = format!("guest {:#x}", r.guest_addr + 5 * MIB);
     let want_off = format!("offset {:#x}", r.file_offset + 5 * MIB);
-    for prefetch in [Prefetch::None, Prefetch::Recorded] {
+    for prefetch in [Prefetch::None, Prefetch::WorkingSet] {
         let r = run_with_deadline(restore_run(&snap, RestoreMode::Lazy, prefetch, false));
         expect_stopped(
             r,

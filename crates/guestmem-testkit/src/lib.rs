@@ -9,6 +9,9 @@
 //!   `target/test-skips.log`, which `.ci/run` counts and prints at the end.
 //! - [`ChildGuard`] and [`Scratch`]: a child process killed and reaped, a folder removed,
 //!   however the test ends.
+//! - [`HugePool2M`]: the hugetlb pool grown for a test and put back.
+//! - [`firecracker`]: a stand-in for Firecracker restoring a snapshot through a page server
+//!   (its exact handshake), for the page server's tests and the lab's measurements.
 #![deny(missing_docs)]
 
 use std::io::Write;
@@ -16,6 +19,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ExitStatus};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+pub mod firecracker;
 
 static HOST: Mutex<()> = Mutex::new(());
 
@@ -99,6 +104,36 @@ impl ChildGuard {
     /// Whether it still runs.
     pub fn running(&mut self) -> bool {
         self.child().try_wait().is_ok_and(|s| s.is_none())
+    }
+
+    /// Its exit status, if it has exited (reaped then).
+    pub fn try_status(&mut self) -> std::io::Result<Option<ExitStatus>> {
+        self.child().try_wait()
+    }
+
+    /// Kills and reaps it now (a no-op once reaped).
+    pub fn kill(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits for it to exit by itself, at most `limit`; an error past that.
+    pub fn wait_within(&mut self, limit: Duration) -> std::io::Result<ExitStatus> {
+        let t = Instant::now();
+        loop {
+            if let Some(s) = self.child().try_wait()? {
+                return Ok(s);
+            }
+            if t.elapsed() > limit {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("process {} still running after {limit:?}", self.id()),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Waits at most `secs` for it to exit (panics past that: the guard then kills it).

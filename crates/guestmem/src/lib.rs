@@ -15,7 +15,8 @@
 //! - [`inspect`]: what the kernel really did (smaps, numa_maps, status).
 //! - [`snapshot`]: saving a map's memory to a directory published whole, and opening one
 //!   (every file checked before it is read); [`restore`]: eager, mapped or lazy
-//!   (userfaultfd) restores, and [`restore::remote`], a page server for Firecracker.
+//!   (userfaultfd) restores; [`serve`]: a page server for Firecracker's restores, on the
+//!   lazy restore's engine.
 //! - [`plan`]: sizes, layouts and layout files as people write them.
 //! - vm-memory: [`map::MapView`] and [`translate::Translator`] implement
 //!   `GuestMemoryBackend`, [`map::GuestMap`] implements `GuestAddressSpace` (in the private
@@ -170,6 +171,7 @@ pub mod plan;
 pub mod populate;
 pub mod region;
 pub mod restore;
+pub mod serve;
 pub mod snapshot;
 mod sys;
 pub mod translate;

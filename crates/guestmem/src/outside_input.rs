@@ -6,8 +6,9 @@
 use proptest::prelude::*;
 use std::path::Path;
 
-use crate::restore::remote::{parse_regions, WorkingSetFile, MAX_HANDSHAKE_BYTES, PAGE_SIZES};
-use crate::snapshot::manifest::{parse_manifest, MAX_BLOCKS, MAX_BLOCK_BYTES};
+use crate::serve::{parse_regions, WorkingSetFile, MAX_HANDSHAKE_BYTES, PAGE_SIZES};
+use crate::snapshot::manifest::{parse_manifest, MAX_BLOCKS};
+use crate::snapshot::MAX_PAGE_BLOCK_BYTES;
 
 /// Numbers that sit on the edges parsers get wrong: zero, page sizes and their neighbours,
 /// powers of two, and the top of the range.
@@ -140,7 +141,7 @@ proptest! {
         mutate(&mut v, &picks, with);
         let text = serde_json::to_vec(&v).unwrap();
         if let Ok(m) = parse_manifest(&text, Path::new("manifest.json")) {
-            prop_assert!(m.block_bytes.is_power_of_two() && m.block_bytes <= MAX_BLOCK_BYTES);
+            prop_assert!(m.block_bytes.is_power_of_two() && m.block_bytes <= MAX_PAGE_BLOCK_BYTES);
             let total = m.total_blocks();
             prop_assert!(total <= MAX_BLOCKS);
             prop_assert!(m.blocks.iter().all(|b| b.index < total));

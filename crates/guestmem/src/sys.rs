@@ -138,6 +138,93 @@ pub fn eventfd_read(fd: BorrowedFd<'_>) -> io::Result<u64> {
     }
 }
 
+/// One descriptor `poll` watches, and what it found: `libc::pollfd` with the descriptor
+/// borrowed, so it cannot be closed while polled. `PollFd::skip` is a slot poll ignores
+/// (a negative descriptor), kept so that indices stay fixed.
+#[repr(transparent)]
+pub struct PollFd<'a>(libc::pollfd, std::marker::PhantomData<BorrowedFd<'a>>);
+
+impl<'a> PollFd<'a> {
+    /// Waits for `fd` to be readable (`POLLIN`; hang-ups and errors are always reported).
+    pub fn readable(fd: BorrowedFd<'a>) -> PollFd<'a> {
+        PollFd::with(fd, libc::POLLIN)
+    }
+
+    /// Waits for `events` on `fd`.
+    pub fn with(fd: BorrowedFd<'a>, events: libc::c_short) -> PollFd<'a> {
+        PollFd(
+            libc::pollfd {
+                fd: fd.as_raw_fd(),
+                events,
+                revents: 0,
+            },
+            std::marker::PhantomData,
+        )
+    }
+
+    /// A slot poll skips (it never reports anything).
+    pub fn skip() -> PollFd<'a> {
+        PollFd(
+            libc::pollfd {
+                fd: -1,
+                events: 0,
+                revents: 0,
+            },
+            std::marker::PhantomData,
+        )
+    }
+
+    /// What poll reported.
+    pub fn revents(&self) -> libc::c_short {
+        self.0.revents
+    }
+
+    /// Whether poll reported anything at all.
+    pub fn ready(&self) -> bool {
+        self.0.revents != 0
+    }
+}
+
+/// `poll(2)` over `fds`, for at most `timeout` (`None`: until something is ready); how many
+/// are ready (0: the time ran out). A signal does not cut the wait short: it goes on for
+/// what is left of the time.
+pub fn poll(fds: &mut [PollFd<'_>], timeout: Option<std::time::Duration>) -> io::Result<usize> {
+    let deadline = timeout.map(|t| std::time::Instant::now() + t);
+    loop {
+        let ms = match deadline {
+            None => -1,
+            Some(d) => {
+                let left = d.saturating_duration_since(std::time::Instant::now());
+                // Rounded up, so a wait of under a millisecond waits rather than spins.
+                left.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int
+            }
+        };
+        // SAFETY: `PollFd` is `repr(transparent)` over `libc::pollfd`, so `fds` is a live
+        // array of `fds.len()` pollfds, over descriptors borrowed for the call; the kernel
+        // writes only their `revents`.
+        let n = unsafe {
+            libc::poll(
+                fds.as_mut_ptr() as *mut libc::pollfd,
+                fds.len() as libc::nfds_t,
+                ms,
+            )
+        };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    }
+}
+
+/// Whether `fd` is readable now (or hung up, or in error), without waiting.
+pub fn is_readable(fd: BorrowedFd<'_>) -> bool {
+    let mut p = [PollFd::readable(fd)];
+    poll(&mut p, Some(std::time::Duration::ZERO)).is_ok_and(|n| n > 0)
+}
+
 /// Punches a hole over `offset..offset+len` of `fd`, freeing its pages.
 pub fn punch_hole(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
     let off =

@@ -104,7 +104,7 @@ fn cfg(mode: RestoreMode, regain: RegainHuge) -> RestoreConfig {
         mode,
         threads: 2,
         handler_threads: 1,
-        prefetch: Prefetch::Recorded,
+        prefetch: Prefetch::WorkingSet,
         regain,
     }
 }
@@ -317,7 +317,7 @@ fn a_lazy_restore_of_2m_blocks_moves_huge_pages_in_whole_and_they_stay_huge() {
     // huge. Faults only, the pages read at once (each fault moves its block), then with
     // prefetch (the prefetch thread moves them).
     let huge = vec![RegionSpec::new(GuestAddress(0), SIZE)];
-    for prefetch in [Prefetch::None, Prefetch::Recorded] {
+    for prefetch in [Prefetch::None, Prefetch::WorkingSet] {
         let rcfg = RestoreConfig {
             prefetch,
             ..cfg(RestoreMode::Lazy, RegainHuge::Off)

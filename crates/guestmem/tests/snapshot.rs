@@ -316,7 +316,7 @@ fn flipped_byte_is_named_eagerly_and_lazily() {
     let image2 = image.clone();
     let msg = deadline(30, move || {
         let mut c = cfg(RestoreMode::Lazy);
-        c.prefetch = Prefetch::Recorded;
+        c.prefetch = Prefetch::WorkingSet;
         let r = restore::restore(&image2, &specs_plain(), &c).unwrap();
         let lazy = r.lazy.unwrap();
         let (tx, rx) = mpsc::channel();
@@ -463,7 +463,7 @@ fn a_page_dropped_after_a_lazy_restore_reads_as_zero_not_a_hang() {
     let image = Image::open(&dir).unwrap();
     deadline(30, move || {
         let mut c = cfg(RestoreMode::Lazy);
-        c.prefetch = Prefetch::Recorded;
+        c.prefetch = Prefetch::WorkingSet;
         let r = restore::restore(&image, &specs_plain(), &c).unwrap();
         let lazy = r.lazy.unwrap();
         lazy.wait_complete().unwrap();
@@ -719,7 +719,7 @@ fn hostile_snapshot_files_are_refused_by_name_without_hanging_or_allocating() {
     const TOO_BIG: &str = "more than the 67108864 allowed";
     assert!(TOO_BIG.contains(&snapshot::MAX_MANIFEST_BYTES.to_string()));
     let mut cases: Vec<(PathBuf, &str)> = Vec::new();
-    // 2 GiB blocks: past MAX_BLOCK_BYTES (each restoring thread would stage one).
+    // 2 GiB blocks: past MAX_PAGE_BLOCK_BYTES (each restoring thread would stage one).
     let d = copy("hostile-2g");
     edit_manifest(&d, |v| v["block_bytes"] = (2u64 << 30).into());
     cases.push((d, "is not a power of two from 4 KiB to 0x40000000"));
@@ -834,7 +834,7 @@ fn a_hook_that_reads_the_failed_block_does_not_hang_finish() {
     let image = Image::open(&dir).unwrap();
     deadline(30, move || {
         let cfg = RestoreConfig {
-            prefetch: Prefetch::Recorded,
+            prefetch: Prefetch::WorkingSet,
             threads: 1,
             handler_threads: 1,
             mode: RestoreMode::Lazy,

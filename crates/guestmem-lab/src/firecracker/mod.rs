@@ -14,7 +14,7 @@
 //!   (`uffd_on_demand_handler`: one 4 KiB `UFFDIO_COPY` per fault; `uffd_fault_all_handler`:
 //!   the whole file on the first fault), processes beside the binary, on a Uffd socket;
 //! - `guestmem-4k`: guestmem's page server in this process
-//!   ([`guestmem::restore::remote::serve_one`]) set as `guestmem serve-uffd --once` sets it
+//!   ([`guestmem::serve::Server`] of one VM) set as `guestmem serve-uffd --once` sets it
 //!   by default: a handler thread per CPU, 1 MiB blocks, one prefetch thread from the
 //!   handshake on (reading ahead of the latest fault first); on the 4 KiB snapshot;
 //! - `guestmem-4k-faults`: the same without prefetch (`--prefetch-threads 0`): blocks come in
@@ -57,7 +57,7 @@ mod report;
 mod round;
 
 pub mod host;
-pub mod vmm;
+use guestmem_testkit::firecracker::vmm;
 
 use std::io;
 use std::path::{Path, PathBuf};

@@ -7,17 +7,18 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use guestmem::restore::remote::{
-    serve_one, Listener, MemoryFile, ServeConfig, ServeError, ServeLog, ServeReport,
+use guestmem::serve::{
+    Listener, MemoryFile, ServeError, ServeLog, Server as PageServer, ServerConfig, ServerReport,
+    Socket, Vms,
 };
 
 use super::host::{cached_share, drop_cache, warm};
-use super::vmm::{self, Backend, Vmm};
 use super::{
     err, failed, Cache, Ctx, FcSample, ServerSample, Variant, PASS_LIMIT, SCENARIO, SOCKET_LIMIT,
 };
-use crate::child::Reaped;
 use crate::error::LabError;
+use guestmem_testkit::firecracker::vmm::{self, Backend, Vmm};
+use guestmem_testkit::ChildGuard as Reaped;
 
 /// What serves a restore's memory, started before the VM loads; dropped, a handler
 /// process is killed (before the VM, which is declared first).
@@ -28,7 +29,7 @@ enum Server {
     Handler(Reaped),
     /// guestmem's page server on a thread, and when its handshake arrived.
     Guestmem {
-        thread: JoinHandle<Result<ServeReport, ServeError>>,
+        thread: JoinHandle<Result<ServerReport, ServeError>>,
         handshake: Arc<Mutex<Option<Instant>>>,
     },
 }
@@ -54,29 +55,41 @@ impl Server {
             return Ok(Server::File);
         }
         let listener = Listener::bind(socket).map_err(err)?;
-        let mem = MemoryFile::open(mem).map_err(err)?;
+        let memory = MemoryFile::open(mem).map_err(err)?;
         let handshake = Arc::new(Mutex::new(None));
         let seen = handshake.clone();
         // As `guestmem serve-uffd --once` serves by default: one prefetch thread (none for
         // the faults-only variant, as `--prefetch-threads 0`).
-        let scfg = ServeConfig {
+        let scfg = ServerConfig {
             handler_threads: ctx.cfg.server_threads,
             prefetch_threads: usize::from(v != Variant::Guestmem4kFaults),
             regain_huge: v != Variant::Guestmem4kNoRegain,
-            accept_timeout: Some(SOCKET_LIMIT),
-            // Its one line on a handshake: "peer PID sent N regions (M MiB)".
+            vms: Vms::One {
+                wait: Some(SOCKET_LIMIT),
+            },
+            // Its one line on admitting the VM: "session 0: peer PID on socket 0 sent N
+            // regions (M MiB)".
             log: ServeLog::to(move |line: &str| {
-                if line.starts_with("peer ") && line.contains(" sent ") {
+                if line.starts_with("session ") && line.contains(" sent ") {
                     seen.lock()
                         .expect("not poisoned")
                         .get_or_insert(Instant::now());
                 }
             }),
-            ..ServeConfig::default()
+            ..ServerConfig::default()
         };
+        let server = PageServer::new(
+            vec![Socket {
+                listener,
+                memory,
+                working_set: Vec::new(),
+            }],
+            scfg,
+        )
+        .map_err(err)?;
         let thread = std::thread::Builder::new()
             .name(format!("{what}-server"))
-            .spawn(move || serve_one(listener, &mem, &scfg))
+            .spawn(move || server.run())
             .map_err(failed(what))?;
         Ok(Server::Guestmem { thread, handshake })
     }
@@ -98,20 +111,25 @@ impl Server {
                     .map_err(|_| err("guestmem's page server panicked"))?
                     .map_err(err)?;
                 let at = *handshake.lock().expect("not poisoned");
-                Ok(Some(server_sample(
+                server_sample(
                     &r,
                     at.map(|a| a.saturating_duration_since(t0).as_secs_f64()),
-                )))
+                )
+                .map(Some)
             }
         }
     }
 }
 
 /// The server's report, its phases put on the load's clock (`handshake` seconds after it).
-fn server_sample(r: &ServeReport, handshake: Option<f64>) -> ServerSample {
-    let e = &r.engine;
+fn server_sample(r: &ServerReport, handshake: Option<f64>) -> Result<ServerSample, LabError> {
+    let e = &r
+        .last
+        .as_ref()
+        .ok_or_else(|| err("guestmem's page server served no VM"))?
+        .engine;
     let after = |s: Option<f64>| Some(handshake? + s?);
-    ServerSample {
+    Ok(ServerSample {
         handshake_secs: handshake,
         first_fault_secs: after(e.first_fault_secs),
         all_in_secs: after(e.complete_secs),
@@ -119,7 +137,7 @@ fn server_sample(r: &ServeReport, handshake: Option<f64>) -> ServerSample {
         fault_blocks: e.fault_blocks + e.prefetched_blocks,
         blocks: e.blocks,
         bytes_copied: e.bytes_copied,
-    }
+    })
 }
 
 /// Minor and major page faults of a process so far (`/proc/PID/stat`).

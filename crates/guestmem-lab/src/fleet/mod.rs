@@ -2,18 +2,18 @@
 //! clones VMs all day runs one page server for all of them, or one per VM; this measures
 //! both beside Firecracker's own example handler.
 //!
-//! `vms` stand-in VMs ([`crate::fc_standin`], Firecracker's exact handshake) of `size` bytes
+//! `vms` stand-in VMs ([`guestmem_testkit::firecracker`], Firecracker's exact handshake) of `size` bytes
 //! each are restored from one memory file (a distinct word at both ends of every page, in
 //! the page cache before the rounds). Every VM connects, then one "vCPU" thread per VM
 //! reads one word of every page, timing each read (each is a fault the server answers):
 //!
-//! - `fleet`: one guestmem fleet ([`guestmem::restore::remote::Fleet`]) on one socket, its
+//! - `fleet`: one guestmem page server ([`guestmem::serve::Server`]) on one socket, its
 //!   pool of `pool` threads serving every VM;
-//! - `fleet-learnt`: the same, prefetching for every VM the working set the fleet learnt
-//!   from the VMs of a round before the measured ones (`--learn-working-sets`), each VM's
-//!   prefetch on one thread below its faults;
+//! - `fleet-learnt`: the same, prefetching for every VM the working set the server learnt
+//!   from the VMs of a round before the measured ones (`--learn-working-sets`), on one
+//!   prefetch thread below the faults;
 //! - `once-servers`: a guestmem page server per VM (`serve-uffd --once`: its own socket and
-//!   `pool` handler threads each);
+//!   `pool` fault threads each);
 //! - `fc-example`: a Firecracker `uffd_on_demand_handler` process per VM (one thread, one
 //!   4 KiB `UFFDIO_COPY` per fault), when its binary is found.
 //!
@@ -31,15 +31,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use guestmem::restore::remote::{
-    serve_one, Fleet, FleetConfig, FleetSocket, Listener, MemoryFile, ServeConfig,
-};
+use guestmem::serve::{Listener, MemoryFile, Server, ServerConfig, Socket, Vms};
 
-use crate::child::Reaped;
 use crate::error::LabError;
-use crate::fc_standin::{Standin, PAGE};
 use crate::report::LabResult;
 use crate::run::{available_cpus, ratio, summarise, thp_mode, Protocol, RunInfo, Sampled, Summary};
+use guestmem_testkit::firecracker::{Standin, PAGE};
+use guestmem_testkit::ChildGuard as Reaped;
 
 /// The scenario's name.
 pub const SCENARIO: &str = "fleet";
@@ -317,19 +315,35 @@ fn wait_for(path: &Path) -> Result<(), LabError> {
     Ok(())
 }
 
-fn serve_config(cfg: &FleetLabConfig) -> ServeConfig {
-    ServeConfig {
+fn server_config(cfg: &FleetLabConfig, learn: bool) -> ServerConfig {
+    ServerConfig {
         handler_threads: cfg.pool,
-        prefetch_threads: 0,
+        // Faults alone, but for a learnt working set, replayed on one thread.
+        prefetch_threads: usize::from(learn),
+        learn_working_sets: learn,
         // The stand-in VMs are threads of this one process: a collapse in one VM's memory
         // takes the address space's lock that every other VM's faults need here, where
         // separate VM processes would not share it (it cost the fleet ~0.3 s of 0.8 here).
         regain_huge: false,
-        ..ServeConfig::default()
+        ..ServerConfig::default()
     }
 }
 
-/// One fleet serves every VM (learning and replaying working sets when `learn`).
+/// A server of `mem` on `socket`, set by `cfg`.
+fn server(socket: &Path, mem: &Path, cfg: ServerConfig) -> Result<Server, LabError> {
+    let listener = Listener::bind(socket).map_err(err)?;
+    Server::new(
+        vec![Socket {
+            listener,
+            memory: MemoryFile::open(mem).map_err(err)?,
+            working_set: Vec::new(),
+        }],
+        cfg,
+    )
+    .map_err(err)
+}
+
+/// One server serves every VM (learning and replaying working sets when `learn`).
 fn fleet_round(
     cfg: &FleetLabConfig,
     mem: &Path,
@@ -337,20 +351,7 @@ fn fleet_round(
     learn: bool,
 ) -> Result<FleetSample, LabError> {
     let socket = cfg.work_dir.join("fleet.sock");
-    let listener = Listener::bind(&socket).map_err(err)?;
-    let fleet = Fleet::new(
-        vec![FleetSocket {
-            listener,
-            mem: MemoryFile::open(mem).map_err(err)?,
-            first: Vec::new(),
-        }],
-        FleetConfig {
-            serve: serve_config(cfg),
-            learn_working_sets: learn,
-            ..FleetConfig::default()
-        },
-    )
-    .map_err(err)?;
+    let fleet = server(&socket, mem, server_config(cfg, learn))?;
     let drainer = fleet.drainer();
     let mut vms = vms(cfg)?;
     let (cpu0, io0) = (cpu(libc::RUSAGE_SELF), rchar("self"));
@@ -382,14 +383,7 @@ fn fleet_round(
         digest,
         name,
     )?;
-    s.faults = Some(
-        report
-            .sessions
-            .iter()
-            .filter_map(|v| v.engine.as_ref())
-            .map(|e| e.faults)
-            .sum(),
-    );
+    s.faults = Some(report.status.sockets.iter().map(|k| k.faults).sum());
     Ok(s)
 }
 
@@ -400,13 +394,12 @@ fn once_round(cfg: &FleetLabConfig, mem: &Path, digest: u64) -> Result<FleetSamp
     let mut servers = Vec::new();
     for i in 0..cfg.vms {
         let socket = cfg.work_dir.join(format!("once-{i}.sock"));
-        let listener = Listener::bind(&socket).map_err(err)?;
-        let mem = MemoryFile::open(mem).map_err(err)?;
-        let scfg = serve_config(cfg);
-        servers.push((
-            socket,
-            std::thread::spawn(move || serve_one(listener, &mem, &scfg)),
-        ));
+        let once = ServerConfig {
+            vms: Vms::One { wait: None },
+            ..server_config(cfg, false)
+        };
+        let s = server(&socket, mem, once)?;
+        servers.push((socket, std::thread::spawn(move || s.run())));
     }
     let t0 = Instant::now();
     for (vm, (socket, _)) in vms.iter_mut().zip(&servers) {

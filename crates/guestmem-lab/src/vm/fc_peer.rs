@@ -17,7 +17,7 @@ use guestmem::{Region, Reserve};
 use linux_raw_sys::general as uapi;
 use linux_raw_sys::ioctl as nr;
 
-use crate::uffd_raw::{self, ioctl};
+use guestmem_testkit::firecracker::{uffd_ioctl as ioctl, uffd_open, uffd_register_missing};
 
 const PAGE: u64 = 4096;
 
@@ -43,13 +43,14 @@ impl FcPeer {
     pub fn start(regions: &[Arc<Region>], memory_file: &Path) -> io::Result<FcPeer> {
         let src = map_file(memory_file)?;
         let len = src.len;
-        let uffd = uffd_raw::open(0)?;
+        let uffd = uffd_open(0)?;
         // (host start, host end, file offset)
         let mut table = Vec::new();
         let mut off = 0u64;
         for r in regions {
             let start = r.host_addr() as u64;
-            uffd_raw::register_missing(&uffd, start, r.size())?;
+            // SAFETY: the caller's fresh regions, which this server fills (see `start`).
+            unsafe { uffd_register_missing(&uffd, start, r.size()) }?;
             table.push((start, start + r.size(), off));
             off += r.size();
         }
@@ -76,7 +77,7 @@ impl FcPeer {
     /// Serves a Firecracker handshake's regions (registered by the peer with `uffd`) from
     /// `memory_file`, the way Firecracker's example handler does.
     pub fn serve_handshake(
-        regions: &[guestmem::restore::remote::UffdRegion],
+        regions: &[guestmem::serve::UffdRegion],
         uffd: OwnedFd,
         memory_file: &Path,
     ) -> io::Result<FcPeer> {

@@ -28,7 +28,6 @@
 mod latency;
 mod lazy;
 mod regain;
-pub mod remote;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -36,6 +35,8 @@ use std::time::Instant;
 pub use crate::lifecycle::RestoreState;
 pub use latency::{FaultClass, FaultLatency, LatencySummary};
 pub use lazy::{LazyReport, LazyRestore};
+// The engine as the page server reaches it (`crate::serve`): nothing else of `lazy`.
+pub(crate) use lazy::{as_prefetcher, PeerRange, Pooled, RemoteRestore, Start};
 pub use regain::{RegainHuge, RegainReport, Regaining, REGAIN_SETTLE};
 
 use crate::jobs::{Job, JobRange};
@@ -65,7 +66,7 @@ pub enum Prefetch {
     /// The image's recorded working set first, in recorded order, then everything else
     /// (the default; without a recorded set, everything in address order).
     #[default]
-    Recorded,
+    WorkingSet,
     /// Nothing: pages come in only as the guest faults them (until
     /// [`LazyRestore::finish`], which brings in the rest).
     None,
@@ -94,7 +95,7 @@ impl Default for RestoreConfig {
             mode: RestoreMode::Lazy,
             threads: crate::jobs::default_threads(),
             handler_threads: crate::jobs::default_threads(),
-            prefetch: Prefetch::Recorded,
+            prefetch: Prefetch::WorkingSet,
             regain: RegainHuge::Saved,
         }
     }

@@ -18,6 +18,15 @@
 //! range in use) is counted, the first reason is logged once per restore, and the memory
 //! stays as it was: the restore has succeeded either way. The thread waits on a channel
 //! when there is nothing to do.
+//!
+//! A collapse ends with its memory's owner. Once a restore is halted (a page server's VM
+//! closed its socket, exited, failed, graduated or was handed over), its collapse stops
+//! after the chunk it is on ([`Regaining::stop`]): the memory is no longer the restore's to
+//! change, and a VM that exits mid-collapse has nothing left to collapse (a chunk of a
+//! process that has gone ends the collapse at once). What was collapsed stays huge, the
+//! rest stays on 4 KiB pages, and the end is logged with what was done. A page server
+//! waits for the collapses it stopped before it returns (each ends within one chunk), so
+//! none is cut off by its process exiting and every one reports its end.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::mpsc::{channel, Sender};

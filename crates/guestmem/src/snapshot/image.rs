@@ -195,6 +195,19 @@ pub struct Image {
     inner: Arc<Inner>,
 }
 
+/// A region of a bare memory file ([`Image::raw`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RawRegion {
+    /// The address errors name it by (a peer's host address).
+    pub(crate) name: u64,
+    /// Bytes.
+    pub(crate) size: u64,
+    /// Where it starts in the file.
+    pub(crate) file_offset: u64,
+    /// Its page size, bytes.
+    pub(crate) page_size: u64,
+}
+
 impl Image {
     /// Opens the snapshot in `dir` and every save under it.
     pub fn open(dir: &Path) -> Result<Image, SnapshotError> {
@@ -236,22 +249,28 @@ impl Image {
     }
 
     /// A bare memory file, as Firecracker writes it, read as an image without a manifest:
-    /// `regions` are (the address errors name it by, size, file offset, page size), blocks
-    /// of `block_bytes` (a multiple of every page size) cut within each region; `file` is the
+    /// `regions` say where each region is in the file, blocks of `block_bytes` (a multiple
+    /// of every page size) cut within each region; `file` is the
     /// memory file, opened and checked by the caller (`path` names it). Blocks the
     /// file holds no data for (`SEEK_DATA`) read as zero; nothing is checksummed. The caller
     /// has checked the file holds every region.
     pub(crate) fn raw(
         file: File,
         path: &Path,
-        regions: &[(u64, u64, u64, u64)],
+        regions: &[RawRegion],
         block_bytes: u64,
     ) -> Result<Image, SnapshotError> {
         let mut iregions = Vec::with_capacity(regions.len());
         let mut mregions = Vec::with_capacity(regions.len());
         let mut plan = Plan::new();
         let mut first_block = 0u64;
-        for &(name, size, file_offset, page_size) in regions {
+        for &RawRegion {
+            name,
+            size,
+            file_offset,
+            page_size,
+        } in regions
+        {
             let data = crate::sys::data_ranges(file.as_fd(), file_offset, file_offset + size)
                 .map_err(|source| SnapshotError::File {
                     op: "find the data (SEEK_DATA) of",
@@ -307,7 +326,7 @@ impl Image {
             id: "raw".into(),
             parent: None,
             memory_file: path.display().to_string(),
-            memory_bytes: regions.iter().map(|r| r.1).sum(),
+            memory_bytes: regions.iter().map(|r| r.size).sum(),
             block_bytes,
             regions: mregions,
             blocks: Vec::new(),

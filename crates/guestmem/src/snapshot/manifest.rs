@@ -4,16 +4,11 @@
 use std::path::Path;
 
 use super::{
-    Manifest, ManifestRegion, SnapshotError, FORMAT, IMAGE_PAGE_BYTES, MANIFEST_FILE, VERSION,
+    Manifest, ManifestRegion, SnapshotError, FORMAT, IMAGE_PAGE_BYTES, MANIFEST_FILE,
+    MAX_PAGE_BLOCK_BYTES, MAX_STAGED_BLOCK_BYTES, VERSION,
 };
 use crate::files::Dir;
 
-/// Largest block size (the largest huge page), for an image of 1 GiB hugetlb regions.
-pub const MAX_BLOCK_BYTES: u64 = 1 << 30;
-/// Largest block size of an image whose pages are smaller than a block: a block is staged
-/// whole in memory by each thread of a lazy restore, so a block size is what a crafted
-/// manifest could make each thread allocate.
-pub const MAX_SMALL_PAGE_BLOCK_BYTES: u64 = 64 << 20;
 /// Most blocks an image may have (64 TiB of 1 MiB blocks).
 pub const MAX_BLOCKS: u64 = 1 << 26;
 /// Largest `manifest.json` read: a manifest is read into memory whole and parsed (page lists
@@ -62,10 +57,10 @@ fn check_header(m: &Manifest) -> Result<(), String> {
         return Err(format!("version {}, this build reads {VERSION}", m.version));
     }
     if !m.block_bytes.is_power_of_two()
-        || !(IMAGE_PAGE_BYTES..=MAX_BLOCK_BYTES).contains(&m.block_bytes)
+        || !(IMAGE_PAGE_BYTES..=MAX_PAGE_BLOCK_BYTES).contains(&m.block_bytes)
     {
         return Err(format!(
-            "block size {:#x} is not a power of two from 4 KiB to {MAX_BLOCK_BYTES:#x}",
+            "block size {:#x} is not a power of two from 4 KiB to {MAX_PAGE_BLOCK_BYTES:#x}",
             m.block_bytes
         ));
     }
@@ -131,9 +126,9 @@ fn check_regions(m: &Manifest) -> Result<u64, String> {
 /// against the regions, the block count against its cap.
 fn check_sizes(m: &Manifest, memory_bytes: u64) -> Result<(), String> {
     let largest_page = m.regions.iter().map(|r| r.page_size).max().unwrap_or(0);
-    if m.block_bytes > MAX_SMALL_PAGE_BLOCK_BYTES.max(largest_page) {
+    if m.block_bytes > MAX_STAGED_BLOCK_BYTES.max(largest_page) {
         return Err(format!(
-            "block size {:#x}: at most {MAX_SMALL_PAGE_BLOCK_BYTES:#x} (each restoring thread \
+            "block size {:#x}: at most {MAX_STAGED_BLOCK_BYTES:#x} (each restoring thread \
              stages a block), or the largest page size {largest_page:#x}",
             m.block_bytes
         ));

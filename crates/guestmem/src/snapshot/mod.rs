@@ -45,8 +45,9 @@ use std::collections::BTreeMap;
 use std::io;
 use std::path::PathBuf;
 
+pub(crate) use image::RawRegion;
 pub use image::{Image, ImageRegion, MAX_CHAIN};
-pub use manifest::{MAX_BLOCKS, MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, MAX_SMALL_PAGE_BLOCK_BYTES};
+pub use manifest::{MAX_BLOCKS, MAX_MANIFEST_BYTES};
 pub use save::{save, SaveConfig, SaveKind, SaveReport};
 
 pub(crate) use hash::BlockHasher;
@@ -59,8 +60,18 @@ pub const MEMORY_FILE: &str = "memory";
 pub const FORMAT: &str = "guestmem-snapshot";
 /// [`Manifest::version`] this build writes and reads.
 pub const VERSION: u32 = 1;
-/// Default block size.
+// Block sizes, in one place for every user (saves, restores, the page server), each named
+// by what it bounds.
+/// Default block: the unit a save writes and checksums, and the unit a lazy restore or the
+/// page server brings in per fault.
 pub const DEFAULT_BLOCK_BYTES: u64 = 1 << 20;
+/// Largest block made of pages smaller than itself: each thread of a lazy restore or of the
+/// page server stages one block whole, so this bounds what a manifest or a setting can make
+/// each thread allocate.
+pub const MAX_STAGED_BLOCK_BYTES: u64 = 64 << 20;
+/// Largest block of all: one page of the largest size (1 GiB hugetlb); a block is never
+/// smaller than its region's page.
+pub const MAX_PAGE_BLOCK_BYTES: u64 = 1 << 30;
 /// The unit of sparseness and of incremental saves: KVM's dirty-log page.
 pub const IMAGE_PAGE_BYTES: u64 = 4096;
 

@@ -7,11 +7,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::blocks::{dirty_pages, save_block, BlockAt};
-use super::manifest::{read_manifest, same_layout, MAX_SMALL_PAGE_BLOCK_BYTES};
-use super::store::{Staging, Target};
+use super::manifest::{read_manifest, same_layout};
+use super::store::{Destination, Staging};
 use super::{
     new_id, BlockRecord, Manifest, ManifestRegion, ParentRef, SnapshotError, DEFAULT_BLOCK_BYTES,
-    FORMAT, IMAGE_PAGE_BYTES, MANIFEST_FILE, MEMORY_FILE, VERSION,
+    FORMAT, IMAGE_PAGE_BYTES, MANIFEST_FILE, MAX_STAGED_BLOCK_BYTES, MEMORY_FILE, VERSION,
 };
 use crate::files::Dir;
 use crate::jobs::{Job, JobRange};
@@ -111,7 +111,7 @@ pub fn save(snap: &MapView, dir: &Path, cfg: &SaveConfig) -> Result<SaveReport, 
     check_whole(regions)?;
     let layout = layout_of(regions);
     let memory_bytes = layout.last().map_or(0, |l| l.file_offset + l.size);
-    let target = Target::new(dir)?;
+    let target = Destination::new(dir)?;
     let base = match &cfg.kind {
         SaveKind::Full => full_base(regions, cfg.block_bytes)?,
         SaveKind::Incremental { parent } => {
@@ -154,7 +154,7 @@ fn write_and_publish(
     base: &Base,
     cfg: &SaveConfig,
     staging: Staging,
-    target: &Target,
+    target: &Destination,
 ) -> Result<(Written, String, u64), SnapshotError> {
     let memory_bytes = layout.last().map_or(0, |l| l.file_offset + l.size);
     let mem_path = staging.dir.join(MEMORY_FILE);
@@ -236,11 +236,11 @@ struct Base {
 
 fn full_base(regions: &[Arc<Region>], block_bytes: u64) -> Result<Base, SnapshotError> {
     if !block_bytes.is_power_of_two()
-        || !(IMAGE_PAGE_BYTES..=MAX_SMALL_PAGE_BLOCK_BYTES).contains(&block_bytes)
+        || !(IMAGE_PAGE_BYTES..=MAX_STAGED_BLOCK_BYTES).contains(&block_bytes)
     {
         return Err(SnapshotError::BlockSize {
             block_bytes,
-            max: MAX_SMALL_PAGE_BLOCK_BYTES,
+            max: MAX_STAGED_BLOCK_BYTES,
         });
     }
     let largest_page = regions.iter().map(|r| r.page_size()).max().unwrap_or(4096);
@@ -258,7 +258,7 @@ fn incremental_base(
     layout: &[ManifestRegion],
     saved_as: &[MutexGuard<'_, Option<String>>],
     parent: &Path,
-    target: &Target,
+    target: &Destination,
 ) -> Result<Base, SnapshotError> {
     let pdir = Dir::open(parent)?;
     pdir.lock(true, true)

@@ -8,15 +8,15 @@ use super::{SnapshotError, MANIFEST_FILE, MEMORY_FILE};
 use crate::files::Dir;
 
 /// Where a save is published: the directory it goes in, and its name there.
-pub(super) struct Target {
+pub(super) struct Destination {
     parent: Dir,
     name: String,
     path: PathBuf,
 }
 
-impl Target {
+impl Destination {
     /// Refuses a target that exists as anything but an empty directory.
-    pub(super) fn new(dir: &Path) -> Result<Target, SnapshotError> {
+    pub(super) fn new(dir: &Path) -> Result<Destination, SnapshotError> {
         let (parent, name) = crate::files::split(dir)?;
         if let Ok(meta) = std::fs::symlink_metadata(dir) {
             let empty_dir =
@@ -27,7 +27,7 @@ impl Target {
                 });
             }
         }
-        Ok(Target {
+        Ok(Destination {
             parent: Dir::open(&parent)?,
             name,
             path: dir.to_path_buf(),
@@ -62,11 +62,11 @@ pub(super) struct Staging {
 const STALE_STAGING_SECS: u64 = 60;
 
 impl Staging {
-    fn prefix(target: &Target) -> String {
+    fn prefix(target: &Destination) -> String {
         format!(".{}.guestmem-save-", target.name)
     }
 
-    pub(super) fn create(target: &Target) -> Result<Staging, SnapshotError> {
+    pub(super) fn create(target: &Destination) -> Result<Staging, SnapshotError> {
         Staging::sweep(target);
         let name = format!(
             "{}{}",
@@ -110,7 +110,7 @@ impl Staging {
 
     /// Removes what saves that died left beside `target`: staging directories nobody holds
     /// the lock of, older than [`STALE_STAGING_SECS`]. Best effort.
-    fn sweep(target: &Target) {
+    fn sweep(target: &Destination) {
         let prefix = Staging::prefix(target);
         let Ok(entries) = std::fs::read_dir(target.parent.path()) else {
             return;
@@ -154,7 +154,7 @@ impl Staging {
 
     /// Moves the staging directory to the target in one rename that never replaces a
     /// snapshot, then syncs the directory holding both.
-    pub(super) fn publish(mut self, target: &Target) -> Result<(), SnapshotError> {
+    pub(super) fn publish(mut self, target: &Destination) -> Result<(), SnapshotError> {
         self.dir.sync()?;
         let exists = || SnapshotError::Exists {
             dir: target.path.clone(),

@@ -5,7 +5,7 @@
 //! kind guestmem's README targets does not have: it would break the two set-up commands.
 //! `linux-raw-sys` (already in the dependency tree through rustix) ships the structs, flags
 //! and ioctl numbers pre-generated, so only the few calls below are written here. Every call
-//! that names memory takes a [`Target`] and an offset, checked first: either the [`Mapping`]
+//! that names memory takes a [`Registered`] and an offset, checked first: either the [`Mapping`]
 //! that owns the memory, or a [`RemoteRange`], memory of another process (a Firecracker
 //! process that sent its userfaultfd) that only a validated handshake creates. No raw
 //! address reaches an ioctl.
@@ -58,12 +58,12 @@ pub(crate) struct Uffd {
 
 /// Memory a userfaultfd call may name: it turns `offset..offset + len` into the kernel's
 /// range once that lies inside the target.
-pub(crate) trait Target {
+pub(crate) trait Registered {
     /// `offset..offset + len` as a uffd range, or `EINVAL` when it leaves the target.
     fn uffd_range(&self, offset: usize, len: usize) -> io::Result<uapi::uffdio_range>;
 }
 
-impl Target for Mapping {
+impl Registered for Mapping {
     fn uffd_range(&self, offset: usize, len: usize) -> io::Result<uapi::uffdio_range> {
         range(self, offset, len)
     }
@@ -88,7 +88,7 @@ impl RemoteRange {
     }
 }
 
-impl Target for RemoteRange {
+impl Registered for RemoteRange {
     fn uffd_range(&self, offset: usize, len: usize) -> io::Result<uapi::uffdio_range> {
         match (offset as u64).checked_add(len as u64) {
             Some(end) if end <= self.len => Ok(uapi::uffdio_range {
@@ -106,7 +106,7 @@ impl Target for RemoteRange {
 /// `arg` must be the uapi struct that `request` names (`uffdio_copy` for `UFFDIO_COPY`, and
 /// so on): the kernel reads and writes `size_of` of that struct through the pointer. Any
 /// address inside it must be one the call may use: a destination range this descriptor has
-/// registered (checked by the kernel, and by [`Target`] here), a source buffer that is live
+/// registered (checked by the kernel, and by [`Registered`] here), a source buffer that is live
 /// and readable for its whole length during the call.
 unsafe fn ioctl<T>(fd: &OwnedFd, request: u32, arg: &mut T) -> io::Result<()> {
     // SAFETY: the caller's contract: `arg` is the struct `request` expects, borrowed
@@ -255,7 +255,7 @@ impl Uffd {
     /// unmap event waits to be read): `on_busy` runs (it reads events), then the copy goes on.
     pub(crate) fn copy(
         &self,
-        target: &dyn Target,
+        target: &dyn Registered,
         offset: usize,
         src: &[u8],
         on_busy: &dyn Fn(),
@@ -271,7 +271,7 @@ impl Uffd {
     /// a file mapping's page past a shrunk file's end, fails the copy with `EFAULT`.)
     pub(crate) unsafe fn copy_from(
         &self,
-        target: &dyn Target,
+        target: &dyn Registered,
         offset: usize,
         (src, len): (*const u8, usize),
         on_busy: &dyn Fn(),
@@ -372,7 +372,7 @@ impl Uffd {
     /// perhaps by this very thread).
     pub(crate) fn zeropage(
         &self,
-        target: &dyn Target,
+        target: &dyn Registered,
         offset: usize,
         len: usize,
         on_busy: &dyn Fn(),
@@ -408,7 +408,7 @@ impl Uffd {
     /// pages (of `page` bytes) mapped already are stepped over.
     pub(crate) fn continue_range(
         &self,
-        target: &dyn Target,
+        target: &dyn Registered,
         offset: usize,
         len: usize,
         page: usize,
@@ -432,7 +432,7 @@ impl Uffd {
     /// over.
     pub(crate) fn poison(
         &self,
-        target: &dyn Target,
+        target: &dyn Registered,
         offset: usize,
         len: usize,
         page: usize,
@@ -455,7 +455,7 @@ impl Uffd {
     /// (`EEXIST` at the start) by stepping one `page`.
     fn step_range(
         &self,
-        target: &dyn Target,
+        target: &dyn Registered,
         offset: usize,
         len: usize,
         page: usize,
@@ -484,7 +484,12 @@ impl Uffd {
     }
 
     /// Wakes the threads waiting at `offset..offset + len` of `target`.
-    pub(crate) fn wake(&self, target: &dyn Target, offset: usize, len: usize) -> io::Result<()> {
+    pub(crate) fn wake(
+        &self,
+        target: &dyn Registered,
+        offset: usize,
+        len: usize,
+    ) -> io::Result<()> {
         let mut r = target.uffd_range(offset, len)?;
         // SAFETY: a uffdio_range for UFFDIO_WAKE, inside the target (checked above).
         unsafe { ioctl(&self.fd, nr::UFFDIO_WAKE, &mut r) }

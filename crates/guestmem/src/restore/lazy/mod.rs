@@ -67,7 +67,7 @@ mod remote;
 mod serve;
 mod start;
 
-pub(crate) use remote::Pooled;
+pub(crate) use remote::{as_prefetcher, PeerRange, Pooled, RemoteRestore};
 
 use place::{LRegion, Place};
 
@@ -196,9 +196,9 @@ struct Lazy {
     regain: Mutex<Option<regain::Job>>,
 }
 
-/// The memory a restore fills.
+/// What the memory a restore fills holds when it starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Target {
+pub(crate) enum Start {
     /// Fresh: no page is present before its block is filled (one that is, is an error).
     Fresh,
     /// Taken over from a server that died: any page may be present already (it is never
@@ -213,17 +213,25 @@ pub struct LazyRestore {
     lazy: Arc<Lazy>,
     handlers: Vec<JoinHandle<()>>,
     prefetcher: Option<JoinHandle<()>>,
-    handler_threads: usize,
-    prefetch_threads: usize,
-    prefetched_working_set: usize,
+    counts: ThreadCounts,
     finished: bool,
     regaining: Option<Regaining>,
 }
 
+/// The threads a restore was started with, as its report gives them.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ThreadCounts {
+    /// Handler threads of its own (0 when a pool reads its faults).
+    pub(crate) handlers: usize,
+    /// Prefetch threads of its own.
+    pub(crate) prefetch: usize,
+    /// Blocks in the working set it prefetches first.
+    pub(crate) working_set: usize,
+}
+
 impl Lazy {
-    /// What it did so far; `threads`: handler and prefetch threads, and the working set's
-    /// length, as the owner started them.
-    fn report(&self, threads: (usize, usize, usize)) -> LazyReport {
+    /// What it did so far; `counts` as the owner started it.
+    fn report(&self, counts: ThreadCounts) -> LazyReport {
         let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let since = |t: &OnceLock<Instant>| {
@@ -242,9 +250,9 @@ impl Lazy {
             blocks: self.total,
             complete_secs: since(&self.complete_at),
             first_fault_secs: since(&self.first_fault),
-            handler_threads: threads.0,
-            prefetch_threads: threads.1,
-            prefetched_working_set: threads.2,
+            handler_threads: counts.handlers,
+            prefetch_threads: counts.prefetch,
+            prefetched_working_set: counts.working_set,
             removes: get(&c.removes),
             fault_latency: self.latency.summary(),
             regain: None,
@@ -298,25 +306,10 @@ impl LazyRestore {
 
     /// The fault side, for a shared pool (see [`Handlers::Pool`]).
     pub(crate) fn pooled(&self) -> Pooled {
-        Pooled(
-            self.lazy.clone(),
-            (
-                self.handler_threads,
-                self.prefetch_threads,
-                self.prefetched_working_set,
-            ),
-        )
-    }
-
-    /// Whether a remote restore's peer has gone: its address space answered `ESRCH`.
-    pub(crate) fn peer_gone(&self) -> bool {
-        self.lazy.gone.load(Ordering::Acquire)
-    }
-
-    /// A descriptor that becomes readable (and stays so) once the restore has failed or
-    /// lost its peer: what a page server blocks on beside its socket.
-    pub(crate) fn changed_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.lazy.changed.as_fd()
+        Pooled {
+            lazy: self.lazy.clone(),
+            counts: self.counts,
+        }
     }
 
     /// Stops at once, leaving what is not in: prefetch cancelled, handlers stopped. For a
@@ -324,8 +317,12 @@ impl LazyRestore {
     pub(crate) fn halt(&mut self) -> LazyReport {
         let l = self.lazy.clone();
         l.cancel.store(true, Ordering::Release);
-        // Not complete now, it never will be: no collapse. (One queued already goes on.)
+        // Not complete now, it never will be: no collapse. One queued already stops after
+        // the chunk it is on (the memory is no longer this restore's to change).
         drop(l.regain.lock().unwrap_or_else(|e| e.into_inner()).take());
+        if let Some(r) = &self.regaining {
+            r.stop();
+        }
         let _ = crate::sys::eventfd_signal(l.stop.as_fd());
         if let Some(p) = self.prefetcher.take() {
             let _ = p.join();
@@ -400,11 +397,7 @@ impl LazyRestore {
 
     /// What it did so far.
     pub fn report(&self) -> LazyReport {
-        let mut r = self.lazy.report((
-            self.handler_threads,
-            self.prefetch_threads,
-            self.prefetched_working_set,
-        ));
+        let mut r = self.lazy.report(self.counts);
         r.regain = self.regaining.as_ref().and_then(Regaining::report);
         r
     }

@@ -9,7 +9,7 @@ use crate::layout::Reserve;
 use crate::mmap::{MapSource, Mapping, Reservation};
 use crate::region::Region;
 use crate::snapshot::SnapshotError;
-use crate::uffd::{RemoteRange, Target};
+use crate::uffd::{Registered, RemoteRange};
 
 /// Where a region's memory is.
 pub(super) enum Place {
@@ -66,7 +66,7 @@ impl LRegion {
     }
 
     /// What the uffd calls name.
-    pub(super) fn target(&self) -> &dyn Target {
+    pub(super) fn target(&self) -> &dyn Registered {
         match &self.place {
             Place::Own { region, .. } => region.mapping(),
             Place::Remote(r) => r,

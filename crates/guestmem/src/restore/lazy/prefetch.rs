@@ -14,7 +14,7 @@ use crate::jobs::{Job, JobRange};
 const PREFETCH_NICE: libc::c_int = 5;
 
 /// Lowers the calling thread's priority to [`PREFETCH_NICE`], once per thread.
-fn lower_priority() {
+pub(super) fn lower_priority() {
     thread_local!(static DONE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
     if !DONE.with(|d| d.replace(true)) {
         // SAFETY: gettid takes nothing; setpriority on our own thread id touches no memory.

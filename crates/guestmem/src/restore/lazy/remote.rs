@@ -1,31 +1,144 @@
-//! The engine's side for a page server: a restore's faults read by a shared pool of
-//! threads ([`Pooled`]), and graduation (every block in, then the peer's ranges
-//! unregistered).
+//! The lazy engine as the page server (`crate::serve`) reaches it: [`RemoteRestore`], the
+//! whole of what the server may do with a restore of another process's memory, and
+//! [`Pooled`], what the server's shared threads call to read and serve its faults and to
+//! prefetch it.
+//!
+//! The page server never sees a block state, a handler or the image's layout: it starts a
+//! restore over the ranges a VM sent ([`PeerRange`]), hands the pool its fault side, waits
+//! on [`RemoteRestore::changed_fd`], and in the end graduates the VM or halts the restore.
 
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::place::Place;
-use super::{Lazy, LazyReport, LazyRestore};
-use crate::snapshot::SnapshotError;
+use super::{Lazy, LazyReport, LazyRestore, Start, ThreadCounts};
+use crate::restore::regain::{Job, Memory, Regaining};
+use crate::snapshot::{Image, SnapshotError};
+use crate::uffd::Uffd;
+
+/// A range of the peer's memory as its handshake declared it: the engine fills it from the
+/// image region of the same index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PeerRange {
+    /// Where it starts in the peer's address space.
+    pub(crate) host: u64,
+    /// Bytes.
+    pub(crate) size: u64,
+    /// Its page size, bytes.
+    pub(crate) page: u64,
+}
+
+/// A restore of another process's memory, its faults read by a shared pool ([`Pooled`]).
+#[derive(Debug)]
+pub(crate) struct RemoteRestore(LazyRestore);
+
+impl RemoteRestore {
+    /// Starts serving `regions` (registered in the peer with `uffd`, which the peer sent)
+    /// from `image`, whose regions are these in this order. With `working_set` (block
+    /// numbers), the restore also has a prefetch plan (those blocks first, then the rest)
+    /// that a pool's prefetch threads take a block at a time; without, only faults bring
+    /// memory in. `start` says whether pages may be present already (a VM taken over from a
+    /// server that died: present pages are left, waiting threads woken).
+    pub(crate) fn start(
+        image: &Image,
+        regions: &[PeerRange],
+        uffd: Uffd,
+        working_set: Option<Vec<u64>>,
+        start: Start,
+    ) -> std::io::Result<RemoteRestore> {
+        LazyRestore::start_remote(image, regions, uffd, working_set, start).map(RemoteRestore)
+    }
+
+    /// Queues a collapse of the peer's 4 KiB `ranges` (host addresses in the peer) back to
+    /// transparent huge pages once every block is in, through `pidfd` (a duplicate the
+    /// collapse keeps) of process `pid`; only chunks that hold the image's data.
+    pub(crate) fn regain_when_complete(
+        &mut self,
+        pidfd: OwnedFd,
+        pid: u32,
+        ranges: Vec<(u64, u64)>,
+    ) {
+        let hosts: Vec<u64> = self.0.lazy.regions.iter().map(|r| r.host).collect();
+        let data = self.0.lazy.image.data_spans(&hosts);
+        let memory = Memory::Remote { pidfd, pid, ranges };
+        let (job, handle) = Job::new(memory, None, data);
+        self.0.regain_when_complete(job, handle);
+    }
+
+    /// The collapse queued for when the restore completes, if any (to wait for its end).
+    pub(crate) fn regaining(&self) -> Option<Regaining> {
+        self.0.regaining().cloned()
+    }
+
+    /// The fault side, for the pool.
+    pub(crate) fn pooled(&self) -> Pooled {
+        self.0.pooled()
+    }
+
+    /// The peer's userfaultfd.
+    pub(crate) fn uffd_fd(&self) -> BorrowedFd<'_> {
+        self.0.uffd_fd()
+    }
+
+    /// Readable (and so it stays) once the restore has failed or lost its peer: what a
+    /// server waits on beside the peer's socket.
+    pub(crate) fn changed_fd(&self) -> BorrowedFd<'_> {
+        self.0.lazy.changed.as_fd()
+    }
+
+    /// Whether the peer's address space has gone (a fill found it gone).
+    pub(crate) fn peer_gone(&self) -> bool {
+        self.0.lazy.gone.load(Ordering::Acquire)
+    }
+
+    /// Whether serving has failed.
+    pub(crate) fn has_failed(&self) -> bool {
+        self.0.lazy.failed.load(Ordering::Acquire)
+    }
+
+    /// The blocks the peer faulted, first fault first.
+    pub(crate) fn working_set(&self) -> Vec<u64> {
+        self.0.working_set()
+    }
+
+    /// The first error, once failed (taken).
+    pub(crate) fn take_error(&self) -> Option<SnapshotError> {
+        self.0.take_error()
+    }
+
+    /// Detaches the peer (see [`LazyRestore::graduate`]).
+    pub(crate) fn graduate(&mut self) -> Result<LazyReport, SnapshotError> {
+        self.0.graduate()
+    }
+
+    /// Stops at once, leaving what is not in: prefetch and collapse stopped (see
+    /// [`LazyRestore::halt`]).
+    pub(crate) fn halt(&mut self) -> LazyReport {
+        self.0.halt()
+    }
+}
 
 /// A restore's fault side, for a shared pool of threads: its userfaultfd to watch, and a
 /// call that reads and serves one batch of what is pending. Holding it keeps the engine
 /// (and the descriptor) alive.
 #[derive(Clone)]
-pub(crate) struct Pooled(pub(super) Arc<Lazy>, pub(super) (usize, usize, usize));
+pub(crate) struct Pooled {
+    pub(super) lazy: Arc<Lazy>,
+    pub(super) counts: ThreadCounts,
+}
 
 impl Pooled {
     /// The userfaultfd to watch (non-blocking: Firecracker opens it with `O_NONBLOCK`).
-    pub(crate) fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.0.uffd.fd()
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.lazy.uffd.fd()
     }
 
     /// Reads at most one batch of pending messages into `events` without waiting (another
     /// pool thread may have taken them: then none).
     pub(crate) fn read(&self, events: &mut Vec<crate::uffd::Event>) {
-        if let Err(e) = self.0.uffd.read_events(&self.0.stop, 0, events) {
-            self.0.fail(SnapshotError::Userfaultfd {
+        if let Err(e) = self.lazy.uffd.read_events(&self.lazy.stop, 0, events) {
+            self.lazy.fail(SnapshotError::Userfaultfd {
                 op: "read fault messages".into(),
                 source: e,
             });
@@ -34,12 +147,12 @@ impl Pooled {
 
     /// Serves what [`Pooled::read`] read, then any faults queued meanwhile.
     pub(crate) fn serve(&self, events: &[crate::uffd::Event]) {
-        self.0.dispatch(events);
+        self.lazy.dispatch(events);
     }
 
     /// Fails the restore: its userfaultfd reports an error to epoll.
     pub(crate) fn fail_descriptor(&self) {
-        self.0.fail(SnapshotError::Userfaultfd {
+        self.lazy.fail(SnapshotError::Userfaultfd {
             op: "wait for fault messages".into(),
             source: std::io::Error::other(
                 "the userfaultfd reports an error (its O_NONBLOCK flag was cleared by another \
@@ -50,34 +163,40 @@ impl Pooled {
 
     /// What the restore did so far.
     pub(crate) fn report(&self) -> LazyReport {
-        self.0.report(self.1)
+        self.lazy.report(self.counts)
     }
 
-    /// Whether the pool prefetches it, a step at a time between faults.
+    /// Whether it has a prefetch plan for the pool's prefetch threads.
     pub(crate) fn wants_prefetch(&self) -> bool {
-        self.0.order.get().is_some()
+        self.lazy.order.get().is_some()
     }
 
     /// One step of its prefetch (one block, following the guest's latest fault first);
     /// false when nothing is left to bring in.
     pub(crate) fn prefetch_step(&self) -> bool {
-        self.0.prefetch_step()
+        self.lazy.prefetch_step()
     }
 
     /// Whether it has failed, lost its peer or been stopped: nothing more to serve.
     pub(crate) fn over(&self) -> bool {
-        self.0.failed.load(Ordering::Acquire) || self.0.cancel.load(Ordering::Acquire)
+        self.lazy.failed.load(Ordering::Acquire) || self.lazy.cancel.load(Ordering::Acquire)
     }
+}
+
+/// Lowers the calling thread to a prefetch thread's priority (below faults, vCPUs and the
+/// VMM), as a pool's prefetch threads run.
+pub(crate) fn as_prefetcher() {
+    super::prefetch::lower_priority();
 }
 
 impl LazyRestore {
     /// Detaches a remote restore's peer from the server ("graduation"): brings in every block
-    /// not in yet (the recorded working set's prefetch goes on, or a prefetch of the rest
-    /// starts), waits until all are in, and only then unregisters the peer's ranges from the
+    /// not in yet (the working set's prefetch goes on, or a prefetch of the rest starts),
+    /// waits until all are in, and only then unregisters the peer's ranges from the
     /// userfaultfd, so the peer depends on neither this server nor the memory file. A peer
     /// that goes, or a failure, stops it: nothing is unregistered then (a failed block is
     /// poisoned, never left to read as zero). Faults must go on being served meanwhile (by
-    /// the handlers, or the pool).
+    /// the pool).
     pub(crate) fn graduate(&mut self) -> Result<LazyReport, SnapshotError> {
         let l = self.lazy.clone();
         if self.prefetcher.is_none() {

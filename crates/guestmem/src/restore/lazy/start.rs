@@ -9,7 +9,7 @@ use std::time::Instant;
 use linux_raw_sys::general as uapi;
 
 use super::place::{alias, LRegion};
-use super::{Counters, Handlers, Lazy, LazyRestore, Target, EMPTY};
+use super::{Counters, Handlers, Lazy, LazyRestore, Start, ThreadCounts, EMPTY};
 use crate::layout::Backing;
 use crate::region::Region;
 use crate::restore::latency::ClassHistograms;
@@ -87,26 +87,34 @@ impl LazyRestore {
             registered.push(region.mapping());
         }
         let first = match cfg.prefetch {
-            Prefetch::Recorded => Some(image.working_set().to_vec()),
+            Prefetch::WorkingSet => Some(image.working_set().to_vec()),
             Prefetch::None => None,
         };
-        let threads = (Handlers::Own(cfg.handler_threads), cfg.threads);
-        LazyRestore::launch(image, lregions, uffd, (t0, Target::Fresh), threads, first)
+        let threads = Threads {
+            handlers: Handlers::Own(cfg.handler_threads),
+            prefetch: cfg.threads,
+        };
+        let from = Origin {
+            t0,
+            start: Start::Fresh,
+        };
+        LazyRestore::launch(image, lregions, uffd, from, threads, first)
             .map_err(uerr("spawn a handler or prefetch thread"))
     }
 
-    /// Builds the engine over `lregions` (registered with `uffd`) and starts `threads.0`
-    /// handlers, and with `first` a prefetch of `threads.1` workers that brings in `first`'s
-    /// blocks first. Undoes what started if a thread cannot be spawned.
+    /// Builds the engine over `lregions` (registered with `uffd`) and starts its handlers,
+    /// and with `first` a prefetch that brings in `first`'s blocks first (a plan for the
+    /// pool, or threads of its own). Undoes what started if a thread cannot be spawned.
     pub(super) fn launch(
         image: &Image,
         lregions: Vec<LRegion>,
         uffd: Uffd,
-        (t0, target): (Instant, Target),
-        threads: (Handlers, usize),
+        from: Origin,
+        threads: Threads,
         first: Option<Vec<u64>>,
     ) -> std::io::Result<LazyRestore> {
-        let own_handlers = match threads.0 {
+        let Origin { t0, start } = from;
+        let own_handlers = match threads.handlers {
             Handlers::Own(n) => n.max(1),
             Handlers::Pool => 0,
         };
@@ -142,7 +150,7 @@ impl LazyRestore {
             recorded: Mutex::new(Vec::new()),
             pending: Mutex::new(Vec::new()),
             gone: AtomicBool::new(false),
-            resumed: target == Target::Resumed,
+            resumed: start == Start::Resumed,
             latency: ClassHistograms::default(),
             first_fault: OnceLock::new(),
             fault_next: AtomicU64::new(u64::MAX),
@@ -155,9 +163,11 @@ impl LazyRestore {
             lazy: lazy.clone(),
             handlers: Vec::new(),
             prefetcher: None,
-            handler_threads: own_handlers,
-            prefetch_threads: threads.1.max(1),
-            prefetched_working_set: 0,
+            counts: ThreadCounts {
+                handlers: own_handlers,
+                prefetch: threads.prefetch.max(1),
+                working_set: 0,
+            },
             finished: false,
             regaining: None,
         };
@@ -170,8 +180,8 @@ impl LazyRestore {
                 this.handlers.push(h);
             }
             if let Some(first) = first {
-                this.prefetched_working_set = first.len();
-                if threads.0 == Handlers::Pool {
+                this.counts.working_set = first.len();
+                if threads.handlers == Handlers::Pool {
                     // No thread of its own: the pool prefetches between faults.
                     let _ = lazy.order.set(lazy.plan(&first));
                 } else {
@@ -187,32 +197,31 @@ impl LazyRestore {
         Ok(this)
     }
 
-    /// Serves another process's memory: `regions` (host address in the peer, size, page size)
-    /// registered there with `uffd`, which that process sent, filled from `image` (whose
-    /// regions are these, in this order). Nothing is registered here; the peer owns the
-    /// registration.
-    pub(crate) fn start_remote(
+    /// Serves another process's memory: `regions` registered there with `uffd`, which that
+    /// process sent, filled from `image` (whose regions are these, in this order), its
+    /// faults read by a pool. Nothing is registered here; the peer owns the registration.
+    pub(super) fn start_remote(
         image: &Image,
-        regions: &[(u64, u64, u64)],
+        regions: &[super::PeerRange],
         uffd: Uffd,
-        threads: (Handlers, usize),
-        first: Option<Vec<u64>>,
-        target: Target,
+        working_set: Option<Vec<u64>>,
+        start: Start,
     ) -> std::io::Result<LazyRestore> {
         let lregions: Vec<LRegion> = regions
             .iter()
             .zip(image.regions())
-            .map(|(&(host, size, page), ir)| LRegion::remote(host, size, page, ir.first_block))
+            .map(|(r, ir)| LRegion::remote(r.host, r.size, r.page, ir.first_block))
             .collect();
-        let this = LazyRestore::launch(
-            image,
-            lregions,
-            uffd,
-            (Instant::now(), target),
-            threads,
-            first,
-        )?;
-        if target == Target::Resumed {
+        let threads = Threads {
+            handlers: Handlers::Pool,
+            prefetch: 0,
+        };
+        let from = Origin {
+            t0: Instant::now(),
+            start,
+        };
+        let this = LazyRestore::launch(image, lregions, uffd, from, threads, working_set)?;
+        if start == Start::Resumed {
             // Threads that faulted while no server read their messages (or whose messages
             // died with the last server) wait in the kernel: woken, they touch the page
             // again and fault anew, to this server.
@@ -240,7 +249,7 @@ impl LazyRestore {
 
     pub(super) fn start_prefetch(&mut self, first: Vec<u64>) -> std::io::Result<()> {
         let l = self.lazy.clone();
-        let threads = self.prefetch_threads;
+        let threads = self.counts.prefetch;
         self.prefetcher = Some(
             std::thread::Builder::new()
                 .name("guestmem-prefetch".into())
@@ -248,4 +257,20 @@ impl LazyRestore {
         );
         Ok(())
     }
+}
+
+/// Who serves a restore's faults and prefetches it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Threads {
+    /// Handlers of its own, or a pool's.
+    pub(super) handlers: Handlers,
+    /// Prefetch threads of its own (with handlers of its own).
+    pub(super) prefetch: usize,
+}
+
+/// When a restore started, and what its memory held then.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Origin {
+    pub(super) t0: Instant,
+    pub(super) start: Start,
 }

@@ -170,27 +170,14 @@ impl Handshake {
         wait: Duration,
         timeout: Duration,
     ) -> Result<Handshake, ServeError> {
-        let serr = |op: &str| {
-            let op = op.to_string();
-            move |source| ServeError::Socket { op, source }
-        };
-        let mut pfd = libc::pollfd {
-            fd: listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = wait.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one live pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
-        if n < 0 {
-            return Err(serr("wait for the peer to connect")(
-                io::Error::last_os_error(),
-            ));
-        }
+        use std::os::fd::AsFd;
+        let mut fds = [crate::sys::PollFd::readable(listener.as_fd())];
+        let n = crate::sys::poll(&mut fds, Some(wait))
+            .map_err(ServeError::io("wait for the peer to connect"))?;
         if n == 0 {
             return Err(HandshakeError::NoPeer(wait).into());
         }
-        let (stream, _) = listener.accept().map_err(serr("accept"))?;
+        let (stream, _) = listener.accept().map_err(ServeError::io("accept"))?;
         Handshake::receive(stream, timeout)
     }
 
@@ -252,8 +239,8 @@ fn receive_inner(
     let regions = r.rest_of_json(first)?;
     stream
         .set_read_timeout(None)
-        .map_err(|source| ServeError::Socket {
-            op: "clear the read timeout".into(),
+        .map_err(|source| ServeError::Io {
+            op: "clear the read timeout",
             source,
         })?;
     Ok((regions, uffd))
@@ -275,8 +262,8 @@ impl Reader<'_> {
             .max(Duration::from_millis(1));
         self.stream
             .set_read_timeout(Some(left))
-            .map_err(|source| ServeError::Socket {
-                op: "set a read timeout".into(),
+            .map_err(|source| ServeError::Io {
+                op: "set a read timeout",
                 source,
             })
     }
@@ -289,8 +276,8 @@ impl Reader<'_> {
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
                 HandshakeError::Silent(timeout).into()
             }
-            _ => ServeError::Socket {
-                op: "receive the handshake".into(),
+            _ => ServeError::Io {
+                op: "receive the handshake",
                 source: e,
             },
         })?;
@@ -355,8 +342,8 @@ impl Reader<'_> {
                     return Err(self.cut_off(&json))
                 }
                 Err(source) => {
-                    return Err(ServeError::Socket {
-                        op: "receive the handshake".into(),
+                    return Err(ServeError::Io {
+                        op: "receive the handshake",
                         source,
                     })
                 }

@@ -12,7 +12,7 @@ use std::process::{ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::child::Reaped;
+use crate::ChildGuard as Reaped;
 
 /// How long a fresh process has to create its API socket.
 const API_SOCKET_WAIT: Duration = Duration::from_secs(20);
@@ -317,13 +317,13 @@ impl Vmm {
 
     /// Waits at most `limit` for the process to exit by itself.
     pub fn wait_exit(&mut self, limit: Duration) -> io::Result<ExitStatus> {
-        self.proc.wait_exit(limit)
+        self.proc.wait_within(limit)
     }
 }
 
 impl Drop for Vmm {
     fn drop(&mut self) {
-        // The process first (Reaped's own drop would come after this), then its socket.
+        // The process first (its guard's own drop would come after this), then its socket.
         self.proc.kill();
         let _ = std::fs::remove_file(&self.api);
     }

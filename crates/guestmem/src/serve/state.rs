@@ -1,56 +1,27 @@
-//! What a fleet keeps on disk so that a server started after it died takes its VMs back.
+//! What a page server keeps on disk so that a server started after it died takes its VMs back.
 //!
 //! Firecracker keeps its own reference to the userfaultfd it sent, so a VM whose server
-//! dies is frozen, not lost: its faults wait. For each VM it serves, a fleet with a state
+//! dies is frozen, not lost: its faults wait. For each VM it serves, a server with a state
 //! directory writes one record, whole (temporary file, fsync, rename), when it admits the
 //! VM and removes it when the session ends: the VM's pid and start time (so a reused pid is
 //! never taken for it), the number of the userfaultfd in the VM (found with
 //! `kcmp(KCMP_FILE)`), the memory file's identity (device, inode, size, modification time:
 //! a file replaced or truncated since is refused) and the regions of its handshake. A new
 //! server reads the records, takes each VM's userfaultfd back with `pidfd_getfd`, and
-//! serves it again (see `PageServer::resume`).
+//! serves it again (see `restart.rs`).
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use super::error::{RecordProblem, StateDirProblem};
+use super::files::FileId;
 use super::regions::{parse_regions, UffdRegion};
-use super::{MemoryFile, ServeError};
+use super::ServeError;
 
 /// A record's `format`.
 const FORMAT: &str = "guestmem-session";
 /// Largest record read (its regions are at most a handshake's).
 const MAX_RECORD_BYTES: u64 = 8 << 20;
-
-/// Which file a memory file is, beyond its name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub(crate) struct FileId {
-    dev: u64,
-    ino: u64,
-    size: u64,
-    mtime_s: i64,
-    mtime_nsec: i64,
-}
-
-impl FileId {
-    /// The file's size, bytes.
-    pub(crate) fn size(&self) -> u64 {
-        self.size
-    }
-}
-
-impl MemoryFile {
-    /// Its identity now (`fstat` of the descriptor served from).
-    pub(crate) fn identity(&self) -> std::io::Result<FileId> {
-        let m = self.file.metadata()?;
-        Ok(FileId {
-            dev: m.dev(),
-            ino: m.ino(),
-            size: m.size(),
-            mtime_s: m.mtime(),
-            mtime_nsec: m.mtime_nsec(),
-        })
-    }
-}
 
 /// One VM's session, as a restarted server needs it.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -106,40 +77,33 @@ impl StateDir {
     /// Opens `path`, made (mode 0700) if missing.
     pub(crate) fn open(path: &Path) -> Result<StateDir, ServeError> {
         use std::os::unix::fs::DirBuilderExt;
+        let bad = |problem| ServeError::StateDir {
+            path: path.to_path_buf(),
+            problem,
+        };
+        let io = |op| move |source| bad(StateDirProblem::Io { op, source });
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(path)
-            .map_err(|e| ServeError::StateDir {
-                path: path.to_path_buf(),
-                reason: format!("cannot make it: {e}"),
-            })?;
-        let bad = |reason: String| ServeError::StateDir {
-            path: path.to_path_buf(),
-            reason,
-        };
-        let dir = crate::files::Dir::open(path).map_err(|e| bad(e.to_string()))?;
+            .map_err(io("make"))?;
+        let dir = crate::files::Dir::open(path).map_err(|e| io("open")(e.source))?;
         // Its records make this server take descriptors from processes and end those it
         // cannot serve: only its owner may write them.
-        let m = std::fs::metadata(path).map_err(|e| bad(e.to_string()))?;
+        let m = std::fs::metadata(path).map_err(io("stat"))?;
         // SAFETY: geteuid takes nothing and cannot fail.
         let euid = unsafe { libc::geteuid() };
         if m.uid() != euid || m.mode() & 0o022 != 0 {
-            return Err(bad(format!(
-                "owned by uid {} with mode {:o}; it must be this user's ({euid}) and writable by \
-                 no one else",
-                m.uid(),
-                m.mode() & 0o7777
-            )));
+            return Err(bad(StateDirProblem::NotPrivate {
+                uid: m.uid(),
+                mode: m.mode() & 0o7777,
+                euid,
+            }));
         }
         match dir.lock(true, false) {
             Ok(true) => {}
-            Ok(false) => {
-                return Err(bad(
-                    "another server holds it (two servers would serve the same VMs)".into(),
-                ))
-            }
-            Err(e) => return Err(bad(format!("cannot lock it: {e}"))),
+            Ok(false) => return Err(bad(StateDirProblem::Held)),
+            Err(e) => return Err(io("lock")(e)),
         }
         Ok(StateDir {
             path: path.to_path_buf(),
@@ -148,13 +112,19 @@ impl StateDir {
     }
 
     /// Writes `r` whole; returns its path.
-    pub(crate) fn write(&self, r: &SessionRecord) -> Result<PathBuf, String> {
+    pub(crate) fn write(&self, r: &SessionRecord) -> Result<PathBuf, RecordProblem> {
         let path = self.path.join(format!(
             "session-{}-{}-{}.json",
             r.pid, r.start_time, r.uffd_fd
         ));
-        let text = serde_json::to_vec_pretty(r).map_err(|e| e.to_string())?;
-        crate::files::publish_file(&path, &text).map_err(|e| e.to_string())?;
+        let text = serde_json::to_vec_pretty(r).map_err(|e| RecordProblem::Io {
+            op: "serialise",
+            source: e.into(),
+        })?;
+        crate::files::publish_file(&path, &text).map_err(|e| RecordProblem::Io {
+            op: e.op,
+            source: e.source,
+        })?;
         Ok(path)
     }
 
@@ -164,7 +134,7 @@ impl StateDir {
     }
 
     /// Every record in it, each read (capped) and parsed, or why not.
-    pub(crate) fn records(&self) -> Vec<(PathBuf, Result<SessionRecord, String>)> {
+    pub(crate) fn records(&self) -> Vec<(PathBuf, Result<SessionRecord, RecordProblem>)> {
         let Ok(rd) = std::fs::read_dir(&self.path) else {
             return Vec::new();
         };
@@ -178,15 +148,21 @@ impl StateDir {
             let path = e.path();
             let read = crate::files::Dir::open(&self.path)
                 .and_then(|d| d.read_capped(name, MAX_RECORD_BYTES))
-                .map_err(|e| e.to_string())
+                .map_err(|e| RecordProblem::Io {
+                    op: e.op,
+                    source: e.source,
+                })
                 .and_then(|bytes| {
-                    serde_json::from_slice::<SessionRecord>(&bytes).map_err(|e| e.to_string())
+                    serde_json::from_slice::<SessionRecord>(&bytes).map_err(|e| RecordProblem::Io {
+                        op: "parse",
+                        source: e.into(),
+                    })
                 })
                 .and_then(|r| {
                     if r.format == FORMAT {
                         Ok(r)
                     } else {
-                        Err(format!("format {:?} is not {FORMAT:?}", r.format))
+                        Err(RecordProblem::Format(r.format))
                     }
                 });
             out.push((path, read));

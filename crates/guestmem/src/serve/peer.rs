@@ -8,6 +8,38 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
+use super::{OnFailure, ServeLog};
+
+/// What a server does with a VM it cannot serve, and where it says so: every path that
+/// stops serving a VM that sent its userfaultfd goes through [`Ending::end`].
+#[derive(Debug, Clone)]
+pub(crate) struct Ending {
+    pub(crate) on_failure: OnFailure,
+    pub(crate) log: ServeLog,
+}
+
+impl Ending {
+    /// Applies the policy to a VM that cannot be served, and logs what was done and why.
+    pub(crate) fn end(&self, process: &PeerProcess, why: &dyn std::fmt::Display) {
+        let who = process.pid().map_or("?".into(), |p| p.to_string());
+        match self.on_failure {
+            OnFailure::Kill => match process.kill() {
+                Ok(()) => self.log.warn(&format!(
+                    "killed the peer {who} (through its pidfd): its memory cannot be served: \
+                     {why}"
+                )),
+                Err(e) => self.log.warn(&format!(
+                    "could not kill the peer {who} ({e}); it may wait for ever: {why}"
+                )),
+            },
+            OnFailure::Leave => self.log.warn(&format!(
+                "left the peer {who} (the failure policy leaves it); it waits on memory that \
+                 will not come: {why}"
+            )),
+        }
+    }
+}
+
 /// `SO_PEERPIDFD` (Linux 6.5): a pidfd of the process that connected, taken by the kernel at
 /// `connect` time. Not in the libc crate yet; the value is the kernel's
 /// (`include/uapi/asm-generic/socket.h`).

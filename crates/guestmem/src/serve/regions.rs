@@ -5,8 +5,12 @@
 use super::{HandshakeError, ServeError};
 use crate::layout::MAX_REGIONS;
 
-/// Page sizes Firecracker's memory uses: 4 KiB, and 2 MiB hugetlbfs.
-pub const PAGE_SIZES: [u64; 2] = [4 << 10, 2 << 20];
+/// Firecracker's small page: its anonymous memory's.
+pub const SMALL_PAGE_BYTES: u64 = 4 << 10;
+/// Firecracker's huge page: its 2 MiB hugetlbfs memory's.
+pub const HUGE_PAGE_BYTES: u64 = 2 << 20;
+/// Page sizes Firecracker's memory uses.
+pub const PAGE_SIZES: [u64; 2] = [SMALL_PAGE_BYTES, HUGE_PAGE_BYTES];
 /// The highest user-space address on x86_64 with 5-level paging.
 const USER_ADDR_END: u64 = 1 << 56;
 
@@ -35,7 +39,7 @@ struct WireRegion {
     page_size_kib: Option<u64>,
 }
 
-/// Parses and checks the JSON of a handshake: see `restore::remote`'s docs for what is
+/// Parses and checks the JSON of a handshake: see the `serve` module's docs for what is
 /// refused.
 pub fn parse_regions(json: &[u8]) -> Result<Vec<UffdRegion>, ServeError> {
     let wire: Vec<WireRegion> =
@@ -75,8 +79,9 @@ fn page_size_of(
     }
     let kib = match w.page_size_kib {
         None => None,
-        Some(4) | Some(4096) => Some(4096),
-        Some(2048) | Some(0x20_0000) => Some(0x20_0000),
+        // In KiB (Firecracker 1.7-1.10), or in bytes (later releases).
+        Some(4) | Some(SMALL_PAGE_BYTES) => Some(SMALL_PAGE_BYTES),
+        Some(2048) | Some(HUGE_PAGE_BYTES) => Some(HUGE_PAGE_BYTES),
         Some(v) => {
             return Err(bad(
                 "page_size_kib",
@@ -93,7 +98,7 @@ fn page_size_of(
         }
         (Some(p), _) => p,
         (None, Some(k)) => k,
-        (None, None) => 4096,
+        (None, None) => SMALL_PAGE_BYTES,
     };
     if !PAGE_SIZES.contains(&page) {
         let field = if w.page_size.is_some() {

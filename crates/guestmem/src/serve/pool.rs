@@ -1,44 +1,49 @@
-//! The fleet's fault-serving pool: a fixed number of threads serve every VM's faults,
-//! woken by epoll, instead of a thread (or several) per VM.
+//! The server's threads: a fixed number serve every VM's faults, woken by epoll, and a fixed
+//! number prefetch every VM's memory, below the faults in priority; never a thread (or
+//! several) per VM.
 //!
-//! Each VM's userfaultfd is in one epoll set with `EPOLLONESHOT`. A thread that epoll wakes
-//! for a VM reads at most one batch of its messages (the kernel queues faults per
+//! Each VM's userfaultfd is in one epoll set with `EPOLLONESHOT`. A fault thread that epoll
+//! wakes for a VM reads at most one batch of its messages (the kernel queues faults per
 //! userfaultfd: that is the VM's queue), re-arms it, and serves the batch. Re-arming before
 //! serving lets a second thread take the same VM's next batch meanwhile (a VM's vCPUs fault
 //! in parallel); re-arming puts the VM at the back of epoll's ready list, so a VM whose
 //! vCPUs storm gets one batch per turn and cannot starve the others. Idle means blocked:
-//! the threads wait in `epoll_wait` with no timeout; a stop eventfd wakes them all.
+//! fault threads wait in `epoll_wait` with no timeout; a stop eventfd wakes them all.
 //!
-//! The same threads prefetch, below the faults: while some VM still has blocks to bring in,
-//! a thread that finds no fault ready (`epoll_wait` with a zero timeout) brings in one block
-//! of the VM at the head of the prefetch queue (following that VM's latest fault first) and
-//! puts it at the back; so the VMs are prefetched in turn, a block each, and a fault waits
-//! for at most the block a thread is on. A kick eventfd wakes one thread when a VM that
-//! wants prefetch is added.
+//! Prefetch threads run at a lower priority (nice 5), so the kernel gives the CPU to fault
+//! threads, vCPUs and the VMM first. They take the VMs that have blocks left to bring in in
+//! turn, one block each (the block after that VM's latest fault first, then its planned
+//! order), and put a VM with more to do at the back of the queue; a fault never waits for
+//! more than the blocks in flight. With nothing queued they wait on a condition variable.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
-use crate::restore::lazy::Pooled;
+use crate::restore::Pooled;
 
 /// The epoll token of the stop eventfd (session ids count up from 0 and never reach it).
 const STOP: u64 = u64::MAX;
-/// The epoll token of the kick eventfd: prefetch work came.
-const KICK: u64 = u64::MAX - 1;
 /// Readiness events one `epoll_wait` returns at most.
 const EVENTS_PER_WAIT: usize = 8;
+
+/// The sessions with blocks left to prefetch, in turn.
+#[derive(Default)]
+struct PrefetchQueue {
+    ids: VecDeque<u64>,
+    stopping: bool,
+}
 
 /// The shared state of the pool's threads.
 struct Shared {
     epoll: OwnedFd,
     stop: OwnedFd,
-    kick: OwnedFd,
     sessions: Mutex<HashMap<u64, Pooled>>,
-    /// Sessions with blocks left to prefetch, in turn.
-    prefetch: Mutex<VecDeque<u64>>,
+    prefetch: Mutex<PrefetchQueue>,
+    /// Signalled when a session joins the prefetch queue, and when the pool stops.
+    prefetch_cv: Condvar,
 }
 
 impl Shared {
@@ -50,17 +55,23 @@ impl Shared {
             .get(&id)
             .cloned()
     }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, PrefetchQueue> {
+        self.prefetch.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
-/// Threads serving the faults of every VM added to it (see the module docs).
-pub(crate) struct Pool {
+/// The threads serving and prefetching every VM added to it (see the module docs).
+pub(super) struct Pool {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
+    counts: (usize, usize),
 }
 
 impl Pool {
-    /// Starts `threads` serving threads (at least one), all waiting.
-    pub(crate) fn start(threads: usize) -> io::Result<Pool> {
+    /// Starts `fault_threads` fault-serving threads (at least one) and `prefetch_threads`
+    /// prefetch threads, all waiting.
+    pub(super) fn start(fault_threads: usize, prefetch_threads: usize) -> io::Result<Pool> {
         // SAFETY: flags only; returns a new descriptor or -1.
         let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
         if ep < 0 {
@@ -77,43 +88,43 @@ impl Pool {
             libc::EPOLLIN as u32,
             STOP,
         )?;
-        // One-shot: a kick wakes one thread, which re-arms it once it has read it.
-        let kick = crate::sys::eventfd()?;
-        ctl(
-            epoll.as_fd(),
-            libc::EPOLL_CTL_ADD,
-            kick.as_fd(),
-            armed(),
-            KICK,
-        )?;
         let shared = Arc::new(Shared {
             epoll,
             stop,
-            kick,
             sessions: Mutex::new(HashMap::new()),
-            prefetch: Mutex::new(VecDeque::new()),
+            prefetch: Mutex::default(),
+            prefetch_cv: Condvar::new(),
         });
+        let fault_threads = fault_threads.max(1);
         let mut pool = Pool {
             shared,
             threads: Vec::new(),
+            counts: (fault_threads, prefetch_threads),
         };
-        for i in 0..threads.max(1) {
+        for i in 0..fault_threads {
             let s = pool.shared.clone();
             let h = std::thread::Builder::new()
                 .name(format!("guestmem-pool{i}"))
                 .spawn(move || serve_loop(&s))?;
             pool.threads.push(h);
         }
+        for i in 0..prefetch_threads {
+            let s = pool.shared.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("guestmem-prefetch{i}"))
+                .spawn(move || prefetch_loop(&s))?;
+            pool.threads.push(h);
+        }
         Ok(pool)
     }
 
-    /// Threads in the pool.
-    pub(crate) fn threads(&self) -> usize {
-        self.threads.len()
+    /// Threads serving faults, and prefetching.
+    pub(super) fn threads(&self) -> (usize, usize) {
+        self.counts
     }
 
-    /// Serves session `id`'s faults from now on.
-    pub(crate) fn add(&self, id: u64, p: Pooled) -> io::Result<()> {
+    /// Serves session `id`'s faults from now on, and prefetches it if it has a plan.
+    pub(super) fn add(&self, id: u64, p: Pooled) -> io::Result<()> {
         let fd = p.fd().as_raw_fd();
         self.shared
             .sessions
@@ -131,19 +142,16 @@ impl Pool {
         );
         if r.is_err() {
             self.remove(id);
-        } else if p.wants_prefetch() {
-            self.shared
-                .prefetch
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push_back(id);
-            let _ = crate::sys::eventfd_signal(self.shared.kick.as_fd());
+        } else if p.wants_prefetch() && self.counts.1 > 0 {
+            self.shared.queue().ids.push_back(id);
+            self.shared.prefetch_cv.notify_one();
         }
         r
     }
 
-    /// Stops serving session `id` (a thread serving a batch of it finishes that batch).
-    pub(crate) fn remove(&self, id: u64) {
+    /// Stops serving session `id` (a thread serving a batch of it finishes that batch; it
+    /// drops out of the prefetch queue at its next turn).
+    pub(super) fn remove(&self, id: u64) {
         let p = self
             .shared
             .sessions
@@ -166,6 +174,8 @@ impl Pool {
 impl Drop for Pool {
     fn drop(&mut self) {
         let _ = crate::sys::eventfd_signal(self.shared.stop.as_fd());
+        self.shared.queue().stopping = true;
+        self.shared.prefetch_cv.notify_all();
         for h in self.threads.drain(..) {
             let _ = h.join();
         }
@@ -196,50 +206,49 @@ fn ctl(
     }
 }
 
-/// One prefetch step for the session at the head of the queue, which goes to the back if it
-/// has more to bring in. False when the queue is empty.
-fn prefetch_step(s: &Shared) -> bool {
-    let id = s
-        .prefetch
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .pop_front();
-    let Some(id) = id else { return false };
-    // A session removed meanwhile drops out of the queue.
-    if s.session(id).is_some_and(|p| p.prefetch_step()) {
-        s.prefetch
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push_back(id);
+/// A prefetch thread: at a lower priority, one block of the session at the head of the
+/// queue, which goes to the back at once (so that other prefetch threads may work on it
+/// meanwhile) and leaves the queue once it has nothing more to bring in; waits while the
+/// queue is empty.
+fn prefetch_loop(s: &Shared) {
+    crate::restore::as_prefetcher();
+    loop {
+        let id = {
+            let mut q = s.queue();
+            loop {
+                if q.stopping {
+                    return;
+                }
+                if let Some(id) = q.ids.pop_front() {
+                    q.ids.push_back(id);
+                    break id;
+                }
+                q = s.prefetch_cv.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        s.prefetch_cv.notify_one();
+        // A session removed meanwhile drops out of the queue too.
+        if !s.session(id).is_some_and(|p| p.prefetch_step()) {
+            s.queue().ids.retain(|&i| i != id);
+        }
     }
-    true
 }
 
-/// A pool thread: wait, read a batch of a ready VM's messages, re-arm it, serve the batch;
-/// with no fault ready and prefetch to do, a prefetch step.
+/// A fault thread: wait, read a batch of a ready VM's messages, re-arm it, serve the batch.
 fn serve_loop(s: &Shared) {
     let mut ready = [libc::epoll_event { events: 0, u64: 0 }; EVENTS_PER_WAIT];
     let mut batch = Vec::new();
     loop {
-        let prefetching = !s
-            .prefetch
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_empty();
         // SAFETY: `ready` is a live array of EVENTS_PER_WAIT events the kernel writes into;
-        // no timeout (idle means blocked) unless prefetch work waits.
+        // no timeout (idle means blocked).
         let n = unsafe {
             libc::epoll_wait(
                 s.epoll.as_raw_fd(),
                 ready.as_mut_ptr(),
                 EVENTS_PER_WAIT as i32,
-                if prefetching { 0 } else { -1 },
+                -1,
             )
         };
-        if n == 0 {
-            prefetch_step(s);
-            continue;
-        }
         if n < 0 {
             if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
                 continue;
@@ -251,17 +260,6 @@ fn serve_loop(s: &Shared) {
             let (events, id) = (ev.events, ev.u64);
             if id == STOP {
                 return;
-            }
-            if id == KICK {
-                let _ = crate::sys::eventfd_read(s.kick.as_fd());
-                let _ = ctl(
-                    s.epoll.as_fd(),
-                    libc::EPOLL_CTL_MOD,
-                    s.kick.as_fd(),
-                    armed(),
-                    KICK,
-                );
-                continue;
             }
             let Some(p) = s.session(id) else { continue };
             if events & (libc::EPOLLERR | libc::EPOLLHUP) as u32 != 0 {

@@ -1,4 +1,4 @@
-//! A fleet's status as Prometheus metrics, through prometheus-client: a collector that
+//! A server's status as Prometheus metrics, through prometheus-client: a collector that
 //! reads the status at each scrape. Series per socket and fault class only (bounded by the
 //! operator's configuration, never by the number of VMs).
 
@@ -9,12 +9,12 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use super::status::FleetStatus;
+use super::status::{ServerStatus, StatusHandle};
 use crate::restore::FaultClass;
 
 /// The status at one scrape.
 #[derive(Debug)]
-struct Scrape(FleetStatus);
+struct Scrape(ServerStatus);
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -70,6 +70,25 @@ impl Collector for Scrape {
             "VMs admitted on a socket since the start",
             |k| k.sessions,
         )?;
+        let mut m = enc.encode_descriptor(
+            "guestmem_vms_ended",
+            "VMs whose session ended on a socket since the start, by how",
+            None,
+            MetricType::Counter,
+        )?;
+        for k in &s.sockets {
+            let e = &k.ended;
+            for (end, n) in [
+                ("peer-closed", e.peer_closed),
+                ("peer-exited", e.peer_exited),
+                ("graduated", e.graduated),
+                ("handed-off", e.handed_off),
+                ("failed", e.failed),
+            ] {
+                let labels: Labels = vec![("socket", k.socket.to_string()), ("end", end.into())];
+                ConstCounter::new(n).encode(m.encode_family(&labels)?)?;
+            }
+        }
         per_socket(
             &mut enc,
             "guestmem_bytes_copied",
@@ -101,8 +120,15 @@ impl Collector for Scrape {
     }
 }
 
+impl StatusHandle {
+    /// The status in Prometheus' text format.
+    pub fn prometheus(&self) -> String {
+        encode(&self.snapshot())
+    }
+}
+
 /// The status in Prometheus' text exposition format.
-pub(super) fn encode(s: &FleetStatus) -> String {
+fn encode(s: &ServerStatus) -> String {
     let mut r = Registry::default();
     r.register_collector(Box::new(Scrape(s.clone())));
     let mut out = String::new();

@@ -7,16 +7,14 @@
 //! the blocks later VMs touched that no earlier one did. The file
 //! (`<memory file>.guestmem-ws.json`) names the memory file by its identity (device, inode,
 //! size, modification time), not its name: a file replaced since is not served a working
-//! set learnt from another. It is written whole (temporary file, fsync, rename). The fleet
+//! set learnt from another. It is written whole (temporary file, fsync, rename). The server
 //! loads them when it starts, hands them to its VMs, and merges in each VM's as it ends.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
-use super::super::state::FileId;
-use super::super::{MemoryFile, ServeConfig, MAX_WORKING_SET_BYTES};
-use super::Fleet;
+use super::files::{FileId, MemoryFile, MAX_WORKING_SET_BYTES};
+use super::regions::SMALL_PAGE_BYTES;
 
 /// The file's `format`.
 const FORMAT: &str = "guestmem-learnt-working-set";
@@ -31,6 +29,26 @@ struct Stored {
     offsets: Vec<u64>,
     /// VMs merged into it.
     vms: u64,
+}
+
+/// Why a learnt working set was not read or written.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum LearnError {
+    /// Reading, parsing or writing it failed.
+    #[error("{op}: {source}")]
+    Io {
+        op: &'static str,
+        source: std::io::Error,
+    },
+    /// It is another format's.
+    #[error("format {0:?} is not {FORMAT:?}")]
+    Format(String),
+    /// It was learnt from another memory file.
+    #[error("learnt from another file (device, inode, size or mtime differ)")]
+    OtherFile,
+    /// The memory file's identity cannot be read, so nothing can be kept for it.
+    #[error("the memory file's identity is unknown")]
+    NoIdentity,
 }
 
 /// One snapshot's learnt working set.
@@ -52,8 +70,9 @@ fn path_of(mem: &Path) -> PathBuf {
 
 impl Learnt {
     /// The working set kept beside `mem`, if one is there and was learnt from this very
-    /// file; else an empty one. Why one was not taken is returned to be logged.
-    pub(super) fn load(mem: &MemoryFile) -> (Learnt, Option<String>) {
+    /// file; else an empty one. Why one was not taken is returned to be logged (a missing
+    /// file is no reason: nothing was learnt yet).
+    pub(super) fn load(mem: &MemoryFile) -> (Learnt, Option<LearnError>) {
         let path = path_of(mem.path());
         let file = mem.identity().ok();
         let mut l = Learnt {
@@ -65,18 +84,23 @@ impl Learnt {
             changed: false,
         };
         let read = (|| {
-            let (dir, name) = crate::files::split(&path).map_err(|e| e.to_string())?;
+            let io = |e: crate::files::FileError| LearnError::Io {
+                op: e.op,
+                source: e.source,
+            };
+            let (dir, name) = crate::files::split(&path).map_err(io)?;
             let bytes = crate::files::Dir::open(&dir)
                 .and_then(|d| d.read_capped(&name, MAX_WORKING_SET_BYTES))
-                .map_err(|e| e.source.to_string())?;
-            let s: Stored = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+                .map_err(io)?;
+            let s: Stored = serde_json::from_slice(&bytes).map_err(|e| LearnError::Io {
+                op: "parse",
+                source: e.into(),
+            })?;
             if s.format != FORMAT {
-                return Err(format!("format {:?} is not {FORMAT:?}", s.format));
+                return Err(LearnError::Format(s.format));
             }
             if Some(s.file) != file {
-                return Err(
-                    "learnt from another file (device, inode, size or mtime differ)".into(),
-                );
+                return Err(LearnError::OtherFile);
             }
             Ok(s)
         })();
@@ -85,21 +109,23 @@ impl Learnt {
                 // Outside input: only offsets inside the file, at page boundaries, each once,
                 // and never more than the file has pages.
                 let size = file.map_or(0, |f| f.size());
-                let cap = (size / 4096) as usize;
+                let cap = (size / SMALL_PAGE_BYTES) as usize;
                 for &o in &s.offsets {
                     if l.offsets.len() >= cap {
                         break;
                     }
                     if o < size {
-                        l.merge(&[o / 4096 * 4096]);
+                        l.merge(&[o / SMALL_PAGE_BYTES * SMALL_PAGE_BYTES]);
                     }
                 }
                 l.vms = s.vms;
                 l.changed = false;
                 (l, None)
             }
-            Err(e) if e.contains("No such file") => (l, None),
-            Err(e) => (l, Some(format!("{}: not used: {e}", path.display()))),
+            Err(LearnError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+                (l, None)
+            }
+            Err(e) => (l, Some(e)),
         }
     }
 
@@ -125,9 +151,9 @@ impl Learnt {
     }
 
     /// Writes it whole beside the memory file, if it changed since it was read or written.
-    pub(super) fn store(&mut self) -> Result<(), String> {
+    pub(super) fn store(&mut self) -> Result<(), LearnError> {
         let Some(file) = self.file else {
-            return Err("the memory file's identity is unknown".into());
+            return Err(LearnError::NoIdentity);
         };
         if !self.changed {
             return Ok(());
@@ -138,75 +164,32 @@ impl Learnt {
             offsets: self.offsets.clone(),
             vms: self.vms,
         };
-        let text = serde_json::to_vec(&s).map_err(|e| e.to_string())?;
-        crate::files::publish_file(&self.path, &text).map_err(|e| e.to_string())?;
+        let text = serde_json::to_vec(&s).map_err(|e| LearnError::Io {
+            op: "serialise",
+            source: e.into(),
+        })?;
+        crate::files::publish_file(&self.path, &text).map_err(|e| LearnError::Io {
+            op: e.op,
+            source: e.source,
+        })?;
         self.changed = false;
         Ok(())
+    }
+
+    /// Merges one VM's working set and writes the result; a failure to write is for the
+    /// caller to log (the VMs are served all the same).
+    pub(super) fn learn(&mut self, ws: &[u64]) -> Result<(), LearnError> {
+        if ws.is_empty() {
+            return Ok(());
+        }
+        self.merge(ws);
+        self.count_vm();
+        self.store()
     }
 
     /// Where it is kept.
     pub(super) fn path(&self) -> &Path {
         &self.path
-    }
-}
-
-impl Fleet {
-    /// Loads each socket's learnt working set (when learning).
-    pub(super) fn load_learnt(&self) {
-        if !self.cfg.learn_working_sets {
-            return;
-        }
-        let mut all = Vec::new();
-        for mem in &self.mems {
-            let (l, why) = Learnt::load(mem);
-            if let Some(why) = why {
-                self.cfg.serve.log.say(&format!("learnt working set {why}"));
-            } else if !l.offsets().is_empty() {
-                self.cfg.serve.log.say(&format!(
-                    "learnt working set {}: {} blocks to prefetch for each VM",
-                    l.path().display(),
-                    l.offsets().len()
-                ));
-            }
-            all.push(l);
-        }
-        *self.learnt.lock().unwrap_or_else(|e| e.into_inner()) = all;
-    }
-
-    /// The blocks to prefetch first for a VM of socket `i`: its given working set, else what
-    /// was learnt.
-    pub(super) fn first_for(&self, i: usize) -> Vec<u64> {
-        if !self.firsts[i].is_empty() {
-            return self.firsts[i].clone();
-        }
-        self.learnt
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(i)
-            .map_or(Vec::new(), |l| l.offsets().to_vec())
-    }
-}
-
-/// Merges `ws` into socket `socket`'s learnt working set and writes it; a failure to write
-/// is logged (the VMs are served all the same).
-pub(super) fn learn_into(
-    learnt: &Mutex<Vec<Learnt>>,
-    cfg: &ServeConfig,
-    socket: usize,
-    ws: &[u64],
-) {
-    let mut all = learnt.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(l) = all.get_mut(socket) else { return };
-    if ws.is_empty() {
-        return;
-    }
-    l.merge(ws);
-    l.count_vm();
-    if let Err(e) = l.store() {
-        cfg.log.say(&format!(
-            "learnt working set {}: not written: {e}",
-            l.path().display()
-        ));
     }
 }
 
@@ -227,6 +210,9 @@ mod tests {
         l.merge(&[3, 1, 2]);
         l.merge(&[1, 5, 3, 4]);
         assert_eq!(l.offsets(), &[3, 1, 2, 5, 4]);
-        assert!(l.store().is_err(), "no identity, no file");
+        assert!(
+            matches!(l.store(), Err(LearnError::NoIdentity)),
+            "no identity, no file"
+        );
     }
 }

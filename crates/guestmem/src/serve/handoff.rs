@@ -1,4 +1,4 @@
-//! A zero-downtime upgrade: a running fleet hands its sockets and its VMs to a new server
+//! A zero-downtime upgrade: a running server hands its sockets and its VMs to a new server
 //! (a new binary, say) over its control socket, with `SCM_RIGHTS`, and exits without
 //! ending or graduating any VM.
 //!
@@ -10,7 +10,7 @@
 //! exits, leaving the socket paths in place and the records on disk. The new server waits
 //! for the old process to be gone (its pidfd), takes the state directory's lock if it keeps
 //! one, and serves every VM again as after a crash: pages already in are left, the ranges
-//! are woken so waiting faults come again ([`super::Fleet::run`]). The VMs stall only for
+//! are woken so waiting faults come again ([`super::Server::run`]). The VMs stall only for
 //! the hand-over itself.
 
 use std::io::{self, Read, Write};
@@ -19,11 +19,10 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::super::handshake::recv_with_fds;
-use super::super::peer::PeerProcess;
-use super::super::state::SessionRecord;
-use super::super::{end_peer, Listener, ServeError};
-use super::{SessionEnd, SessionReport};
+use super::handshake::{receive_checked, recv_with_fds};
+use super::peer::{same_user, PeerProcess};
+use super::state::SessionRecord;
+use super::{Listener, ServeError};
 
 /// The command a new server sends.
 pub(super) const COMMAND: &str = "handoff";
@@ -128,7 +127,7 @@ pub struct HandedSession {
     pub(super) uffd: OwnedFd,
 }
 
-/// What a running fleet handed over ([`take_over`]).
+/// What a running server handed over ([`take_over`]).
 #[derive(Debug)]
 pub struct TakeOver {
     listeners: Vec<(usize, PathBuf, OwnedFd)>,
@@ -141,7 +140,7 @@ pub struct TakeOver {
 }
 
 impl TakeOver {
-    /// The listening socket that was at `path` (socket `index` of the old fleet), to serve
+    /// The listening socket that was at `path` (socket `index` of the old server), to serve
     /// on in its place.
     pub fn listener(&mut self, path: &Path) -> Result<Option<Listener>, ServeError> {
         use std::os::unix::fs::MetadataExt;
@@ -164,7 +163,7 @@ impl TakeOver {
         self.sessions.len()
     }
 
-    /// The VMs, for the fleet that serves them from now on.
+    /// The VMs, for the server that serves them from now on.
     pub(super) fn take_sessions(&mut self) -> Vec<HandedSession> {
         std::mem::take(&mut self.sessions)
     }
@@ -197,8 +196,7 @@ impl Drop for TakeOver {
             }
             while let Ok((stream, _)) = l.accept() {
                 let _ = stream.set_nonblocking(false);
-                let got =
-                    super::super::handshake::receive_checked(stream, Duration::from_millis(200));
+                let got = receive_checked(stream, Duration::from_millis(200));
                 let vm = match got {
                     Ok(h) => Some(h.process),
                     Err(r) => r.process,
@@ -217,27 +215,24 @@ impl Drop for TakeOver {
     }
 }
 
-/// Takes over the fleet whose control socket is `control`: receives its sockets and VMs
+/// Takes over the server whose control socket is `control`: receives its sockets and VMs
 /// (see the module docs) and waits, at most `wait`, for the old server to exit.
 pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError> {
-    let serr = |op: &str| {
-        let op = format!("take over from {}: {op}", control.display());
-        move |source| ServeError::Socket { op, source }
-    };
-    let s = UnixStream::connect(control).map_err(serr("connect"))?;
+    let serr = |op: &'static str| move |source| ServeError::Io { op, source };
+    let s = UnixStream::connect(control).map_err(serr("connect to the old server"))?;
     // Records from whoever listens there make this server kill processes it cannot serve:
     // only a server of this user (or root) is believed.
-    if !super::super::peer::same_user(&s) {
-        return Err(serr("connect")(io::Error::other(
+    if !same_user(&s) {
+        return Err(serr("connect to the old server")(io::Error::other(
             "the process listening there runs as another user",
         )));
     }
     let old = PeerProcess::of(&s);
     s.set_read_timeout(Some(wait))
-        .map_err(serr("set a timeout"))?;
+        .map_err(serr("set a timeout on the old server's socket"))?;
     let t0 = Instant::now();
     (&s).write_all(format!("{COMMAND}\n").as_bytes())
-        .map_err(serr("send the command"))?;
+        .map_err(serr("send the old server its command"))?;
     let mut out = TakeOver {
         listeners: Vec::new(),
         sessions: Vec::new(),
@@ -246,17 +241,17 @@ pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError>
     };
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let (n, fds) = recv_with_fds(&s, &mut buf).map_err(serr("receive"))?;
+        let (n, fds) = recv_with_fds(&s, &mut buf).map_err(serr("receive the hand-off"))?;
         let mut fds = fds?;
         if n == 0 {
-            return Err(serr("receive")(io::Error::other(
+            return Err(serr("receive the hand-off")(io::Error::other(
                 "the old server closed the connection before the end of the hand-off (is \
-                 it a fleet with this version's control socket?)",
+                 it a server with this version's control socket?)",
             )));
         }
         let text = String::from_utf8_lossy(&buf[..n]);
         let m: Message = serde_json::from_str(text.trim_end()).map_err(|e| {
-            serr("parse")(io::Error::other(format!(
+            serr("parse the hand-off")(io::Error::other(format!(
                 "{e}: {}",
                 text.chars().take(200).collect::<String>()
             )))
@@ -270,7 +265,7 @@ pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError>
             }),
             (Message::End, _) => break,
             (_, None) => {
-                return Err(serr("receive")(io::Error::other(
+                return Err(serr("receive the hand-off")(io::Error::other(
                     "a hand-off message came without its descriptor",
                 )))
             }
@@ -282,14 +277,9 @@ pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError>
     let _ = (&s).read_to_end(&mut rest);
     if let Some(p) = old.pidfd() {
         let left = wait.saturating_sub(t0.elapsed());
-        let mut pfd = libc::pollfd {
-            fd: p.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = left.as_millis().min(i32::MAX as u128) as i32;
-        // SAFETY: one live pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        let mut fds = [crate::sys::PollFd::readable(p)];
+        let n = crate::sys::poll(&mut fds, Some(left))
+            .map_err(serr("wait for the old server to exit"))?;
         if n != 1 {
             return Err(serr("wait for the old server to exit")(io::Error::from(
                 io::ErrorKind::TimedOut,
@@ -298,76 +288,4 @@ pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError>
     }
     out.handed_secs = t0.elapsed().as_secs_f64();
     Ok(out)
-}
-
-impl super::Fleet {
-    /// Hands every socket and VM to the server on `to` and stops serving them: none is
-    /// ended, none graduates (see `handoff.rs`). Records stay on disk.
-    pub(super) fn hand_off(&mut self, to: &UnixStream) {
-        let out = Outgoing { to };
-        let mut sent = (0, 0);
-        let mut failed = None;
-        for (i, l) in self.listeners.iter_mut().enumerate() {
-            if let Some(l) = l {
-                match out.listener(i, l.path(), l.socket().as_raw_fd()) {
-                    Ok(()) => {
-                        l.keep_path();
-                        sent.0 += 1;
-                    }
-                    Err(e) => failed = failed.or(Some(e)),
-                }
-            }
-        }
-        // No socket is served here from now on: connections wait in the backlog the new
-        // server took.
-        for l in &mut self.listeners {
-            *l = None;
-        }
-        let sessions = std::mem::take(&mut self.sessions);
-        for (id, s) in sessions {
-            // Stop serving it first: the new server may start as soon as the end is sent.
-            self.pool.remove(id);
-            let handed = self
-                .session_record(&s.server, s.socket)
-                .map_err(std::io::Error::other)
-                .and_then(|r| out.session(s.socket, r, s.server.uffd_fd().as_raw_fd()));
-            if let Err(e) = &handed {
-                failed = failed.or(Some(std::io::Error::other(e.to_string())));
-            }
-            let (result, process) = s.server.conclude(Some("handed off"));
-            // A VM that could not be handed is not left hung: it is ended.
-            let end = match handed {
-                Ok(()) => SessionEnd::HandedOff,
-                Err(e) => {
-                    let e = ServeError::Socket {
-                        op: "hand the VM to the new server".into(),
-                        source: e,
-                    };
-                    end_peer(&process, &self.cfg.serve, &e);
-                    SessionEnd::Failed(e.to_string())
-                }
-            };
-            self.status
-                .ended(id, result.as_ref().ok().map(|r| &r.engine));
-            sent.1 += usize::from(end == SessionEnd::HandedOff);
-            self.report.sessions.push(SessionReport {
-                id,
-                socket: s.socket,
-                pid: process.pid(),
-                bytes: s.bytes,
-                end,
-                engine: result.ok().map(|r| r.engine),
-                served_secs: s.t0.elapsed().as_secs_f64(),
-            });
-        }
-        if let Err(e) = out.end() {
-            failed = failed.or(Some(e));
-        }
-        self.cfg.serve.log.say(&format!(
-            "handed {} sockets and {} VMs to the new server{}",
-            sent.0,
-            sent.1,
-            failed.map_or(String::new(), |e| format!(" (with an error: {e})"))
-        ));
-    }
 }

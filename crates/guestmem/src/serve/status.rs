@@ -1,26 +1,29 @@
-//! What a fleet is doing, for an operator: the VMs served now with what their engines did,
-//! and per snapshot (socket) totals over every VM served so far, fault latency by class
-//! included. Read at any time from any thread ([`StatusHandle`]); the counts come from the
-//! engines' own atomics, so reading costs the fleet nothing. Series are per socket, never
-//! per VM, so a metrics scrape stays bounded however many VMs come and go.
+//! What a server is doing, for an operator: the VMs served now with what their engines did,
+//! and per snapshot (socket) totals over every VM served so far (how their sessions ended,
+//! faults, bytes, fault latency by class). Read at any time from any thread
+//! ([`StatusHandle`]); the counts come from the engines' own atomics, so reading costs the
+//! server nothing. Totals are per socket, never per VM, so the status, a metrics scrape and
+//! the server's memory stay bounded however many VMs come and go.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::restore::lazy::Pooled;
-use crate::restore::{FaultLatency, LazyReport};
+use super::report::SessionEnd;
+use crate::restore::{FaultLatency, LazyReport, Pooled};
 
-/// A fleet's state now.
+/// A server's state now.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
-pub struct FleetStatus {
-    /// Since the fleet started, seconds.
+pub struct ServerStatus {
+    /// Since the server started, seconds.
     pub uptime_secs: f64,
     /// Whether it is draining (no VM is accepted any more).
     pub draining: bool,
-    /// Threads in the fault-serving pool.
+    /// Threads serving faults, shared by every VM.
     pub pool_threads: usize,
+    /// Threads prefetching, shared by every VM.
+    pub prefetch_threads: usize,
     /// Each socket (a snapshot), with totals over every VM it served.
     pub sockets: Vec<SocketStatus>,
     /// The VMs served now.
@@ -44,12 +47,46 @@ pub struct SocketStatus {
     pub serving: usize,
     /// VMs admitted since the start.
     pub sessions: u64,
+    /// How the sessions that ended, ended.
+    pub ended: EndCounts,
     /// Faults answered, all its VMs.
     pub faults: u64,
     /// Bytes installed, all its VMs.
     pub bytes_copied: u64,
     /// Fault latency by class, all its VMs together.
     pub fault_latency: FaultLatency,
+}
+
+/// Sessions ended, by how.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct EndCounts {
+    /// The VM closed its socket.
+    pub peer_closed: u64,
+    /// The VM exited.
+    pub peer_exited: u64,
+    /// Graduated at a drain.
+    pub graduated: u64,
+    /// Handed to a new server.
+    pub handed_off: u64,
+    /// Failed (and the VM ended as the policy says).
+    pub failed: u64,
+}
+
+impl EndCounts {
+    fn count(&mut self, end: &SessionEnd) {
+        match end {
+            SessionEnd::PeerClosed => self.peer_closed += 1,
+            SessionEnd::PeerExited => self.peer_exited += 1,
+            SessionEnd::Graduated => self.graduated += 1,
+            SessionEnd::HandedOff => self.handed_off += 1,
+            SessionEnd::Failed(_) => self.failed += 1,
+        }
+    }
+
+    /// Every session counted.
+    pub fn total(&self) -> u64 {
+        self.peer_closed + self.peer_exited + self.graduated + self.handed_off + self.failed
+    }
 }
 
 /// One VM served now.
@@ -82,6 +119,7 @@ struct LiveSession {
 #[derive(Default, Clone)]
 struct Ended {
     sessions: u64,
+    ends: EndCounts,
     faults: u64,
     bytes: u64,
     latency: FaultLatency,
@@ -97,12 +135,12 @@ pub(super) struct Live {
     draining: bool,
 }
 
-/// Reads a fleet's status from any thread.
+/// Reads a server's status from any thread.
 #[derive(Clone)]
 pub struct StatusHandle {
     live: Arc<Mutex<Live>>,
     sockets: Arc<Vec<(PathBuf, PathBuf)>>,
-    pool_threads: usize,
+    threads: (usize, usize),
     t0: Instant,
 }
 
@@ -115,11 +153,13 @@ impl std::fmt::Debug for StatusHandle {
 }
 
 impl StatusHandle {
-    pub(super) fn new(sockets: Vec<(PathBuf, PathBuf)>, pool_threads: usize) -> StatusHandle {
+    /// The status of a server of `sockets` (each its path and memory file's) whose pool
+    /// has `threads` (serving faults, prefetching).
+    pub(super) fn new(sockets: Vec<(PathBuf, PathBuf)>, threads: (usize, usize)) -> StatusHandle {
         StatusHandle {
             live: Arc::new(Mutex::new(Live::default())),
             sockets: Arc::new(sockets),
-            pool_threads,
+            threads,
             t0: Instant::now(),
         }
     }
@@ -151,19 +191,18 @@ impl StatusHandle {
         });
     }
 
-    /// A VM's session ended; `engine` is what it did, when it was served at all.
-    pub(super) fn ended(&self, id: u64, engine: Option<&LazyReport>) {
+    /// A VM's session ended, as `end` says, its engine having done `engine`.
+    pub(super) fn ended(&self, id: u64, end: &SessionEnd, engine: &LazyReport) {
         self.with(|l| {
             let Some(s) = l.sessions.remove(&id) else {
                 return;
             };
             let e = l.ended.entry(s.socket).or_default();
             e.sessions += 1;
-            if let Some(r) = engine {
-                e.faults += r.faults;
-                e.bytes += r.bytes_copied;
-                e.latency = e.latency.merge(&r.fault_latency);
-            }
+            e.ends.count(end);
+            e.faults += engine.faults;
+            e.bytes += engine.bytes_copied;
+            e.latency = e.latency.merge(&engine.fault_latency);
         });
     }
 
@@ -177,13 +216,13 @@ impl StatusHandle {
         self.with(|l| l.dropped += 1);
     }
 
-    /// The fleet began to drain.
+    /// The server began to drain.
     pub(super) fn draining(&self) {
         self.with(|l| l.draining = true);
     }
 
     /// The status now.
-    pub fn snapshot(&self) -> FleetStatus {
+    pub fn snapshot(&self) -> ServerStatus {
         self.with(|l| {
             let sessions: Vec<SessionStatus> = l
                 .sessions
@@ -218,27 +257,23 @@ impl StatusHandle {
                         mem_file: mem.clone(),
                         serving,
                         sessions: t.sessions,
+                        ended: t.ends,
                         faults: t.faults,
                         bytes_copied: t.bytes,
                         fault_latency: t.latency,
                     }
                 })
                 .collect();
-            FleetStatus {
+            ServerStatus {
                 uptime_secs: self.t0.elapsed().as_secs_f64(),
                 draining: l.draining,
-                pool_threads: self.pool_threads,
+                pool_threads: self.threads.0,
+                prefetch_threads: self.threads.1,
                 sockets,
                 sessions,
                 refused: l.refused,
                 dropped: l.dropped,
             }
         })
-    }
-
-    /// The status in Prometheus' text format (see `metrics.rs`).
-    #[cfg(feature = "metrics")]
-    pub fn prometheus(&self) -> String {
-        super::metrics::encode(&self.snapshot())
     }
 }

@@ -1,23 +1,23 @@
-//! Where an operator reaches a running fleet: a control socket (a Unix stream socket,
+//! Where an operator reaches a running page server: a control socket (a Unix stream socket,
 //! one command a connection: `status` answers the status as JSON, `health` whether it
 //! serves, `drain` starts the drain, `metrics` the Prometheus text) and, opt in, an HTTP
 //! address for a metrics scraper (`GET /metrics`, `GET /health`).
 //!
 //! Each runs on one thread of its own that blocks in `poll` on its socket and a stop
 //! eventfd; a client has 2 s to send its command and is answered and closed, so a client
-//! that says nothing holds up only other clients of the same socket, never the fleet.
+//! that says nothing holds up only other clients of the same socket, never the server.
 
 use std::io::{self, Read, Write};
 #[cfg(feature = "metrics")]
 use std::net::{SocketAddr, TcpListener};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::status::StatusHandle;
-use super::Drainer;
-use crate::restore::remote::Listener;
+use super::{Drainer, Listener};
+use crate::sys::PollFd;
 
 /// How long a client has to send its request.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -43,23 +43,12 @@ impl Drop for Exposed {
 /// Blocks until `fd` is readable (`true`) or `stop` is (`false`).
 fn wait(fd: BorrowedFd<'_>, stop: BorrowedFd<'_>) -> bool {
     loop {
-        let mut fds = [fd, stop].map(|f| libc::pollfd {
-            fd: f.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        });
-        // SAFETY: two live pollfds; no timeout (idle means blocked).
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if n < 0 {
-            if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
+        let mut fds = [PollFd::readable(fd), PollFd::readable(stop)];
+        // No timeout: idle means blocked.
+        if crate::sys::poll(&mut fds, None).is_err() || fds[1].ready() {
             return false;
         }
-        if fds[1].revents != 0 {
-            return false;
-        }
-        if fds[0].revents != 0 {
+        if fds[0].ready() {
             return true;
         }
     }
@@ -169,7 +158,7 @@ impl StatusHandle {
                 };
                 // Only this user (or root) commands the server: a hand-off gives away every
                 // VM's memory.
-                if !crate::restore::remote::peer::same_user(&s) {
+                if !super::peer::same_user(&s) {
                     write_reply(
                         &mut s,
                         b"{\"error\":\"not this server's user\"}\n",
@@ -180,7 +169,7 @@ impl StatusHandle {
                 let req = read_request(&mut s, |b| b.contains(&b'\n'), deadline);
                 let line = String::from_utf8_lossy(&req);
                 if line.trim() == super::handoff::COMMAND {
-                    // The connection is the new server's: the fleet answers it.
+                    // The connection is the new server's: the server answers it.
                     let _ = s.set_read_timeout(None);
                     drainer.hand_off(s);
                     continue;

@@ -1,30 +1,29 @@
 //! The memory files, watched while served: a file written in place (or truncated) under
-//! a running VM would serve it a mix of two snapshots. `inotify` tells the supervisor when
+//! a running VM would serve it a mix of two snapshots. `inotify` tells the server's supervisor when
 //! a served file is modified or its attributes change; the file is then compared with what
-//! it was when the fleet started (device, inode, size, modification time, through the
+//! it was when the server started (device, inode, size, modification time, through the
 //! descriptor served from), and if it differs every VM of that socket is ended (fail
 //! closed) and the socket stops taking VMs. A file replaced by a rename is not a change:
-//! the fleet goes on serving the file it opened, which is whole.
+//! the server goes on serving the file it opened, which is whole.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 
-use super::super::state::FileId;
-use super::super::MemoryFile;
+use super::files::{FileId, MemoryFile};
 
-/// The inotify watches of a fleet's memory files.
+/// The inotify watches of a server's memory files.
 pub(super) struct FileWatch {
     fd: OwnedFd,
     /// (watch descriptor, socket index).
     wds: Vec<(i32, usize)>,
-    /// Each socket's file as it was when the fleet started.
+    /// Each socket's file as it was when the server started.
     ids: Vec<Option<FileId>>,
 }
 
 impl FileWatch {
     /// Watches every file of `mems` (socket `i` is `mems[i]`).
-    pub(super) fn new(mems: &[MemoryFile]) -> io::Result<FileWatch> {
+    pub(super) fn new(mems: &[&MemoryFile]) -> io::Result<FileWatch> {
         // SAFETY: flags only; returns a new descriptor or -1.
         let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
         if fd < 0 {
@@ -56,13 +55,13 @@ impl FileWatch {
         })
     }
 
-    /// What the supervisor polls.
+    /// What the server's supervisor polls.
     pub(super) fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
 
     /// Reads what inotify has to say; the sockets whose file is no longer what it was.
-    pub(super) fn changed(&mut self, mems: &[MemoryFile]) -> Vec<usize> {
+    pub(super) fn changed(&mut self, mems: &[&MemoryFile]) -> Vec<usize> {
         let mut buf = [0u64; 512];
         let mut touched = Vec::new();
         loop {

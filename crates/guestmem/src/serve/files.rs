@@ -1,11 +1,17 @@
 //! The files a page server reads and writes: the snapshot's memory file, opened and checked
-//! once before any VM connects, and working-set files (read capped, written whole).
+//! once before any VM connects, its identity (which file it is, beyond its name), and
+//! working-set files (read capped, written whole).
 
 use std::fs::File;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use super::{ServeError, MAX_WORKING_SET_BYTES};
-use crate::files::Dir;
+use super::error::{MemoryFileProblem, WorkingSetProblem};
+use super::ServeError;
+use crate::files::{Dir, FileError};
+
+/// Largest working-set file read (8 bytes a block, in JSON).
+pub const MAX_WORKING_SET_BYTES: u64 = 64 << 20;
 
 /// A snapshot's memory file, opened and checked once (a regular file, no symlink followed,
 /// no FIFO waited on) before any VM connects: every read uses this descriptor, so a file
@@ -20,14 +26,17 @@ pub struct MemoryFile {
 impl MemoryFile {
     /// Opens `path`.
     pub fn open(path: &Path) -> Result<MemoryFile, ServeError> {
-        let ferr = |reason: String| ServeError::MemoryFile {
+        let ferr = |e: FileError| ServeError::MemoryFile {
             path: path.to_path_buf(),
-            reason,
+            problem: MemoryFileProblem::Open {
+                op: e.op,
+                source: e.source,
+            },
         };
-        let (dir, name) = crate::files::split(path).map_err(|e| ferr(e.source.to_string()))?;
+        let (dir, name) = crate::files::split(path).map_err(ferr)?;
         let (file, len) = Dir::open(&dir)
             .and_then(|d| d.open_regular(&name, u64::MAX))
-            .map_err(|e| ferr(e.source.to_string()))?;
+            .map_err(ferr)?;
         Ok(MemoryFile {
             file,
             len,
@@ -49,6 +58,44 @@ impl MemoryFile {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// Its identity now (`fstat` of the descriptor served from).
+    pub(crate) fn identity(&self) -> std::io::Result<FileId> {
+        let m = self.file.metadata()?;
+        Ok(FileId {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            mtime_s: m.mtime(),
+            mtime_nsec: m.mtime_nsec(),
+        })
+    }
+
+    /// An error about this file.
+    pub(super) fn error(&self, problem: MemoryFileProblem) -> ServeError {
+        ServeError::MemoryFile {
+            path: self.path.clone(),
+            problem,
+        }
+    }
+}
+
+/// Which file a memory file is, beyond its name: a file replaced, truncated or written
+/// since has another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct FileId {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime_s: i64,
+    mtime_nsec: i64,
+}
+
+impl FileId {
+    /// The file's size, bytes.
+    pub(crate) fn size(&self) -> u64 {
+        self.size
+    }
 }
 
 /// A recorded working set, as `guestmem serve-uffd --record` writes it.
@@ -68,26 +115,28 @@ impl WorkingSetFile {
     /// Reads and checks `path` (a regular file of at most [`MAX_WORKING_SET_BYTES`], no
     /// symlink followed).
     pub fn read(path: &Path) -> Result<Vec<u64>, ServeError> {
-        let werr = |reason: String| ServeError::WorkingSet {
+        let werr = |problem| ServeError::WorkingSet {
             path: path.to_path_buf(),
-            reason,
+            problem,
         };
-        let (dir, name) = crate::files::split(path).map_err(|e| werr(e.source.to_string()))?;
+        let io = |e: FileError| {
+            werr(WorkingSetProblem::Io {
+                op: e.op,
+                source: e.source,
+            })
+        };
+        let (dir, name) = crate::files::split(path).map_err(io)?;
         let text = Dir::open(&dir)
             .and_then(|d| d.read_capped(&name, MAX_WORKING_SET_BYTES))
-            .map_err(|e| werr(e.source.to_string()))?;
+            .map_err(io)?;
         Self::parse(&text).map_err(werr)
     }
 
     /// Parses a working-set file's text.
-    pub fn parse(text: &[u8]) -> Result<Vec<u64>, String> {
-        let w: WorkingSetFile = serde_json::from_slice(text).map_err(|e| e.to_string())?;
+    pub fn parse(text: &[u8]) -> Result<Vec<u64>, WorkingSetProblem> {
+        let w: WorkingSetFile = serde_json::from_slice(text).map_err(WorkingSetProblem::Parse)?;
         if w.format != Self::FORMAT {
-            return Err(format!(
-                "format {:?}, expected {:?}",
-                w.format,
-                Self::FORMAT
-            ));
+            return Err(WorkingSetProblem::Format(w.format));
         }
         Ok(w.offsets)
     }
@@ -97,7 +146,10 @@ impl WorkingSetFile {
     pub fn check_writable(path: &Path) -> Result<(), ServeError> {
         crate::files::check_publishable(path).map_err(|e| ServeError::WorkingSet {
             path: path.to_path_buf(),
-            reason: e.to_string(),
+            problem: WorkingSetProblem::Io {
+                op: e.op,
+                source: e.source,
+            },
         })
     }
 
@@ -111,7 +163,10 @@ impl WorkingSetFile {
         let text = serde_json::to_vec(&w).expect("serialises");
         crate::files::publish_file(path, &text).map_err(|e| ServeError::WorkingSet {
             path: path.to_path_buf(),
-            reason: e.to_string(),
+            problem: WorkingSetProblem::Io {
+                op: e.op,
+                source: e.source,
+            },
         })
     }
 }

@@ -1,0 +1,226 @@
+//! A page server's VMs outlive it: a `kill -9` loses no VM and no page (the next server
+//! on the same state directory takes them back), two servers never share a state
+//! directory, and a running server hands its sockets and VMs to a new one (an upgrade)
+//! without downtime.
+
+mod common;
+
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+#[test]
+fn a_kill_9_of_the_server_loses_no_vm_and_no_page() {
+    need_uffd!();
+    const SIZE: usize = 32 * MIB;
+    let d = dir("kill9");
+    let mem = memory_file(&d, SIZE, Some(9 * MIB));
+    let socket = d.join("uffd.sock");
+    let state = d.join("state");
+    // Faults alone, so that most of the memory is still to serve across the restart.
+    let args = [
+        "--threads",
+        "2",
+        "--prefetch-threads",
+        "0",
+        "--on-failure",
+        "leave",
+        "--state-dir",
+        state.to_str().unwrap(),
+    ];
+    let mut first = server(&[(&socket, &mem)], &args);
+    let mut vms: Vec<Standin> = (0..2)
+        .map(|_| Standin::new(&[SIZE], false).unwrap())
+        .collect();
+    for vm in &mut vms {
+        vm.connect(&socket).unwrap();
+    }
+    let want = |at: usize| {
+        if (9 * MIB..10 * MIB).contains(&at) {
+            0
+        } else {
+            word(at as u64)
+        }
+    };
+    // Both sessions are recorded before the VMs run.
+    let records = || {
+        std::fs::read_dir(&state).map_or(0, |d| {
+            d.filter(|e| {
+                let name = e.as_ref().unwrap().file_name();
+                name.to_str().unwrap().starts_with("session-")
+            })
+            .count()
+        })
+    };
+    let t = Instant::now();
+    while records() < 2 {
+        assert!(t.elapsed() < Duration::from_secs(10), "no session records");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let read = AtomicUsize::new(0);
+    let stalls: Vec<Duration> = std::thread::scope(|s| {
+        let readers: Vec<_> = vms
+            .iter()
+            .map(|vm| {
+                let read = &read;
+                s.spawn(move || {
+                    let mut worst = Duration::ZERO;
+                    for p in 0..SIZE / PAGE {
+                        let at = p * PAGE;
+                        let t = Instant::now();
+                        let got = (vm.word(at), vm.word(at + 4088));
+                        worst = worst.max(t.elapsed());
+                        assert_eq!(got, (want(at), want(at + 4088)), "page at {at:#x}");
+                        read.fetch_add(1, Ordering::Relaxed);
+                        if p % 64 == 0 {
+                            // Guest work between touches: the kill lands mid-run.
+                            std::thread::sleep(Duration::from_millis(2));
+                        }
+                    }
+                    worst
+                })
+            })
+            .collect();
+        // Kill the server a quarter of the way in.
+        let t = Instant::now();
+        while read.load(Ordering::Relaxed) < SIZE / PAGE / 2 {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "the VMs made no progress"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // SAFETY: kill on our own child's pid.
+        assert_eq!(unsafe { libc::kill(first.id() as i32, libc::SIGKILL) }, 0);
+        first.wait_exit(5);
+        let at_kill = read.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            read.load(Ordering::Relaxed) < 2 * SIZE / PAGE,
+            "the VMs are frozen without a server (read {at_kill} pages at the kill)"
+        );
+        // A new server on the same state takes both VMs back.
+        let second = server(&[(&socket, &mem)], &args);
+        let stalls = readers.into_iter().map(|r| r.join().unwrap()).collect();
+        let (code, out, err, _) = terminate(second);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(err.matches("took back peer").count(), 2, "{err}");
+        assert!(out.contains("2 VMs: 2 graduated"), "{out}");
+        stalls
+    });
+    eprintln!(
+        "longest guest stall across the restart: {:?}",
+        stalls.iter().max()
+    );
+    for vm in &vms {
+        for p in 0..SIZE / PAGE {
+            assert_eq!(vm.word(p * PAGE), want(p * PAGE));
+        }
+    }
+    assert_eq!(
+        std::fs::read_dir(&state).unwrap().count(),
+        0,
+        "records removed once the sessions ended"
+    );
+}
+
+#[test]
+fn a_second_server_on_the_same_state_dir_is_refused() {
+    need_uffd!();
+    let d = dir("state-lock");
+    let mem = memory_file(&d, 4 * MIB, None);
+    let state = d.join("state");
+    let args = ["--state-dir", state.to_str().unwrap()];
+    let (a, b) = (d.join("a.sock"), d.join("b.sock"));
+    let first = server(&[(&a, &mem)], &args);
+    // Two servers would both serve the VMs the records name.
+    let (code, _, err) = finish(spawn(&[(&b, &mem)], &args));
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("--state-dir") && err.contains("another server holds it"),
+        "{err}"
+    );
+    let (code, _, err, _) = terminate(first);
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn a_server_hands_its_sockets_and_vms_to_a_new_server_without_downtime() {
+    need_uffd!();
+    const SIZE: usize = 16 * MIB;
+    let d = dir("handoff");
+    let mem = memory_file(&d, SIZE, Some(5 * MIB));
+    let socket = d.join("uffd.sock");
+    let control = d.join("ctl.sock");
+    let state = d.join("state");
+    // Both servers keep records: the VMs handed over must not be taken back a second time
+    // from the records the old server left. Faults alone, so that half the memory is
+    // still to serve after the hand-off.
+    let args = [
+        "--control",
+        control.to_str().unwrap(),
+        "--on-failure",
+        "leave",
+        "--prefetch-threads",
+        "0",
+        "--state-dir",
+        state.to_str().unwrap(),
+    ];
+    let mut old = server(&[(&socket, &mem)], &args);
+    wait_for(&control);
+    let want = |at: usize| {
+        if (5 * MIB..6 * MIB).contains(&at) {
+            0
+        } else {
+            word(at as u64)
+        }
+    };
+    let mut first = Standin::new(&[SIZE], false).unwrap();
+    first.connect(&socket).unwrap();
+    for p in 0..SIZE / 2 / PAGE {
+        assert_eq!(first.word(p * PAGE), want(p * PAGE));
+    }
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_guestmem"));
+    cmd.args(["serve-uffd", "--socket"])
+        .arg(&socket)
+        .arg("--mem-file")
+        .arg(&mem)
+        .arg("--take-over")
+        .arg(&control)
+        .args(args);
+    let mut new = Srv::start(&mut cmd);
+    let status = old.wait_exit(20);
+    assert_eq!(status.code(), Some(0), "the old server exits 0");
+    let (out, _) = old.output();
+    assert!(out.contains("1 handed off"), "{out}");
+    assert!(
+        socket.exists(),
+        "the socket path stays through the hand-off"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    if !new.running() {
+        panic!("the new server exited: {}", new.output().1);
+    }
+    // The VM goes on: the rest of its memory comes from the new server.
+    for p in SIZE / 2 / PAGE..SIZE / PAGE {
+        assert_eq!(first.word(p * PAGE), want(p * PAGE), "page {p}");
+    }
+    // A new VM connects on the socket the new server was handed.
+    let mut second = Standin::new(&[SIZE], false).unwrap();
+    second.connect(&socket).unwrap();
+    for p in 0..SIZE / PAGE {
+        assert_eq!(second.word(p * PAGE), want(p * PAGE));
+    }
+    let (code, out, err, _) = terminate(new);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("took over 1 VMs"), "{err}");
+    assert!(!err.contains("took back peer"), "served twice: {err}");
+    assert!(out.contains("2 VMs: 2 graduated"), "{out}\n{err}");
+    for vm in [&first, &second] {
+        for p in 0..SIZE / PAGE {
+            assert_eq!(vm.word(p * PAGE), want(p * PAGE));
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! The one intake: connections accepted on any of a server's sockets, each handshake read
+//! on a thread of its own (at most [`MAX_PENDING_HANDSHAKES`] at once; past that,
+//! connections wait in the backlog), so a squatter or a slow peer holds up nobody. Each
+//! result ([`Arrival`]) is left for the server's supervisor, which admits or refuses it.
+//!
+//! Once the server takes no more VMs ([`Intake::close`]: it has its one VM, or it drains), a
+//! handshake that completes later ends its own VM as the failure policy says: no VM that
+//! sent its userfaultfd is left waiting on a server that will not serve it.
+
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::handshake::{receive_checked, Handshake, HandshakeError, Refused};
+use super::listener::Listener;
+use super::peer::Ending;
+use super::ServeError;
+use crate::sys::PollFd;
+
+/// Most handshakes read at once; past them, connections wait in the backlog.
+pub(super) const MAX_PENDING_HANDSHAKES: usize = 16;
+
+/// A handshake's result, and the socket it came on.
+pub(super) struct Arrival {
+    pub(super) socket: usize,
+    pub(super) result: Result<Handshake, Refused>,
+}
+
+/// Why the intake stopped taking VMs: what a VM whose handshake completes later is told.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Closed {
+    /// A one-VM server has its VM (or gave up waiting).
+    HasItsVm,
+    /// The server is draining.
+    Draining,
+}
+
+#[derive(Default)]
+struct Inbox {
+    results: Mutex<Results>,
+    /// Handshakes still being read.
+    pending: AtomicUsize,
+}
+
+#[derive(Default)]
+struct Results {
+    closed: Option<Closed>,
+    arrivals: VecDeque<Arrival>,
+}
+
+/// The intake of one server (see the module docs).
+pub(super) struct Intake {
+    inbox: Arc<Inbox>,
+    /// Signalled by each handshake thread as it ends.
+    notify: Arc<OwnedFd>,
+    timeout: Duration,
+    ending: Ending,
+}
+
+impl Intake {
+    /// An intake giving each peer `timeout` for its whole handshake, and ending late VMs
+    /// as `ending` says.
+    pub(super) fn new(timeout: Duration, ending: Ending) -> Result<Intake, ServeError> {
+        Ok(Intake {
+            inbox: Arc::default(),
+            notify: Arc::new(crate::sys::eventfd().map_err(ServeError::io("make an eventfd"))?),
+            timeout,
+            ending,
+        })
+    }
+
+    /// Readable once a handshake thread has ended (cleared by [`Intake::clear`]).
+    pub(super) fn fd(&self) -> BorrowedFd<'_> {
+        self.notify.as_fd()
+    }
+
+    /// Clears [`Intake::fd`].
+    pub(super) fn clear(&self) {
+        let _ = crate::sys::eventfd_read(self.notify.as_fd());
+    }
+
+    /// Handshakes being read now.
+    pub(super) fn pending(&self) -> usize {
+        self.inbox.pending.load(Ordering::Acquire)
+    }
+
+    /// Whether another connection may be accepted now (the listeners are watched).
+    pub(super) fn has_room(&self) -> bool {
+        self.pending() < MAX_PENDING_HANDSHAKES
+    }
+
+    /// Accepts the connections waiting on `listener` (socket `socket`), a handshake thread
+    /// each, while fewer than `cap` handshakes are in flight (`usize::MAX`: all of them, as
+    /// a socket about to close must: those VMs would be left hung).
+    pub(super) fn accept(&self, socket: usize, listener: &Listener, cap: usize) {
+        while self.pending() < cap {
+            let stream = match listener.socket().accept() {
+                Ok((stream, _)) => stream,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    // Out of descriptors, say: the connection stays queued and the listener
+                    // readable; wait a little rather than spin.
+                    self.ending
+                        .log
+                        .say(&format!("accept failed: {e}; trying again in 100 ms"));
+                    std::thread::sleep(Duration::from_millis(100));
+                    return;
+                }
+            };
+            if stream.set_nonblocking(false).is_err() {
+                continue;
+            }
+            self.inbox.pending.fetch_add(1, Ordering::AcqRel);
+            let (inbox, notify) = (self.inbox.clone(), self.notify.clone());
+            let (timeout, ending) = (self.timeout, self.ending.clone());
+            let spawned = std::thread::Builder::new()
+                .name("guestmem-handshake".into())
+                .spawn(move || {
+                    // A panic (a bug) must not leave the count up: a drain waits on it.
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        receive_checked(stream, timeout)
+                    }));
+                    if let Ok(result) = r {
+                        let mut g = inbox.results.lock().unwrap_or_else(|e| e.into_inner());
+                        match g.closed {
+                            Some(why) => {
+                                drop(g);
+                                end_late(result, why, &ending);
+                            }
+                            None => g.arrivals.push_back(Arrival { socket, result }),
+                        }
+                    }
+                    inbox.pending.fetch_sub(1, Ordering::AcqRel);
+                    let _ = crate::sys::eventfd_signal(notify.as_fd());
+                });
+            if let Err(e) = spawned {
+                self.inbox.pending.fetch_sub(1, Ordering::AcqRel);
+                self.ending.log.say(&format!(
+                    "dropped a connection: no thread for its handshake: {e}"
+                ));
+            }
+        }
+    }
+
+    /// The next handshake that has ended, if any.
+    pub(super) fn take(&self) -> Option<Arrival> {
+        self.inbox
+            .results
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .arrivals
+            .pop_front()
+    }
+
+    /// Waits, at most `grace`, until no handshake is in flight (each ends within the
+    /// handshake timeout). Arrivals stay for [`Intake::take`].
+    pub(super) fn settle(&self, grace: Duration) {
+        let deadline = Instant::now() + grace;
+        while self.pending() > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            let mut fds = [PollFd::readable(self.notify.as_fd())];
+            let _ = crate::sys::poll(&mut fds, Some(left));
+            self.clear();
+        }
+    }
+
+    /// Stops taking VMs: from here a VM whose handshake completes ends itself (told `why`).
+    /// Returns what arrived before, for the caller to admit or end.
+    pub(super) fn close(&self, why: Closed) -> Vec<Arrival> {
+        let mut g = self.inbox.results.lock().unwrap_or_else(|e| e.into_inner());
+        g.closed.get_or_insert(why);
+        g.arrivals.drain(..).collect()
+    }
+
+    /// Ends the VM of an arrival the server will not serve (told `why`); a connection that
+    /// sent no userfaultfd is only dropped.
+    pub(super) fn end(&self, a: Arrival, why: Closed) {
+        end_late(a.result, why, &self.ending);
+    }
+}
+
+/// Ends a VM whose handshake completed after the server stopped taking them.
+fn end_late(r: Result<Handshake, Refused>, why: Closed, ending: &Ending) {
+    let late = match r {
+        Ok(h) => Some((
+            h.process,
+            ServeError::Handshake(match why {
+                Closed::HasItsVm => HandshakeError::Late,
+                Closed::Draining => HandshakeError::Draining,
+            }),
+        )),
+        Err(Refused { error, process }) => process.map(|p| (p, error)),
+    };
+    if let Some((p, why)) = late {
+        ending.end(&p, &why);
+    }
+}

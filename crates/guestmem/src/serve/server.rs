@@ -1,0 +1,1007 @@
+//! The page server: its sockets (a snapshot each), its one intake, its pool, the VMs it
+//! serves, and the supervisor loop ([`Server::run`]) that ties them together. Read top to
+//! bottom, this file is the whole life of a server: start, admit, watch, end, drain or hand
+//! over, report.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::config::{ServerConfig, Setting, Vms};
+use super::error::MemoryFileProblem;
+use super::files::MemoryFile;
+use super::handoff::{HandedSession, Outgoing, TakeOver};
+use super::handshake::{Handshake, HandshakeError, Refused};
+use super::intake::{Arrival, Closed, Intake, MAX_PENDING_HANDSHAKES};
+use super::learn::Learnt;
+use super::listener::Listener;
+use super::peer::{Ending, PeerProcess};
+use super::pool::Pool;
+use super::report::{ServerReport, SessionEnd, SessionReport};
+use super::restart::{record_of, take_back};
+use super::session::{Concluded, Over, Plan, Session};
+use super::state::{SessionRecord, StateDir};
+use super::status::StatusHandle;
+use super::watch::FileWatch;
+use super::{ServeError, SessionEvent};
+use crate::restore::Regaining;
+use crate::sys::PollFd;
+
+/// How long a drain waits for handshakes in flight before it stops waiting (Firecracker
+/// sends its handshake in one message as it connects; a connection still silent by then
+/// is not a VM about to be served, and one that completes later is ended).
+const DRAIN_HANDSHAKE_GRACE: Duration = Duration::from_secs(1);
+
+/// One snapshot, served to every VM that connects to its socket.
+#[derive(Debug)]
+pub struct Socket {
+    /// Where VMs connect.
+    pub listener: Listener,
+    /// The snapshot's memory file.
+    pub memory: MemoryFile,
+    /// Memory-file offsets to prefetch first for each VM (a recorded working set; empty:
+    /// what was learnt, with [`ServerConfig::learn_working_sets`], else address order).
+    pub working_set: Vec<u64>,
+}
+
+/// A socket as the server keeps it.
+struct Served {
+    /// `None` once it stopped listening.
+    listener: Option<Listener>,
+    memory: MemoryFile,
+    working_set: Vec<u64>,
+    /// What its VMs taught (empty unless learning).
+    learnt: Mutex<Option<Learnt>>,
+    /// Its memory file changed while served: it takes no more VMs.
+    retired: bool,
+}
+
+impl Served {
+    /// The blocks to prefetch first for a VM of this socket: its given working set, else
+    /// what was learnt.
+    fn working_set(&self) -> Vec<u64> {
+        if !self.working_set.is_empty() {
+            return self.working_set.clone();
+        }
+        self.learnt
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map_or(Vec::new(), |l| l.offsets().to_vec())
+    }
+
+    /// Merges a VM's working set into what was learnt (when learning); a failure to keep
+    /// it is logged.
+    fn learn(&self, ws: &[u64], ending: &Ending) {
+        let mut g = self.learnt.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(l) = g.as_mut() {
+            if let Err(e) = l.learn(ws) {
+                ending.log.say(&format!(
+                    "learnt working set {}: not written: {e}",
+                    l.path().display()
+                ));
+            }
+        }
+    }
+}
+
+/// Tells a running [`Server`] to drain (stop accepting, graduate every VM, return), or to
+/// hand everything to a new server ([`super::take_over`]).
+#[derive(Debug, Clone)]
+pub struct Drainer {
+    drain: Arc<OwnedFd>,
+    handoff: Arc<HandoffSlot>,
+}
+
+/// A hand-off asked for: the new server's connection, and an eventfd that says so.
+#[derive(Debug)]
+struct HandoffSlot {
+    to: Mutex<Option<UnixStream>>,
+    ready: OwnedFd,
+}
+
+impl Drainer {
+    /// Asks the server to drain (any thread; a second call changes nothing).
+    pub fn drain(&self) {
+        let _ = crate::sys::eventfd_signal(self.drain.as_fd());
+    }
+
+    /// Asks the server to hand its sockets and VMs to the server on the other end of `to`.
+    pub(super) fn hand_off(&self, to: UnixStream) {
+        *self.handoff.to.lock().unwrap_or_else(|e| e.into_inner()) = Some(to);
+        let _ = crate::sys::eventfd_signal(self.handoff.ready.as_fd());
+    }
+}
+
+/// Where a one-VM server is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum One {
+    /// Waiting for its VM, until then (`None`: for ever).
+    Waiting(Option<Instant>),
+    /// Its VM was admitted.
+    Serving,
+}
+
+/// Which VM and userfaultfd a session record is of (a process may hold several VMs' worth
+/// of userfaultfds, as the test rigs do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RecordKey {
+    pid: i32,
+    start_time: u64,
+    uffd_fd: i32,
+}
+
+impl RecordKey {
+    fn of(r: &SessionRecord) -> RecordKey {
+        RecordKey {
+            pid: r.pid,
+            start_time: r.start_time,
+            uffd_fd: r.uffd_fd,
+        }
+    }
+}
+
+/// What woke the supervisor.
+struct Woken {
+    /// Sockets with connections waiting.
+    listening: Vec<usize>,
+    /// Sessions whose link or failure descriptor changed.
+    watched: Vec<u64>,
+}
+
+/// A page server (see the module docs of `serve`).
+pub struct Server {
+    sockets: Vec<Served>,
+    cfg: ServerConfig,
+    ending: Ending,
+    intake: Intake,
+    drain: Arc<OwnedFd>,
+    handoff: Arc<HandoffSlot>,
+    pool: Pool,
+    status: StatusHandle,
+    /// VMs handed over by the server this one took over from, served from `run` on.
+    handed: Vec<HandedSession>,
+    watch: Option<FileWatch>,
+    state: Option<StateDir>,
+    sessions: BTreeMap<u64, Session>,
+    next_id: u64,
+    served_bytes: u64,
+    /// Collapses of ended sessions, stopped but not yet ended: waited for before `run`
+    /// returns, so none is cut off mid-chunk by the process exiting.
+    collapses: Vec<Regaining>,
+    /// The session that ended last.
+    last: Option<SessionReport>,
+    /// With [`Vms::One`]: where it is.
+    one: Option<One>,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("sockets", &self.sockets.len())
+            .field("sessions", &self.sessions.len())
+            .finish()
+    }
+}
+
+impl Server {
+    /// Checks the settings and starts the pool; nothing is accepted before [`Server::run`].
+    pub fn new(sockets: Vec<Socket>, cfg: ServerConfig) -> Result<Server, ServeError> {
+        cfg.check()?;
+        let one_allowed = !matches!(cfg.vms, Vms::One { .. }) || sockets.len() == 1;
+        if sockets.is_empty() || !one_allowed {
+            return Err(ServeError::Setting {
+                setting: Setting::Sockets,
+                value: sockets.len() as u64,
+                allowed: "a server needs at least one socket, and a server of one VM exactly one",
+            });
+        }
+        let ending = Ending {
+            on_failure: cfg.on_failure,
+            log: cfg.log.clone(),
+        };
+        let drain = Arc::new(crate::sys::eventfd().map_err(ServeError::io("make an eventfd"))?);
+        let handoff = Arc::new(HandoffSlot {
+            to: Mutex::new(None),
+            ready: crate::sys::eventfd().map_err(ServeError::io("make an eventfd"))?,
+        });
+        let intake = Intake::new(cfg.handshake_timeout, ending.clone())?;
+        let pool = Pool::start(cfg.handler_threads, cfg.prefetch_threads)
+            .map_err(ServeError::io("start the serving threads"))?;
+        let state = cfg.state_dir.as_deref().map(StateDir::open).transpose()?;
+        let names = sockets
+            .iter()
+            .map(|s| {
+                (
+                    s.listener.path().to_path_buf(),
+                    s.memory.path().to_path_buf(),
+                )
+            })
+            .collect();
+        let sockets = sockets
+            .into_iter()
+            .map(|s| Served {
+                listener: Some(s.listener),
+                memory: s.memory,
+                working_set: s.working_set,
+                learnt: Mutex::new(None),
+                retired: false,
+            })
+            .collect();
+        let one = match cfg.vms {
+            Vms::Every => None,
+            Vms::One { wait } => Some(One::Waiting(wait.map(|w| Instant::now() + w))),
+        };
+        Ok(Server {
+            sockets,
+            ending,
+            intake,
+            drain,
+            handoff,
+            status: StatusHandle::new(names, pool.threads()),
+            pool,
+            cfg,
+            handed: Vec::new(),
+            watch: None,
+            state,
+            sessions: BTreeMap::new(),
+            next_id: 0,
+            served_bytes: 0,
+            collapses: Vec::new(),
+            last: None,
+            one,
+        })
+    }
+
+    /// Serves, from [`Server::run`] on, the VMs a server handed over
+    /// ([`super::take_over`]); the listening sockets it handed are given as this server's
+    /// sockets ([`TakeOver::listener`]).
+    pub fn adopt(&mut self, mut t: TakeOver) {
+        self.handed.extend(t.take_sessions());
+    }
+
+    /// A handle that makes [`Server::run`] drain and return.
+    pub fn drainer(&self) -> Drainer {
+        Drainer {
+            drain: self.drain.clone(),
+            handoff: self.handoff.clone(),
+        }
+    }
+
+    /// A handle that reads the server's status from any thread (and serves it on a control
+    /// socket or a metrics address).
+    pub fn status(&self) -> StatusHandle {
+        self.status.clone()
+    }
+
+    /// Serves until drained ([`Drainer::drain`]) or handed over, or with [`Vms::One`] until
+    /// its VM goes; then every VM still served graduates (all its blocks in, then its
+    /// ranges unregistered, so it depends on neither this server nor the memory file) and
+    /// the report is returned. Blocks in `poll`: an idle server uses no CPU.
+    ///
+    /// With a [`ServerConfig::state_dir`], it first takes back every VM a server that died
+    /// was serving from the same memory files: each VM's userfaultfd comes back from the VM
+    /// itself (`pidfd_getfd`), pages already in are left as they are, and threads that
+    /// waited are woken to fault again. A VM that cannot be taken back (its memory file was
+    /// replaced or truncated, its descriptor is gone) is ended as the policy says.
+    ///
+    /// With [`Vms::One`], an error is returned when its VM is refused or its serving fails
+    /// (the VM having been ended as the policy says), or when no VM came in time.
+    pub fn run(mut self) -> Result<ServerReport, ServeError> {
+        self.watch_files();
+        self.load_learnt();
+        let handed = self.resume_handed();
+        self.resume_recorded(&handed);
+        let mut draining: Option<Instant> = None;
+        loop {
+            if let Some(done) = self.one_done() {
+                return done.and_then(|()| self.finish());
+            }
+            let Woken { listening, watched } = self.wait(draining);
+            for i in listening {
+                if let Some(l) = &self.sockets[i].listener {
+                    self.intake.accept(i, l, MAX_PENDING_HANDSHAKES);
+                }
+            }
+            while let Some(a) = self.intake.take() {
+                let refused = self.arrive(a);
+                if let (Err(e), Some(One::Waiting(_))) = (refused, self.one) {
+                    // A one-VM server had its VM and cannot serve it.
+                    self.stop_listening(Closed::HasItsVm);
+                    return Err(e);
+                }
+                self.one_admitted();
+            }
+            for id in watched {
+                self.check_session(id);
+            }
+            if draining.is_none() && crate::sys::is_readable(self.drain.as_fd()) {
+                draining = Some(Instant::now() + DRAIN_HANDSHAKE_GRACE);
+                self.begin_drain();
+            }
+            if let Some(deadline) = draining {
+                let pending = self.intake.pending();
+                if pending == 0 || Instant::now() >= deadline {
+                    for a in self.intake.close(Closed::Draining) {
+                        let _ = self.arrive(a);
+                    }
+                    if pending > 0 {
+                        self.ending.log.say(&format!(
+                            "draining: {pending} connections still silent after {:.1} s are \
+                             not waited for",
+                            DRAIN_HANDSHAKE_GRACE.as_secs_f64()
+                        ));
+                    }
+                    break;
+                }
+            }
+            let changed = match &mut self.watch {
+                Some(w) if crate::sys::is_readable(w.fd()) => {
+                    let mems: Vec<&MemoryFile> = self.sockets.iter().map(|s| &s.memory).collect();
+                    w.changed(&mems)
+                }
+                _ => Vec::new(),
+            };
+            for i in changed {
+                self.file_changed(i);
+            }
+            if crate::sys::is_readable(self.handoff.ready.as_fd()) {
+                let to = self
+                    .handoff
+                    .to
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
+                if let Some(to) = to {
+                    self.intake.settle(DRAIN_HANDSHAKE_GRACE);
+                    for a in self.intake.close(Closed::Draining) {
+                        let _ = self.arrive(a);
+                    }
+                    self.hand_off(&to);
+                    return self.finish();
+                }
+            }
+        }
+        self.graduate_all();
+        self.finish()
+    }
+
+    /// The report, once every collapse this server stopped has ended.
+    fn finish(mut self) -> Result<ServerReport, ServeError> {
+        for r in self.collapses.drain(..) {
+            r.stop();
+            r.wait();
+        }
+        Ok(ServerReport {
+            status: self.status.snapshot(),
+            last: self.last.take(),
+        })
+    }
+
+    /// Whether a one-VM server serves its VM now.
+    fn serving_one(&self) -> bool {
+        matches!(self.one, Some(One::Waiting(_))) && !self.sessions.is_empty()
+    }
+
+    /// A one-VM server admitted its VM: it stops listening.
+    fn one_admitted(&mut self) {
+        if self.serving_one() {
+            self.one = Some(One::Serving);
+            self.stop_listening(Closed::HasItsVm);
+        }
+    }
+
+    /// Whether a one-VM server is done: its VM went (the result), or none came in time.
+    fn one_done(&mut self) -> Option<Result<(), ServeError>> {
+        match self.one? {
+            One::Serving if self.sessions.is_empty() => {
+                let failed = match self.last.as_ref().map(|l| &l.end) {
+                    Some(SessionEnd::Failed(e)) => Some(e.clone()),
+                    _ => None,
+                };
+                Some(match failed {
+                    None => Ok(()),
+                    Some(e) => {
+                        self.last = None;
+                        Err(Arc::try_unwrap(e).unwrap_or_else(ServeError::Reported))
+                    }
+                })
+            }
+            One::Waiting(Some(until)) if Instant::now() >= until && self.intake.pending() == 0 => {
+                self.stop_listening(Closed::HasItsVm);
+                let Vms::One { wait } = self.cfg.vms else {
+                    return None;
+                };
+                Some(Err(HandshakeError::NoVm(wait.unwrap_or_default()).into()))
+            }
+            _ => None,
+        }
+    }
+
+    /// Stops listening on every socket: paths first (new VMs are refused at `connect`),
+    /// then every connection already in a backlog is accepted (its VM may have sent its
+    /// userfaultfd and would wait for ever; it is admitted or ended), then the sockets
+    /// close, and the intake takes no more VMs: a handshake that completes later ends its
+    /// own VM, told `why`.
+    fn stop_listening(&mut self, why: Closed) {
+        for s in &self.sockets {
+            if let Some(l) = &s.listener {
+                l.unpublish();
+            }
+        }
+        for (i, s) in self.sockets.iter().enumerate() {
+            if let Some(l) = &s.listener {
+                self.intake.accept(i, l, usize::MAX);
+            }
+        }
+        for s in &mut self.sockets {
+            s.listener = None;
+        }
+        if why == Closed::HasItsVm {
+            for a in self.intake.close(why) {
+                self.intake.end(a, why);
+            }
+        }
+    }
+
+    /// A drain's first step: the sockets close (see [`Server::stop_listening`]); handshakes
+    /// in flight are waited for (at most [`DRAIN_HANDSHAKE_GRACE`]) and admitted.
+    fn begin_drain(&mut self) {
+        self.status.draining();
+        self.stop_listening(Closed::Draining);
+        self.ending.log.say(&format!(
+            "draining: sockets closed; {} VMs to graduate",
+            self.sessions.len()
+        ));
+    }
+
+    /// Starts watching the memory files (a failure is logged: the server serves all the
+    /// same).
+    fn watch_files(&mut self) {
+        let mems: Vec<&MemoryFile> = self.sockets.iter().map(|s| &s.memory).collect();
+        self.watch = match FileWatch::new(&mems) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                self.ending.log.warn(&format!(
+                    "memory files not watched ({e}): a file written in place while served \
+                     would not be noticed"
+                ));
+                None
+            }
+        };
+    }
+
+    /// Loads each socket's learnt working set (when learning).
+    fn load_learnt(&mut self) {
+        if !self.cfg.learn_working_sets {
+            return;
+        }
+        for s in &mut self.sockets {
+            let (l, why) = Learnt::load(&s.memory);
+            match why {
+                Some(why) => self.ending.log.say(&format!(
+                    "learnt working set {}: not used: {why}",
+                    l.path().display()
+                )),
+                None if !l.offsets().is_empty() => self.ending.log.say(&format!(
+                    "learnt working set {}: {} blocks to prefetch for each VM",
+                    l.path().display(),
+                    l.offsets().len()
+                )),
+                None => {}
+            }
+            *s.learnt.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(l);
+        }
+    }
+
+    /// Blocks until something needs the supervisor: which sockets have connections waiting,
+    /// and which sessions' descriptors changed. Waits for ever but during a drain's grace,
+    /// or while a one-VM server waits for its VM until a deadline.
+    fn wait(&self, draining: Option<Instant>) -> Woken {
+        let deadline = match (draining, self.one) {
+            (Some(d), _) => Some(d),
+            (None, Some(One::Waiting(until))) => until,
+            _ => None,
+        };
+        // Once draining, the drain eventfd stays readable: left out, or every wait returns
+        // at once.
+        let mut fds = vec![
+            match draining {
+                Some(_) => PollFd::skip(),
+                None => PollFd::readable(self.drain.as_fd()),
+            },
+            PollFd::readable(self.intake.fd()),
+            PollFd::readable(self.handoff.ready.as_fd()),
+            match &self.watch {
+                Some(w) => PollFd::readable(w.fd()),
+                None => PollFd::skip(),
+            },
+        ];
+        const FIXED: usize = 4;
+        let accepting = self.intake.has_room();
+        let mut listening = Vec::new();
+        for (i, s) in self.sockets.iter().enumerate() {
+            if let (Some(l), true) = (&s.listener, accepting) {
+                listening.push(i);
+                fds.push(PollFd::readable(l.socket().as_fd()));
+            }
+        }
+        let mut ids = Vec::new();
+        for (&id, s) in &self.sessions {
+            ids.push(id);
+            fds.extend(s.watch());
+        }
+        let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        if let Err(e) = crate::sys::poll(&mut fds, timeout) {
+            // ENOMEM, say: the sessions must go on being watched; wait a little rather than
+            // return with VMs that depend on this server.
+            self.ending
+                .log
+                .say(&format!("poll failed: {e}; trying again in 100 ms"));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        self.intake.clear();
+        let base = FIXED + listening.len();
+        let listening = listening
+            .iter()
+            .enumerate()
+            .filter(|&(k, _)| fds[FIXED + k].ready())
+            .map(|(_, &i)| i)
+            .collect();
+        let watched = ids
+            .iter()
+            .enumerate()
+            .filter(|&(k, _)| fds[base + 2 * k].ready() || fds[base + 2 * k + 1].ready())
+            .map(|(_, &id)| id)
+            .collect();
+        Woken { listening, watched }
+    }
+
+    /// Admits the VM of an arrival, refuses it (ending it, and returning why), or drops a
+    /// connection that sent no userfaultfd.
+    fn arrive(&mut self, a: Arrival) -> Result<(), ServeError> {
+        match a.result {
+            Ok(h) => self.admit(a.socket, h),
+            Err(Refused {
+                error,
+                process: Some(p),
+            }) => self.refuse(p, 0, error),
+            Err(Refused {
+                error,
+                process: None,
+            }) => {
+                self.status.dropped();
+                self.ending.log.say(&format!(
+                    "dropped a connection that is not a VM's (it sent no userfaultfd): {error}"
+                ));
+                Ok(())
+            }
+        }
+    }
+
+    /// Serves the VM of handshake `h` on socket `i`, or refuses it (ending it).
+    fn admit(&mut self, i: usize, h: Handshake) -> Result<(), ServeError> {
+        let bytes: u64 = h.regions.iter().map(|r| r.size).sum();
+        if self.sockets[i].retired {
+            let e = self.sockets[i].memory.error(MemoryFileProblem::Changed);
+            return self.refuse(h.process, bytes, e);
+        }
+        if let Some(e) = self.over_limit(bytes) {
+            return self.refuse(h.process, bytes, e);
+        }
+        let working_set = self.sockets[i].working_set();
+        let plan = self.plan(i, &working_set);
+        match Session::start(h, &plan) {
+            Ok(s) => self.start_session(s).map(|_| ()),
+            Err((e, p)) => self.refuse(p, bytes, e),
+        }
+    }
+
+    /// What a session of socket `i` is started with, `working_set` its prefetch order.
+    fn plan<'a>(&'a self, i: usize, working_set: &'a [u64]) -> Plan<'a> {
+        Plan {
+            memory: &self.sockets[i].memory,
+            socket: i,
+            prefetch: (self.cfg.prefetch_threads > 0).then_some(working_set),
+            block_bytes: self.cfg.block_bytes,
+            regain_huge: self.cfg.regain_huge,
+        }
+    }
+
+    /// The limit a VM of `bytes` would pass, if any.
+    fn over_limit(&self, bytes: u64) -> Option<ServeError> {
+        if self.sessions.len() >= self.cfg.max_vms {
+            return Some(ServeError::Limit {
+                limit: "VMs served at once",
+                have: self.sessions.len() as u64,
+                needs: 1,
+                max: self.cfg.max_vms as u64,
+            });
+        }
+        match self.cfg.max_bytes {
+            Some(max) if self.served_bytes.saturating_add(bytes) > max => Some(ServeError::Limit {
+                limit: "guest memory served at once, bytes",
+                have: self.served_bytes,
+                needs: bytes,
+                max,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Serves `session`'s VM on the pool, recorded in the state directory; its id. A VM
+    /// the pool cannot take is refused (and ended).
+    fn start_session(&mut self, mut session: Session) -> Result<u64, ServeError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let i = session.socket;
+        // Recorded before its first fault is served: a server that dies from here on
+        // leaves the record its successor needs.
+        session.record = self.record(&session);
+        if let Err(e) = self.pool.add(id, session.pooled()) {
+            self.forget(&session);
+            let bytes = session.bytes;
+            let e = ServeError::Io {
+                op: "add the VM to the serving threads",
+                source: e,
+            };
+            return self.refuse(session.abandon(), bytes, e).map(|()| id);
+        }
+        let pid = session.process().pid();
+        self.ending.log.session(
+            &SessionEvent {
+                event: "start",
+                session: Some(id),
+                pid,
+                socket: Some(i),
+                bytes: session.bytes,
+                reason: None,
+                failed: false,
+            },
+            &format!(
+                "session {id}: peer {} on socket {i} sent {} regions ({} MiB); {} VMs served",
+                pid.map_or("?".into(), |p| p.to_string()),
+                session.regions().len(),
+                session.bytes >> 20,
+                self.sessions.len() + 1
+            ),
+        );
+        self.served_bytes += session.bytes;
+        self.status
+            .started(id, i, pid, session.bytes, session.pooled());
+        self.sessions.insert(id, session);
+        Ok(id)
+    }
+
+    /// Writes the session's record, if the server keeps them; a VM whose record cannot be
+    /// written is served all the same (it would not outlive this server), with a log line.
+    fn record(&self, session: &Session) -> Option<std::path::PathBuf> {
+        let state = self.state.as_ref()?;
+        let written =
+            record_of(session, &self.sockets[session.socket].memory).and_then(|r| state.write(&r));
+        match written {
+            Ok(path) => Some(path),
+            Err(problem) => {
+                let e = ServeError::Record {
+                    pid: session.process().pid(),
+                    problem,
+                };
+                self.ending
+                    .log
+                    .say(&format!("{e}; the VM will not outlive this server"));
+                None
+            }
+        }
+    }
+
+    /// Removes a session's record (it ended).
+    fn forget(&self, session: &Session) {
+        if let (Some(state), Some(p)) = (&self.state, &session.record) {
+            state.forget(p);
+        }
+    }
+
+    /// Refuses a VM that sent its userfaultfd (ending it as the policy says), and returns
+    /// why (always an error: what admitting it came to).
+    fn refuse(&mut self, p: PeerProcess, bytes: u64, e: ServeError) -> Result<(), ServeError> {
+        self.ending.end(&p, &e);
+        self.status.refused();
+        let why = e.to_string();
+        self.ending.log.session(
+            &SessionEvent {
+                event: "refused",
+                session: None,
+                pid: p.pid(),
+                socket: None,
+                bytes,
+                reason: Some(&why),
+                failed: true,
+            },
+            &format!(
+                "peer {} refused: {why}",
+                p.pid().map_or("?".into(), |p| p.to_string())
+            ),
+        );
+        Err(e)
+    }
+
+    /// Ends session `id` if its VM went or its serving failed.
+    fn check_session(&mut self, id: u64) {
+        let Some(over) = self.sessions.get(&id).and_then(Session::over) else {
+            return;
+        };
+        let end = match over {
+            Over::PeerClosed => SessionEnd::PeerClosed,
+            Over::PeerExited => SessionEnd::PeerExited,
+            Over::Failed => {
+                let e = self.sessions[&id].failure();
+                SessionEnd::Failed(Arc::new(e))
+            }
+        };
+        self.end_session(id, end, "end");
+    }
+
+    /// Stops serving session `id`: out of the pool, its record removed, its engine halted;
+    /// a failed one's VM ended as the policy says; what it did counted and logged.
+    fn end_session(&mut self, id: u64, end: SessionEnd, event: &'static str) {
+        let Some(s) = self.sessions.remove(&id) else {
+            return;
+        };
+        self.pool.remove(id);
+        self.forget(&s);
+        self.served_bytes -= s.bytes;
+        let c = s.conclude(id, end);
+        self.ended(c, event);
+    }
+
+    /// Counts, logs and keeps what a concluded session did; ends its VM if it failed, and
+    /// teaches its socket its working set if not.
+    fn ended(&mut self, c: Concluded, event: &'static str) {
+        let Concluded {
+            report,
+            process,
+            collapse,
+        } = c;
+        match &report.end {
+            SessionEnd::Failed(e) => self.ending.end(&process, e),
+            SessionEnd::HandedOff => {}
+            _ => self.sockets[report.socket].learn(&report.working_set, &self.ending),
+        }
+        self.status.ended(report.id, &report.end, &report.engine);
+        let reason = report.end.to_string();
+        self.ending.log.session(
+            &SessionEvent {
+                event,
+                session: Some(report.id),
+                pid: report.pid,
+                socket: Some(report.socket),
+                bytes: report.bytes,
+                reason: Some(&reason),
+                failed: matches!(report.end, SessionEnd::Failed(_)),
+            },
+            &format!(
+                "session {}: {reason} after {:.3} s; {} VMs served",
+                report.id,
+                report.served_secs,
+                self.sessions.len()
+            ),
+        );
+        self.collapses.retain(|r| r.report().is_none());
+        self.collapses.extend(collapse);
+        self.last = Some(report);
+    }
+
+    /// Socket `i`'s memory file changed while served: every VM of it is ended (it would be
+    /// served a mix of two files) and the socket takes no more VMs.
+    fn file_changed(&mut self, i: usize) {
+        let e = Arc::new(self.sockets[i].memory.error(MemoryFileProblem::Changed));
+        self.ending.log.warn(&e.to_string());
+        // VMs already waiting in its backlog get their handshakes read, then are refused
+        // (admit ends them) rather than dropped with the socket.
+        self.sockets[i].retired = true;
+        if let Some(l) = self.sockets[i].listener.take() {
+            l.unpublish();
+            self.intake.accept(i, &l, usize::MAX);
+        }
+        let ids: Vec<u64> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| s.socket == i)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            self.end_session(id, SessionEnd::Failed(e.clone()), "end");
+        }
+    }
+
+    /// Serves the VMs another server handed over, as after a restart; their records' keys
+    /// (the state directory's copies are not taken back a second time).
+    fn resume_handed(&mut self) -> Vec<RecordKey> {
+        let mut keys = Vec::new();
+        for h in std::mem::take(&mut self.handed) {
+            let r = &h.record;
+            keys.push(RecordKey::of(r));
+            let process = match PeerProcess::reopen(r.pid, r.start_time) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.ending
+                        .log
+                        .say(&format!("handed-over VM {}: gone ({e})", r.pid));
+                    continue;
+                }
+            };
+            if self.resume(r, process, Some(h.uffd)) {
+                self.ending.log.say(&format!(
+                    "took over peer {} (socket {} before) from the old server",
+                    r.pid, h.index
+                ));
+            }
+        }
+        keys
+    }
+
+    /// Takes back every VM the state directory records (see [`Server::run`]), but those
+    /// `handed` over already.
+    fn resume_recorded(&mut self, handed: &[RecordKey]) {
+        let Some(state) = &self.state else { return };
+        let records = state.records();
+        for (path, read) in records {
+            let r = match read {
+                Ok(r) => r,
+                Err(e) => {
+                    self.ending.log.say(&format!(
+                        "session record {}: unreadable, left as it is: {e}",
+                        path.display()
+                    ));
+                    continue;
+                }
+            };
+            if handed.contains(&RecordKey::of(&r)) {
+                // Handed over by the old server and served already.
+                continue;
+            }
+            let process = match PeerProcess::reopen(r.pid, r.start_time) {
+                Ok(p) => p,
+                Err(e)
+                    if matches!(e.raw_os_error(), Some(libc::ESRCH))
+                        || e.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    self.ending.log.say(&format!(
+                        "session record {}: the VM has gone ({e}); record removed",
+                        path.display()
+                    ));
+                    self.forget_path(&path);
+                    continue;
+                }
+                Err(e) => {
+                    // Not known to be gone: the record stays for a later server.
+                    self.ending.log.say(&format!(
+                        "session record {}: cannot reach the VM now ({e}); record kept",
+                        path.display()
+                    ));
+                    continue;
+                }
+            };
+            if self.resume(&r, process, None) {
+                self.ending.log.say(&format!(
+                    "took back peer {} (its userfaultfd {}) from a server that died",
+                    r.pid, r.uffd_fd
+                ));
+            } else {
+                self.forget_path(&path);
+            }
+        }
+    }
+
+    fn forget_path(&self, path: &std::path::Path) {
+        if let Some(state) = &self.state {
+            state.forget(path);
+        }
+    }
+
+    /// Serves the VM of record `r` again (its record written again, whole); whether it
+    /// is. One that cannot be is ended as the policy says.
+    fn resume(&mut self, r: &SessionRecord, process: PeerProcess, handed: Option<OwnedFd>) -> bool {
+        let mems: Vec<&MemoryFile> = self.sockets.iter().map(|s| &s.memory).collect();
+        let started = take_back(r, process, handed, &mems).and_then(|t| {
+            let ws = self.sockets[t.socket].working_set();
+            let plan = self.plan(t.socket, &ws);
+            Session::resume(t.regions, t.uffd, t.process, &plan)
+        });
+        match started {
+            Ok(s) => self.start_session(s).is_ok(),
+            Err((e, p)) => {
+                let _ = self.refuse(p, 0, e);
+                false
+            }
+        }
+    }
+
+    /// Graduates every VM still served, side by side; the pool serves their faults
+    /// meanwhile. A VM that cannot graduate (a failure) is ended as the policy says.
+    fn graduate_all(&mut self) {
+        let sessions = std::mem::take(&mut self.sessions);
+        self.served_bytes = 0;
+        let (pool, state) = (&self.pool, &self.state);
+        let done: Vec<Concluded> = std::thread::scope(|sc| {
+            let hs: Vec<_> = sessions
+                .into_iter()
+                .map(|(id, mut s)| {
+                    sc.spawn(move || {
+                        let graduated = s.graduate();
+                        pool.remove(id);
+                        if let (Some(state), Some(p)) = (state, &s.record) {
+                            state.forget(p);
+                        }
+                        let end = match graduated {
+                            Ok(()) => SessionEnd::Graduated,
+                            Err(_) if s.over() == Some(Over::PeerExited) => SessionEnd::PeerExited,
+                            Err(e) => SessionEnd::Failed(Arc::new(ServeError::Serve(Box::new(e)))),
+                        };
+                        s.conclude(id, end)
+                    })
+                })
+                .collect();
+            hs.into_iter().filter_map(|h| h.join().ok()).collect()
+        });
+        for c in done {
+            self.ended(c, "graduated");
+        }
+    }
+
+    /// Hands every socket and VM to the server on `to` and stops serving them: none is
+    /// ended, none graduates (see `handoff.rs`). Records stay on disk.
+    fn hand_off(&mut self, to: &UnixStream) {
+        let out = Outgoing { to };
+        let mut sent = (0, 0);
+        let mut failed = None;
+        for (i, s) in self.sockets.iter_mut().enumerate() {
+            if let Some(l) = &mut s.listener {
+                match out.listener(i, l.path(), l.socket().as_raw_fd()) {
+                    Ok(()) => {
+                        l.keep_path();
+                        sent.0 += 1;
+                    }
+                    Err(e) => failed = failed.or(Some(e)),
+                }
+            }
+            // No socket is served here from now on: connections wait in the backlog the
+            // new server took.
+            s.listener = None;
+        }
+        for (id, s) in std::mem::take(&mut self.sessions) {
+            // Stop serving it first: the new server may start as soon as the end is sent.
+            self.pool.remove(id);
+            let handed = record_of(&s, &self.sockets[s.socket].memory)
+                .map_err(std::io::Error::other)
+                .and_then(|r| out.session(s.socket, r, s.uffd_fd().as_raw_fd()));
+            // A VM that could not be handed is not left hung: it is ended.
+            let end = match handed {
+                Ok(()) => {
+                    sent.1 += 1;
+                    SessionEnd::HandedOff
+                }
+                Err(e) => {
+                    let e = ServeError::HandOff(e);
+                    let text = e.to_string();
+                    failed = failed.or(Some(std::io::Error::other(text)));
+                    SessionEnd::Failed(Arc::new(e))
+                }
+            };
+            let c = s.conclude(id, end);
+            self.ended(c, "handed-off");
+        }
+        self.served_bytes = 0;
+        if let Err(e) = out.end() {
+            failed = failed.or(Some(e));
+        }
+        self.ending.log.say(&format!(
+            "handed {} sockets and {} VMs to the new server{}",
+            sent.0,
+            sent.1,
+            failed.map_or(String::new(), |e| format!(" (with an error: {e})"))
+        ));
+    }
+}
