@@ -3,21 +3,21 @@
 
 mod bringup;
 mod inspect;
-mod lab;
+mod man;
 mod report;
 mod serve_ctl;
 mod serve_uffd;
-mod vm;
 
 use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-/// Bring up, inspect and exercise guest memory the way a VMM would.
+/// Bring up and inspect guest memory the way a VMM would, and serve Firecracker's
+/// snapshot restores.
 #[derive(Parser)]
 #[command(name = "guestmem", version, about)]
-struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
     command: Command,
 }
@@ -26,18 +26,16 @@ struct Cli {
 enum Command {
     /// Map a guest memory layout, populate (and pin) it in parallel, verify and report.
     Bringup(bringup::Args),
-    /// Run vCPUs against the map as KVM memslots and time dirty-log passes, like KVM's
-    /// dirty_log_perf_test.
-    Vm(vm::Args),
     /// Show what the kernel gave a running process's large mappings (a VMM's guest memory).
     Inspect(inspect::Args),
-    /// Run a lab scenario beside the peers; write a run folder and print its table.
-    Lab(lab::Args),
     /// Serve a Firecracker snapshot restore's page faults (its `Uffd` memory backend) from
     /// the memory file: parallel handlers, whole blocks, recorded prefetch.
     ServeUffd(serve_uffd::Args),
     /// Ask a running page server (its --control socket): status, health, drain, metrics.
     ServeCtl(serve_ctl::Args),
+    /// Write the manual pages (a packaging step).
+    #[command(hide = true)]
+    Man(man::Args),
 }
 
 /// The error and its causes, each cause only if the text so far does not already say it
@@ -61,11 +59,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bringup(args) => bringup::run(args),
-        Command::Vm(args) => vm::run(args),
         Command::Inspect(args) => inspect::run(args),
-        Command::Lab(args) => lab::run(args),
         Command::ServeUffd(args) => serve_uffd::run(args),
         Command::ServeCtl(args) => serve_ctl::run(args),
+        Command::Man(args) => man::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

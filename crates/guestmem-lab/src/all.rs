@@ -1,5 +1,5 @@
 //! Every scenario in one run folder, with an `index.md` that strings their reports together:
-//! what `guestmem lab all` runs and what BENCHMARKS.md's committed run came from. The
+//! what `guestmem-lab all` runs and what BENCHMARKS.md's committed run came from. The
 //! profiles live here (each scenario's full settings, or `--quick`'s tiny ones), so the
 //! command only parses and prints.
 
@@ -218,7 +218,7 @@ fn firecracker(base: &Path, cmd: &str, p: Profile) -> Result<(PathBuf, String), 
 /// The index's head: the command, commit, kernel and CPU, and what the profile means.
 fn index_head(info: &RunInfo, profile: Profile) -> String {
     format!(
-        "# guestmem lab, every scenario\n\n{}{}\n\n",
+        "# guestmem-lab, every scenario\n\n{}{}\n\n",
         run_line(info),
         match profile {
             Profile::Quick => " | --quick: tiny sizes, one round: a check, not a measurement",

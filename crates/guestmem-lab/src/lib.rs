@@ -17,7 +17,7 @@
 //! - [`firecracker`]: restores of a real Firecracker VM (the shared build and guest): its
 //!   File backend and example handlers beside guestmem's page server, 4 KiB and 2 MiB
 //!   guests, warm and cold page cache; the test kit's `firecracker::vmm` drives a Firecracker process.
-//! - [`vm`]: the guest side of `guestmem vm`: a hand-assembled guest on KVM over guestmem's
+//! - [`vm`]: the guest side of `guestmem-lab vm`: a hand-assembled guest on KVM over guestmem's
 //!   memslots, and the `dirty_log_perf_test` engine.
 //! - [`report`]: the one result frame every scenario fills ([`LabResult`]), the Markdown
 //!   report and the run folder (`result.json`, `report.md`, `plot.svg`).

@@ -1,7 +1,7 @@
-//! The vm-restore scenario: a real guest (the lab's KVM guest, `guestmem vm`) saved once and
+//! The vm-restore scenario: a real guest (the lab's KVM guest, `guestmem-lab vm`) saved once and
 //! restored in every way guestmem offers, beside the Firecracker-style peer and the plainest
 //! eager reader, until the guest has verified every page it wrote before the save. (This
-//! replaced a Python script that ran the same variants as `guestmem vm` processes, and a
+//! replaced a Python script that ran the same variants as `guestmem-lab vm` processes, and a
 //! C program for the plain reader: one lab protocol now.)
 //!
 //! Before the rounds: the guest runs once and is saved (`--save`); a lazy restore without

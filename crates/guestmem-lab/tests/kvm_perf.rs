@@ -1,4 +1,4 @@
-//! The `guestmem vm` engine runs end to end and reports every phase.
+//! The `guestmem-lab vm` engine runs end to end and reports every phase.
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! `guestmem vm --save` / `--restore` against real KVM: a restored guest verifies every page
+//! `guestmem-lab vm --save` / `--restore` against real KVM: a restored guest verifies every page
 //! it wrote, in every mode; and a lazy restore that meets a bad image mid-run (a flipped
 //! byte, a real `EIO` from a FUSE file) stops the guest with the error naming the region,
 //! guest address and file offset, within a deadline (no hung vCPU).

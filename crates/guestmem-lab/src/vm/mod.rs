@@ -1,11 +1,11 @@
-//! The guest side of `guestmem vm`: a hand-assembled guest, vCPU threads running it against
+//! The guest side of `guestmem-lab vm`: a hand-assembled guest, vCPU threads running it against
 //! a guestmem map registered with KVM, and a dirty-logging performance run modelled on KVM's
 //! `dirty_log_perf_test`. A test rig and a lab instrument, not library API: the library's
 //! `guestmem::kvm` keeps what a VMM needs (the VM, memslots, dirty-log harvesting).
 //!
 //! - [`program`]: the guest routines (32-bit and 64-bit) and the CPU state.
 //! - [`guest`]: vCPU threads running them against the map.
-//! - [`perf`]: the `guestmem vm` engine.
+//! - [`perf`]: the `guestmem-lab vm` engine.
 //!
 //! What this machine's nested KVM accepts is recorded in [`program`]: flat 32-bit protected
 //! mode without paging, and long mode once the guest has page tables.

@@ -1,4 +1,4 @@
-//! The `guestmem vm` engine: a dirty-logging run modelled on KVM's `dirty_log_perf_test`.
+//! The `guestmem-lab vm` engine: a dirty-logging run modelled on KVM's `dirty_log_perf_test`.
 //!
 //! One VM, `slots` data regions holding `memory_bytes` in all, `vcpus` threads. The vCPUs
 //! first touch all memory with dirty logging off ("populate memory time"); dirty logging is

@@ -1,4 +1,4 @@
-//! `guestmem vm --restore` and `--save`: starting a run from a snapshot (guestmem's restore
+//! `guestmem-lab vm --restore` and `--save`: starting a run from a snapshot (guestmem's restore
 //! engine, or the Firecracker-style peer), the guest's verify pass over every page it wrote
 //! before the save, and the save after the passes.
 
@@ -18,7 +18,7 @@ use super::VmError;
 /// The manifest note holding the tag of the guest's last write pass.
 pub const TAG_KEY: &str = "guestmem.vm.tag";
 
-/// How `guestmem vm --restore` restores.
+/// How `guestmem-lab vm --restore` restores.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RestoreRun {
     /// The snapshot directory.
@@ -90,7 +90,7 @@ pub(crate) fn start(run: &RestoreRun, t0: Instant) -> Result<(GuestMap, Started)
         .and_then(|t| t.parse().ok())
         .ok_or_else(|| {
             VmError::Config(format!(
-                "{}: not saved by guestmem vm (no {TAG_KEY} note)",
+                "{}: not saved by guestmem-lab vm (no {TAG_KEY} note)",
                 run.dir.display()
             ))
         })?;

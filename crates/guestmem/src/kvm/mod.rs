@@ -10,7 +10,7 @@
 //!   call can hand KVM a buffer smaller than the slot it fills.
 //!
 //! A guest to run on it (vCPU setup, a hand-assembled program, the `dirty_log_perf_test`
-//! engine of `guestmem vm`) lives in the lab crate, `guestmem-lab`, not here.
+//! engine of `guestmem-lab vm`) lives in the lab crate, `guestmem-lab`, not here.
 //!
 //! The one way to read a dirty log is through the memslots, which size each buffer from
 //! its slot:

@@ -1,4 +1,4 @@
-//! `guestmem vm`: KVM's dirty_log_perf_test over a guestmem map.
+//! `guestmem-lab vm`: KVM's dirty_log_perf_test over a guestmem map.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -26,7 +26,7 @@ enum Share {
     PerSlot,
 }
 
-/// Flags of `guestmem vm`.
+/// Flags of `guestmem-lab vm`.
 #[derive(ClapArgs)]
 pub struct Args {
     /// Guest data memory (e.g. 256M, 1G), split evenly over the slots.
@@ -116,7 +116,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
     plan::parse_size(s).map_err(|e| e.to_string())
 }
 
-/// Runs `guestmem vm`.
+/// Runs `guestmem-lab vm`.
 pub fn run(args: Args) -> Result<()> {
     let config = PerfConfig {
         memory_bytes: args.size,
@@ -158,7 +158,7 @@ pub fn run(args: Args) -> Result<()> {
     let report = run_perf(&config)?;
     let mut out = std::io::stdout().lock();
     if args.json {
-        crate::report::write_json(&mut out, &report)?;
+        crate::write_json(&mut out, &report)?;
     } else {
         write!(out, "{report}")?;
     }

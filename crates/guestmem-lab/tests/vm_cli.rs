@@ -1,4 +1,4 @@
-//! The real `guestmem vm` binary, end to end, against /dev/kvm.
+//! The real `guestmem-lab vm` command, end to end, against /dev/kvm.
 
 use std::path::Path;
 use std::process::Command;
@@ -9,7 +9,7 @@ fn vm_json_reports_every_pass_with_exact_dirty_pages() {
         guestmem_testkit::skip(format_args!("{why}"));
         return;
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_guestmem"))
+    let out = Command::new(env!("CARGO_BIN_EXE_guestmem-lab"))
         .args([
             "vm", "--size", "64M", "--slots", "8", "--vcpus", "2", "--passes", "2", "--json",
         ])
@@ -32,7 +32,7 @@ fn vm_json_reports_every_pass_with_exact_dirty_pages() {
 
 #[test]
 fn vm_refuses_a_split_that_does_not_fit() {
-    let out = Command::new(env!("CARGO_BIN_EXE_guestmem"))
+    let out = Command::new(env!("CARGO_BIN_EXE_guestmem-lab"))
         .args(["vm", "--size", "64M", "--slots", "100"])
         .output()
         .unwrap();
@@ -47,7 +47,7 @@ fn vm_prefault_modes_report_prefault_and_guest_start() {
         return;
     }
     for mode in ["none", "blocking", "background"] {
-        let out = Command::new(env!("CARGO_BIN_EXE_guestmem"))
+        let out = Command::new(env!("CARGO_BIN_EXE_guestmem-lab"))
             .args([
                 "vm", "--size", "64M", "--slots", "4", "--vcpus", "2", "--passes", "1",
             ])

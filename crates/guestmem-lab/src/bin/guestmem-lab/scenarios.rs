@@ -1,4 +1,5 @@
-//! `guestmem lab`: runs a lab scenario, writes its run folder, prints its Markdown table.
+//! `guestmem-lab SCENARIO`: runs a lab scenario, writes its run folder, prints its Markdown
+//! table.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -23,15 +24,9 @@ use guestmem_lab::vm_restore::{run_vm_restore, VmRestoreLabConfig};
 /// Where run folders go unless `--out` says otherwise.
 const DEFAULT_OUT_DIR: &str = "lab-results";
 
-/// Flags of `guestmem lab`.
-#[derive(ClapArgs)]
-pub struct Args {
-    #[command(subcommand)]
-    scenario: Scenario,
-}
-
+/// The scenarios.
 #[derive(Subcommand)]
-enum Scenario {
+pub enum Scenario {
     /// Seeds 000/001: bring up fresh memory with guestmem (1 and N threads, pinned) and the
     /// qemu-style and ch-style peers, interleaved; time and huge-page coverage.
     Populate(PopulateArgs),
@@ -66,7 +61,7 @@ enum Scenario {
     All(AllArgs),
 }
 
-/// Flags of `guestmem lab restore`.
+/// Flags of `guestmem-lab restore`.
 #[derive(ClapArgs)]
 pub struct RestoreArgs {
     /// Image sizes, comma-separated [default: 256M,1G].
@@ -82,7 +77,7 @@ pub struct RestoreArgs {
     protocol: ProtocolArgs,
 }
 
-/// Flags of `guestmem lab fleet`.
+/// Flags of `guestmem-lab fleet`.
 #[derive(ClapArgs)]
 pub struct FleetArgs {
     /// VMs restored at once.
@@ -105,7 +100,7 @@ pub struct FleetArgs {
     protocol: ProtocolArgs,
 }
 
-/// Flags of `guestmem lab firecracker`.
+/// Flags of `guestmem-lab firecracker`.
 #[derive(ClapArgs)]
 pub struct FirecrackerArgs {
     /// The Firecracker binary; guest.elf and the example handlers are taken from its folder
@@ -135,7 +130,7 @@ enum CacheArg {
     Cold,
 }
 
-/// Flags of `guestmem lab vm-restore`.
+/// Flags of `guestmem-lab vm-restore`.
 #[derive(ClapArgs)]
 pub struct VmRestoreArgs {
     /// Guest memory (a multiple of 64M; 3G and more run the guest in long mode).
@@ -148,7 +143,7 @@ pub struct VmRestoreArgs {
     protocol: ProtocolArgs,
 }
 
-/// Flags of `guestmem lab all`.
+/// Flags of `guestmem-lab all`.
 #[derive(ClapArgs)]
 pub struct AllArgs {
     /// Small sizes and one round each: checks every scenario end to end in seconds; its
@@ -198,7 +193,7 @@ impl From<OrderArg> for RunOrder {
     }
 }
 
-/// Flags of `guestmem lab faults`.
+/// Flags of `guestmem-lab faults`.
 #[derive(ClapArgs)]
 pub struct FaultsArgs {
     /// Total memory faulted per run, split evenly among the threads.
@@ -211,7 +206,7 @@ pub struct FaultsArgs {
     protocol: ProtocolArgs,
 }
 
-/// Flags of `guestmem lab translate`.
+/// Flags of `guestmem-lab translate`.
 #[derive(ClapArgs)]
 pub struct TranslateArgs {
     /// Region counts, comma-separated [default: 1,8,64,512].
@@ -239,7 +234,7 @@ fn counts_or(given: &[u32], default: Vec<usize>) -> Vec<usize> {
     }
 }
 
-/// Flags of `guestmem lab guards`.
+/// Flags of `guestmem-lab guards`.
 #[derive(ClapArgs)]
 pub struct GuardsArgs {
     /// Region size (a multiple of 2 MiB, at least 4 MiB).
@@ -252,7 +247,7 @@ pub struct GuardsArgs {
     protocol: ProtocolArgs,
 }
 
-/// Flags of `guestmem lab huge-regain`.
+/// Flags of `guestmem-lab huge-regain`.
 #[derive(ClapArgs)]
 pub struct HugeRegainArgs {
     /// Memory saved and restored (a multiple of 2 MiB).
@@ -289,7 +284,7 @@ enum OrderArg {
     Fixed,
 }
 
-/// Flags of `guestmem lab populate`.
+/// Flags of `guestmem-lab populate`.
 #[derive(ClapArgs)]
 pub struct PopulateArgs {
     /// Total guest memory of each layout (e.g. 4G).
@@ -315,10 +310,10 @@ fn size(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
 }
 
-/// Runs `guestmem lab ...`.
-pub fn run(args: Args) -> Result<()> {
+/// Runs `guestmem-lab SCENARIO ...`.
+pub fn run(scenario: Scenario) -> Result<()> {
     // The output folder is checked (and made) before anything is measured.
-    let out = match &args.scenario {
+    let out = match &scenario {
         Scenario::Populate(a) => &a.protocol.out,
         Scenario::Guards(a) => &a.protocol.out,
         Scenario::Faults(a) => &a.protocol.out,
@@ -331,7 +326,7 @@ pub fn run(args: Args) -> Result<()> {
         Scenario::All(a) => &a.out,
     };
     prepare_out(out).with_context(|| format!("--out {}", out.display()))?;
-    match args.scenario {
+    match scenario {
         Scenario::All(a) => all(a),
         Scenario::Restore(a) => {
             let d = RestoreLabConfig::default();
@@ -475,7 +470,7 @@ impl From<&TranslatePattern> for guestmem_lab::translate::Pattern {
     }
 }
 
-/// `guestmem lab all`: every scenario into one run folder, then its index.md.
+/// `guestmem-lab all`: every scenario into one run folder, then its index.md.
 fn all(a: AllArgs) -> Result<()> {
     let cfg = AllConfig {
         out: a.out.clone(),
@@ -486,7 +481,7 @@ fn all(a: AllArgs) -> Result<()> {
         },
         command: command_line(),
     };
-    let report = run_all(&cfg, &|name| eprintln!("guestmem lab all: {name} ..."))
+    let report = run_all(&cfg, &|name| eprintln!("guestmem-lab all: {name} ..."))
         .with_context(|| format!("--out {}", a.out.display()))?;
     let mut out = std::io::stdout().lock();
     write!(out, "{}", report.index)?;

@@ -1,4 +1,4 @@
-//! `guestmem lab restore` and `guestmem lab all --quick` end to end: every scenario leaves a
+//! `guestmem-lab restore` and `guestmem-lab all --quick` end to end: every scenario leaves a
 //! run folder with its result, report and plot (or the index says why it could not run).
 
 use std::path::{Path, PathBuf};
@@ -22,7 +22,7 @@ fn folders(base: &Path) -> Vec<PathBuf> {
 }
 
 fn run(args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_guestmem"))
+    let o = Command::new(env!("CARGO_BIN_EXE_guestmem-lab"))
         .args(args)
         .output()
         .unwrap();
@@ -37,7 +37,6 @@ fn run(args: &[&str]) -> (bool, String, String) {
 fn lab_restore_quick_writes_every_variant_checked() {
     let out = out_dir("restore");
     let (ok, stdout, stderr) = run(&[
-        "lab",
         "restore",
         "--sizes",
         "8M",
@@ -79,7 +78,7 @@ fn lab_restore_quick_writes_every_variant_checked() {
 #[test]
 fn lab_all_quick_runs_every_scenario_into_one_folder() {
     let out = out_dir("all");
-    let (ok, stdout, stderr) = run(&["lab", "all", "--quick", "--out", out.to_str().unwrap()]);
+    let (ok, stdout, stderr) = run(&["all", "--quick", "--out", out.to_str().unwrap()]);
     assert!(ok, "{stderr}");
     let top = folders(&out);
     assert_eq!(top.len(), 1, "{top:?}");
