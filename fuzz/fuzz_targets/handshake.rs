@@ -5,7 +5,7 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    if let Ok(regions) = guestmem::restore::remote::parse_regions(data) {
+    if let Ok(regions) = guestmem::serve::parse_regions(data) {
         for r in &regions {
             assert!(r.size > 0 && r.size % r.page_size == 0);
             assert!(r.base_host_virt_addr.checked_add(r.size).is_some());

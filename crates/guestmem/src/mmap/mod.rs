@@ -24,9 +24,11 @@ use std::os::fd::BorrowedFd;
 
 use vm_memory::VolatileSlice;
 
+mod huge_page;
 mod procmem;
 mod reservation;
 pub(crate) use procmem::ProcMem;
+pub use huge_page::HugePageSize;
 pub use reservation::Reservation;
 
 /// Why an operation on a reservation or mapping failed.
@@ -293,7 +295,7 @@ impl Mapping {
     /// A private anonymous mapping of `len` bytes of hugetlb pages of `size` (as Firecracker
     /// maps a `huge_pages` guest), wherever the kernel puts it; `len` must be a whole number
     /// of pages, and the pool must have them free when they are touched (else `SIGBUS`).
-    pub fn anonymous_huge(len: usize, size: crate::HugePageSize) -> Result<Mapping, MmapError> {
+    pub fn anonymous_huge(len: usize, size: HugePageSize) -> Result<Mapping, MmapError> {
         let page = size.bytes() as usize;
         if len == 0 || !len.is_multiple_of(page) {
             return Err(MmapError::Sys {
@@ -304,8 +306,8 @@ impl Mapping {
             });
         }
         let huge = match size {
-            crate::HugePageSize::Size2M => libc::MAP_HUGE_2MB,
-            crate::HugePageSize::Size1G => libc::MAP_HUGE_1GB,
+            HugePageSize::Size2M => libc::MAP_HUGE_2MB,
+            HugePageSize::Size1G => libc::MAP_HUGE_1GB,
         };
         let addr = mmap_fresh(
             len,

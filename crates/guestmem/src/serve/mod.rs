@@ -96,6 +96,6 @@ pub use handshake::{Handshake, HandshakeError, MAX_HANDSHAKE_BYTES};
 pub use listener::{Listener, SocketRefusal};
 pub use peer::PeerProcess;
 pub use regions::{parse_regions, UffdRegion, HUGE_PAGE_BYTES, PAGE_SIZES, SMALL_PAGE_BYTES};
-pub use report::{ServerReport, SessionEnd, SessionReport};
-pub use server::{Drainer, Server, Socket};
+pub use report::{SessionEnd, SessionReport};
+pub use server::{Drainer, Server, ServerReport, Socket};
 pub use status::{EndCounts, ServerStatus, SessionStatus, SocketStatus, StatusHandle};

@@ -1,10 +1,9 @@
-//! What a page server says of what it did: how each VM's session ended, and the server's
-//! report when it stops. A server keeps totals, never a list of every VM it served: its
-//! memory is bounded by the VMs it serves now, however long it runs.
+//! What a page server says of each VM it served: how its session ended, and what was done
+//! for it. A server keeps the last of these and totals (`status.rs`), never a list of every
+//! VM it served: its memory is bounded by the VMs it serves now, however long it runs.
 
 use std::sync::Arc;
 
-use super::status::ServerStatus;
 use super::ServeError;
 use crate::restore::LazyReport;
 
@@ -72,15 +71,4 @@ pub struct SessionReport {
     /// set for the snapshot's later VMs (`guestmem serve-uffd --record` writes it).
     #[serde(skip)]
     pub working_set: Vec<u64>,
-}
-
-/// What a server did, once it stopped.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct ServerReport {
-    /// Its status as it stopped: per socket, the VMs admitted and how their sessions ended,
-    /// with the faults and bytes served and the fault latency, all VMs together; VMs
-    /// refused, connections dropped.
-    pub status: ServerStatus,
-    /// The session that ended last (with [`super::Vms::One`], the VM served).
-    pub last: Option<SessionReport>,
 }

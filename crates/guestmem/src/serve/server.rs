@@ -19,11 +19,11 @@ use super::learn::Learnt;
 use super::listener::Listener;
 use super::peer::{Ending, PeerProcess};
 use super::pool::Pool;
-use super::report::{ServerReport, SessionEnd, SessionReport};
+use super::report::{SessionEnd, SessionReport};
 use super::restart::{record_of, take_back};
 use super::session::{Concluded, Over, Plan, Session};
 use super::state::{SessionRecord, StateDir};
-use super::status::StatusHandle;
+use super::status::{ServerStatus, StatusHandle};
 use super::watch::FileWatch;
 use super::{ServeError, SessionEvent};
 use crate::restore::Regaining;
@@ -149,6 +149,17 @@ struct Woken {
     listening: Vec<usize>,
     /// Sessions whose link or failure descriptor changed.
     watched: Vec<u64>,
+}
+
+/// What a server did, once it stopped.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ServerReport {
+    /// Its status as it stopped: per socket, the VMs admitted and how their sessions ended,
+    /// with the faults and bytes served and the fault latency, all VMs together; VMs
+    /// refused, connections dropped.
+    pub status: ServerStatus,
+    /// The session that ended last (with [`Vms::One`], the VM served).
+    pub last: Option<SessionReport>,
 }
 
 /// A page server (see the module docs of `serve`).
