@@ -28,7 +28,6 @@ pub const GUARD_BYTES: u64 = 4096;
 /// THP size on x86_64: the alignment that lets anonymous and shmem regions use huge pages.
 pub const THP_BYTES: u64 = 2 << 20;
 
-
 /// What backs a region's memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backing {

@@ -200,7 +200,10 @@ fn root_reexports(lib: &str) -> BTreeMap<String, String> {
             .split(|c: char| c == ',' || c.is_whitespace())
             .filter(|n| !n.is_empty())
         {
-            out.insert(n.trim_matches(|c| c == '{' || c == '}').to_string(), module.to_string());
+            out.insert(
+                n.trim_matches(|c| c == '{' || c == '}').to_string(),
+                module.to_string(),
+            );
         }
     }
     out
@@ -223,7 +226,10 @@ fn the_librarys_module_graph_has_no_cycle() {
             if p.is_dir() {
                 let g = graph(&p, "super::", &BTreeMap::new());
                 if let Some(c) = cycle(&g) {
-                    panic!("the files of {} use each other in a cycle: {c:?}", p.display());
+                    panic!(
+                        "the files of {} use each other in a cycle: {c:?}",
+                        p.display()
+                    );
                 }
                 dirs.push(p);
             }

@@ -27,8 +27,8 @@ use vm_memory::VolatileSlice;
 mod huge_page;
 mod procmem;
 mod reservation;
-pub(crate) use procmem::ProcMem;
 pub use huge_page::HugePageSize;
+pub(crate) use procmem::ProcMem;
 pub use reservation::Reservation;
 
 /// Why an operation on a reservation or mapping failed.
