@@ -18,9 +18,9 @@
 //!   (userfaultfd) restores; [`serve`]: a page server for Firecracker's restores, on the
 //!   lazy restore's engine.
 //! - [`plan`]: sizes, layouts and layout files as people write them.
-//! - vm-memory: [`map::MapView`] and [`translate::Translator`] implement
-//!   `GuestMemoryBackend`, [`map::GuestMap`] implements `GuestAddressSpace` (in the private
-//!   module `vm_memory_impl`).
+//! - vm-memory: [`map::MapView`] and [`translate::Translator`] implement `GuestMemory`
+//!   (the device view, with `Permissions`), [`map::GuestMap`] implements
+//!   `GuestAddressSpace` (in the private module `vm_memory_impl`).
 //!
 //! Linux only: every part is built on Linux memory syscalls.
 //!

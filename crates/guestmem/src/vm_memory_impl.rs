@@ -21,7 +21,7 @@
 //! [`RegionTable`], so holes, region edges and partial accesses behave exactly as over
 //! `GuestMemoryMmap`. `physical_memory()` returns `None`, so nothing reaches the table
 //! through the device view; host code that means to (loading a ROM image) takes
-//! [`Snapshot::table`] or a [`Region`]'s own `Bytes`.
+//! [`MapView::table`] or a [`Region`]'s own `Bytes`.
 
 use std::iter::FusedIterator;
 use std::sync::Arc;
