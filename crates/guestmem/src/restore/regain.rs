@@ -498,9 +498,11 @@ fn remote_present(pid: u32, addr: u64) -> std::io::Result<bool> {
             e
         }
     })?;
-    let pages = (THP_BYTES / 4096) as usize;
+    // pagemap has one 8-byte entry per base page.
+    let page = crate::sys::base_page_size();
+    let pages = (THP_BYTES / page) as usize;
     let mut buf = vec![0u8; pages * 8];
-    f.read_exact_at(&mut buf, addr / 4096 * 8)?;
+    f.read_exact_at(&mut buf, addr / page * 8)?;
     Ok(buf.chunks_exact(8).all(|e| {
         let v = u64::from_ne_bytes(e.try_into().expect("8-byte entry"));
         v & (1 << 63) != 0

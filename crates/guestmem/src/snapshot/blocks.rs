@@ -61,7 +61,7 @@ fn maybe_data(at: &BlockAt<'_>, proc: &ProcMem) -> std::io::Result<Vec<bool>> {
                     (s - start) / IMAGE_PAGE_BYTES,
                     (e - start).div_ceil(IMAGE_PAGE_BYTES),
                 );
-                for x in &mut v[a as usize..(b as usize).min(len / 4096)] {
+                for x in &mut v[a as usize..(b as usize).min(len / IMAGE_PAGE_BYTES as usize)] {
                     *x = true;
                 }
             }
@@ -71,7 +71,9 @@ fn maybe_data(at: &BlockAt<'_>, proc: &ProcMem) -> std::io::Result<Vec<bool>> {
         // mapping, a vhost-user backend): read them all (the zero check keeps holes).
         Backing::Hugetlb(_) => Ok(vec![true; len / IMAGE_PAGE_BYTES as usize]),
         // A file's pages are the file's: read them all.
-        Backing::File { .. } | Backing::FilePrivate { .. } => Ok(vec![true; len / 4096]),
+        Backing::File { .. } | Backing::FilePrivate { .. } => {
+            Ok(vec![true; len / IMAGE_PAGE_BYTES as usize])
+        }
     }
 }
 

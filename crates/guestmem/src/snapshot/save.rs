@@ -243,7 +243,11 @@ fn full_base(regions: &[Arc<Region>], block_bytes: u64) -> Result<Base, Snapshot
             max: MAX_STAGED_BLOCK_BYTES,
         });
     }
-    let largest_page = regions.iter().map(|r| r.page_size()).max().unwrap_or(4096);
+    let largest_page = regions
+        .iter()
+        .map(|r| r.page_size())
+        .max()
+        .unwrap_or(IMAGE_PAGE_BYTES);
     Ok(Base {
         block_bytes: block_bytes.max(largest_page),
         parent: None,

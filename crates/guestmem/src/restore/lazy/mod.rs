@@ -148,41 +148,79 @@ struct Counters {
 
 type Hook = Box<dyn Fn(&str) + Send + Sync>;
 
+/// One restore's engine, shared by its handler, prefetch and pool threads.
 struct Lazy {
     image: Image,
     regions: Vec<LRegion>,
-    /// (host start, host end, region index), sorted.
-    by_host: Vec<(u64, u64, usize)>,
+    /// The regions by host address, sorted: where a fault's address is.
+    by_host: Vec<HostSpan>,
     uffd: Uffd,
+    signals: Signals,
+    blocks: Blocks,
+    outcome: Outcome,
+    times: Times,
+    counters: Counters,
+    /// How long each fault took to answer, by class.
+    latency: ClassHistograms,
+    /// The blocks the guest faulted, first fault first (its working set).
+    recorded: Mutex<Vec<u64>>,
+    /// Faults read while a fill waited for the sender's address space to settle, served
+    /// next by whichever handler or prefetch worker gets there.
+    pending: Mutex<Vec<u64>>,
+    /// Serving memory a previous server already partly filled: a page found present is
+    /// skipped, not an error.
+    resumed: bool,
+    readahead: Readahead,
+    /// The huge-page collapse to queue once every block is in.
+    regain: Mutex<Option<regain::Job>>,
+}
+
+/// A region's host range, and its index in `Lazy::regions`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct HostSpan {
+    start: u64,
+    end: u64,
+    region: usize,
+}
+
+/// The eventfds a restore's threads and its owner wait on.
+struct Signals {
+    /// Stops the handler threads.
     stop: OwnedFd,
     /// Made readable when the restore fails or its peer goes (what a page server waits on).
     changed: OwnedFd,
+}
+
+/// Every block's state, and how many are in: `wait`/`cv` wake whoever waits for all of them.
+struct Blocks {
     state: Box<[AtomicU8]>,
     done: AtomicU64,
     total: u64,
     wait: Mutex<()>,
     cv: Condvar,
+}
+
+/// How the restore is ending, if it is: failed (the first error and its text, and the hooks
+/// to run with it), cancelled, or its peer gone.
+struct Outcome {
     failed: AtomicBool,
     cancel: AtomicBool,
+    /// A remote restore's peer has gone (its address space with it).
+    gone: AtomicBool,
     error: Mutex<Option<SnapshotError>>,
     message: OnceLock<String>,
     hooks: Mutex<Vec<Hook>>,
+}
+
+/// When the restore started, every block was in, and the first fault was read.
+struct Times {
     t0: Instant,
     complete_at: OnceLock<Instant>,
-    counters: Counters,
-    recorded: Mutex<Vec<u64>>,
-    /// Faults read while a fill waited for the sender's address space to settle, served
-    /// next by whichever handler or prefetch worker gets there.
-    pending: Mutex<Vec<u64>>,
-    /// A remote restore's peer has gone (its address space with it).
-    gone: AtomicBool,
-    /// Serving memory a previous server already partly filled: a page found present is
-    /// skipped, not an error.
-    resumed: bool,
-    /// How long each fault took to answer, by class.
-    latency: ClassHistograms,
-    /// When the first fault was read.
     first_fault: OnceLock<Instant>,
+}
+
+/// Where the prefetch goes: after the guest's stream, then its planned order.
+struct Readahead {
     /// The block after the latest fault's (`u64::MAX` before the first): where the guest
     /// reads next if it reads in a stream.
     fault_next: AtomicU64,
@@ -192,8 +230,6 @@ struct Lazy {
     /// time on the pool's threads (see `Lazy::prefetch_step`), and how far it has got.
     order: OnceLock<Vec<u64>>,
     cursor: AtomicU64,
-    /// The huge-page collapse to queue once every block is in.
-    regain: Mutex<Option<regain::Job>>,
 }
 
 /// What the memory a restore fills holds when it starts.
@@ -236,7 +272,7 @@ impl Lazy {
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let since = |t: &OnceLock<Instant>| {
             t.get()
-                .map(|t| t.saturating_duration_since(self.t0).as_secs_f64())
+                .map(|t| t.saturating_duration_since(self.times.t0).as_secs_f64())
         };
         LazyReport {
             faults: get(&c.faults),
@@ -247,9 +283,9 @@ impl Lazy {
             zero_blocks: get(&c.zero),
             bytes_copied: get(&c.bytes),
             bytes_moved: get(&c.moved),
-            blocks: self.total,
-            complete_secs: since(&self.complete_at),
-            first_fault_secs: since(&self.first_fault),
+            blocks: self.blocks.total,
+            complete_secs: since(&self.times.complete_at),
+            first_fault_secs: since(&self.times.first_fault),
             handler_threads: counts.handlers,
             prefetch_threads: counts.prefetch,
             prefetched_working_set: counts.working_set,
@@ -263,9 +299,9 @@ impl Lazy {
 impl std::fmt::Debug for LazyRestore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LazyRestore")
-            .field("blocks", &self.lazy.total)
-            .field("done", &self.lazy.done.load(Ordering::Relaxed))
-            .field("failed", &self.lazy.message.get())
+            .field("blocks", &self.lazy.blocks.total)
+            .field("done", &self.lazy.blocks.done.load(Ordering::Relaxed))
+            .field("failed", &self.lazy.outcome.message.get())
             .finish()
     }
 }
@@ -282,9 +318,9 @@ impl LazyRestore {
     pub(crate) fn regain_when_complete(&mut self, job: regain::Job, handle: Regaining) {
         let l = &self.lazy;
         let mut slot = l.regain.lock().unwrap_or_else(|e| e.into_inner());
-        if l.failed.load(Ordering::Acquire) {
+        if l.outcome.failed.load(Ordering::Acquire) {
             drop(job);
-        } else if l.done.load(Ordering::Acquire) == l.total {
+        } else if l.blocks.done.load(Ordering::Acquire) == l.blocks.total {
             drop(slot);
             job.queue();
         } else {
@@ -316,14 +352,14 @@ impl LazyRestore {
     /// remote restore whose peer has gone, or that is told to stop.
     pub(crate) fn halt(&mut self) -> LazyReport {
         let l = self.lazy.clone();
-        l.cancel.store(true, Ordering::Release);
+        l.outcome.cancel.store(true, Ordering::Release);
         // Not complete now, it never will be: no collapse. One queued already stops after
         // the chunk it is on (the memory is no longer this restore's to change).
         drop(l.regain.lock().unwrap_or_else(|e| e.into_inner()).take());
         if let Some(r) = &self.regaining {
             r.stop();
         }
-        let _ = crate::sys::eventfd_signal(l.stop.as_fd());
+        let _ = crate::sys::eventfd_signal(l.signals.stop.as_fd());
         if let Some(p) = self.prefetcher.take() {
             let _ = p.join();
         }
@@ -337,6 +373,7 @@ impl LazyRestore {
     /// The first error, once the restore has failed (taken: a second call gets `None`).
     pub(crate) fn take_error(&self) -> Option<SnapshotError> {
         self.lazy
+            .outcome
             .error
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -348,8 +385,13 @@ impl LazyRestore {
     /// failed block is poisoned, so one that touches that block gets `SIGBUS` (or `EFAULT`
     /// through the kernel) rather than a wait, and one that blocks holds up nothing else.
     pub fn on_failure(&self, hook: impl Fn(&str) + Send + Sync + 'static) {
-        let mut hooks = self.lazy.hooks.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(m) = self.lazy.message.get() {
+        let mut hooks = self
+            .lazy
+            .outcome
+            .hooks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = self.lazy.outcome.message.get() {
             drop(hooks);
             hook(m);
             return;
@@ -359,14 +401,14 @@ impl LazyRestore {
 
     /// The first error's text, once the restore has failed.
     pub fn failure(&self) -> Option<String> {
-        self.lazy.message.get().cloned()
+        self.lazy.outcome.message.get().cloned()
     }
 
     /// Blocks in, of all.
     pub fn progress(&self) -> crate::Progress {
         crate::Progress {
-            done: self.lazy.done.load(Ordering::Acquire),
-            total: self.lazy.total,
+            done: self.lazy.blocks.done.load(Ordering::Acquire),
+            total: self.lazy.blocks.total,
         }
     }
 
@@ -374,15 +416,15 @@ impl LazyRestore {
     /// Without prefetch, only the guest's faults bring blocks in.
     pub fn wait_complete(&self) -> Result<(), String> {
         let l = &self.lazy;
-        let mut g = l.wait.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = l.blocks.wait.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some(m) = l.message.get() {
+            if let Some(m) = l.outcome.message.get() {
                 return Err(m.clone());
             }
-            if l.done.load(Ordering::Acquire) == l.total {
+            if l.blocks.done.load(Ordering::Acquire) == l.blocks.total {
                 return Ok(());
             }
-            g = l.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+            g = l.blocks.cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
     }
 
@@ -415,7 +457,7 @@ impl LazyRestore {
         }
         self.finished = true;
         let l = self.lazy.clone();
-        if !l.failed.load(Ordering::Acquire) && self.prefetcher.is_none() {
+        if !l.outcome.failed.load(Ordering::Acquire) && self.prefetcher.is_none() {
             if let Err(e) = self.start_prefetch(Vec::new()) {
                 l.fail(SnapshotError::Userfaultfd {
                     op: "spawn the prefetch thread".into(),
@@ -427,12 +469,12 @@ impl LazyRestore {
             let _ = p.join();
         }
         let _ = self.wait_complete();
-        let _ = crate::sys::eventfd_signal(l.stop.as_fd());
+        let _ = crate::sys::eventfd_signal(l.signals.stop.as_fd());
         for h in self.handlers.drain(..) {
             let _ = h.join();
         }
         let report = self.report();
-        if l.failed.load(Ordering::Acquire) {
+        if l.outcome.failed.load(Ordering::Acquire) {
             let poisoned = l.poison_rest();
             for r in l.regions.iter().filter_map(LRegion::region) {
                 if poisoned {
@@ -447,7 +489,12 @@ impl LazyRestore {
             for r in l.regions.iter().filter_map(LRegion::region) {
                 r.lifecycle.restore.lose();
             }
-            let e = l.error.lock().unwrap_or_else(|e| e.into_inner()).take();
+            let e = l
+                .outcome
+                .error
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
             return Err(e.unwrap_or(SnapshotError::AlreadyReported));
         }
         for r in l.regions.iter().filter_map(LRegion::region) {

@@ -45,7 +45,9 @@ impl Lazy {
         let _ = job.run(|chunk| {
             lower_priority();
             for b in chunk.start..chunk.start + chunk.len {
-                if self.failed.load(Ordering::Acquire) || self.cancel.load(Ordering::Acquire) {
+                if self.outcome.failed.load(Ordering::Acquire)
+                    || self.outcome.cancel.load(Ordering::Acquire)
+                {
                     return Err(());
                 }
                 self.follow();
@@ -62,14 +64,14 @@ impl Lazy {
     /// Every block once: those of `first` (a recorded working set) in its order, then the
     /// rest in address order.
     pub(super) fn plan(&self, first: &[u64]) -> Vec<u64> {
-        let mut seen = vec![false; self.total as usize];
-        let mut order = Vec::with_capacity(self.total as usize);
+        let mut seen = vec![false; self.blocks.total as usize];
+        let mut order = Vec::with_capacity(self.blocks.total as usize);
         for &b in first {
-            if b < self.total && !std::mem::replace(&mut seen[b as usize], true) {
+            if b < self.blocks.total && !std::mem::replace(&mut seen[b as usize], true) {
                 order.push(b);
             }
         }
-        order.extend((0..self.total).filter(|&b| !seen[b as usize]));
+        order.extend((0..self.blocks.total).filter(|&b| !seen[b as usize]));
         order
     }
 
@@ -77,17 +79,19 @@ impl Lazy {
     /// fault, else the next of its planned order not in yet. False once nothing is left to
     /// bring in (or the restore is over).
     pub(super) fn prefetch_step(&self) -> bool {
-        if self.failed.load(Ordering::Acquire) || self.cancel.load(Ordering::Acquire) {
+        if self.outcome.failed.load(Ordering::Acquire)
+            || self.outcome.cancel.load(Ordering::Acquire)
+        {
             return false;
         }
         if self.follow_one() {
             return true;
         }
-        let Some(order) = self.order.get() else {
+        let Some(order) = self.readahead.order.get() else {
             return false;
         };
         loop {
-            let i = self.cursor.fetch_add(1, Ordering::AcqRel) as usize;
+            let i = self.readahead.cursor.fetch_add(1, Ordering::AcqRel) as usize;
             let Some(&b) = order.get(i) else {
                 return false;
             };
@@ -114,22 +118,26 @@ impl Lazy {
     pub(super) fn follow_one(&self) -> bool {
         let window = (FOLLOW_BYTES / self.image.block_bytes()).max(1);
         loop {
-            let h = self.ahead.load(Ordering::Acquire);
+            let h = self.readahead.ahead.load(Ordering::Acquire);
             let limit = self
+                .readahead
                 .fault_next
                 .load(Ordering::Acquire)
                 .saturating_add(window);
-            if h >= self.total || h >= limit {
+            if h >= self.blocks.total || h >= limit {
                 return false;
             }
             if self
+                .readahead
                 .ahead
                 .compare_exchange(h, h + 1, Ordering::AcqRel, Ordering::Acquire)
                 .is_err()
             {
                 continue;
             }
-            if self.failed.load(Ordering::Acquire) || self.cancel.load(Ordering::Acquire) {
+            if self.outcome.failed.load(Ordering::Acquire)
+                || self.outcome.cancel.load(Ordering::Acquire)
+            {
                 return false;
             }
             if self.claim(h).is_ok() {

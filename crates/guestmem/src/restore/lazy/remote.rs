@@ -84,17 +84,17 @@ impl RemoteRestore {
     /// Readable (and so it stays) once the restore has failed or lost its peer: what a
     /// server waits on beside the peer's socket.
     pub(crate) fn changed_fd(&self) -> BorrowedFd<'_> {
-        self.0.lazy.changed.as_fd()
+        self.0.lazy.signals.changed.as_fd()
     }
 
     /// Whether the peer's address space has gone (a fill found it gone).
     pub(crate) fn peer_gone(&self) -> bool {
-        self.0.lazy.gone.load(Ordering::Acquire)
+        self.0.lazy.outcome.gone.load(Ordering::Acquire)
     }
 
     /// Whether serving has failed.
     pub(crate) fn has_failed(&self) -> bool {
-        self.0.lazy.failed.load(Ordering::Acquire)
+        self.0.lazy.outcome.failed.load(Ordering::Acquire)
     }
 
     /// The blocks the peer faulted, first fault first.
@@ -137,7 +137,11 @@ impl Pooled {
     /// Reads at most one batch of pending messages into `events` without waiting (another
     /// pool thread may have taken them: then none).
     pub(crate) fn read(&self, events: &mut Vec<crate::uffd::Event>) {
-        if let Err(e) = self.lazy.uffd.read_events(&self.lazy.stop, 0, events) {
+        if let Err(e) = self
+            .lazy
+            .uffd
+            .read_events(&self.lazy.signals.stop, 0, events)
+        {
             self.lazy.fail(SnapshotError::Userfaultfd {
                 op: "read fault messages".into(),
                 source: e,
@@ -168,7 +172,7 @@ impl Pooled {
 
     /// Whether it has a prefetch plan for the pool's prefetch threads.
     pub(crate) fn wants_prefetch(&self) -> bool {
-        self.lazy.order.get().is_some()
+        self.lazy.readahead.order.get().is_some()
     }
 
     /// One step of its prefetch (one block, following the guest's latest fault first);
@@ -179,7 +183,8 @@ impl Pooled {
 
     /// Whether it has failed, lost its peer or been stopped: nothing more to serve.
     pub(crate) fn over(&self) -> bool {
-        self.lazy.failed.load(Ordering::Acquire) || self.lazy.cancel.load(Ordering::Acquire)
+        self.lazy.outcome.failed.load(Ordering::Acquire)
+            || self.lazy.outcome.cancel.load(Ordering::Acquire)
     }
 }
 
@@ -210,15 +215,15 @@ impl LazyRestore {
             let _ = p.join();
         }
         {
-            let mut g = l.wait.lock().unwrap_or_else(|e| e.into_inner());
-            while l.done.load(Ordering::Acquire) != l.total
-                && !l.failed.load(Ordering::Acquire)
-                && !l.cancel.load(Ordering::Acquire)
+            let mut g = l.blocks.wait.lock().unwrap_or_else(|e| e.into_inner());
+            while l.blocks.done.load(Ordering::Acquire) != l.blocks.total
+                && !l.outcome.failed.load(Ordering::Acquire)
+                && !l.outcome.cancel.load(Ordering::Acquire)
             {
-                g = l.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+                g = l.blocks.cv.wait(g).unwrap_or_else(|e| e.into_inner());
             }
         }
-        if l.done.load(Ordering::Acquire) != l.total {
+        if l.blocks.done.load(Ordering::Acquire) != l.blocks.total {
             self.halt();
             return Err(self.take_error().unwrap_or(SnapshotError::AlreadyReported));
         }

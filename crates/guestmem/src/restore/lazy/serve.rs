@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use linux_raw_sys::general as uapi;
 
-use super::{LRegion, Lazy, Place, BUSY, DONE, EMPTY, FAILED, POLL_MS};
+use super::{HostSpan, LRegion, Lazy, Place, BUSY, DONE, EMPTY, FAILED, POLL_MS};
 use crate::restore::latency::FaultClass;
 use crate::snapshot::SnapshotError;
 use crate::uffd::Event;
@@ -18,7 +18,10 @@ impl Lazy {
     pub(super) fn handle(&self) {
         let mut events = Vec::new();
         loop {
-            match self.uffd.read_events(&self.stop, POLL_MS, &mut events) {
+            match self
+                .uffd
+                .read_events(&self.signals.stop, POLL_MS, &mut events)
+            {
                 Ok(true) => {}
                 Ok(false) => return,
                 Err(e) => {
@@ -40,7 +43,7 @@ impl Lazy {
                 Event::Fault { addr, .. } => {
                     self.counters.faults.fetch_add(1, Ordering::Relaxed);
                     let t = Instant::now();
-                    let _ = self.first_fault.set(t);
+                    let _ = self.times.first_fault.set(t);
                     let class = self.fault(addr);
                     self.latency.record(class, t.elapsed());
                 }
@@ -57,7 +60,11 @@ impl Lazy {
     /// queued for [`Lazy::serve_pending`].
     pub(super) fn drain(&self) {
         let mut events = Vec::new();
-        if self.uffd.read_events(&self.stop, 0, &mut events).is_ok() {
+        if self
+            .uffd
+            .read_events(&self.signals.stop, 0, &mut events)
+            .is_ok()
+        {
             for ev in events {
                 match ev {
                     Event::Fault { addr, .. } => {
@@ -95,8 +102,13 @@ impl Lazy {
     /// (the next fault there gets a zero page) or not (its fill leaves them zero).
     fn remove(&self, start: u64, end: u64) {
         self.counters.removes.fetch_add(1, Ordering::Relaxed);
-        let first = self.by_host.partition_point(|&(_, e, _)| e <= start);
-        for &(s, e, ri) in &self.by_host[first..] {
+        let first = self.by_host.partition_point(|h| h.end <= start);
+        for &HostSpan {
+            start: s,
+            end: e,
+            region: ri,
+        } in &self.by_host[first..]
+        {
             if s >= end {
                 break;
             }
@@ -135,8 +147,12 @@ impl Lazy {
     }
 
     fn locate(&self, addr: u64) -> Option<(usize, u64)> {
-        let i = self.by_host.partition_point(|&(s, _, _)| s <= addr);
-        let &(s, e, ri) = self.by_host.get(i.checked_sub(1)?)?;
+        let i = self.by_host.partition_point(|h| h.start <= addr);
+        let &HostSpan {
+            start: s,
+            end: e,
+            region: ri,
+        } = self.by_host.get(i.checked_sub(1)?)?;
         (addr < e).then_some((ri, addr - s))
     }
 
@@ -151,8 +167,10 @@ impl Lazy {
         let lr = &self.regions[ri];
         let block = lr.first_block + off / self.image.block_bytes();
         // The prefetch follows from here while this fault is served.
-        self.fault_next.store(block + 1, Ordering::Release);
-        self.ahead.store(block + 1, Ordering::Release);
+        self.readahead
+            .fault_next
+            .store(block + 1, Ordering::Release);
+        self.readahead.ahead.store(block + 1, Ordering::Release);
         match self.claim(block) {
             Ok(()) => {
                 self.recorded
@@ -180,7 +198,7 @@ impl Lazy {
                 // done before this fault was raised (a page the peer removed after it was
                 // copied): then it is served as late. Else its filler wakes the block once
                 // in (see `serve`: one of the two sees the other).
-                if self.state[block as usize].load(Ordering::SeqCst) == DONE {
+                if self.blocks.state[block as usize].load(Ordering::SeqCst) == DONE {
                     self.late(lr, off);
                     return FaultClass::Present;
                 }
@@ -198,7 +216,7 @@ impl Lazy {
     }
 
     pub(super) fn claim(&self, block: u64) -> Result<(), u8> {
-        self.state[block as usize]
+        self.blocks.state[block as usize]
             .compare_exchange(EMPTY, BUSY, Ordering::AcqRel, Ordering::Acquire)
             .map(|_| ())
     }
@@ -209,7 +227,7 @@ impl Lazy {
         let busy = self.counters.busy.load(Ordering::SeqCst);
         match self.fill(block) {
             Ok(()) => {
-                self.state[block as usize].store(DONE, Ordering::SeqCst);
+                self.blocks.state[block as usize].store(DONE, Ordering::SeqCst);
                 if self.counters.busy.load(Ordering::SeqCst) != busy {
                     // A thread faulted on this block while it was filled, perhaps on a page
                     // the fill had copied and woken already and the peer removed since: wake
@@ -218,12 +236,12 @@ impl Lazy {
                     let lr = &self.regions[ri];
                     let _ = self.uffd.wake(lr.target(), offset as usize, len as usize);
                 }
-                let n = self.done.fetch_add(1, Ordering::AcqRel) + 1;
-                if n == self.total {
-                    let _ = self.complete_at.set(Instant::now());
+                let n = self.blocks.done.fetch_add(1, Ordering::AcqRel) + 1;
+                if n == self.blocks.total {
+                    let _ = self.times.complete_at.set(Instant::now());
                     {
-                        let _g = self.wait.lock().unwrap_or_else(|e| e.into_inner());
-                        self.cv.notify_all();
+                        let _g = self.blocks.wait.lock().unwrap_or_else(|e| e.into_inner());
+                        self.blocks.cv.notify_all();
                     }
                     let job = self.regain.lock().unwrap_or_else(|e| e.into_inner()).take();
                     if let Some(job) = job {
@@ -234,18 +252,18 @@ impl Lazy {
             }
             Err(e) if self.remote() && peer_gone(&e) => {
                 // The peer's address space is gone (it exited): nothing is left to serve.
-                self.state[block as usize].store(FAILED, Ordering::Release);
-                self.gone.store(true, Ordering::Release);
-                self.cancel.store(true, Ordering::Release);
+                self.blocks.state[block as usize].store(FAILED, Ordering::Release);
+                self.outcome.gone.store(true, Ordering::Release);
+                self.outcome.cancel.store(true, Ordering::Release);
                 {
-                    let _g = self.wait.lock().unwrap_or_else(|e| e.into_inner());
-                    self.cv.notify_all();
+                    let _g = self.blocks.wait.lock().unwrap_or_else(|e| e.into_inner());
+                    self.blocks.cv.notify_all();
                 }
-                let _ = crate::sys::eventfd_signal(self.changed.as_fd());
+                let _ = crate::sys::eventfd_signal(self.signals.changed.as_fd());
                 None
             }
             Err(e) => {
-                self.state[block as usize].store(FAILED, Ordering::Release);
+                self.blocks.state[block as usize].store(FAILED, Ordering::Release);
                 let e = if self.remote() {
                     self.for_peer(block, e)
                 } else {
@@ -304,23 +322,23 @@ impl Lazy {
     /// (a hook that blocks, on guest memory or anything else, holds up no handler and no
     /// [`super::LazyRestore::finish`]); later failures are dropped.
     pub(super) fn fail(&self, e: SnapshotError) {
-        if self.failed.swap(true, Ordering::AcqRel) {
+        if self.outcome.failed.swap(true, Ordering::AcqRel) {
             return;
         }
         let text = e.to_string();
-        *self.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        *self.outcome.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
         // No collapse of memory that will not be whole.
         drop(self.regain.lock().unwrap_or_else(|p| p.into_inner()).take());
         let hooks = {
-            let mut h = self.hooks.lock().unwrap_or_else(|p| p.into_inner());
-            let _ = self.message.set(text.clone());
+            let mut h = self.outcome.hooks.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = self.outcome.message.set(text.clone());
             std::mem::take(&mut *h)
         };
         {
-            let _g = self.wait.lock().unwrap_or_else(|p| p.into_inner());
-            self.cv.notify_all();
+            let _g = self.blocks.wait.lock().unwrap_or_else(|p| p.into_inner());
+            self.blocks.cv.notify_all();
         }
-        let _ = crate::sys::eventfd_signal(self.changed.as_fd());
+        let _ = crate::sys::eventfd_signal(self.signals.changed.as_fd());
         if hooks.is_empty() {
             return;
         }
@@ -355,8 +373,8 @@ impl Lazy {
     /// Poisons every block not in. Returns false when the kernel cannot.
     pub(super) fn poison_rest(&self) -> bool {
         let mut all = true;
-        for b in 0..self.total {
-            if self.state[b as usize].load(Ordering::Acquire) != DONE {
+        for b in 0..self.blocks.total {
+            if self.blocks.state[b as usize].load(Ordering::Acquire) != DONE {
                 all &= self.poison_block(b);
             }
         }

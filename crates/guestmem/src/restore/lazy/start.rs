@@ -9,7 +9,10 @@ use std::time::Instant;
 use linux_raw_sys::general as uapi;
 
 use super::place::{alias, LRegion};
-use super::{Counters, Handlers, Lazy, LazyRestore, Start, ThreadCounts, EMPTY};
+use super::{
+    Blocks, Counters, Handlers, HostSpan, Lazy, LazyRestore, Outcome, Readahead, Signals, Start,
+    ThreadCounts, Times, EMPTY,
+};
 use crate::layout::Backing;
 use crate::region::Region;
 use crate::restore::latency::ClassHistograms;
@@ -118,10 +121,14 @@ impl LazyRestore {
             Handlers::Own(n) => n.max(1),
             Handlers::Pool => 0,
         };
-        let mut by_host: Vec<(u64, u64, usize)> = lregions
+        let mut by_host: Vec<HostSpan> = lregions
             .iter()
             .enumerate()
-            .map(|(i, l)| (l.host, l.host + l.size, i))
+            .map(|(i, l)| HostSpan {
+                start: l.host,
+                end: l.host + l.size,
+                region: i,
+            })
             .collect();
         by_host.sort_unstable();
         let total = image.total_blocks();
@@ -132,31 +139,38 @@ impl LazyRestore {
             regions: lregions,
             by_host,
             uffd,
-            stop,
-            changed,
-            state: (0..total).map(|_| AtomicU8::new(EMPTY)).collect(),
-            done: AtomicU64::new(0),
-            total,
-            wait: Mutex::new(()),
-            cv: Condvar::new(),
-            failed: AtomicBool::new(false),
-            cancel: AtomicBool::new(false),
-            error: Mutex::new(None),
-            message: OnceLock::new(),
-            hooks: Mutex::new(Vec::new()),
-            t0,
-            complete_at: OnceLock::new(),
+            signals: Signals { stop, changed },
+            blocks: Blocks {
+                state: (0..total).map(|_| AtomicU8::new(EMPTY)).collect(),
+                done: AtomicU64::new(0),
+                total,
+                wait: Mutex::new(()),
+                cv: Condvar::new(),
+            },
+            outcome: Outcome {
+                failed: AtomicBool::new(false),
+                cancel: AtomicBool::new(false),
+                gone: AtomicBool::new(false),
+                error: Mutex::new(None),
+                message: OnceLock::new(),
+                hooks: Mutex::new(Vec::new()),
+            },
+            times: Times {
+                t0,
+                complete_at: OnceLock::new(),
+                first_fault: OnceLock::new(),
+            },
             counters: Counters::default(),
             recorded: Mutex::new(Vec::new()),
             pending: Mutex::new(Vec::new()),
-            gone: AtomicBool::new(false),
             resumed: start == Start::Resumed,
             latency: ClassHistograms::default(),
-            first_fault: OnceLock::new(),
-            fault_next: AtomicU64::new(u64::MAX),
-            ahead: AtomicU64::new(u64::MAX),
-            order: OnceLock::new(),
-            cursor: AtomicU64::new(0),
+            readahead: Readahead {
+                fault_next: AtomicU64::new(u64::MAX),
+                ahead: AtomicU64::new(u64::MAX),
+                order: OnceLock::new(),
+                cursor: AtomicU64::new(0),
+            },
             regain: Mutex::new(None),
         });
         let mut this = LazyRestore {
@@ -183,7 +197,7 @@ impl LazyRestore {
                 this.counts.working_set = first.len();
                 if threads.handlers == Handlers::Pool {
                     // No thread of its own: the pool prefetches between faults.
-                    let _ = lazy.order.set(lazy.plan(&first));
+                    let _ = lazy.readahead.order.set(lazy.plan(&first));
                 } else {
                     this.start_prefetch(first)?;
                 }
