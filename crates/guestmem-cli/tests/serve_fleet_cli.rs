@@ -251,11 +251,18 @@ fn a_server_that_served_2000_vms_holds_what_it_held_after_100() {
     let mem = memory_file(&d, 2 * MIB, None);
     let socket = d.join("uffd.sock");
     let control = d.join("ctl.sock");
+    // The stand-ins are threads of this one process, so a new one may be mapped where an
+    // ended one was; a prefetch step of an ended session still copying there (through its
+    // own userfaultfd, which the kernel lets fill any registered range of the address space)
+    // would fill the new one's page. Faults alone: every copy is done before its fault
+    // returns. Separate VM processes, as real ones are, never share an address space.
     let srv = server(
         &[(&socket, &mem)],
         &[
             "--threads",
             "2",
+            "--prefetch-threads",
+            "0",
             "--on-failure",
             "leave",
             "--regain-huge-pages",
@@ -277,9 +284,7 @@ fn a_server_that_served_2000_vms_holds_what_it_held_after_100() {
                 assert_eq!(vm.word(2 * MIB - 8), word((2 * MIB - 8) as u64));
                 vm.disconnect();
             }
-            // The stand-ins are one process: its memory is unmapped only once the server
-            // has ended their sessions (a new stand-in may be mapped at the same address,
-            // where real VMs, processes of their own, never share one).
+            // Unmapped only once the server has ended their sessions (see above).
             let t = Instant::now();
             while !ctl(&control, "health").contains("\"vms\":0") {
                 assert!(t.elapsed() < Duration::from_secs(10), "sessions not ended");
