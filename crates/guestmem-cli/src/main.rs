@@ -7,6 +7,8 @@ mod man;
 mod report;
 mod serve_ctl;
 mod serve_uffd;
+mod snapshot;
+mod store;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -30,9 +32,11 @@ enum Command {
     Inspect(inspect::Args),
     /// Serve a Firecracker snapshot restore's page faults (its `Uffd` memory backend) from
     /// the memory file: parallel handlers, whole blocks, recorded prefetch.
-    ServeUffd(serve_uffd::Args),
+    ServeUffd(Box<serve_uffd::Args>),
     /// Ask a running page server (its --control socket): status, health, drain, metrics.
     ServeCtl(serve_ctl::Args),
+    /// Snapshots in object storage (S3): push, pull, ls, gc.
+    Snapshot(snapshot::Args),
     /// Write the manual pages (a packaging step).
     #[command(hide = true)]
     Man(man::Args),
@@ -60,8 +64,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bringup(args) => bringup::run(args),
         Command::Inspect(args) => inspect::run(args),
-        Command::ServeUffd(args) => serve_uffd::run(args),
+        Command::ServeUffd(args) => serve_uffd::run(*args),
         Command::ServeCtl(args) => serve_ctl::run(args),
+        Command::Snapshot(args) => snapshot::run(args),
         Command::Man(args) => man::run(args),
     };
     match result {

@@ -12,6 +12,7 @@ use guestmem::serve::{
     self, Listener, MemoryFile, ServeLog, Server, ServerConfig, ServerReport, Socket, Vms,
     WorkingSetFile,
 };
+use guestmem::store::StoreUrl;
 
 /// Flags of `guestmem serve-uffd`.
 #[derive(ClapArgs)]
@@ -21,9 +22,22 @@ pub struct Args {
     #[arg(long, required = true)]
     socket: Vec<PathBuf>,
     /// The snapshot's memory file (Firecracker's, or a guestmem save's `memory`), one per
-    /// --socket, in the same order.
+    /// --socket, in the same order; or a snapshot in object storage, `s3://BUCKET/NAME`
+    /// (pushed with `guestmem snapshot push`), its frames fetched as VMs read them (see
+    /// --cache-dir).
     #[arg(long, required = true)]
     mem_file: Vec<PathBuf>,
+    /// For s3:// snapshots: keep fetched frames here, shared by every VM and snapshot of
+    /// this host and kept across restarts [default: no cache: every read is a GET].
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// Most bytes --cache-dir holds (least recently used frames go first).
+    #[arg(long, default_value = "16G", value_parser = size, requires = "cache_dir")]
+    cache_size: u64,
+    /// For s3:// snapshots: how long a fault waits for its frame (retries with backoff
+    /// included) before serving the VM is given up and the VM ended with the reason.
+    #[arg(long, default_value = "30", value_parser = secs)]
+    fetch_deadline: f64,
     /// Serve one VM and exit when it goes (the server stops listening once it has it).
     #[arg(long)]
     once: bool,
@@ -174,16 +188,28 @@ pub fn run(a: Args) -> Result<()> {
             a.socket.len()
         );
     }
+    let mut store = crate::store::Stores::new(
+        a.cache_dir.as_deref(),
+        a.cache_size,
+        Duration::from_secs_f64(a.fetch_deadline),
+    )?;
     let mems = a
         .mem_file
         .iter()
-        .map(|p| MemoryFile::open(p).with_context(|| format!("--mem-file {}", p.display())))
+        .map(|p| match p.to_str().filter(|s| StoreUrl::is_store_url(s)) {
+            Some(url) => store.open(url).with_context(|| format!("--mem-file {url}")),
+            None => MemoryFile::open(p).with_context(|| format!("--mem-file {}", p.display())),
+        })
         .collect::<Result<Vec<_>>>()?;
     let mut working_sets = a
         .prefetch
         .iter()
         .map(|p| WorkingSetFile::read(p).with_context(|| format!("--prefetch {}", p.display())))
         .collect::<Result<Vec<_>>>()?;
+    if working_sets.is_empty() {
+        // A guestmem snapshot pushed with its working set brings it along.
+        working_sets = mems.iter().map(|m| m.recorded_working_set()).collect();
+    }
     working_sets.resize(a.socket.len(), Vec::new());
     if let Some(path) = &a.record {
         WorkingSetFile::check_writable(path)

@@ -21,6 +21,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 pub mod firecracker;
+pub mod s3;
 
 static HOST: Mutex<()> = Mutex::new(());
 

@@ -173,6 +173,8 @@ pub mod region;
 pub mod restore;
 pub mod serve;
 pub mod snapshot;
+#[cfg(feature = "store")]
+pub mod store;
 mod sys;
 pub mod translate;
 mod uffd;

@@ -55,6 +55,7 @@ impl FaultClass {
 }
 
 /// A lock-free latency histogram (see the module docs).
+#[derive(Debug)]
 pub(crate) struct Histogram {
     counts: Box<[AtomicU64]>,
     sum_ns: AtomicU64,

@@ -25,7 +25,7 @@
 //! populated memory the caller drops; a lazy restore that fails stops (see
 //! [`LazyRestore`]).
 
-mod latency;
+pub(crate) mod latency;
 mod lazy;
 mod regain;
 

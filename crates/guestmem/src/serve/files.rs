@@ -15,12 +15,24 @@ pub const MAX_WORKING_SET_BYTES: u64 = 64 << 20;
 
 /// A snapshot's memory file, opened and checked once (a regular file, no symlink followed,
 /// no FIFO waited on) before any VM connects: every read uses this descriptor, so a file
-/// renamed over the path later is not the one served.
+/// renamed over the path later is not the one served. Or, with the `store` feature, a
+/// snapshot in object storage ([`MemoryFile::from_store`]), its manifest read and checked
+/// once, its frames fetched as VMs read them.
 #[derive(Debug)]
 pub struct MemoryFile {
-    pub(super) file: File,
+    pub(super) source: Source,
     pub(super) len: u64,
     pub(super) path: PathBuf,
+}
+
+/// Where a memory file's bytes are.
+#[derive(Debug)]
+pub(super) enum Source {
+    /// A file of this host.
+    File(File),
+    /// A snapshot in object storage.
+    #[cfg(feature = "store")]
+    Store(crate::store::StoreMemory),
 }
 
 impl MemoryFile {
@@ -38,10 +50,63 @@ impl MemoryFile {
             .and_then(|d| d.open_regular(&name, u64::MAX))
             .map_err(ferr)?;
         Ok(MemoryFile {
-            file,
+            source: Source::File(file),
             len,
             path: path.to_path_buf(),
         })
+    }
+
+    /// A snapshot in object storage, opened (its manifest read and checked) by the caller:
+    /// served as a memory file of its memory's length, its frames fetched as VMs read them.
+    #[cfg(feature = "store")]
+    pub fn from_store(memory: crate::store::StoreMemory) -> MemoryFile {
+        MemoryFile {
+            len: memory.snapshot().memory_bytes(),
+            path: PathBuf::from(memory.snapshot().url.to_string()),
+            source: Source::Store(memory),
+        }
+    }
+
+    /// The working set recorded with it (memory offsets, first read first): a guestmem
+    /// snapshot pushed to the store keeps its own; none for a file.
+    pub fn recorded_working_set(&self) -> Vec<u64> {
+        match &self.source {
+            Source::File(_) => Vec::new(),
+            #[cfg(feature = "store")]
+            Source::Store(m) => m.working_set_offsets(),
+        }
+    }
+
+    /// The frames a snapshot in the store is read through (none for a file).
+    #[cfg(feature = "store")]
+    pub(crate) fn frames(&self) -> Option<&std::sync::Arc<crate::store::Frames>> {
+        match &self.source {
+            Source::File(_) => None,
+            Source::Store(m) => Some(m.frames()),
+        }
+    }
+
+    /// Whether it is a file of this host (which can be watched, and kept beside).
+    pub(crate) fn is_local(&self) -> bool {
+        matches!(self.source, Source::File(_))
+    }
+
+    /// Where what its VMs taught is kept: beside the file; for a snapshot in the store, in
+    /// the frame cache's directory under the manifest's hash (none without a cache).
+    pub(crate) fn learnt_path(&self) -> Option<PathBuf> {
+        match &self.source {
+            Source::File(_) => {
+                let mut p = self.path.as_os_str().to_owned();
+                p.push(".guestmem-ws.json");
+                Some(PathBuf::from(p))
+            }
+            #[cfg(feature = "store")]
+            Source::Store(m) => m.frames().cache().map(|c| {
+                let dir = c.dir().join("learnt");
+                let _ = std::fs::create_dir_all(&dir);
+                dir.join(format!("{}.guestmem-ws.json", m.snapshot().digest.to_hex()))
+            }),
+        }
     }
 
     /// Its length when opened, bytes.
@@ -61,7 +126,24 @@ impl MemoryFile {
 
     /// Its identity now (`fstat` of the descriptor served from).
     pub(crate) fn identity(&self) -> std::io::Result<FileId> {
-        let m = self.file.metadata()?;
+        let file = match &self.source {
+            Source::File(f) => f,
+            // A snapshot in the store is named by its manifest's hash: the same name with
+            // other contents is another snapshot.
+            #[cfg(feature = "store")]
+            Source::Store(m) => {
+                let d = m.snapshot().digest;
+                let b = d.as_bytes();
+                return Ok(FileId {
+                    dev: 0,
+                    ino: u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
+                    size: self.len,
+                    mtime_s: i64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
+                    mtime_nsec: i64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
+                });
+            }
+        };
+        let m = file.metadata()?;
         Ok(FileId {
             dev: m.dev(),
             ino: m.ino(),

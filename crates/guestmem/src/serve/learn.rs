@@ -46,6 +46,9 @@ pub(super) enum LearnError {
     /// It was learnt from another memory file.
     #[error("learnt from another file (device, inode, size or mtime differ)")]
     OtherFile,
+    /// A snapshot in object storage served without a cache: nowhere to keep it.
+    #[error("nowhere to keep it: a snapshot in object storage keeps what was learnt in the frame cache's directory, and there is no cache")]
+    NoPlace,
     /// The memory file's identity cannot be read, so nothing can be kept for it.
     #[error("the memory file's identity is unknown")]
     NoIdentity,
@@ -61,19 +64,24 @@ pub(super) struct Learnt {
     changed: bool,
 }
 
-/// Where the working set of `mem` is kept.
-fn path_of(mem: &Path) -> PathBuf {
-    let mut p = mem.as_os_str().to_owned();
-    p.push(".guestmem-ws.json");
-    PathBuf::from(p)
-}
-
 impl Learnt {
     /// The working set kept beside `mem`, if one is there and was learnt from this very
     /// file; else an empty one. Why one was not taken is returned to be logged (a missing
     /// file is no reason: nothing was learnt yet).
     pub(super) fn load(mem: &MemoryFile) -> (Learnt, Option<LearnError>) {
-        let path = path_of(mem.path());
+        let Some(path) = mem.learnt_path() else {
+            return (
+                Learnt {
+                    path: PathBuf::new(),
+                    file: None,
+                    offsets: Vec::new(),
+                    seen: HashSet::new(),
+                    vms: 0,
+                    changed: false,
+                },
+                Some(LearnError::NoPlace),
+            );
+        };
         let file = mem.identity().ok();
         let mut l = Learnt {
             path: path.clone(),

@@ -116,6 +116,77 @@ impl Collector for Scrape {
                 )?;
             }
         }
+        #[cfg(feature = "store")]
+        if let Some(st) = &s.store {
+            for (name, help, v) in [
+                (
+                    "guestmem_store_gets",
+                    "GETs of frames from object storage (retries included)",
+                    st.gets,
+                ),
+                (
+                    "guestmem_store_fetched_bytes",
+                    "bytes of frame objects fetched",
+                    st.bytes_fetched,
+                ),
+                (
+                    "guestmem_store_fetch_errors",
+                    "GETs of frames that failed",
+                    st.fetch_errors,
+                ),
+                (
+                    "guestmem_store_hash_mismatches",
+                    "frames whose bytes did not match their hash",
+                    st.hash_mismatches,
+                ),
+                (
+                    "guestmem_store_joined",
+                    "fetches that waited on another VM's GET of the same frame",
+                    st.joined,
+                ),
+                (
+                    "guestmem_store_fetched_ahead",
+                    "frames fetched ahead of the VMs",
+                    st.fetched_ahead,
+                ),
+                (
+                    "guestmem_cache_hits",
+                    "frames read from the node-local cache",
+                    st.cache_hits,
+                ),
+                (
+                    "guestmem_cache_misses",
+                    "frames looked for in the cache and not there",
+                    st.cache_misses,
+                ),
+                (
+                    "guestmem_cache_evictions",
+                    "frames evicted from the cache",
+                    st.cache_evictions,
+                ),
+                (
+                    "guestmem_cache_uncached",
+                    "frames not kept in the cache (no room, a disk error)",
+                    st.cache_uncached,
+                ),
+            ] {
+                counter(&mut enc, name, help, v)?;
+            }
+            gauge(
+                &mut enc,
+                "guestmem_cache_bytes",
+                "bytes the frame cache holds",
+                st.cache_bytes as i64,
+            )?;
+            let l = &st.fetch_latency;
+            let mut m = enc.encode_descriptor(
+                "guestmem_store_fetch_latency_seconds",
+                "time from a frame's GET to its last byte",
+                None,
+                MetricType::Histogram,
+            )?;
+            m.encode_histogram::<Labels>(l.sum_us / 1e6, l.count, &l.coarse(), None)?;
+        }
         Ok(())
     }
 }

@@ -231,7 +231,7 @@ impl Server {
                 )
             })
             .collect();
-        let sockets = sockets
+        let sockets: Vec<Served> = sockets
             .into_iter()
             .map(|s| Served {
                 listener: Some(s.listener),
@@ -241,6 +241,14 @@ impl Server {
                 retired: false,
             })
             .collect();
+        let status = StatusHandle::new(names, pool.threads());
+        #[cfg(feature = "store")]
+        let status = status.with_frames(
+            sockets
+                .iter()
+                .filter_map(|s| s.memory.frames().cloned())
+                .collect(),
+        );
         let one = match cfg.vms {
             Vms::Every => None,
             Vms::One { wait } => Some(One::Waiting(wait.map(|w| Instant::now() + w))),
@@ -251,7 +259,7 @@ impl Server {
             intake,
             drain,
             handoff,
-            status: StatusHandle::new(names, pool.threads()),
+            status,
             pool,
             cfg,
             handed: Vec::new(),

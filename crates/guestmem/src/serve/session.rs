@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use super::error::MemoryFileProblem;
-use super::files::MemoryFile;
+use super::files::{MemoryFile, Source};
 use super::handshake::Handshake;
 use super::peer::PeerProcess;
 use super::regions::{UffdRegion, SMALL_PAGE_BYTES};
@@ -342,14 +342,20 @@ fn image_of(
             page_size: r.page_size,
         })
         .collect();
-    let file = mem.file.try_clone().map_err(|source| {
-        mem.error(MemoryFileProblem::Open {
-            op: "duplicate the descriptor of",
-            source,
-        })
-    })?;
-    Image::raw(file, &mem.path, &raw, block)
-        .map_err(|e| mem.error(MemoryFileProblem::Image(Box::new(e))))
+    let image = match &mem.source {
+        Source::File(f) => {
+            let file = f.try_clone().map_err(|source| {
+                mem.error(MemoryFileProblem::Open {
+                    op: "duplicate the descriptor of",
+                    source,
+                })
+            })?;
+            Image::raw(file, &mem.path, &raw, block)
+        }
+        #[cfg(feature = "store")]
+        Source::Store(m) => m.raw_image(&raw, block),
+    };
+    image.map_err(|e| mem.error(MemoryFileProblem::Image(Box::new(e))))
 }
 
 /// Blocks of `image` holding `offsets` (memory-file offsets), first occurrence first;

@@ -32,6 +32,10 @@ pub struct ServerStatus {
     pub refused: u64,
     /// Connections dropped that were not a VM's.
     pub dropped: u64,
+    /// Fetching from object storage and the frame cache (none when no socket serves a
+    /// snapshot in the store).
+    #[cfg(feature = "store")]
+    pub store: Option<crate::store::StoreStatus>,
 }
 
 /// One socket's totals.
@@ -142,6 +146,8 @@ pub struct StatusHandle {
     sockets: Arc<Vec<(PathBuf, PathBuf)>>,
     threads: (usize, usize),
     t0: Instant,
+    #[cfg(feature = "store")]
+    frames: Arc<Vec<Arc<crate::store::Frames>>>,
 }
 
 impl std::fmt::Debug for StatusHandle {
@@ -161,7 +167,22 @@ impl StatusHandle {
             sockets: Arc::new(sockets),
             threads,
             t0: Instant::now(),
+            #[cfg(feature = "store")]
+            frames: Arc::new(Vec::new()),
         }
+    }
+
+    /// Counts fetches through `frames` too (the sockets' snapshots in the store).
+    #[cfg(feature = "store")]
+    pub(super) fn with_frames(mut self, frames: Vec<Arc<crate::store::Frames>>) -> StatusHandle {
+        let mut distinct: Vec<Arc<crate::store::Frames>> = Vec::new();
+        for f in frames {
+            if !distinct.iter().any(|d| Arc::ptr_eq(d, &f)) {
+                distinct.push(f);
+            }
+        }
+        self.frames = Arc::new(distinct);
+        self
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut Live) -> T) -> T {
@@ -273,6 +294,9 @@ impl StatusHandle {
                 sessions,
                 refused: l.refused,
                 dropped: l.dropped,
+                #[cfg(feature = "store")]
+                store: (!self.frames.is_empty())
+                    .then(|| crate::store::StoreStatus::of(&self.frames)),
             }
         })
     }

@@ -33,6 +33,10 @@ impl FileWatch {
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let mut wds = Vec::new();
         for (i, m) in mems.iter().enumerate() {
+            if !m.is_local() {
+                // A snapshot in the store is named by its contents: it cannot change.
+                continue;
+            }
             let path = std::ffi::CString::new(m.path().as_os_str().as_bytes())
                 .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
             // SAFETY: a live NUL-terminated path and a descriptor we own.

@@ -46,6 +46,7 @@ use std::io;
 use std::path::PathBuf;
 
 pub(crate) use image::RawRegion;
+pub(crate) use image::RemoteMemory;
 pub use image::{Image, ImageRegion, MAX_CHAIN};
 pub use manifest::{MAX_BLOCKS, MAX_MANIFEST_BYTES};
 pub use save::{save, SaveConfig, SaveKind, SaveReport};
@@ -335,6 +336,23 @@ pub enum SnapshotError {
         offset: u64,
         /// The errno.
         source: io::Error,
+    },
+    /// Memory read from elsewhere than a file of this host (object storage) could not be
+    /// read: after the retries and the deadline its source allows.
+    #[error(
+        "region at {region:#x}: guest {guest_addr:#x} (offset {offset:#x} of {from}): {source}"
+    )]
+    Remote {
+        /// The region.
+        region: u64,
+        /// Guest address of the block.
+        guest_addr: u64,
+        /// Offset in the memory it is read from.
+        offset: u64,
+        /// Where it is read from (a URL).
+        from: String,
+        /// Why.
+        source: std::sync::Arc<dyn std::error::Error + Send + Sync>,
     },
     /// A syscall on guest memory failed.
     #[error("region at {region:#x}: guest {guest_addr:#x}: {op}: {source}")]

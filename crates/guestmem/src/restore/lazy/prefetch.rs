@@ -26,6 +26,12 @@ pub(super) fn lower_priority() {
     }
 }
 
+/// For an image read from elsewhere (object storage), how many blocks past the one it is
+/// bringing in a prefetch asks to be fetched in the background (`Image::ahead`): enough GETs
+/// in flight to hide a round trip, few enough that what is fetched stays close to what the
+/// prefetch order reaches.
+const AHEAD_BLOCKS: u64 = 8;
+
 /// How far past the guest's latest fault the prefetch reads ahead (see `Lazy::follow`).
 const FOLLOW_BYTES: u64 = 32 << 20;
 
@@ -44,7 +50,13 @@ impl Lazy {
             .with_max_threads(threads);
         let _ = job.run(|chunk| {
             lower_priority();
-            for b in chunk.start..chunk.start + chunk.len {
+            let end = chunk.start + chunk.len;
+            self.image
+                .ahead(chunk.start..(chunk.start + AHEAD_BLOCKS).min(end));
+            for b in chunk.start..end {
+                if b + AHEAD_BLOCKS < end {
+                    self.image.ahead(std::iter::once(b + AHEAD_BLOCKS));
+                }
                 if self.outcome.failed.load(Ordering::Acquire)
                     || self.outcome.cancel.load(Ordering::Acquire)
                 {
@@ -95,6 +107,12 @@ impl Lazy {
             let Some(&b) = order.get(i) else {
                 return false;
             };
+            if self.image.is_remote() {
+                let from = if i == 0 { 1 } else { i + AHEAD_BLOCKS as usize };
+                let upto = (i + 1 + AHEAD_BLOCKS as usize).min(order.len());
+                self.image
+                    .ahead(order.get(from..upto).unwrap_or(&[]).iter().copied());
+            }
             if self.claim(b).is_ok() {
                 self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
                 self.serve(b);
@@ -141,6 +159,9 @@ impl Lazy {
                 return false;
             }
             if self.claim(h).is_ok() {
+                if self.image.is_remote() {
+                    self.image.ahead((h + 1..limit).take(AHEAD_BLOCKS as usize));
+                }
                 self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
                 self.serve(h);
                 self.serve_pending();

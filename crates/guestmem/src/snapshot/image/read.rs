@@ -35,6 +35,20 @@ impl Image {
         };
         let file_offset = region.file_offset + offset;
         let guest_addr = region.guest_addr + offset;
+        if let Some(remote) = &self.inner.remote {
+            // SAFETY: dst..dst+len is writable and no one else writes it (the caller's
+            // contract).
+            let dst = unsafe { std::slice::from_raw_parts_mut(dst, len as usize) };
+            return remote
+                .read(file_offset, dst)
+                .map_err(|source| SnapshotError::Remote {
+                    region: region.guest_addr,
+                    guest_addr,
+                    offset: file_offset,
+                    from: remote.name(),
+                    source,
+                });
+        }
         for (k, piece) in pieces.iter().enumerate() {
             let layer = &self.inner.layers[piece.layer];
             let whole = piece.pages.is_none();

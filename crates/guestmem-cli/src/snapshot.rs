@@ -1,0 +1,253 @@
+//! `guestmem snapshot`: snapshots in object storage: `push`, `pull`, `ls`, `gc`.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args as ClapArgs, Subcommand};
+use guestmem::plan::parse_size;
+use guestmem::store::{self, Client, PushConfig, PushSource, StoreUrl};
+
+use crate::report::{bytes, write_json};
+use crate::store::Stores;
+
+/// Flags of `guestmem snapshot`.
+#[derive(ClapArgs)]
+pub struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Push a snapshot to object storage: a guestmem snapshot directory (a chain too), or a
+    /// raw memory file (Firecracker's Full; its Diff with --base). Frames the bucket holds
+    /// already are not uploaded again; the manifest is written last.
+    Push(Push),
+    /// Write a snapshot's raw memory file (for Firecracker's File backend), every frame
+    /// checked.
+    Pull(Pull),
+    /// List the snapshots in a bucket (under a name, when given).
+    Ls(Ls),
+    /// Delete the frames no snapshot names, older than --grace; nothing while a push runs.
+    Gc(Gc),
+}
+
+#[derive(ClapArgs)]
+struct Push {
+    /// A guestmem snapshot directory, or a raw memory file.
+    src: PathBuf,
+    /// Where to: s3://BUCKET/NAME (the name must be new).
+    url: String,
+    /// SRC is a Firecracker Diff memory file (sparse: a hole takes the base's page) on
+    /// this snapshot.
+    #[arg(long)]
+    base: Option<String>,
+    /// Bytes per frame: a power of two from 64K to 16M (a diff takes its base's).
+    #[arg(long, default_value = "1M", value_parser = size)]
+    frame_size: u64,
+    /// Frames read, hashed, compressed and uploaded at once.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=64))]
+    threads: u32,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(ClapArgs)]
+struct Pull {
+    /// The snapshot: s3://BUCKET/NAME.
+    url: String,
+    /// The memory file to write (must not exist).
+    file: PathBuf,
+    /// Frames fetched at once.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=64))]
+    threads: u32,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(ClapArgs)]
+struct Ls {
+    /// s3://BUCKET, or s3://BUCKET/PREFIX.
+    url: String,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(ClapArgs)]
+struct Gc {
+    /// s3://BUCKET.
+    url: String,
+    /// Keep frames younger than this many seconds, named or not (a push in progress may
+    /// be about to name them).
+    #[arg(long, default_value = "3600", value_parser = clap::value_parser!(u64))]
+    grace_s: u64,
+    /// Say what would be deleted; delete nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn size(s: &str) -> Result<u64, String> {
+    parse_size(s).map_err(|e| e.to_string())
+}
+
+/// Runs `guestmem snapshot`.
+pub fn run(a: Args) -> Result<()> {
+    match a.command {
+        Command::Push(p) => push(p),
+        Command::Pull(p) => pull(p),
+        Command::Ls(l) => ls(l),
+        Command::Gc(g) => gc(g),
+    }
+}
+
+fn push(p: Push) -> Result<()> {
+    let url = StoreUrl::parse(&p.url, false)?;
+    let source = match &p.base {
+        Some(base) => {
+            let base = StoreUrl::parse(base, false).context("--base")?;
+            if base.bucket != url.bucket {
+                bail!(
+                    "--base {base}: a diff goes in its base's bucket ({})",
+                    url.bucket
+                );
+            }
+            PushSource::RawDiff {
+                path: p.src.clone(),
+                base,
+            }
+        }
+        None if p.src.is_dir() => PushSource::Guestmem(p.src.clone()),
+        None => PushSource::Raw(p.src.clone()),
+    };
+    let client = Arc::new(Client::connect(&url.bucket)?);
+    let r = store::push(
+        &client,
+        &source,
+        &url,
+        &PushConfig {
+            frame_bytes: p.frame_size,
+            threads: p.threads as usize,
+        },
+    )
+    .with_context(|| format!("push {} to {url}", p.src.display()))?;
+    let mut out = std::io::stdout().lock();
+    if p.json {
+        return write_json(&mut out, &r);
+    }
+    writeln!(
+        out,
+        "pushed {} ({} of memory, {} frames)",
+        r.url,
+        bytes(r.memory_bytes),
+        r.frames
+    )?;
+    writeln!(
+        out,
+        "  read {}; stored {} in {} frames ({} compressed); skipped {} frames ({}) already there; {} zero frames, {} from the base",
+        bytes(r.bytes_read),
+        bytes(r.bytes_stored),
+        r.objects_stored,
+        r.compressed,
+        r.objects_skipped,
+        bytes(r.bytes_skipped),
+        r.zero_frames,
+        r.base_frames
+    )?;
+    writeln!(
+        out,
+        "  {:.2} s: read {:.2} s, hash {:.2} s, compress {:.2} s, upload {:.2} s (thread-seconds); manifest {}",
+        r.wall_secs,
+        r.read_secs,
+        r.hash_secs,
+        r.compress_secs,
+        r.upload_secs,
+        bytes(r.manifest_bytes)
+    )?;
+    Ok(())
+}
+
+fn pull(p: Pull) -> Result<()> {
+    let mut stores = Stores::new(None, 0, Duration::from_secs(30))?;
+    let memory = stores.open_memory(&p.url)?;
+    let r = store::pull(&memory, &p.file, p.threads as usize)
+        .with_context(|| format!("pull {} into {}", p.url, p.file.display()))?;
+    let mut out = std::io::stdout().lock();
+    if p.json {
+        return write_json(&mut out, &r);
+    }
+    writeln!(
+        out,
+        "pulled {} into {}: {} of memory, {} frames of data, {} fetched, {:.2} s",
+        r.url,
+        p.file.display(),
+        bytes(r.memory_bytes),
+        r.data_frames,
+        bytes(r.bytes_fetched),
+        r.wall_secs
+    )?;
+    Ok(())
+}
+
+fn ls(l: Ls) -> Result<()> {
+    let url = StoreUrl::parse(&l.url, true)?;
+    let client = Client::connect(&url.bucket)?;
+    client.check()?;
+    let list = store::list(&client, &url)?;
+    let mut out = std::io::stdout().lock();
+    if l.json {
+        return write_json(&mut out, &list);
+    }
+    for s in list {
+        writeln!(
+            out,
+            "{}\t{}\t{} frames of data\t{}{}",
+            s.url,
+            bytes(s.memory_bytes),
+            s.data_frames,
+            if s.guestmem { "guestmem" } else { "raw" },
+            s.base.map_or(String::new(), |b| format!("\tdiff on {b}"))
+        )?;
+    }
+    Ok(())
+}
+
+fn gc(g: Gc) -> Result<()> {
+    let url = StoreUrl::parse(&g.url, true)?;
+    let client = Client::connect(&url.bucket)?;
+    client.check()?;
+    let r = store::gc(&client, &url, Duration::from_secs(g.grace_s), g.dry_run)?;
+    let mut out = std::io::stdout().lock();
+    if g.json {
+        return write_json(&mut out, &r);
+    }
+    writeln!(
+        out,
+        "{} snapshots; {} frames: {} named, {} younger than the grace, {} {} ({}){}",
+        r.snapshots,
+        r.frames,
+        r.named,
+        r.young,
+        r.deleted,
+        if r.dry_run {
+            "would be deleted"
+        } else {
+            "deleted"
+        },
+        bytes(r.bytes_deleted),
+        if r.stopped_for_push {
+            "; stopped: a push began"
+        } else {
+            ""
+        }
+    )?;
+    Ok(())
+}

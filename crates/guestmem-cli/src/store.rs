@@ -1,0 +1,64 @@
+//! The object store as the commands reach it: one client per bucket, one frame cache for
+//! the host, shared by every snapshot served.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use guestmem::serve::MemoryFile;
+use guestmem::store::{Client, FetchPolicy, FrameCache, Frames, StoreMemory, StoreUrl};
+
+/// The buckets a command reads, and the host's frame cache.
+pub struct Stores {
+    cache: Option<Arc<FrameCache>>,
+    policy: FetchPolicy,
+    frames: HashMap<String, Arc<Frames>>,
+}
+
+impl Stores {
+    /// Frames kept in `cache_dir` (at most `cache_size` bytes), when given; fetches give up
+    /// after `deadline`.
+    pub fn new(cache_dir: Option<&Path>, cache_size: u64, deadline: Duration) -> Result<Stores> {
+        let cache = match cache_dir {
+            Some(d) => Some(Arc::new(
+                FrameCache::open(d, cache_size)
+                    .with_context(|| format!("--cache-dir {}", d.display()))?,
+            )),
+            None => None,
+        };
+        Ok(Stores {
+            cache,
+            policy: FetchPolicy {
+                deadline,
+                ..FetchPolicy::default()
+            },
+            frames: HashMap::new(),
+        })
+    }
+
+    /// The frames of `bucket` (its client made on first use).
+    pub fn frames(&mut self, bucket: &str) -> Result<Arc<Frames>> {
+        if let Some(f) = self.frames.get(bucket) {
+            return Ok(Arc::clone(f));
+        }
+        let client = Arc::new(Client::connect(bucket)?);
+        let f = Frames::new(client, self.cache.clone(), self.policy);
+        self.frames.insert(bucket.into(), Arc::clone(&f));
+        Ok(f)
+    }
+
+    /// The snapshot at `url`, opened for serving: refused here (bucket, credentials,
+    /// manifest) before any VM is served.
+    pub fn open_memory(&mut self, url: &str) -> Result<StoreMemory> {
+        let u = StoreUrl::parse(url, false)?;
+        let frames = self.frames(&u.bucket)?;
+        Ok(StoreMemory::open(frames, &u)?)
+    }
+
+    /// [`Stores::open_memory`], as a memory file for the page server.
+    pub fn open(&mut self, url: &str) -> Result<MemoryFile> {
+        Ok(MemoryFile::from_store(self.open_memory(url)?))
+    }
+}

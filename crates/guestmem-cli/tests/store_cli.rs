@@ -1,0 +1,349 @@
+//! Snapshots in object storage, through the `guestmem` binary, against a real S3 server the
+//! test starts itself (the test kit's s3s-fs on 127.0.0.1): push, pull, ls and gc; serving a
+//! VM straight from the store, from a cold and a warm cache; and what happens when the
+//! store misbehaves.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use guestmem_testkit::s3::{S3Server, SECRET_KEY};
+
+guestmem_testkit::standin_child_test!();
+
+const BUCKET: &str = "snaps";
+
+/// `guestmem ARGS` with the server's environment; its exit code, stdout, stderr.
+fn gm(s3: &S3Server, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_guestmem"))
+        .args(args)
+        .envs(s3.env())
+        .env_remove("AWS_PROFILE")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+fn ok(s3: &S3Server, args: &[&str]) -> String {
+    let (code, out, err) = gm(s3, args);
+    assert_eq!(code, 0, "guestmem {args:?}: {err}");
+    assert!(!err.contains(SECRET_KEY) && !out.contains(SECRET_KEY));
+    out
+}
+
+fn json(s: &str) -> serde_json::Value {
+    serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}"))
+}
+
+/// `guestmem serve-uffd --once` of `url` on `socket` with the server's environment.
+fn serve_once(s3: &S3Server, socket: &Path, url: &str, extra: &[&str]) -> Srv {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_guestmem"));
+    cmd.args(["serve-uffd", "--once", "--socket"])
+        .arg(socket)
+        .args(["--mem-file", url])
+        .args(extra)
+        .envs(s3.env());
+    let mut g = Srv::start(&mut cmd);
+    let t = std::time::Instant::now();
+    while !socket.exists() {
+        if !g.running() {
+            let (out, err) = g.output();
+            panic!("the server exited before listening: {out} {err}");
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "no socket appeared");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    g
+}
+
+/// A raw memory file pushed (zero frames stored nowhere, compressed where it pays), listed,
+/// pushed again under another name (nothing uploaded), and pulled back byte for byte; a
+/// Firecracker-style Diff (a sparse file) pushed on it stores only its pages, and pulls as
+/// the base with those pages laid over.
+#[test]
+fn push_ls_pull_and_a_diff_on_a_base() {
+    let d = Scratch::new("store-push");
+    let s3 = S3Server::start("push", &[BUCKET]);
+    let mem = memory_file(&d, 8 * MIB, Some(3 * MIB));
+    let url = format!("s3://{BUCKET}/vm/base");
+    let r = json(&ok(
+        &s3,
+        &["snapshot", "push", mem.to_str().unwrap(), &url, "--json"],
+    ));
+    assert_eq!(r["frames"], 8);
+    assert_eq!(r["zero_frames"], 1, "{r}");
+    assert_eq!(r["objects_stored"], 7, "{r}");
+    // Pushed again under another name: every frame is there already.
+    let r = json(&ok(
+        &s3,
+        &[
+            "snapshot",
+            "push",
+            mem.to_str().unwrap(),
+            &format!("s3://{BUCKET}/vm/copy"),
+            "--json",
+        ],
+    ));
+    assert_eq!(r["objects_stored"], 0, "{r}");
+    assert_eq!(r["objects_skipped"], 7, "{r}");
+    // A name is never replaced.
+    let (code, _, err) = gm(&s3, &["snapshot", "push", mem.to_str().unwrap(), &url]);
+    assert_eq!(code, 1);
+    assert!(err.contains("already"), "{err}");
+    let ls = ok(&s3, &["snapshot", "ls", &format!("s3://{BUCKET}")]);
+    assert!(
+        ls.contains("s3://snaps/vm/base") && ls.contains("s3://snaps/vm/copy"),
+        "{ls}"
+    );
+
+    let back = d.join("back");
+    ok(&s3, &["snapshot", "pull", &url, back.to_str().unwrap()]);
+    assert!(
+        std::fs::read(&back).unwrap() == std::fs::read(&mem).unwrap(),
+        "pulled bytes differ"
+    );
+
+    // A diff: 3 pages written in frame 1, a whole frame 5, one page in the base's hole.
+    use std::os::unix::fs::FileExt;
+    let diff = d.join("diff");
+    let f = std::fs::File::create(&diff).unwrap();
+    f.set_len(8 * MIB as u64).unwrap();
+    let page = vec![0xabu8; PAGE];
+    for at in [
+        MIB + 4 * PAGE,
+        MIB + 5 * PAGE,
+        MIB + 100 * PAGE,
+        3 * MIB + 7 * PAGE,
+    ] {
+        f.write_all_at(&page, at as u64).unwrap();
+    }
+    f.write_all_at(&vec![0xcd; MIB], 5 * MIB as u64).unwrap();
+    drop(f);
+    let durl = format!("s3://{BUCKET}/vm/diff1");
+    let r = json(&ok(
+        &s3,
+        &[
+            "snapshot",
+            "push",
+            diff.to_str().unwrap(),
+            &durl,
+            "--base",
+            &url,
+            "--json",
+        ],
+    ));
+    assert_eq!(r["base_frames"], 5, "{r}");
+    // Two pieces of pages (frames 1 and 3) and one whole frame (5, compressed).
+    assert_eq!(r["objects_stored"], 3, "{r}");
+    assert!(
+        r["bytes_stored"].as_u64().unwrap() < (4 * PAGE + 64 * 1024) as u64,
+        "{r}"
+    );
+    let dback = d.join("dback");
+    ok(&s3, &["snapshot", "pull", &durl, dback.to_str().unwrap()]);
+    let mut want = std::fs::read(&mem).unwrap();
+    for at in [
+        MIB + 4 * PAGE,
+        MIB + 5 * PAGE,
+        MIB + 100 * PAGE,
+        3 * MIB + 7 * PAGE,
+    ] {
+        want[at..at + PAGE].fill(0xab);
+    }
+    want[5 * MIB..6 * MIB].fill(0xcd);
+    assert!(
+        std::fs::read(&dback).unwrap() == want,
+        "the diff did not pull as base + pages"
+    );
+}
+
+/// gc deletes the frames no snapshot names (past the grace), and never one a snapshot
+/// still names; with a push's lease in the bucket it deletes nothing.
+#[test]
+fn gc_deletes_only_what_no_snapshot_names() {
+    let d = Scratch::new("store-gc");
+    let s3 = S3Server::start("gc", &[BUCKET]);
+    let a = memory_file(&d, 4 * MIB, None);
+    let b = d.join("b");
+    std::fs::write(&b, vec![7u8; 2 * MIB]).unwrap();
+    ok(
+        &s3,
+        &["snapshot", "push", a.to_str().unwrap(), "s3://snaps/a"],
+    );
+    ok(
+        &s3,
+        &["snapshot", "push", b.to_str().unwrap(), "s3://snaps/b"],
+    );
+    // b is deleted (its manifest): its one frame is named by nobody.
+    std::fs::remove_dir_all(s3.bucket_dir(BUCKET).join("snapshots/b")).unwrap();
+    let r = json(&ok(&s3, &["snapshot", "gc", "s3://snaps", "--json"]));
+    assert_eq!(r["deleted"], 0, "young frames are kept: {r}");
+    // A push in progress holds off gc.
+    let lease = s3.bucket_dir(BUCKET).join("leases");
+    std::fs::create_dir_all(&lease).unwrap();
+    std::fs::write(lease.join("x.1.1"), b"{}").unwrap();
+    let (code, _, err) = gm(&s3, &["snapshot", "gc", "s3://snaps", "--grace-s", "0"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("a push is in progress"), "{err}");
+    std::fs::remove_dir_all(&lease).unwrap();
+    let r = json(&ok(
+        &s3,
+        &["snapshot", "gc", "s3://snaps", "--grace-s", "0", "--json"],
+    ));
+    assert_eq!(r["deleted"], 1, "{r}");
+    assert_eq!(r["named"], 4, "{r}");
+    let back = d.join("back");
+    ok(
+        &s3,
+        &["snapshot", "pull", "s3://snaps/a", back.to_str().unwrap()],
+    );
+    assert!(std::fs::read(&back).unwrap() == std::fs::read(&a).unwrap());
+}
+
+/// A VM served straight from the store, every word checked, frames kept in the cache; a
+/// second server over the same cache serves the next VM with the store gone.
+#[test]
+fn a_vm_is_served_from_the_store_and_then_from_the_cache_alone() {
+    need_uffd!();
+    let d = Scratch::new("store-serve");
+    let mut s3 = S3Server::start("serve", &[BUCKET]);
+    let mem = memory_file(&d, 16 * MIB, Some(9 * MIB));
+    ok(
+        &s3,
+        &["snapshot", "push", mem.to_str().unwrap(), "s3://snaps/vm"],
+    );
+    let cache = d.join("cache");
+    let socket = d.join("uffd.sock");
+    let extra = ["--cache-dir", cache.to_str().unwrap(), "--json"];
+    let srv = serve_once(&s3, &socket, "s3://snaps/vm", &extra);
+    let mut vm = Standin::new(&[12 * MIB, 4 * MIB], false).unwrap();
+    vm.connect(&socket).unwrap();
+    vm.read_all(2);
+    assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
+    vm.disconnect();
+    let (code, out, err) = finish(srv);
+    assert_eq!(code, 0, "{err}");
+    let rep = json(&out);
+    assert_eq!(
+        rep["status"]["store"]["gets"], 15,
+        "one GET a data frame: {out}"
+    );
+    // Read-ahead landed frames in the cache before their faults: those faults were hits.
+    let s = &rep["status"]["store"];
+    assert!(
+        s["cache_misses"].as_u64().unwrap() + s["cache_hits"].as_u64().unwrap() >= 15,
+        "{out}"
+    );
+
+    // The manifest is read at start; then the store stops answering.
+    let srv = serve_once(&s3, &socket, "s3://snaps/vm", &extra);
+    s3.stop();
+    let mut vm = Standin::new(&[12 * MIB, 4 * MIB], false).unwrap();
+    vm.connect(&socket).unwrap();
+    vm.read_all(2);
+    assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
+    vm.disconnect();
+    let (code, out, err) = finish(srv);
+    assert_eq!(code, 0, "{err}");
+    let rep = json(&out);
+    assert_eq!(rep["status"]["store"]["gets"], 0, "{out}");
+    assert_eq!(rep["status"]["store"]["cache_hits"], 15, "{out}");
+}
+
+/// What is refused before any VM is served, each naming the URL: no such snapshot, no
+/// such bucket, wrong credentials (never printed).
+#[test]
+fn a_snapshot_that_cannot_be_read_is_refused_before_any_vm() {
+    let d = Scratch::new("store-refuse");
+    let s3 = S3Server::start("refuse", &[BUCKET]);
+    let socket = d.join("uffd.sock");
+    for (url, wrong_key, says) in [
+        (
+            "s3://snaps/none",
+            false,
+            "s3://snaps/none: no such snapshot",
+        ),
+        ("s3://nobucket/x", false, "s3://nobucket/"),
+        ("s3://snaps/x", true, "s3://snaps/"),
+    ] {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_guestmem"));
+        cmd.args(["serve-uffd", "--once", "--socket"])
+            .arg(&socket)
+            .args(["--mem-file", url])
+            .envs(s3.env());
+        if wrong_key {
+            cmd.env("AWS_SECRET_ACCESS_KEY", "wrong-secret-key-123");
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{url}: {err}");
+        assert!(err.contains(says), "{url}: {err}");
+        assert!(
+            !err.contains("wrong-secret-key-123") && !err.contains(SECRET_KEY),
+            "{err}"
+        );
+        assert!(!socket.exists(), "no socket for a refused server");
+    }
+}
+
+/// A store that stops answering mid-serve: the fault waits, retried, until the deadline;
+/// then the VM is ended through its pidfd and the reason logged. A frame whose bytes are
+/// wrong (fetched twice) ends it the same way. Never a zero page.
+#[test]
+fn a_store_that_fails_mid_serve_ends_the_vm_with_the_reason() {
+    need_uffd!();
+    let d = Scratch::new("store-fail");
+    let go = d.join("go");
+    let socket = d.join("uffd.sock");
+    let mem = memory_file(&d, 4 * MIB, None);
+    for corrupt in [false, true] {
+        let mut s3 = S3Server::start(if corrupt { "fail-hash" } else { "fail-gone" }, &[BUCKET]);
+        ok(
+            &s3,
+            &["snapshot", "push", mem.to_str().unwrap(), "s3://snaps/vm"],
+        );
+        if corrupt {
+            // Every frame object's last byte flipped.
+            for f in std::fs::read_dir(s3.bucket_dir(BUCKET).join("frames"))
+                .unwrap()
+                .flatten()
+            {
+                let mut b = std::fs::read(f.path()).unwrap();
+                let n = b.len() - 1;
+                b[n] ^= 0x55;
+                std::fs::write(f.path(), b).unwrap();
+            }
+        }
+        let srv = serve_once(
+            &s3,
+            &socket,
+            "s3://snaps/vm",
+            &["--fetch-deadline", "2", "--prefetch-threads", "0"],
+        );
+        let mut vm = vm_child(&socket, 4 * MIB, 0, ChildDoes::Handshake, &go);
+        std::thread::sleep(Duration::from_millis(300));
+        if !corrupt {
+            s3.stop();
+        }
+        std::fs::write(&go, b"").unwrap();
+        let (code, _, err) = finish(srv);
+        assert_eq!(code, 1, "{err}");
+        let why = if corrupt {
+            "fetched twice"
+        } else {
+            "within the deadline"
+        };
+        assert!(err.contains(why), "{err}");
+        assert!(err.contains("killed the peer"), "{err}");
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(vm.wait_exit(10).signal(), Some(libc::SIGKILL));
+        let _ = std::fs::remove_file(&go);
+    }
+}

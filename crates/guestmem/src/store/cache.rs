@@ -1,0 +1,374 @@
+//! The node-local frame cache: frames as plain bytes in files named by their hash, shared by
+//! every VM and snapshot a server serves, bounded in bytes (least recently used out first),
+//! and checked against its hash every time a frame is read from it. It outlives the server:
+//! a file appears only whole (written beside, then renamed), so a restart, `kill -9` or a
+//! hand-over finds every frame it left, and a half-written one is never read (its temporary
+//! file is removed at the next start). A full disk is not an error: frames are evicted to
+//! make room, and past that served without being kept.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use super::StoreError;
+
+/// What the cache did, counted since it was opened.
+#[derive(Debug, Default)]
+pub struct CacheCounters {
+    /// Frames read from it.
+    pub hits: AtomicU64,
+    /// Frames looked for and not there.
+    pub misses: AtomicU64,
+    /// Frames removed to make room.
+    pub evictions: AtomicU64,
+    /// Frames not kept: no room even after evicting (a full disk), or larger than the cache.
+    pub uncached: AtomicU64,
+    /// Frames whose file no longer matched its hash (removed, fetched again).
+    pub corrupt: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Index {
+    /// hash -> (bytes, last use).
+    entries: HashMap<[u8; 32], (u64, u64)>,
+    /// last use -> hash.
+    order: BTreeMap<u64, [u8; 32]>,
+    bytes: u64,
+    tick: u64,
+}
+
+impl Index {
+    fn touch(&mut self, h: &[u8; 32]) -> bool {
+        let t = self.tick;
+        let Some(e) = self.entries.get_mut(h) else {
+            return false;
+        };
+        self.tick += 1;
+        self.order.remove(&e.1);
+        e.1 = t;
+        self.order.insert(t, *h);
+        true
+    }
+
+    fn insert(&mut self, h: [u8; 32], bytes: u64) {
+        if self.touch(&h) {
+            return;
+        }
+        let t = self.tick;
+        self.tick += 1;
+        self.entries.insert(h, (bytes, t));
+        self.order.insert(t, h);
+        self.bytes += bytes;
+    }
+
+    fn remove(&mut self, h: &[u8; 32]) -> bool {
+        match self.entries.remove(h) {
+            Some((bytes, t)) => {
+                self.order.remove(&t);
+                self.bytes -= bytes;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Takes least recently used frames out until `need` more bytes fit under `cap`.
+    fn evict_for(&mut self, need: u64, cap: u64) -> Vec<[u8; 32]> {
+        let mut out = Vec::new();
+        while self.bytes + need > cap {
+            let Some((_, h)) = self.order.pop_first() else {
+                break;
+            };
+            let (bytes, _) = self.entries.remove(&h).expect("indexed");
+            self.bytes -= bytes;
+            out.push(h);
+        }
+        out
+    }
+}
+
+/// A node-local cache of frames.
+#[derive(Debug)]
+pub struct FrameCache {
+    dir: PathBuf,
+    cap: u64,
+    index: Mutex<Index>,
+    /// What it did.
+    pub counters: CacheCounters,
+    serial: AtomicU64,
+}
+
+/// Largest cache, bytes (1 PiB: a typo's guard, not a policy).
+pub const MAX_CACHE_BYTES: u64 = 1 << 50;
+
+impl FrameCache {
+    /// Opens (or makes) the cache in `dir`, bounded by `cap` bytes: the frames a server left
+    /// there are indexed (oldest use first, by modification time), temporary files of a
+    /// write that never finished removed, and frames past `cap` evicted.
+    pub fn open(dir: &Path, cap: u64) -> Result<FrameCache, StoreError> {
+        if cap > MAX_CACHE_BYTES {
+            return Err(StoreError::Limit {
+                what: "cache size, bytes",
+                value: cap,
+                limit: MAX_CACHE_BYTES,
+            });
+        }
+        let frames = dir.join("frames");
+        let io = |op, path: &Path| {
+            let path = path.to_path_buf();
+            move |source| StoreError::Io { op, path, source }
+        };
+        std::fs::create_dir_all(&frames).map_err(io("create the cache directory", &frames))?;
+        let mut found: Vec<(i128, [u8; 32], u64)> = Vec::new();
+        for fan in std::fs::read_dir(&frames).map_err(io("read the cache directory", &frames))? {
+            let Ok(fan) = fan else { continue };
+            let Ok(files) = std::fs::read_dir(fan.path()) else {
+                continue;
+            };
+            for f in files.flatten() {
+                let name = f.file_name();
+                let name = name.to_string_lossy();
+                let Ok(meta) = f.path().symlink_metadata() else {
+                    continue;
+                };
+                if name.ends_with(".tmp") || !meta.is_file() {
+                    let _ = std::fs::remove_file(f.path());
+                    continue;
+                }
+                let Ok(h) = blake3::Hash::from_hex(name.as_bytes()) else {
+                    continue;
+                };
+                let mtime = meta
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_nanos() as i128);
+                found.push((mtime, *h.as_bytes(), meta.len()));
+            }
+        }
+        found.sort();
+        let mut index = Index::default();
+        for (_, h, len) in found {
+            index.insert(h, len);
+        }
+        let cache = FrameCache {
+            dir: dir.to_path_buf(),
+            cap,
+            index: Mutex::new(Index::default()),
+            counters: CacheCounters::default(),
+            serial: AtomicU64::new(0),
+        };
+        let evicted = index.evict_for(0, cap);
+        *cache.index.lock().unwrap_or_else(|e| e.into_inner()) = index;
+        cache.remove_files(&evicted);
+        Ok(cache)
+    }
+
+    /// Its directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Its bound, bytes.
+    pub fn capacity(&self) -> u64 {
+        self.cap
+    }
+
+    /// Bytes held now.
+    pub fn bytes(&self) -> u64 {
+        self.lock().bytes
+    }
+
+    /// Frames held now.
+    pub fn frames(&self) -> u64 {
+        self.lock().entries.len() as u64
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Index> {
+        self.index.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn path_of(&self, h: &[u8; 32]) -> PathBuf {
+        let hex = blake3::Hash::from_bytes(*h).to_hex();
+        self.dir.join("frames").join(&hex[..2]).join(hex.as_str())
+    }
+
+    /// Whether the frame of `hash` is held (without reading it).
+    pub(crate) fn contains(&self, hash: &blake3::Hash) -> bool {
+        self.lock().entries.contains_key(hash.as_bytes())
+    }
+
+    /// The frame of `hash` (`len` plain bytes), read and checked; `None` when it is not
+    /// held, or its file no longer holds it (then it is removed).
+    pub(crate) fn get(&self, hash: &blake3::Hash, len: usize) -> Option<Vec<u8>> {
+        let h = hash.as_bytes();
+        if !self.lock().touch(h) {
+            self.counters.misses.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        let path = self.path_of(h);
+        let read = || -> std::io::Result<Vec<u8>> {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&path)?;
+            let mut buf = Vec::with_capacity(len);
+            f.take(len as u64 + 1).read_to_end(&mut buf)?;
+            Ok(buf)
+        };
+        match read() {
+            Ok(buf) if buf.len() == len && &blake3::hash(&buf) == hash => {
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                Some(buf)
+            }
+            Ok(_) => {
+                self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                if self.lock().remove(h) {
+                    let _ = std::fs::remove_file(&path);
+                }
+                None
+            }
+            Err(_) => {
+                // Evicted since it was looked up, or removed from outside.
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                self.lock().remove(h);
+                None
+            }
+        }
+    }
+
+    /// Keeps `plain`, the frame of `hash`. Never fails: a frame that cannot be kept (no
+    /// room even after evicting, a disk error) is counted as uncached.
+    pub(crate) fn put(&self, hash: &blake3::Hash, plain: &[u8]) {
+        let h = *hash.as_bytes();
+        let len = plain.len() as u64;
+        if len > self.cap {
+            self.counters.uncached.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let evicted = {
+            let mut ix = self.lock();
+            if ix.touch(&h) {
+                return;
+            }
+            ix.evict_for(len, self.cap)
+        };
+        self.remove_files(&evicted);
+        for attempt in 0..2 {
+            match self.write(&h, plain) {
+                Ok(()) => {
+                    let evicted = {
+                        let mut ix = self.lock();
+                        ix.insert(h, len);
+                        // Another thread's frame may have gone in meanwhile.
+                        ix.evict_for(0, self.cap)
+                    };
+                    self.remove_files(&evicted);
+                    return;
+                }
+                Err(e)
+                    if attempt == 0
+                        && matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)) =>
+                {
+                    // The disk is fuller than the bound says (other files on it): make room
+                    // of an eighth of the cache, and try once more.
+                    let evicted = {
+                        let mut ix = self.lock();
+                        let target = ix.bytes.saturating_sub(self.cap / 8);
+                        ix.evict_for(self.cap - target, self.cap)
+                    };
+                    self.remove_files(&evicted);
+                }
+                Err(_) => break,
+            }
+        }
+        self.counters.uncached.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn write(&self, h: &[u8; 32], plain: &[u8]) -> std::io::Result<()> {
+        let path = self.path_of(h);
+        let parent = path.parent().expect("in a fan-out folder");
+        std::fs::create_dir_all(parent)?;
+        let tmp = parent.join(format!(
+            "{}.{}.{}.tmp",
+            &path.file_name().expect("named").to_string_lossy()[..16],
+            std::process::id(),
+            self.serial.fetch_add(1, Ordering::Relaxed)
+        ));
+        let r = (|| {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            f.write_all(plain)?;
+            // No fsync: a frame lost in a power cut is fetched again, and one half-written
+            // fails its hash when read, and is removed.
+            std::fs::rename(&tmp, &path)
+        })();
+        if r.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        r
+    }
+
+    fn remove_files(&self, hashes: &[[u8; 32]]) {
+        for h in hashes {
+            let _ = std::fs::remove_file(self.path_of(h));
+            self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cache_is_bounded_checked_and_found_again_after_a_restart() {
+        let dir = std::env::temp_dir().join(format!("gm-cache-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let frames: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 1000]).collect();
+        let hashes: Vec<_> = frames.iter().map(|f| blake3::hash(f)).collect();
+        {
+            let c = FrameCache::open(&dir, 3000).unwrap();
+            for (f, h) in frames.iter().zip(&hashes).take(3) {
+                c.put(h, f);
+            }
+            assert_eq!(c.get(&hashes[0], 1000).as_ref(), Some(&frames[0]));
+            // Frame 1 is now the least recently used: it goes for frame 3.
+            c.put(&hashes[3], &frames[3]);
+            assert_eq!(c.frames(), 3);
+            assert!(c.get(&hashes[1], 1000).is_none());
+            assert_eq!(c.counters.evictions.load(Ordering::Relaxed), 1);
+            // A frame whose file was changed is not served, and is removed.
+            std::fs::write(c.path_of(hashes[2].as_bytes()), vec![9u8; 1000]).unwrap();
+            assert!(c.get(&hashes[2], 1000).is_none());
+            assert_eq!(c.counters.corrupt.load(Ordering::Relaxed), 1);
+            // A write that never finished.
+            std::fs::write(
+                c.path_of(hashes[4].as_bytes()).with_extension("x.tmp"),
+                b"half",
+            )
+            .unwrap();
+        }
+        let c = FrameCache::open(&dir, 3000).unwrap();
+        assert_eq!(c.frames(), 2);
+        assert_eq!(c.get(&hashes[3], 1000).as_ref(), Some(&frames[3]));
+        // Reopened smaller: evicted down to the bound.
+        drop(c);
+        let c = FrameCache::open(&dir, 1000).unwrap();
+        assert_eq!(c.frames(), 1);
+        let tmp_left = std::fs::read_dir(dir.join("frames"))
+            .unwrap()
+            .flatten()
+            .flat_map(|d| std::fs::read_dir(d.path()).unwrap().flatten())
+            .any(|f| f.file_name().to_string_lossy().ends_with(".tmp"));
+        assert!(!tmp_left);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

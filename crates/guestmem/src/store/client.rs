@@ -1,0 +1,343 @@
+//! The S3 client: object_store's, driven from plain threads through a runtime of its own,
+//! configured as every AWS tool is (environment first, then the profile files), and the one
+//! place a credential is held. Every error leaves here redacted.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::path::Path as ObjectPath;
+use object_store::{
+    ClientOptions, ObjectMeta, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig,
+};
+
+use super::profile::Profile;
+use super::StoreError;
+
+/// Objects up to this size are written with one PUT; larger ones in parts of this size.
+pub(crate) const MULTIPART_BYTES: usize = 8 << 20;
+/// Threads of the client's runtime (its requests' I/O; the callers' threads wait).
+const RUNTIME_THREADS: usize = 2;
+
+/// A connection to one bucket.
+pub struct Client {
+    store: Arc<AmazonS3>,
+    rt: tokio::runtime::Runtime,
+    bucket: String,
+    /// Where requests go, for messages (no credential in it).
+    endpoint: String,
+    /// Strings never to let out: the secret key, the session token, the key id.
+    secrets: Vec<String>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("bucket", &self.bucket)
+            .field("endpoint", &self.endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
+/// An object as a listing names it.
+#[derive(Debug, Clone)]
+pub struct Listed {
+    /// Its key.
+    pub key: String,
+    /// Bytes.
+    pub size: u64,
+    /// When it was written, seconds since the epoch (the store's clock).
+    pub modified: i64,
+}
+
+impl Client {
+    /// Connects to `bucket` as the AWS conventions say: the endpoint from
+    /// `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` (else AWS itself), credentials from
+    /// `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` and `AWS_SESSION_TOKEN`, the region from
+    /// `AWS_REGION` or `AWS_DEFAULT_REGION`, each else from the profile `AWS_PROFILE` in the
+    /// shared config and credentials files. Requests are path-style (`endpoint/bucket/key`,
+    /// as local S3 servers on an address and port need) whenever an endpoint is given,
+    /// virtual-hosted for AWS itself. Nothing is sent yet: see [`Client::check`].
+    pub fn connect(bucket: &str) -> Result<Client, StoreError> {
+        Client::connect_with(bucket, &|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+    }
+
+    /// [`Client::connect`] with the environment read through `env`.
+    pub fn connect_with(
+        bucket: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Client, StoreError> {
+        let profile = Profile::from_files(env);
+        let pick = |vars: &[&str], from_profile: &Option<String>| {
+            vars.iter()
+                .find_map(|v| env(v))
+                .or_else(|| from_profile.clone())
+        };
+        let key_id = pick(&["AWS_ACCESS_KEY_ID"], &profile.access_key_id);
+        let secret = pick(&["AWS_SECRET_ACCESS_KEY"], &profile.secret_access_key);
+        let token = pick(&["AWS_SESSION_TOKEN"], &profile.session_token);
+        let region = pick(&["AWS_REGION", "AWS_DEFAULT_REGION"], &profile.region)
+            .unwrap_or_else(|| "us-east-1".into());
+        let endpoint = pick(
+            &["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"],
+            &profile.endpoint_url,
+        );
+        let secrets: Vec<String> = [&key_id, &secret, &token]
+            .into_iter()
+            .flatten()
+            .filter(|s| s.len() >= 4)
+            .cloned()
+            .collect();
+        let options = ClientOptions::new()
+            .with_allow_http(
+                endpoint
+                    .as_deref()
+                    .is_some_and(|e| e.starts_with("http://")),
+            )
+            .with_connect_timeout(Duration::from_secs(5))
+            .with_timeout(Duration::from_secs(60))
+            .with_pool_max_idle_per_host(64);
+        let mut b = AmazonS3Builder::new()
+            .with_bucket_name(bucket)
+            .with_region(&region)
+            .with_client_options(options)
+            // The fetch path retries itself, bounded by its deadline; a request here is
+            // retried a little for the push and the listings.
+            .with_retry(RetryConfig {
+                max_retries: 3,
+                retry_timeout: Duration::from_secs(30),
+                ..RetryConfig::default()
+            });
+        let shown = match &endpoint {
+            Some(e) => {
+                b = b
+                    .with_endpoint(e)
+                    .with_config(AmazonS3ConfigKey::VirtualHostedStyleRequest, "false");
+                e.clone()
+            }
+            None => {
+                b = b.with_virtual_hosted_style_request(true);
+                format!("https://{bucket}.s3.{region}.amazonaws.com")
+            }
+        };
+        match (&key_id, &secret) {
+            (Some(k), Some(s)) => {
+                b = b.with_access_key_id(k).with_secret_access_key(s);
+                if let Some(t) = &token {
+                    b = b.with_token(t);
+                }
+            }
+            (None, None) => {}
+            _ => {
+                return Err(StoreError::Config {
+                    bucket: bucket.into(),
+                    reason: "an access key id without a secret key, or a secret key without an id (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY or the profile)".into(),
+                })
+            }
+        }
+        let redact = |s: String| redact(&secrets, s);
+        let store = b.build().map_err(|e| StoreError::Config {
+            bucket: bucket.into(),
+            reason: redact(e.to_string()),
+        })?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(RUNTIME_THREADS)
+            .thread_name("guestmem-s3")
+            .enable_all()
+            .build()
+            .map_err(|source| StoreError::Io {
+                op: "start the object store's runtime for",
+                path: bucket.into(),
+                source,
+            })?;
+        Ok(Client {
+            store: Arc::new(store),
+            rt,
+            bucket: bucket.into(),
+            endpoint: shown,
+            secrets,
+        })
+    }
+
+    /// The bucket.
+    pub fn bucket(&self) -> &str {
+        &self.bucket
+    }
+
+    /// Where requests go.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// `s3://bucket/key`.
+    pub(crate) fn url(&self, key: &str) -> String {
+        format!("s3://{}/{key}", self.bucket)
+    }
+
+    /// `s` with every credential replaced by `[redacted]`.
+    pub(crate) fn redact(&self, s: String) -> String {
+        redact(&self.secrets, s)
+    }
+
+    /// Runs `f` to its end on the client's runtime, from a thread outside it.
+    pub(crate) fn block_on<F: Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+
+    /// The runtime, to spawn background requests on.
+    pub(crate) fn handle(&self) -> &tokio::runtime::Handle {
+        self.rt.handle()
+    }
+
+    /// The error of request `op` on `key`.
+    pub(crate) fn error(&self, op: &'static str, key: &str, e: object_store::Error) -> StoreError {
+        let permanent = matches!(
+            e,
+            object_store::Error::NotFound { .. }
+                | object_store::Error::PermissionDenied { .. }
+                | object_store::Error::Unauthenticated { .. }
+        ) || {
+            let t = e.to_string();
+            t.contains("NoSuchBucket")
+                || t.contains("AccessDenied")
+                || t.contains("InvalidAccessKeyId")
+                || t.contains("SignatureDoesNotMatch")
+        };
+        StoreError::Request {
+            op,
+            url: self.url(key),
+            reason: self.redact(e.to_string()),
+            permanent,
+        }
+    }
+
+    /// The whole object at `key`, or `None` when there is none.
+    pub fn get(&self, key: &str) -> Result<Option<Bytes>, StoreError> {
+        self.block_on(self.get_async(key))
+    }
+
+    /// [`Client::get`], on the runtime.
+    pub(crate) async fn get_async(&self, key: &str) -> Result<Option<Bytes>, StoreError> {
+        let path = ObjectPath::from(key);
+        let got = match self.store.get(&path).await {
+            Ok(r) => r.bytes().await,
+            Err(e) => Err(e),
+        };
+        match got {
+            Ok(b) => Ok(Some(b)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.error("GET", key, e)),
+        }
+    }
+
+    /// Whether `key` is there.
+    pub(crate) async fn exists_async(&self, key: &str) -> Result<bool, StoreError> {
+        match self.store.head(&ObjectPath::from(key)).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(self.error("HEAD", key, e)),
+        }
+    }
+
+    /// Writes `bytes` at `key` (in parts past [`MULTIPART_BYTES`]).
+    pub(crate) async fn put_async(&self, key: &str, bytes: Bytes) -> Result<(), StoreError> {
+        let path = ObjectPath::from(key);
+        if bytes.len() <= MULTIPART_BYTES {
+            return self
+                .store
+                .put(&path, PutPayload::from(bytes))
+                .await
+                .map(|_| ())
+                .map_err(|e| self.error("PUT", key, e));
+        }
+        let mut up = self
+            .store
+            .put_multipart(&path)
+            .await
+            .map_err(|e| self.error("start a multipart upload of", key, e))?;
+        let mut parts = Vec::new();
+        for at in (0..bytes.len()).step_by(MULTIPART_BYTES) {
+            let part = bytes.slice(at..(at + MULTIPART_BYTES).min(bytes.len()));
+            parts.push(up.put_part(PutPayload::from(part)));
+        }
+        let r = futures::future::try_join_all(parts).await;
+        match r {
+            Ok(_) => up
+                .complete()
+                .await
+                .map(|_| ())
+                .map_err(|e| self.error("complete the multipart upload of", key, e)),
+            Err(e) => {
+                let _ = up.abort().await;
+                Err(self.error("upload a part of", key, e))
+            }
+        }
+    }
+
+    /// [`Client::put_async`], from a plain thread.
+    pub fn put(&self, key: &str, bytes: Bytes) -> Result<(), StoreError> {
+        self.block_on(self.put_async(key, bytes))
+    }
+
+    /// Deletes `key` (not there already is no error).
+    pub fn delete(&self, key: &str) -> Result<(), StoreError> {
+        match self.block_on(self.store.delete(&ObjectPath::from(key))) {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(self.error("DELETE", key, e)),
+        }
+    }
+
+    /// Every object whose key starts with `prefix` (a folder: ends with `/`).
+    pub fn list(&self, prefix: &str) -> Result<Vec<Listed>, StoreError> {
+        self.block_on(async {
+            let p = ObjectPath::from(prefix.trim_end_matches('/'));
+            let mut s = self.store.list(Some(&p));
+            let mut out = Vec::new();
+            while let Some(m) = s.next().await {
+                let m: ObjectMeta = m.map_err(|e| self.error("LIST", prefix, e))?;
+                out.push(Listed {
+                    key: m.location.to_string(),
+                    size: m.size,
+                    modified: m.last_modified.timestamp(),
+                });
+            }
+            Ok(out)
+        })
+    }
+
+    /// Checks the bucket answers and lets us read it (one listing of the snapshots): wrong
+    /// credentials, a bucket not there, or an endpoint that does not answer are found here,
+    /// before anything depends on them.
+    pub fn check(&self) -> Result<(), StoreError> {
+        self.block_on(async {
+            let p = ObjectPath::from(super::url::SNAPSHOTS.trim_end_matches('/'));
+            let r = tokio::time::timeout(
+                Duration::from_secs(30),
+                self.store.list_with_delimiter(Some(&p)),
+            )
+            .await;
+            match r {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(self.error("LIST", super::url::SNAPSHOTS, e)),
+                Err(_) => Err(StoreError::Request {
+                    op: "LIST",
+                    url: self.url(super::url::SNAPSHOTS),
+                    reason: format!("no answer from {} within 30 s", self.endpoint),
+                    permanent: false,
+                }),
+            }
+        })
+    }
+}
+
+fn redact(secrets: &[String], mut s: String) -> String {
+    for k in secrets {
+        if s.contains(k.as_str()) {
+            s = s.replace(k.as_str(), "[redacted]");
+        }
+    }
+    s
+}

@@ -1,0 +1,369 @@
+//! Fetching frames: from the node-local cache if there, else from the store, once per host
+//! however many VMs fault on a frame at once (one flight per frame, the others wait on it),
+//! checked against the frame's hash, retried with backoff while the faulting vCPU waits, up
+//! to a deadline. Read-ahead (`Frames::ahead`) fetches many frames at once in the
+//! background, bounded, so that a fault's own GET never waits behind it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::cache::FrameCache;
+use super::client::Client;
+use super::url::frame_key;
+use super::StoreError;
+use crate::restore::latency::{Histogram, LatencySummary};
+
+/// How frames are fetched.
+#[derive(Debug, Clone, Copy)]
+pub struct FetchPolicy {
+    /// How long a fault waits for its frame, retries included, before serving the VM is
+    /// given up (and the VM ended, with the reason).
+    pub deadline: Duration,
+    /// One attempt's limit (within the deadline).
+    pub attempt: Duration,
+    /// Read-ahead GETs in flight at once, all VMs together.
+    pub ahead_gets: usize,
+}
+
+impl Default for FetchPolicy {
+    fn default() -> Self {
+        FetchPolicy {
+            deadline: Duration::from_secs(30),
+            attempt: Duration::from_secs(10),
+            ahead_gets: 16,
+        }
+    }
+}
+
+/// First wait between attempts; doubled after each, up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(20);
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+
+/// What fetching did, counted since it started.
+#[derive(Debug, Default)]
+pub struct FetchCounters {
+    /// GETs of frames sent (attempts, retries included).
+    pub gets: AtomicU64,
+    /// Bytes of frame objects received.
+    pub bytes: AtomicU64,
+    /// GETs that failed (and were retried, or ended a fetch).
+    pub errors: AtomicU64,
+    /// Frames whose bytes did not match their hash.
+    pub mismatches: AtomicU64,
+    /// Fetches that waited on another's flight instead of a GET of their own.
+    pub joined: AtomicU64,
+    /// Frames fetched by read-ahead.
+    pub ahead: AtomicU64,
+    /// GET latency (to the whole object).
+    pub(crate) latency: Histogram,
+}
+
+impl FetchCounters {
+    /// GET latency so far.
+    pub fn latency(&self) -> LatencySummary {
+        LatencySummary::of(self.latency.counts(), self.latency.sum_ns() as f64 / 1000.0)
+    }
+}
+
+type Outcome = Result<Arc<Vec<u8>>, Arc<StoreError>>;
+
+/// Fetches frames for every VM of a server.
+#[derive(Debug)]
+pub struct Frames {
+    pub(crate) client: Arc<Client>,
+    cache: Option<Arc<FrameCache>>,
+    policy: FetchPolicy,
+    flights: Mutex<HashMap<[u8; 32], tokio::sync::watch::Receiver<Option<Outcome>>>>,
+    ahead: Arc<tokio::sync::Semaphore>,
+    /// What it did.
+    pub counters: FetchCounters,
+}
+
+impl Frames {
+    /// Fetches through `client`, keeping frames in `cache` (none: every read is a GET).
+    pub fn new(
+        client: Arc<Client>,
+        cache: Option<Arc<FrameCache>>,
+        policy: FetchPolicy,
+    ) -> Arc<Frames> {
+        Arc::new(Frames {
+            client,
+            cache,
+            ahead: Arc::new(tokio::sync::Semaphore::new(policy.ahead_gets.max(1))),
+            policy,
+            flights: Mutex::new(HashMap::new()),
+            counters: FetchCounters::default(),
+        })
+    }
+
+    /// The cache, if any.
+    pub fn cache(&self) -> Option<&Arc<FrameCache>> {
+        self.cache.as_ref()
+    }
+
+    /// The client.
+    pub fn client(&self) -> &Arc<Client> {
+        &self.client
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> FetchPolicy {
+        self.policy
+    }
+
+    /// The frame of `hash` (`len` plain bytes), from a thread outside the runtime.
+    pub(crate) fn get(self: &Arc<Self>, hash: &blake3::Hash, len: usize) -> Outcome {
+        self.client.block_on(self.get_async(*hash, len))
+    }
+
+    /// The frame of `hash`: from the cache, from a flight already fetching it, or fetched.
+    pub(crate) async fn get_async(self: &Arc<Self>, hash: blake3::Hash, len: usize) -> Outcome {
+        if let Some(p) = self.cache.as_ref().and_then(|c| c.get(&hash, len)) {
+            return Ok(Arc::new(p));
+        }
+        let tx = {
+            let mut f = self.flights.lock().unwrap_or_else(|e| e.into_inner());
+            match f.get(hash.as_bytes()) {
+                Some(rx) => Err(rx.clone()),
+                None => {
+                    let (tx, rx) = tokio::sync::watch::channel(None);
+                    f.insert(*hash.as_bytes(), rx);
+                    Ok(tx)
+                }
+            }
+        };
+        match tx {
+            Err(rx) => {
+                self.counters.joined.fetch_add(1, Ordering::Relaxed);
+                wait(rx).await
+            }
+            Ok(tx) => self.lead(hash, len, tx).await,
+        }
+    }
+
+    /// Fetches a frame this caller registered the flight of, and lands it for everyone.
+    async fn lead(
+        self: &Arc<Self>,
+        hash: blake3::Hash,
+        len: usize,
+        tx: tokio::sync::watch::Sender<Option<Outcome>>,
+    ) -> Outcome {
+        // A flight that ended between our cache look-up and registering this one left the
+        // frame in the cache.
+        let cached = self
+            .cache
+            .as_ref()
+            .and_then(|c| c.contains(&hash).then(|| c.get(&hash, len)).flatten());
+        let out = match cached {
+            Some(p) => Ok(Arc::new(p)),
+            None => match self.fetch(hash, len).await {
+                Ok(p) => {
+                    if let Some(c) = &self.cache {
+                        c.put(&hash, &p);
+                    }
+                    Ok(Arc::new(p))
+                }
+                Err(e) => Err(Arc::new(e)),
+            },
+        };
+        let _ = tx.send(Some(out.clone()));
+        self.flights
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(hash.as_bytes());
+        out
+    }
+
+    /// GETs a frame until it arrives whole and right, or the deadline passes. A frame whose
+    /// bytes fail their check is fetched once more, then given up.
+    async fn fetch(&self, hash: blake3::Hash, len: usize) -> Result<Vec<u8>, StoreError> {
+        let key = frame_key(&hash);
+        let t0 = Instant::now();
+        let mut backoff = FIRST_BACKOFF;
+        let mut attempts = 0u32;
+        let mut mismatched = false;
+        loop {
+            let left = self.policy.deadline.saturating_sub(t0.elapsed());
+            if left.is_zero() && attempts > 0 {
+                return Err(StoreError::Deadline {
+                    url: self.client.url(&key),
+                    deadline: self.policy.deadline,
+                    attempts,
+                    last: "no attempt finished in time".into(),
+                });
+            }
+            attempts += 1;
+            self.counters.gets.fetch_add(1, Ordering::Relaxed);
+            let sent = Instant::now();
+            let got =
+                tokio::time::timeout(left.min(self.policy.attempt), self.client.get_async(&key))
+                    .await;
+            let last = match got {
+                Ok(Ok(Some(obj))) => {
+                    self.counters.latency.record(sent.elapsed());
+                    self.counters.bytes.fetch_add(obj.len() as u64, Ordering::Relaxed);
+                    match super::frame::decode(&obj, len, &hash) {
+                        Ok(p) => return Ok(p),
+                        Err(why) => {
+                            self.counters.mismatches.fetch_add(1, Ordering::Relaxed);
+                            if mismatched {
+                                return Err(StoreError::Frame {
+                                    url: self.client.url(&key),
+                                    reason: format!("{why} (fetched twice)"),
+                                });
+                            }
+                            mismatched = true;
+                            continue;
+                        }
+                    }
+                }
+                Ok(Ok(None)) => {
+                    return Err(StoreError::Frame {
+                        url: self.client.url(&key),
+                        reason: "not in the bucket (collected while a manifest still names it, or never pushed whole)".into(),
+                    })
+                }
+                Ok(Err(e)) if !e.is_transient() => return Err(e),
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("no answer within {:?}", left.min(self.policy.attempt)),
+            };
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+            let left = self.policy.deadline.saturating_sub(t0.elapsed());
+            if left.is_zero() {
+                return Err(StoreError::Deadline {
+                    url: self.client.url(&key),
+                    deadline: self.policy.deadline,
+                    attempts,
+                    last,
+                });
+            }
+            tokio::time::sleep(backoff.min(left)).await;
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+        }
+    }
+
+    /// Fetches `frames` (hash, plain length) in the background, in their order, a bounded
+    /// number at once; those cached or in flight already are left. Returns at once.
+    pub(crate) fn ahead(self: &Arc<Self>, frames: &[(blake3::Hash, usize)]) {
+        for &(hash, len) in frames {
+            if self.cache.as_ref().is_some_and(|c| c.contains(&hash))
+                || self
+                    .flights
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .contains_key(hash.as_bytes())
+            {
+                continue;
+            }
+            let me = Arc::clone(self);
+            let gate = Arc::clone(&self.ahead);
+            self.client.handle().spawn(async move {
+                let Ok(_permit) = gate.acquire_owned().await else {
+                    return;
+                };
+                // A fault may have fetched it while this waited for its turn.
+                if me.cache.as_ref().is_some_and(|c| c.contains(&hash)) {
+                    return;
+                }
+                let tx = {
+                    let mut f = me.flights.lock().unwrap_or_else(|e| e.into_inner());
+                    if f.contains_key(hash.as_bytes()) {
+                        return;
+                    }
+                    let (tx, rx) = tokio::sync::watch::channel(None);
+                    f.insert(*hash.as_bytes(), rx);
+                    tx
+                };
+                me.counters.ahead.fetch_add(1, Ordering::Relaxed);
+                let _ = me.lead(hash, len, tx).await;
+            });
+        }
+    }
+}
+
+async fn wait(mut rx: tokio::sync::watch::Receiver<Option<Outcome>>) -> Outcome {
+    match rx.wait_for(|v| v.is_some()).await {
+        Ok(v) => v.clone().expect("waited for"),
+        // The leader went without landing it (it cannot: it sends before it returns); a
+        // second look goes through the cache or a new flight.
+        Err(_) => Err(Arc::new(StoreError::Frame {
+            url: String::new(),
+            reason: "its fetch was abandoned".into(),
+        })),
+    }
+}
+
+/// What fetching from the store and the frame cache did, for an operator (`serve-ctl
+/// status`, the metrics): totals over every bucket a server reads.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct StoreStatus {
+    /// GETs of frames sent (retries included).
+    pub gets: u64,
+    /// Bytes of frame objects fetched.
+    pub bytes_fetched: u64,
+    /// GETs that failed.
+    pub fetch_errors: u64,
+    /// Frames whose bytes did not match their hash.
+    pub hash_mismatches: u64,
+    /// Fetches that waited on another VM's GET of the same frame.
+    pub joined: u64,
+    /// Frames fetched ahead of the VMs (read-ahead, working sets).
+    pub fetched_ahead: u64,
+    /// Frames read from the node-local cache.
+    pub cache_hits: u64,
+    /// Frames looked for in the cache and not there.
+    pub cache_misses: u64,
+    /// Frames evicted from the cache.
+    pub cache_evictions: u64,
+    /// Frames not kept (no room, a disk error).
+    pub cache_uncached: u64,
+    /// Bytes the cache holds now.
+    pub cache_bytes: u64,
+    /// Its bound, bytes (0: no cache).
+    pub cache_capacity: u64,
+    /// GET latency.
+    pub fetch_latency: LatencySummary,
+}
+
+impl StoreStatus {
+    /// The totals of `frames` (each bucket's), their caches counted once each.
+    pub fn of(frames: &[Arc<Frames>]) -> StoreStatus {
+        let mut s = StoreStatus::default();
+        let mut caches: Vec<&Arc<FrameCache>> = Vec::new();
+        let mut latency: Option<LatencySummary> = None;
+        for f in frames {
+            let c = &f.counters;
+            let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            s.gets += get(&c.gets);
+            s.bytes_fetched += get(&c.bytes);
+            s.fetch_errors += get(&c.errors);
+            s.hash_mismatches += get(&c.mismatches);
+            s.joined += get(&c.joined);
+            s.fetched_ahead += get(&c.ahead);
+            let l = c.latency();
+            latency = Some(match latency {
+                None => l,
+                Some(prev) => prev.merge(&l),
+            });
+            if let Some(cache) = f.cache() {
+                if !caches.iter().any(|k| Arc::ptr_eq(k, cache)) {
+                    caches.push(cache);
+                }
+            }
+        }
+        for c in caches {
+            let k = &c.counters;
+            let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            s.cache_hits += get(&k.hits);
+            s.cache_misses += get(&k.misses);
+            s.cache_evictions += get(&k.evictions);
+            s.cache_uncached += get(&k.uncached);
+            s.cache_bytes += c.bytes();
+            s.cache_capacity += c.capacity();
+        }
+        s.fetch_latency = latency.unwrap_or_default();
+        s
+    }
+}

@@ -1,0 +1,117 @@
+//! A frame as stored: a 12-byte header (`GMFR`, version, encoding, the plain length) and its
+//! bytes, raw or zstd-compressed, stored under the BLAKE3 hash of its plain bytes. Nothing read
+//! back is used before its header, length and hash are checked.
+
+/// The header's magic.
+const MAGIC: [u8; 4] = *b"GMFR";
+/// The header's version.
+const VERSION: u8 = 1;
+/// Header bytes.
+pub(crate) const HEADER_BYTES: usize = 12;
+/// zstd's level for frames: fast to write (hundreds of MB/s a thread), decoded at over 1 GB/s.
+const ZSTD_LEVEL: i32 = 1;
+/// A frame is kept compressed only when that saves at least an eighth: below that, the
+/// decode on every fault costs more than the bytes it saves.
+const PAYS_NUMERATOR: usize = 7;
+
+/// How a frame's bytes are kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Encoding {
+    Raw = 0,
+    Zstd = 1,
+}
+
+/// The object of `plain`, compressed where that pays.
+pub(crate) fn encode(plain: &[u8]) -> (Vec<u8>, Encoding) {
+    let mut out = Vec::with_capacity(HEADER_BYTES + plain.len());
+    out.extend_from_slice(&MAGIC);
+    out.push(VERSION);
+    out.push(0);
+    out.extend_from_slice(&[0, 0]);
+    out.extend_from_slice(&(plain.len() as u32).to_le_bytes());
+    let enc = match zstd::bulk::compress(plain, ZSTD_LEVEL) {
+        Ok(z) if z.len() * 8 <= plain.len() * PAYS_NUMERATOR => {
+            out.extend_from_slice(&z);
+            Encoding::Zstd
+        }
+        _ => {
+            out.extend_from_slice(plain);
+            Encoding::Raw
+        }
+    };
+    out[5] = enc as u8;
+    (out, enc)
+}
+
+/// The plain bytes of `object`, checked: its header, its length (`want` bytes) and its hash.
+pub(crate) fn decode(object: &[u8], want: usize, hash: &blake3::Hash) -> Result<Vec<u8>, String> {
+    if object.len() < HEADER_BYTES || object[..4] != MAGIC {
+        return Err(format!(
+            "{} bytes that do not start with a frame header",
+            object.len()
+        ));
+    }
+    if object[4] != VERSION {
+        return Err(format!(
+            "frame version {}, this guestmem reads {VERSION}",
+            object[4]
+        ));
+    }
+    let len = u32::from_le_bytes(object[8..12].try_into().expect("4 bytes")) as usize;
+    if len != want {
+        return Err(format!("{len} plain bytes, the manifest says {want}"));
+    }
+    let payload = &object[HEADER_BYTES..];
+    let plain = match object[5] {
+        0 if payload.len() == len => payload.to_vec(),
+        0 => {
+            return Err(format!(
+                "raw frame of {} bytes, its header says {len}",
+                payload.len()
+            ))
+        }
+        // The capacity bounds what a hostile object can make us allocate.
+        1 => zstd::bulk::decompress(payload, len).map_err(|e| format!("zstd: {e}"))?,
+        e => return Err(format!("unknown encoding {e}")),
+    };
+    if plain.len() != len {
+        return Err(format!(
+            "decodes to {} bytes, its header says {len}",
+            plain.len()
+        ));
+    }
+    let found = blake3::hash(&plain);
+    if &found != hash {
+        return Err(format!(
+            "its bytes hash to {}, not to its name",
+            found.to_hex()
+        ));
+    }
+    Ok(plain)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_every_corruption_is_caught() {
+        let text: Vec<u8> = (0..65536u32).map(|i| (i % 7) as u8).collect();
+        let noise: Vec<u8> = (0..65536u64)
+            .map(|i| (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8)
+            .collect();
+        for (plain, enc) in [(&text, Encoding::Zstd), (&noise, Encoding::Raw)] {
+            let h = blake3::hash(plain);
+            let (obj, e) = encode(plain);
+            assert_eq!(e, enc);
+            assert_eq!(&decode(&obj, plain.len(), &h).unwrap(), plain);
+            assert!(decode(&obj, plain.len() - 1, &h).is_err());
+            assert!(decode(&obj[..obj.len() - 1], plain.len(), &h).is_err());
+            let mut bad = obj.clone();
+            let last = bad.len() - 1;
+            bad[last] ^= 1;
+            assert!(decode(&bad, plain.len(), &h).is_err());
+            assert!(decode(&obj, plain.len(), &blake3::hash(b"other")).is_err());
+        }
+    }
+}

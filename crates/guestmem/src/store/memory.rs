@@ -1,0 +1,253 @@
+//! A snapshot in the store as memory to serve: its manifest read and checked once, its
+//! frames fetched through the host's [`Frames`] as they are read, a frame put together from
+//! its pieces (a whole frame, then the pages of each diff on top).
+
+use std::sync::Arc;
+
+use super::fetch::Frames;
+use super::manifest::{Piece, Snapshot};
+use super::url::StoreUrl;
+use super::StoreError;
+use crate::snapshot::{
+    Image, ManifestRegion, RawRegion, RemoteMemory, SnapshotError, IMAGE_PAGE_BYTES,
+};
+
+/// Reads and checks the manifest of `url`.
+pub fn read_snapshot(frames: &Frames, url: &StoreUrl) -> Result<Snapshot, StoreError> {
+    let key = url.manifest_key();
+    match frames.client.get(&key)? {
+        Some(text) => Snapshot::parse(url, &text),
+        None => Err(StoreError::NoSnapshot {
+            url: url.to_string(),
+            key,
+        }),
+    }
+}
+
+/// A snapshot in the store, ready to be served: reads go through the host's frames.
+#[derive(Debug, Clone)]
+pub struct StoreMemory {
+    frames: Arc<Frames>,
+    snapshot: Arc<Snapshot>,
+}
+
+impl StoreMemory {
+    /// Opens the snapshot at `url`: its bucket answered and its manifest read and checked
+    /// here, so that a snapshot that is not there, or not readable, is refused before any VM
+    /// is served from it.
+    pub fn open(frames: Arc<Frames>, url: &StoreUrl) -> Result<StoreMemory, StoreError> {
+        frames.client.check()?;
+        let snapshot = Arc::new(read_snapshot(&frames, url)?);
+        Ok(StoreMemory { frames, snapshot })
+    }
+
+    /// The snapshot.
+    pub fn snapshot(&self) -> &Snapshot {
+        &self.snapshot
+    }
+
+    /// The frames it is read through.
+    pub fn frames(&self) -> &Arc<Frames> {
+        &self.frames
+    }
+
+    /// A guestmem snapshot pushed to the store, as an image to restore (lazily) into a map
+    /// laid out by [`Image::specs`], blocks of `block_bytes`. A raw memory file's snapshot
+    /// has no regions of its own: serve it to a VMM that declares them (the page server).
+    pub fn image(&self, block_bytes: u64) -> Result<Image, StoreError> {
+        let m = &self.snapshot.manifest;
+        if m.regions.is_empty() {
+            return Err(StoreError::Manifest {
+                url: self.snapshot.url.to_string(),
+                reason: "a raw memory file's snapshot: it has no regions to restore into (serve it with serve-uffd, or pull it)".into(),
+            });
+        }
+        let largest = m
+            .regions
+            .iter()
+            .map(|r| r.page_size)
+            .max()
+            .unwrap_or(IMAGE_PAGE_BYTES);
+        let block_bytes = block_bytes.max(largest).next_multiple_of(largest);
+        let fb = m.frame_bytes;
+        let ws: Vec<u64> = m
+            .working_set
+            .iter()
+            .flat_map(|&f| blocks_at(&m.regions, f * fb, fb, block_bytes))
+            .collect();
+        Ok(Image::remote(
+            Arc::new(self.clone()),
+            &self.snapshot.url.to_string(),
+            m.regions.clone(),
+            block_bytes,
+            ws,
+        )?)
+    }
+
+    /// The memory as an image of a VM's `regions` (each where its peer says it lies in the
+    /// memory), blocks of `block_bytes`.
+    pub(crate) fn raw_image(
+        &self,
+        regions: &[RawRegion],
+        block_bytes: u64,
+    ) -> Result<Image, SnapshotError> {
+        let mregions = regions
+            .iter()
+            .map(|r| ManifestRegion {
+                guest_addr: r.name,
+                size: r.size,
+                file_offset: r.file_offset,
+                page_size: r.page_size,
+                backing: "anonymous".into(),
+                huge_bytes: 0,
+            })
+            .collect();
+        Image::remote(
+            Arc::new(self.clone()),
+            &self.snapshot.url.to_string(),
+            mregions,
+            block_bytes,
+            Vec::new(),
+        )
+    }
+
+    /// The memory offsets of its recorded working set, first read first.
+    pub fn working_set_offsets(&self) -> Vec<u64> {
+        let fb = self.snapshot.manifest.frame_bytes;
+        self.snapshot
+            .manifest
+            .working_set
+            .iter()
+            .map(|&f| f * fb)
+            .collect()
+    }
+
+    /// Frame `i`, put together from its pieces.
+    pub(crate) fn frame(&self, i: u64) -> Result<Arc<Vec<u8>>, Arc<StoreError>> {
+        let len = self.snapshot.frame_len(i) as usize;
+        let pieces = &self.snapshot.frames[i as usize];
+        match pieces.as_slice() {
+            [] => Ok(Arc::new(vec![0u8; len])),
+            [Piece { hash, pages: None }] => self.frames.get(hash, len),
+            _ => {
+                let frames = &self.frames;
+                let got = frames.client.block_on(futures::future::join_all(
+                    pieces
+                        .iter()
+                        .map(|p| frames.get_async(p.hash, p.plain_len(len as u64) as usize)),
+                ));
+                let mut out = vec![0u8; len];
+                for (p, bytes) in pieces.iter().zip(got) {
+                    overlay(&mut out, p, &bytes?);
+                }
+                Ok(Arc::new(out))
+            }
+        }
+    }
+}
+
+/// Lays a piece's plain bytes over a frame: a whole piece is the frame; a diff's holds the
+/// pages its mask names, packed in page order.
+pub(crate) fn overlay(frame: &mut [u8], p: &Piece, bytes: &[u8]) {
+    match &p.pages {
+        None => frame.copy_from_slice(bytes),
+        Some(mask) => {
+            let page = IMAGE_PAGE_BYTES as usize;
+            let mut at = 0;
+            for pg in 0..frame.len() / page {
+                if mask[pg / 64] >> (pg % 64) & 1 != 0 {
+                    frame[pg * page..(pg + 1) * page].copy_from_slice(&bytes[at..at + page]);
+                    at += page;
+                }
+            }
+        }
+    }
+}
+
+/// The blocks (of `block_bytes`, cut within each region) that `offset..offset + len` of
+/// the memory falls in.
+fn blocks_at(regions: &[ManifestRegion], offset: u64, len: u64, block_bytes: u64) -> Vec<u64> {
+    let mut first = 0u64;
+    let mut out = Vec::new();
+    for r in regions {
+        let blocks = r.size.div_ceil(block_bytes);
+        let (s, e) = (
+            offset.max(r.file_offset),
+            (offset + len).min(r.file_offset + r.size),
+        );
+        if s < e {
+            let (a, b) = (
+                (s - r.file_offset) / block_bytes,
+                (e - r.file_offset).div_ceil(block_bytes),
+            );
+            out.extend((a..b).map(|x| first + x));
+        }
+        first += blocks;
+    }
+    out
+}
+
+impl RemoteMemory for StoreMemory {
+    fn read(
+        &self,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), Arc<dyn std::error::Error + Send + Sync>> {
+        let fb = self.snapshot.manifest.frame_bytes;
+        let end = offset + dst.len() as u64;
+        if end > self.snapshot.memory_bytes() {
+            return Err(Arc::new(StoreError::Limit {
+                what: "read past the snapshot's memory, offset",
+                value: end,
+                limit: self.snapshot.memory_bytes(),
+            }));
+        }
+        let mut at = offset;
+        while at < end {
+            let i = at / fb;
+            let (fs, fe) = (i * fb, (i * fb + fb).min(end));
+            let n = (fe - at) as usize;
+            let d = &mut dst[(at - offset) as usize..][..n];
+            if self.snapshot.held(i) {
+                let f = self
+                    .frame(i)
+                    .map_err(|e| e as Arc<dyn std::error::Error + Send + Sync>)?;
+                d.copy_from_slice(&f[(at - fs) as usize..][..n]);
+            } else {
+                d.fill(0);
+            }
+            at = fe;
+        }
+        Ok(())
+    }
+
+    fn held(&self, offset: u64, len: u64) -> bool {
+        let fb = self.snapshot.manifest.frame_bytes;
+        let end = (offset + len).min(self.snapshot.memory_bytes());
+        (offset / fb..end.div_ceil(fb)).any(|i| self.snapshot.held(i))
+    }
+
+    fn ahead(&self, ranges: &[(u64, u64)]) {
+        let fb = self.snapshot.manifest.frame_bytes;
+        let mut want = Vec::new();
+        let mut last = u64::MAX;
+        for &(off, len) in ranges {
+            let end = (off + len).min(self.snapshot.memory_bytes());
+            for i in off / fb..end.div_ceil(fb) {
+                if i == last {
+                    continue;
+                }
+                last = i;
+                let flen = self.snapshot.frame_len(i);
+                for p in &self.snapshot.frames[i as usize] {
+                    want.push((p.hash, p.plain_len(flen) as usize));
+                }
+            }
+        }
+        self.frames.ahead(&want);
+    }
+
+    fn name(&self) -> String {
+        self.snapshot.url.to_string()
+    }
+}
