@@ -123,6 +123,53 @@ fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_s
         "{err}"
     );
 
+    // The same snapshot pushed to S3 (a real server, in this process) and restored straight
+    // from it through a cold frame cache: the guest touches every page and checks every
+    // qword.
+    {
+        let s3 = guestmem_testkit::s3::S3Server::start("firecracker", &["snaps"]);
+        let push = Command::new(env!("CARGO_BIN_EXE_guestmem"))
+            .args(["snapshot", "push"])
+            .arg(&mem)
+            .arg("s3://snaps/fc")
+            .envs(s3.env())
+            .output()
+            .unwrap();
+        assert!(push.status.success(), "{}", String::from_utf8_lossy(&push.stderr));
+        let s3_socket = dir.join("s3.sock");
+        let mut srv = Guard::new(
+            Command::new(env!("CARGO_BIN_EXE_guestmem"))
+                .args(["serve-uffd", "--once", "--socket"])
+                .arg(&s3_socket)
+                .args(["--mem-file", "s3://snaps/fc", "--cache-dir"])
+                .arg(dir.join("cache"))
+                .envs(s3.env())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let t = Instant::now();
+        while !s3_socket.exists() {
+            assert!(srv.running(), "the server exited: {}", stderr(&mut srv));
+            assert!(t.elapsed() < Duration::from_secs(30), "no socket appeared");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let mut fc = start(&dir, "restore-s3");
+        fc.load(&vmstate, Backend::Uffd(&s3_socket)).unwrap();
+        fc.send(b't').unwrap();
+        let touch = fc.line("TOUCH", PASS).unwrap();
+        assert!(touch.ends_with(" BAD 0"), "{touch}");
+        fc.send(b'g').unwrap();
+        let pass = fc.line("PASS", PASS).unwrap();
+        assert!(pass.ends_with(" BAD 0"), "{pass}");
+        drop(fc);
+        let st = srv.wait_exit(20);
+        let err = stderr(&mut srv);
+        eprintln!("from S3: guest: {touch}, {pass}\nserver: {err}");
+        assert!(st.success(), "{err}");
+    }
+
     // Two real Firecracker VMs at once through one fleet (no --once): each touches and
     // checks every page; SIGTERM graduates both (every block in, ranges unregistered), and
     // with the server gone each guest checks every qword again and finds it right.
