@@ -188,6 +188,9 @@ pub fn run(a: Args) -> Result<()> {
             a.socket.len()
         );
     }
+    // Before any thread starts (an object store's client starts its runtime's), so that
+    // every thread inherits the mask and only the waiter below takes the signals.
+    let signals = block_drain_signals()?;
     let mut store = crate::store::Stores::new(
         a.cache_dir.as_deref(),
         a.cache_size,
@@ -217,9 +220,6 @@ pub fn run(a: Args) -> Result<()> {
     }
     let cfg = server_config(&a);
     cfg.check()?;
-    // Before any thread starts, so that every thread inherits the mask and only the waiter
-    // below takes the signals.
-    let signals = block_drain_signals()?;
     let mut taken = match &a.take_over {
         Some(control) => Some(
             serve::take_over(control, Duration::from_secs(30))

@@ -135,7 +135,11 @@ fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_s
             .envs(s3.env())
             .output()
             .unwrap();
-        assert!(push.status.success(), "{}", String::from_utf8_lossy(&push.stderr));
+        assert!(
+            push.status.success(),
+            "{}",
+            String::from_utf8_lossy(&push.stderr)
+        );
         let s3_socket = dir.join("s3.sock");
         let mut srv = Guard::new(
             Command::new(env!("CARGO_BIN_EXE_guestmem"))

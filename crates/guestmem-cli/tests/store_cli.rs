@@ -347,3 +347,52 @@ fn a_store_that_fails_mid_serve_ends_the_vm_with_the_reason() {
         let _ = std::fs::remove_file(&go);
     }
 }
+
+/// Eight VMs of one snapshot at once, in their own processes, through one server: every
+/// frame is fetched once (the others wait on its GET or read it from the cache), and every
+/// VM reads every word right.
+#[test]
+fn many_vms_of_one_snapshot_fetch_each_frame_once() {
+    need_uffd!();
+    let d = Scratch::new("store-fleet");
+    let s3 = S3Server::start("fleet", &[BUCKET]);
+    let mem = memory_file(&d, 8 * MIB, None);
+    ok(
+        &s3,
+        &["snapshot", "push", mem.to_str().unwrap(), "s3://snaps/vm"],
+    );
+    let socket = d.join("uffd.sock");
+    let go = d.join("go");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_guestmem"));
+    cmd.args(["serve-uffd", "--socket"])
+        .arg(&socket)
+        .args(["--mem-file", "s3://snaps/vm", "--cache-dir"])
+        .arg(d.join("cache"))
+        .args(["--json", "--prefetch-threads", "0"])
+        .envs(s3.env());
+    let mut srv = Srv::start(&mut cmd);
+    let t = std::time::Instant::now();
+    while !socket.exists() {
+        assert!(
+            srv.running() && t.elapsed() < Duration::from_secs(30),
+            "no socket"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut vms: Vec<Guard> = (0..8)
+        .map(|_| vm_child(&socket, 8 * MIB, 0, ChildDoes::Handshake, &go))
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    std::fs::write(&go, b"").unwrap();
+    // Each child reads every page, checks it against the file's pattern, and waits.
+    std::thread::sleep(Duration::from_secs(3));
+    for vm in &mut vms {
+        assert!(vm.running(), "a VM failed its reads or was ended");
+    }
+    let (code, out, err, _) = terminate(srv);
+    assert_eq!(code, 0, "{err}");
+    let rep = json(&out);
+    let s = &rep["status"]["store"];
+    assert_eq!(s["gets"], 8, "one GET a data frame for 8 VMs: {s}");
+    assert_eq!(rep["status"]["sockets"][0]["sessions"], 8, "{out}");
+}
