@@ -12,6 +12,8 @@
 //!   one, mapped and eager; a KVM guest restored every way until it verified every page).
 //! - [`huge_regain`]: a restored map on 4 KiB pages against the same map collapsed back to
 //!   the transparent huge pages it was saved with: a random-access pass over each.
+//! - [`object_store`]: a VM's memory served straight from S3 (a real S3 server behind a
+//!   latency and bandwidth proxy) beside a local file; pushes and diffs.
 //! - [`fleet`]: many VMs restored at once from one snapshot: one guestmem fleet, a page
 //!   server per VM, Firecracker's example handler per VM.
 //! - [`firecracker`]: restores of a real Firecracker VM (the shared build and guest): its
@@ -37,6 +39,7 @@ pub mod firecracker;
 pub mod fleet;
 pub mod guards;
 pub mod huge_regain;
+pub mod object_store;
 pub mod peer;
 pub mod peer_ch;
 pub mod peer_qemu;

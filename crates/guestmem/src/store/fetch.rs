@@ -113,6 +113,21 @@ impl Frames {
         self.policy
     }
 
+    /// The frame of `hash` into `dst` (its length): straight from the cache when it is
+    /// there (no allocation, one copy), else as [`Frames::get`].
+    pub(crate) fn read_into(
+        self: &Arc<Self>,
+        hash: &blake3::Hash,
+        dst: &mut [u8],
+    ) -> Result<(), Arc<StoreError>> {
+        if self.cache.as_ref().is_some_and(|c| c.read_into(hash, dst)) {
+            return Ok(());
+        }
+        let f = self.get(hash, dst.len())?;
+        dst.copy_from_slice(&f);
+        Ok(())
+    }
+
     /// The frame of `hash` (`len` plain bytes), from a thread outside the runtime.
     pub(crate) fn get(self: &Arc<Self>, hash: &blake3::Hash, len: usize) -> Outcome {
         self.client.block_on(self.get_async(*hash, len))

@@ -97,8 +97,14 @@ mod tests {
     #[test]
     fn frames_round_trip_and_every_corruption_is_caught() {
         let text: Vec<u8> = (0..65536u32).map(|i| (i % 7) as u8).collect();
-        let noise: Vec<u8> = (0..65536u64)
-            .map(|i| (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8)
+        let mut x = 0x1234_5678_9abc_def1u64;
+        let noise: Vec<u8> = (0..65536)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 32) as u8
+            })
             .collect();
         for (plain, enc) in [(&text, Encoding::Zstd), (&noise, Encoding::Raw)] {
             let h = blake3::hash(plain);

@@ -122,6 +122,47 @@ impl StoreMemory {
             .collect()
     }
 
+    /// Fetches every frame that holds data into the host's cache (and checks it), on
+    /// `threads` threads: a host warmed before a burst of restores. Bytes of frames read.
+    pub fn fetch_all(&self, threads: usize) -> Result<u64, StoreError> {
+        let next = std::sync::atomic::AtomicU64::new(0);
+        let done = std::sync::atomic::AtomicU64::new(0);
+        let failed = std::sync::Mutex::new(None);
+        let count = self.snapshot.frame_count();
+        std::thread::scope(|s| {
+            for _ in 0..threads.clamp(1, 64) {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= count {
+                        return;
+                    }
+                    if !self.snapshot.held(i) {
+                        continue;
+                    }
+                    match self.frame(i) {
+                        Ok(f) => {
+                            done.fetch_add(f.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        Err(e) => {
+                            failed
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .get_or_insert(e);
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        if let Some(e) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            return Err(StoreError::Frame {
+                url: self.snapshot.url.to_string(),
+                reason: e.to_string(),
+            });
+        }
+        Ok(done.into_inner())
+    }
+
     /// Frame `i`, put together from its pieces.
     pub(crate) fn frame(&self, i: u64) -> Result<Arc<Vec<u8>>, Arc<StoreError>> {
         let len = self.snapshot.frame_len(i) as usize;
@@ -208,7 +249,13 @@ impl RemoteMemory for StoreMemory {
             let (fs, fe) = (i * fb, (i * fb + fb).min(end));
             let n = (fe - at) as usize;
             let d = &mut dst[(at - offset) as usize..][..n];
-            if self.snapshot.held(i) {
+            let whole = at == fs && n as u64 == self.snapshot.frame_len(i);
+            let pieces = &self.snapshot.frames[i as usize];
+            if let ([Piece { hash, pages: None }], true) = (pieces.as_slice(), whole) {
+                self.frames
+                    .read_into(hash, d)
+                    .map_err(|e| e as Arc<dyn std::error::Error + Send + Sync>)?;
+            } else if self.snapshot.held(i) {
                 let f = self
                     .frame(i)
                     .map_err(|e| e as Arc<dyn std::error::Error + Send + Sync>)?;

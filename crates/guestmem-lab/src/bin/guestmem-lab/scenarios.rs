@@ -14,6 +14,7 @@ use guestmem_lab::firecracker::{run_firecracker, Cache, FirecrackerLabConfig};
 use guestmem_lab::fleet::{run_fleet, FleetLabConfig};
 use guestmem_lab::guards::{run_guards, GuardsLabConfig};
 use guestmem_lab::huge_regain::{run_huge_regain, HugeRegainLabConfig};
+use guestmem_lab::object_store::{run_object_store, ObjectStoreLabConfig};
 use guestmem_lab::populate::{run_populate, LayoutKind, PopulateLabConfig, DEFAULT_SETTLE};
 use guestmem_lab::report::{write_run, LabReport, LabResult};
 use guestmem_lab::restore::{run_restore, RestoreLabConfig};
@@ -50,6 +51,10 @@ pub enum Scenario {
     /// Many VMs restored at once from one snapshot: one guestmem fleet, a guestmem page
     /// server per VM, and Firecracker's example handler per VM.
     Fleet(FleetArgs),
+    /// A VM's memory served straight from S3 (a real S3 server behind a proxy adding
+    /// first-byte latency and a bandwidth cap): cold and warm frame caches, a recorded
+    /// working set, many VMs at once; pushes and diffs.
+    ObjectStore(ObjectStoreArgs),
     /// A map saved on transparent huge pages, restored onto 4 KiB pages, against the same
     /// restore collapsed back to huge pages: a random-access pass over each.
     HugeRegain(HugeRegainArgs),
@@ -73,6 +78,38 @@ pub struct RestoreArgs {
     /// Handler threads of the serve-uffd variants.
     #[arg(long, default_value_t = guestmem_lab::restore::DEFAULT_HANDLERS as u32, value_parser = clap::value_parser!(u32).range(1..=1024))]
     handlers: u32,
+    #[command(flatten)]
+    protocol: ProtocolArgs,
+}
+
+/// Flags of `guestmem-lab object-store`.
+#[derive(ClapArgs)]
+pub struct ObjectStoreArgs {
+    /// The snapshot's size.
+    #[arg(long, default_value = "1G", value_parser = size)]
+    size: u64,
+    /// Frame size of the push.
+    #[arg(long, default_value = "1M", value_parser = size)]
+    frame_size: u64,
+    /// The page server's block [default: the frame size].
+    #[arg(long, value_parser = size)]
+    block: Option<u64>,
+    /// The working set's runs.
+    #[arg(long, default_value = "1M", value_parser = size)]
+    ws_run: u64,
+    /// First-byte latencies of the store, milliseconds, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0,20")]
+    latency_ms: Vec<u64>,
+    /// The link's bandwidth a second (0: no cap).
+    #[arg(long, default_value = "1G", value_parser = size)]
+    bandwidth: u64,
+    /// VMs of the many-VM variant.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100))]
+    vms: u32,
+    /// Run only the variants whose names start so (file, cold, warm, cold+ws, vms),
+    /// comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
     #[command(flatten)]
     protocol: ProtocolArgs,
 }
@@ -321,6 +358,7 @@ pub fn run(scenario: Scenario) -> Result<()> {
         Scenario::Restore(a) => &a.protocol.out,
         Scenario::VmRestore(a) => &a.protocol.out,
         Scenario::Fleet(a) => &a.protocol.out,
+        Scenario::ObjectStore(a) => &a.protocol.out,
         Scenario::HugeRegain(a) => &a.protocol.out,
         Scenario::Firecracker(a) => &a.protocol.out,
         Scenario::All(a) => &a.out,
@@ -371,6 +409,26 @@ pub fn run(scenario: Scenario) -> Result<()> {
                 ..d
             };
             emit(&run_fleet(&cfg).context("lab fleet")?, &a.protocol.out)
+        }
+        Scenario::ObjectStore(a) => {
+            let d = ObjectStoreLabConfig::default();
+            let cfg = ObjectStoreLabConfig {
+                size: a.size,
+                frame_bytes: a.frame_size,
+                block_bytes: a.block.unwrap_or(a.frame_size),
+                ws_run: a.ws_run,
+                latencies_ms: a.latency_ms.clone(),
+                bandwidth: a.bandwidth,
+                vms: a.vms as usize,
+                only: a.only.clone(),
+                protocol: a.protocol.protocol(d.protocol),
+                command: command_line(),
+                ..d
+            };
+            emit(
+                &run_object_store(&cfg).context("lab object-store")?,
+                &a.protocol.out,
+            )
         }
         Scenario::Firecracker(a) => {
             let d = FirecrackerLabConfig::default();

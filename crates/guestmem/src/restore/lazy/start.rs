@@ -195,6 +195,10 @@ impl LazyRestore {
             }
             if let Some(first) = first {
                 this.counts.working_set = first.len();
+                // Memory read from elsewhere (object storage): the whole working set is asked
+                // for at once, so its fetches run in parallel from the start (bounded by the
+                // source), ahead of the prefetch that installs it block by block.
+                lazy.image.ahead(first.iter().copied());
                 if threads.handlers == Handlers::Pool {
                     // No thread of its own: the pool prefetches between faults.
                     let _ = lazy.readahead.order.set(lazy.plan(&first));

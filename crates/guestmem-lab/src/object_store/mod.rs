@@ -1,0 +1,578 @@
+//! The object-store scenario: a VM's memory served straight from S3 (a real S3 server,
+//! s3s-fs, behind a proxy that adds first-byte latency and a bandwidth cap) beside the same
+//! snapshot served from a local file.
+//!
+//! The snapshot: `size` bytes (1 GiB), every word distinct and incompressible, pushed with
+//! `store::push`. Its working set: `ws_fraction` of memory (10%) in runs of `ws_run` bytes
+//! at random places, read in a random order; recorded as the page server records one (the
+//! blocks faulted, first first). A stand-in VM (Firecracker's handshake) reads one word of
+//! every page of its working set, then of all its memory, checking each.
+//!
+//! Variants, each through one in-process `serve::Server` with one prefetch thread (the
+//! product's default):
+//! - `file`: the memory file on local disk (in the page cache);
+//! - `cold L`: from the store at first-byte latency L, an empty frame cache;
+//! - `warm L`: the same, every frame in the cache already;
+//! - `cold+ws L`: cold, the recorded working set prefetched first;
+//! - `vms N L`: N VMs of the snapshot at once, cold, each reading its working set (faults
+//!   alone): GETs per frame read.
+//!
+//! Reported per variant: seconds until the working set is read and until all memory is;
+//! the demand-miss latency the engine saw (faults that had to bring their block in: p50,
+//! p99); GETs and bytes fetched when the working set was read, and in all. Once per run:
+//! push throughput, bytes stored for the full push, and for a diff with `diff_fraction`
+//! (5%) of its pages rewritten, scattered.
+
+mod proxy;
+mod report;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use guestmem::restore::FaultClass;
+use guestmem::serve::{Listener, MemoryFile, Server, ServerConfig, Socket};
+use guestmem::store::{
+    Client, FetchPolicy, FrameCache, Frames, PushConfig, PushSource, StoreMemory, StoreUrl,
+};
+use guestmem_testkit::firecracker::{word, Standin, PAGE};
+use guestmem_testkit::s3::S3Server;
+
+use crate::error::LabError;
+use crate::report::LabResult;
+use crate::run::{available_cpus, summarise, thp_mode, Protocol, RunInfo, Sampled, Summary};
+
+pub use proxy::Proxy;
+
+/// The scenario's name.
+pub const SCENARIO: &str = "object-store";
+const BUCKET: &str = "lab";
+
+/// How to run the scenario (also its recorded settings).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ObjectStoreLabConfig {
+    /// Memory, bytes (a multiple of 1 MiB).
+    pub size: u64,
+    /// Frame size of the push, bytes.
+    pub frame_bytes: u64,
+    /// The page server's block, bytes.
+    pub block_bytes: u64,
+    /// Share of memory in the working set.
+    pub ws_fraction: f64,
+    /// The working set's runs, bytes.
+    pub ws_run: u64,
+    /// First-byte latencies of the store, milliseconds.
+    pub latencies_ms: Vec<u64>,
+    /// The link's bandwidth, bytes a second (0: no cap).
+    pub bandwidth: u64,
+    /// VMs of the many-VM variant.
+    pub vms: usize,
+    /// Share of pages a diff rewrites.
+    pub diff_fraction: f64,
+    /// Fault-serving threads.
+    pub pool: usize,
+    /// Which variants run (name prefixes; empty: all).
+    #[serde(default)]
+    pub only: Vec<String>,
+    /// Scratch folder (removed afterwards).
+    pub work_dir: PathBuf,
+    /// Warm-up, rounds, order.
+    pub protocol: Protocol,
+    /// The command line to record.
+    #[serde(skip)]
+    pub command: String,
+    /// THP mode (recorded).
+    #[serde(default)]
+    pub thp_mode: String,
+}
+
+impl Default for ObjectStoreLabConfig {
+    fn default() -> Self {
+        ObjectStoreLabConfig {
+            size: 1 << 30,
+            frame_bytes: 1 << 20,
+            block_bytes: 1 << 20,
+            ws_fraction: 0.10,
+            ws_run: 1 << 20,
+            latencies_ms: vec![0, 20],
+            bandwidth: 1 << 30,
+            vms: 20,
+            diff_fraction: 0.05,
+            pool: available_cpus(),
+            only: Vec::new(),
+            work_dir: std::env::temp_dir()
+                .join(format!("guestmem-lab-object-store-{}", std::process::id())),
+            protocol: Protocol {
+                warmup: 1,
+                rounds: 3,
+                order: crate::run::Order::Rotate,
+            },
+            command: String::new(),
+            thp_mode: String::new(),
+        }
+    }
+}
+
+/// One round of one variant.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StoreSample {
+    /// From the VM's connect until it has read its working set, seconds.
+    pub ws_secs: f64,
+    /// Until it has read all its memory (the many-VM variant reads its working set only).
+    pub all_secs: f64,
+    /// Demand misses (faults that brought their block in), engine's latency, microseconds.
+    pub miss_p50_us: f64,
+    /// 99th percentile.
+    pub miss_p99_us: f64,
+    /// Demand misses counted.
+    pub misses: u64,
+    /// GETs when the working set had been read.
+    pub gets_at_ws: u64,
+    /// Bytes fetched then.
+    pub bytes_at_ws: u64,
+    /// GETs in all.
+    pub gets: u64,
+    /// Bytes fetched in all.
+    pub bytes: u64,
+    /// Frames the VMs read (for GETs per frame).
+    pub frames_read: u64,
+}
+
+/// One variant's samples.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StoreVariant {
+    /// Its name.
+    pub name: String,
+    /// Seconds until the working set was read.
+    pub ws_secs: Summary,
+    /// Seconds until all memory was read.
+    pub all_secs: Summary,
+    /// Each round's measurements.
+    pub samples: Vec<Sampled<StoreSample>>,
+}
+
+/// What pushing cost.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PushFigures {
+    /// Seconds of the full push (straight to the S3 server, no proxy).
+    pub full_secs: f64,
+    /// Bytes stored by it.
+    pub full_stored: u64,
+    /// Bytes of the diff's rewritten pages.
+    pub diff_changed: u64,
+    /// Bytes stored by the diff's push.
+    pub diff_stored: u64,
+    /// Seconds of the diff's push.
+    pub diff_secs: f64,
+}
+
+/// Every variant (the result's body).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StoreFindings {
+    /// Bytes of the working set.
+    pub ws_bytes: u64,
+    /// Pushes.
+    pub push: PushFigures,
+    /// In the order they were listed.
+    pub variants: Vec<StoreVariant>,
+}
+
+/// The scenario's whole result.
+pub type ObjectStoreResult = LabResult<ObjectStoreLabConfig, StoreFindings>;
+
+fn err(what: impl std::fmt::Display) -> LabError {
+    LabError::restore(what.to_string())
+}
+
+/// A small deterministic generator (xorshift64*).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            v.swap(i, j);
+        }
+    }
+}
+
+/// The working set: runs (byte offsets), in the order the VM reads them.
+fn working_set(cfg: &ObjectStoreLabConfig) -> Vec<u64> {
+    let runs = cfg.size / cfg.ws_run;
+    let want = ((cfg.size as f64 * cfg.ws_fraction) / cfg.ws_run as f64).ceil() as u64;
+    let mut all: Vec<u64> = (0..runs).collect();
+    let mut rng = Rng(0x5eed_0b1e_c7);
+    rng.shuffle(&mut all);
+    all.truncate(want.min(runs) as usize);
+    all.iter().map(|r| r * cfg.ws_run).collect()
+}
+
+/// A client of the lab's bucket at `endpoint`.
+fn client(s3: &S3Server, endpoint: &str) -> Result<Arc<Client>, LabError> {
+    let env: Vec<(&str, String)> = s3.env();
+    let endpoint = endpoint.to_string();
+    let get = move |k: &str| -> Option<String> {
+        if k == "AWS_ENDPOINT_URL" {
+            return Some(endpoint.clone());
+        }
+        env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())
+    };
+    Ok(Arc::new(Client::connect_with(BUCKET, &get).map_err(err)?))
+}
+
+/// What one VM read.
+struct VmRead {
+    ws: Duration,
+    all: Duration,
+    at_ws: (u64, u64),
+}
+
+/// Reads one word of each page of `runs` (each `run` bytes), then of all memory if `all`,
+/// checking each against the file; `at_ws` is called once the working set is read.
+fn read_vm(
+    vm: &Standin,
+    runs: &[u64],
+    run: u64,
+    all: bool,
+    t0: Instant,
+    at_ws: &(dyn Fn() -> (u64, u64) + Sync),
+) -> Result<VmRead, String> {
+    let check = |at: usize| {
+        let got = vm.word(at);
+        if got != word(at as u64) {
+            return Err(format!(
+                "word at {at:#x}: {got:#x}, the file holds {:#x}",
+                word(at as u64)
+            ));
+        }
+        Ok(())
+    };
+    for &r in runs {
+        for p in (r..r + run).step_by(PAGE) {
+            check(p as usize)?;
+        }
+    }
+    let ws = t0.elapsed();
+    let counts = at_ws();
+    if all {
+        for p in (0..vm.size()).step_by(PAGE) {
+            check(p)?;
+        }
+    }
+    Ok(VmRead {
+        ws,
+        all: t0.elapsed(),
+        at_ws: counts,
+    })
+}
+
+/// Everything a round needs.
+struct Lab<'a> {
+    cfg: &'a ObjectStoreLabConfig,
+    s3: &'a S3Server,
+    mem: PathBuf,
+    url: StoreUrl,
+    runs: Vec<u64>,
+    proxies: Vec<(u64, Proxy)>,
+}
+
+/// How a variant serves.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    File,
+    Cold,
+    Warm,
+    ColdWs,
+    Many,
+}
+
+impl Lab<'_> {
+    fn round(&self, kind: Kind, latency_ms: u64) -> Result<StoreSample, LabError> {
+        let cfg = self.cfg;
+        let dir = cfg.work_dir.join("round");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(err)?;
+        let frames = if kind == Kind::File {
+            None
+        } else {
+            let proxy = &self
+                .proxies
+                .iter()
+                .find(|(l, _)| *l == latency_ms)
+                .expect("a proxy")
+                .1;
+            let cache = Arc::new(FrameCache::open(&dir.join("cache"), 4 * cfg.size).map_err(err)?);
+            let f = Frames::new(
+                client(self.s3, &proxy.endpoint())?,
+                Some(cache),
+                FetchPolicy::default(),
+            );
+            if kind == Kind::Warm {
+                // Every frame in the cache first (straight from the server: not timed).
+                let direct = Frames::new(
+                    client(self.s3, &self.s3.endpoint())?,
+                    f.cache().cloned(),
+                    FetchPolicy::default(),
+                );
+                StoreMemory::open(direct, &self.url)
+                    .map_err(err)?
+                    .fetch_all(8)
+                    .map_err(err)?;
+            }
+            Some(f)
+        };
+        let memory = match &frames {
+            None => MemoryFile::open(&self.mem).map_err(err)?,
+            Some(f) => {
+                MemoryFile::from_store(StoreMemory::open(Arc::clone(f), &self.url).map_err(err)?)
+            }
+        };
+        let bb = cfg.block_bytes;
+        let working_set: Vec<u64> = if kind == Kind::ColdWs {
+            let mut seen = std::collections::HashSet::new();
+            self.runs
+                .iter()
+                .flat_map(|&r| (r / bb * bb..r + cfg.ws_run).step_by(bb as usize))
+                .filter(|b| seen.insert(*b))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let socket = dir.join("uffd.sock");
+        let server = Server::new(
+            vec![Socket {
+                listener: Listener::bind(&socket).map_err(err)?,
+                memory,
+                working_set,
+            }],
+            ServerConfig {
+                handler_threads: cfg.pool,
+                prefetch_threads: usize::from(kind != Kind::Many),
+                block_bytes: bb,
+                regain_huge: false,
+                ..ServerConfig::default()
+            },
+        )
+        .map_err(err)?;
+        let status = server.status();
+        let drainer = server.drainer();
+        let sup = std::thread::spawn(move || server.run());
+        let n = if kind == Kind::Many { cfg.vms } else { 1 };
+        let mut vms: Vec<Standin> = (0..n)
+            .map(|_| Standin::new(&[cfg.size as usize], false).map_err(err))
+            .collect::<Result<_, _>>()?;
+        let counts = || {
+            let s = status.snapshot();
+            s.store.map_or((0, 0), |st| (st.gets, st.bytes_fetched))
+        };
+        let t0 = Instant::now();
+        for vm in &mut vms {
+            vm.connect(&socket).map_err(err)?;
+        }
+        let reads: Vec<Result<VmRead, String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = vms
+                .iter()
+                .map(|vm| {
+                    let counts = &counts;
+                    let runs = &self.runs;
+                    s.spawn(move || read_vm(vm, runs, cfg.ws_run, kind != Kind::Many, t0, counts))
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("a reader panicked".into())))
+                .collect()
+        });
+        let end = status.snapshot();
+        for vm in &mut vms {
+            vm.disconnect();
+        }
+        drainer.drain();
+        let report = sup
+            .join()
+            .map_err(|_| err("the server panicked"))?
+            .map_err(err)?;
+        drop(vms);
+        let reads: Vec<VmRead> = reads.into_iter().collect::<Result<_, _>>().map_err(err)?;
+        let miss = end
+            .sockets
+            .first()
+            .map(|k| k.fault_latency.class(FaultClass::File).clone())
+            .unwrap_or_default();
+        let _ = report;
+        let (gets, bytes) = end
+            .store
+            .as_ref()
+            .map_or((0, 0), |s| (s.gets, s.bytes_fetched));
+        let slowest = |f: fn(&VmRead) -> Duration| {
+            reads.iter().map(f).max().unwrap_or_default().as_secs_f64()
+        };
+        let frames_read = {
+            let fb = cfg.frame_bytes;
+            let mut f: Vec<u64> = self
+                .runs
+                .iter()
+                .flat_map(|&r| r / fb..(r + cfg.ws_run).div_ceil(fb))
+                .collect();
+            f.sort_unstable();
+            f.dedup();
+            if kind == Kind::Many {
+                f.len() as u64
+            } else {
+                cfg.size / fb
+            }
+        };
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(StoreSample {
+            ws_secs: slowest(|r| r.ws),
+            all_secs: if kind == Kind::Many {
+                0.0
+            } else {
+                slowest(|r| r.all)
+            },
+            miss_p50_us: miss.p50_us,
+            miss_p99_us: miss.p99_us,
+            misses: miss.count,
+            gets_at_ws: reads.iter().map(|r| r.at_ws.0).max().unwrap_or(0),
+            bytes_at_ws: reads.iter().map(|r| r.at_ws.1).max().unwrap_or(0),
+            gets,
+            bytes,
+            frames_read,
+        })
+    }
+}
+
+/// Writes a diff of `mem` into `path`: a sparse file holding `fraction` of its pages,
+/// scattered, each rewritten. The bytes written.
+fn diff_file(path: &Path, size: u64, fraction: f64) -> Result<u64, LabError> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::create(path).map_err(err)?;
+    f.set_len(size).map_err(err)?;
+    let pages = size / PAGE as u64;
+    let mut all: Vec<u64> = (0..pages).collect();
+    let mut rng = Rng(0xd1ff_5eed);
+    rng.shuffle(&mut all);
+    all.truncate((pages as f64 * fraction) as usize);
+    all.sort_unstable();
+    let mut buf = vec![0u8; PAGE];
+    for &p in &all {
+        for c in buf.chunks_exact_mut(8) {
+            c.copy_from_slice(&rng.next().to_ne_bytes());
+        }
+        f.write_all_at(&buf, p * PAGE as u64).map_err(err)?;
+    }
+    Ok(all.len() as u64 * PAGE as u64)
+}
+
+/// Runs the scenario; writes nothing but its scratch files (removed afterwards).
+pub fn run_object_store(cfg: &ObjectStoreLabConfig) -> Result<ObjectStoreResult, LabError> {
+    cfg.protocol.validate(SCENARIO)?;
+    if cfg.size == 0
+        || !cfg.size.is_multiple_of(1 << 20)
+        || cfg.ws_run == 0
+        || !cfg.ws_run.is_multiple_of(PAGE as u64)
+    {
+        return Err(LabError::Config {
+            scenario: SCENARIO,
+            reason: "the size must be a multiple of 1 MiB, the working set's runs of 4 KiB".into(),
+        });
+    }
+    crate::run::in_work_dir(&cfg.work_dir, || run_in(cfg))
+}
+
+fn run_in(cfg: &ObjectStoreLabConfig) -> Result<ObjectStoreResult, LabError> {
+    let run = RunInfo::collect(cfg.command.clone());
+    let mem = guestmem_testkit::firecracker::memory_file(&cfg.work_dir, cfg.size as usize, None);
+    let s3 = S3Server::start("lab-object-store", &[BUCKET]);
+    let url = StoreUrl::parse(&format!("s3://{BUCKET}/base"), false).map_err(err)?;
+    let direct = client(&s3, &s3.endpoint())?;
+    let push_cfg = PushConfig {
+        frame_bytes: cfg.frame_bytes,
+        ..PushConfig::default()
+    };
+    let full = guestmem::store::push(&direct, &PushSource::Raw(mem.clone()), &url, &push_cfg)
+        .map_err(err)?;
+    let diff = cfg.work_dir.join("diff");
+    let changed = diff_file(&diff, cfg.size, cfg.diff_fraction)?;
+    let d = guestmem::store::push(
+        &direct,
+        &PushSource::RawDiff {
+            path: diff.clone(),
+            base: url.clone(),
+        },
+        &url.sibling("diff"),
+        &push_cfg,
+    )
+    .map_err(err)?;
+    let _ = std::fs::remove_file(&diff);
+    let push = PushFigures {
+        full_secs: full.wall_secs,
+        full_stored: full.bytes_stored,
+        diff_changed: changed,
+        diff_stored: d.bytes_stored,
+        diff_secs: d.wall_secs,
+    };
+    let proxies = cfg
+        .latencies_ms
+        .iter()
+        .map(|&l| {
+            Ok((
+                l,
+                Proxy::start(s3.addr(), Duration::from_millis(l), cfg.bandwidth).map_err(err)?,
+            ))
+        })
+        .collect::<Result<Vec<_>, LabError>>()?;
+    let lab = Lab {
+        cfg,
+        s3: &s3,
+        mem,
+        url,
+        runs: working_set(cfg),
+        proxies,
+    };
+    let mut variants: Vec<(String, Kind, u64)> = vec![("file".into(), Kind::File, 0)];
+    for &l in &cfg.latencies_ms {
+        variants.push((format!("cold {l}ms"), Kind::Cold, l));
+        variants.push((format!("warm {l}ms"), Kind::Warm, l));
+        variants.push((format!("cold+ws {l}ms"), Kind::ColdWs, l));
+        variants.push((format!("vms {} {l}ms", cfg.vms), Kind::Many, l));
+    }
+    variants.retain(|(n, _, _)| {
+        cfg.only.is_empty() || cfg.only.iter().any(|o| n.starts_with(o.as_str()))
+    });
+    let samples = cfg.protocol.run(variants.len(), |i| {
+        let (_, kind, l) = &variants[i];
+        lab.round(*kind, *l)
+    })?;
+    let body = variants
+        .iter()
+        .zip(samples)
+        .map(|((n, _, _), samples)| StoreVariant {
+            name: n.clone(),
+            ws_secs: summarise(&samples, |s| s.ws_secs),
+            all_secs: summarise(&samples, |s| s.all_secs),
+            samples,
+        })
+        .collect();
+    Ok(LabResult {
+        scenario: SCENARIO.into(),
+        seeds: Vec::new(),
+        run,
+        settings: ObjectStoreLabConfig {
+            thp_mode: thp_mode(),
+            ..cfg.clone()
+        },
+        timed: "from the VM's connect (server listening, manifest read) until it has read its \
+                working set, and until it has read all its memory; one word a page, each checked"
+            .into(),
+        body: StoreFindings {
+            ws_bytes: lab.runs.len() as u64 * cfg.ws_run,
+            push,
+            variants: body,
+        },
+    })
+}

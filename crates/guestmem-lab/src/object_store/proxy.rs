@@ -1,0 +1,157 @@
+//! A TCP proxy in front of the S3 server that makes it look remote: every response's first
+//! byte waits until `first_byte` after the request that asked for it, and every byte to the
+//! client goes through one bandwidth cap shared by all connections (a host's link).
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The link every connection's responses share.
+#[derive(Debug)]
+struct Link {
+    /// Bytes per second (0: no cap).
+    rate: u64,
+    /// When the link is free to send again.
+    free_at: Mutex<Instant>,
+}
+
+impl Link {
+    /// Waits until `n` bytes have gone over the link.
+    fn send(&self, n: usize) {
+        if self.rate == 0 {
+            return;
+        }
+        let dur = Duration::from_secs_f64(n as f64 / self.rate as f64);
+        let done = {
+            let mut f = self.free_at.lock().unwrap_or_else(|e| e.into_inner());
+            let start = (*f).max(Instant::now());
+            *f = start + dur;
+            *f
+        };
+        let now = Instant::now();
+        if done > now {
+            std::thread::sleep(done - now);
+        }
+    }
+}
+
+/// A running proxy; stopped on drop.
+pub struct Proxy {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Proxy {
+    /// Listens on 127.0.0.1 and forwards to `upstream`.
+    pub fn start(
+        upstream: SocketAddr,
+        first_byte: Duration,
+        bytes_per_sec: u64,
+    ) -> std::io::Result<Proxy> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let link = Arc::new(Link {
+            rate: bytes_per_sec,
+            free_at: Mutex::new(Instant::now()),
+        });
+        let st = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("s3-proxy".into())
+            .spawn(move || {
+                while !st.load(Ordering::Relaxed) {
+                    match listener.accept() {
+                        Ok((client, _)) => {
+                            let _ = client.set_nonblocking(false);
+                            let link = Arc::clone(&link);
+                            let _ = std::thread::Builder::new()
+                                .name("s3-proxy-conn".into())
+                                .spawn(move || conn(client, upstream, first_byte, link));
+                        }
+                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+            })?;
+        Ok(Proxy {
+            addr,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One connection: requests forwarded as they come; each response held until `first_byte`
+/// after its request, then paced by the link.
+fn conn(client: TcpStream, upstream: SocketAddr, first_byte: Duration, link: Arc<Link>) {
+    let Ok(server) = TcpStream::connect(upstream) else {
+        return;
+    };
+    let _ = server.set_nodelay(true);
+    let _ = client.set_nodelay(true);
+    // When the last request went up, and whether its response has not started yet.
+    let asked: Arc<Mutex<(Instant, bool)>> = Arc::new(Mutex::new((Instant::now(), false)));
+    let (mut c_in, mut s_out) = match (client.try_clone(), server.try_clone()) {
+        (Ok(c), Ok(s)) => (c, s),
+        _ => return,
+    };
+    let a = Arc::clone(&asked);
+    let up = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            match c_in.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    *a.lock().unwrap_or_else(|e| e.into_inner()) = (Instant::now(), true);
+                    if s_out.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = s_out.shutdown(Shutdown::Write);
+    });
+    let (mut s_in, mut c_out) = (server, client);
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        match s_in.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                let wait = {
+                    let mut g = asked.lock().unwrap_or_else(|e| e.into_inner());
+                    let w =
+                        g.1.then(|| (g.0 + first_byte).saturating_duration_since(Instant::now()));
+                    g.1 = false;
+                    w
+                };
+                if let Some(w) = wait.filter(|w| !w.is_zero()) {
+                    std::thread::sleep(w);
+                }
+                link.send(n);
+                if c_out.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    let _ = c_out.shutdown(Shutdown::Both);
+    let _ = up.join();
+}

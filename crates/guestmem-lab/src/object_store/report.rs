@@ -1,0 +1,99 @@
+//! The object-store scenario's Markdown report and plot.
+
+use super::{ObjectStoreResult, StoreSample};
+use crate::plot::{Bar, BarGroup};
+use crate::report::{header, LabReport};
+use crate::run::{ratio, summarise};
+
+impl LabReport for ObjectStoreResult {
+    fn markdown(&self) -> String {
+        let s = &self.settings;
+        let b = &self.body;
+        let mib = |x: u64| x as f64 / (1 << 20) as f64;
+        let mut md = header(
+            "object-store (a VM's memory served straight from S3)",
+            &self.run,
+            &s.thp_mode,
+            &s.protocol,
+            &format!(
+                "{} MiB snapshot (incompressible), frames of {} KiB, the page server's block {} \
+                 KiB; working set {:.0}% of memory in runs of {} KiB at random places ({} MiB); \
+                 the store is s3s-fs on this host behind a proxy with first-byte latency {:?} ms \
+                 and a link of {} MiB/s; one stand-in VM (Firecracker's handshake) reading one \
+                 word a page, each checked; {} pool threads, one prefetch thread. Timed: {}. \
+                 Medians over the measured rounds (min-max in brackets).\n",
+                s.size >> 20,
+                s.frame_bytes >> 10,
+                s.block_bytes >> 10,
+                s.ws_fraction * 100.0,
+                s.ws_run >> 10,
+                mib(b.ws_bytes),
+                s.latencies_ms,
+                s.bandwidth >> 20,
+                s.pool,
+                self.timed
+            ),
+        );
+        let file = b.variants.iter().find(|v| v.name == "file");
+        md.push_str(
+            "| variant | working set read, s | /file | all read, s | /file | demand miss p50 ms | p99 ms \
+             | GETs at ws | MiB at ws | /ws bytes | GETs | MiB fetched | GETs per frame read |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        );
+        for v in &b.variants {
+            let m = |f: fn(&StoreSample) -> f64| summarise(&v.samples, f).median;
+            let vs =
+                |x: f64, f: Option<f64>| f.map_or("".into(), |f| format!("{:.2}x", ratio(x, f)));
+            let many = v.name.starts_with("vms");
+            md.push_str(&format!(
+                "| {} | {:.3} ({:.3}-{:.3}) | {} | {} | {} | {:.2} | {:.2} | {:.0} | {:.1} | {:.2}x | {:.0} | {:.1} | {:.2} |\n",
+                v.name,
+                v.ws_secs.median,
+                v.ws_secs.min,
+                v.ws_secs.max,
+                if many { String::new() } else { vs(v.ws_secs.median, file.map(|f| f.ws_secs.median)) },
+                if many { "(ws only)".into() } else { format!("{:.3} ({:.3}-{:.3})", v.all_secs.median, v.all_secs.min, v.all_secs.max) },
+                if many { String::new() } else { vs(v.all_secs.median, file.map(|f| f.all_secs.median)) },
+                m(|s| s.miss_p50_us) / 1000.0,
+                m(|s| s.miss_p99_us) / 1000.0,
+                m(|s| s.gets_at_ws as f64),
+                m(|s| s.bytes_at_ws as f64) / (1 << 20) as f64,
+                ratio(m(|s| s.bytes_at_ws as f64), b.ws_bytes as f64),
+                m(|s| s.gets as f64),
+                m(|s| s.bytes as f64) / (1 << 20) as f64,
+                ratio(m(|s| s.gets as f64), m(|s| s.frames_read as f64)),
+            ));
+        }
+        let p = &b.push;
+        md.push_str(&format!(
+            "\nPush of the {} MiB file straight to the S3 server: {:.2} s ({:.0} MiB/s), {:.1} MiB \
+             stored. A diff rewriting {:.0}% of the pages, scattered ({:.1} MiB): pushed in {:.2} s, \
+             {:.1} MiB stored, {:.1}% of the full push's bytes.\n",
+            s.size >> 20,
+            p.full_secs,
+            ratio(mib(s.size), p.full_secs),
+            mib(p.full_stored),
+            s.diff_fraction * 100.0,
+            mib(p.diff_changed),
+            p.diff_secs,
+            mib(p.diff_stored),
+            100.0 * ratio(p.diff_stored as f64, p.full_stored as f64),
+        ));
+        md
+    }
+
+    fn bars(&self) -> (&'static str, Vec<BarGroup>) {
+        (
+            "seconds until the working set was read (bar: median, line: min to max)",
+            vec![BarGroup {
+                title: format!("{} MiB", self.settings.size >> 20),
+                bars: self
+                    .body
+                    .variants
+                    .iter()
+                    .map(|v| Bar::of(&v.name, &v.ws_secs))
+                    .collect(),
+            }],
+        )
+    }
+}
