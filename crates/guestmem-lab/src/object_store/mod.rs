@@ -206,7 +206,7 @@ fn working_set(cfg: &ObjectStoreLabConfig) -> Vec<u64> {
     let runs = cfg.size / cfg.ws_run;
     let want = ((cfg.size as f64 * cfg.ws_fraction) / cfg.ws_run as f64).ceil() as u64;
     let mut all: Vec<u64> = (0..runs).collect();
-    let mut rng = Rng(0x5eed_0b1e_c7);
+    let mut rng = Rng(0x005e_ed0b_1ec7);
     rng.shuffle(&mut all);
     all.truncate(want.min(runs) as usize);
     all.iter().map(|r| r * cfg.ws_run).collect()
