@@ -396,3 +396,77 @@ fn many_vms_of_one_snapshot_fetch_each_frame_once() {
     assert_eq!(s["gets"], 8, "one GET a data frame for 8 VMs: {s}");
     assert_eq!(rep["status"]["sockets"][0]["sessions"], 8, "{out}");
 }
+
+/// A server serving from the store is killed (`kill -9`) half-way through a VM: the next
+/// server on the same state and cache directories takes the VM back, finds in the cache
+/// every frame the first one fetched (fetching only the rest), and the VM reads every word
+/// right.
+#[test]
+fn a_kill_9_mid_serve_from_the_store_loses_nothing_and_the_cache_is_reused() {
+    need_uffd!();
+    const SIZE: usize = 16 * MIB;
+    let d = Scratch::new("store-kill9");
+    let s3 = S3Server::start("kill9", &[BUCKET]);
+    let mem = memory_file(&d, SIZE, None);
+    ok(
+        &s3,
+        &["snapshot", "push", mem.to_str().unwrap(), "s3://snaps/vm"],
+    );
+    let socket = d.join("uffd.sock");
+    let (state, cache) = (d.join("state"), d.join("cache"));
+    let args = [
+        "--threads",
+        "2",
+        "--prefetch-threads",
+        "0",
+        "--json",
+        "--state-dir",
+        state.to_str().unwrap(),
+        "--cache-dir",
+        cache.to_str().unwrap(),
+    ];
+    let start = || {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_guestmem"));
+        cmd.args(["serve-uffd", "--socket"])
+            .arg(&socket)
+            .args(["--mem-file", "s3://snaps/vm"])
+            .args(args)
+            .envs(s3.env());
+        let mut g = Srv::start(&mut cmd);
+        let t = std::time::Instant::now();
+        while !socket.exists() {
+            assert!(
+                g.running() && t.elapsed() < Duration::from_secs(30),
+                "no socket"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        g
+    };
+    let mut first = start();
+    let mut vm = Standin::new(&[SIZE], false).unwrap();
+    vm.connect(&socket).unwrap();
+    let t = std::time::Instant::now();
+    while std::fs::read_dir(&state).map_or(0, |d| d.count()) == 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "no session record");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The first half read (8 frames fetched), then the server dies.
+    for p in 0..SIZE / 2 / PAGE {
+        assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64));
+    }
+    // SAFETY: kill on our own child's pid.
+    assert_eq!(unsafe { libc::kill(first.id() as i32, libc::SIGKILL) }, 0);
+    first.wait_exit(5);
+    let second = start();
+    for p in 0..SIZE / PAGE {
+        assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64), "page {p}");
+    }
+    let (code, out, err, _) = terminate(second);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("took back peer"), "{err}");
+    let rep = json(&out);
+    let s = &rep["status"]["store"];
+    // The second server fetched only the frames the first never did.
+    assert_eq!(s["gets"], 8, "{s}");
+}

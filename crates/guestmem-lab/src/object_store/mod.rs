@@ -164,6 +164,9 @@ pub struct PushFigures {
     pub diff_stored: u64,
     /// Seconds of the diff's push.
     pub diff_secs: f64,
+    /// Seconds to fetch every frame once through the first proxy with 16 threads (what this
+    /// rig's store delivers: the ceiling of every cold variant).
+    pub fetch_all_secs: f64,
 }
 
 /// Every variant (the result's body).
@@ -509,13 +512,6 @@ fn run_in(cfg: &ObjectStoreLabConfig) -> Result<ObjectStoreResult, LabError> {
     )
     .map_err(err)?;
     let _ = std::fs::remove_file(&diff);
-    let push = PushFigures {
-        full_secs: full.wall_secs,
-        full_stored: full.bytes_stored,
-        diff_changed: changed,
-        diff_stored: d.bytes_stored,
-        diff_secs: d.wall_secs,
-    };
     let proxies = cfg
         .latencies_ms
         .iter()
@@ -526,6 +522,32 @@ fn run_in(cfg: &ObjectStoreLabConfig) -> Result<ObjectStoreResult, LabError> {
             ))
         })
         .collect::<Result<Vec<_>, LabError>>()?;
+    let fetch_all_secs = match proxies.first() {
+        Some((_, p)) => {
+            let dir = cfg.work_dir.join("fetch-all");
+            let cache = Arc::new(FrameCache::open(&dir, 4 * cfg.size).map_err(err)?);
+            let f = Frames::new(
+                client(&s3, &p.endpoint())?,
+                Some(cache),
+                FetchPolicy::default(),
+            );
+            let m = StoreMemory::open(f, &url).map_err(err)?;
+            let t = Instant::now();
+            m.fetch_all(16).map_err(err)?;
+            let secs = t.elapsed().as_secs_f64();
+            let _ = std::fs::remove_dir_all(&dir);
+            secs
+        }
+        None => 0.0,
+    };
+    let push = PushFigures {
+        full_secs: full.wall_secs,
+        full_stored: full.bytes_stored,
+        diff_changed: changed,
+        diff_stored: d.bytes_stored,
+        diff_secs: d.wall_secs,
+        fetch_all_secs,
+    };
     let lab = Lab {
         cfg,
         s3: &s3,

@@ -2,7 +2,7 @@
 //! every VM and snapshot a server serves, bounded in bytes (least recently used out first),
 //! and checked every time a frame is read from it. A frame is kept only after its BLAKE3
 //! hash was checked against its name (what came from the store is untrusted); the file
-//! carries, after the frame, its CRC-64, which every read checks: the cache is this host's
+//! carries, after the frame, guestmem's block checksum of it, which every read checks: the cache is this host's
 //! own, so the re-check is against corruption (a torn write, bit rot, a file changed behind
 //! the server's back), at memory speed, where a BLAKE3 pass would cost a warm cache its level
 //! with a local file. It outlives the server:
@@ -120,11 +120,13 @@ fn trailer(plain: &[u8]) -> [u8; TRAILER] {
     t
 }
 
-/// The checksum a frame's file carries: CRC-64/NVME (carry-less multiply: a pass at memory
-/// speed; measured, guestmem's own block checksum made a warm cache's pass 1.26x a local
-/// file's, against 1.08x with no check at all).
+/// The checksum a frame's file carries: guestmem's block checksum (`snapshot/hash.rs`, the
+/// check local snapshot images carry), a pass at memory speed. (CRC-64 through crc-fast
+/// measured the same here, and overflows a 256 KiB worker stack in a debug build.)
 fn checksum(plain: &[u8]) -> u64 {
-    crc_fast::checksum(crc_fast::CrcAlgorithm::Crc64Nvme, plain)
+    let mut h = crate::snapshot::BlockHasher::default();
+    h.update(plain);
+    h.finish()
 }
 
 /// Largest cache, bytes (1 PiB: a typo's guard, not a policy).
@@ -270,12 +272,12 @@ impl FrameCache {
             f.read_exact_at(&mut t, dst.len() as u64)?;
             // Read and checked a piece at a time: the check reads what the read just left in
             // the CPU's cache, not the whole frame again from memory.
-            let mut crc = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc64Nvme);
+            let mut h = crate::snapshot::BlockHasher::default();
             for (k, piece) in dst.chunks_mut(CHECK_PIECE).enumerate() {
                 f.read_exact_at(piece, (k * CHECK_PIECE) as u64)?;
-                crc.update(piece);
+                h.update(piece);
             }
-            Ok(t[..4] == TRAILER_MAGIC && t[8..] == crc.finalize().to_le_bytes())
+            Ok(t[..4] == TRAILER_MAGIC && t[8..] == h.finish().to_le_bytes())
         };
         match read() {
             Ok(true) => {
