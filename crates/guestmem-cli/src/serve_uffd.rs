@@ -89,7 +89,7 @@ pub struct Args {
     /// Write the blocks the VM faulted, in order, here when the VM goes away (with --once).
     #[arg(long, requires = "once")]
     record: Option<PathBuf>,
-    /// Bytes served per fault.
+    /// Bytes served per fault (a snapshot in the store is served a frame a fault).
     #[arg(long, default_value = "1M", value_parser = size)]
     block: u64,
     /// Give up when no VM connects within this many seconds [default: wait] (with --once).

@@ -46,7 +46,7 @@ struct Push {
     #[arg(long)]
     base: Option<String>,
     /// Bytes per frame: a power of two from 64K to 16M (a diff takes its base's).
-    #[arg(long, default_value = "1M", value_parser = size)]
+    #[arg(long, default_value = "256K", value_parser = size)]
     frame_size: u64,
     /// Frames read, hashed, compressed and uploaded at once.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=64))]

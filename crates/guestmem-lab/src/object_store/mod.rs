@@ -55,7 +55,8 @@ pub struct ObjectStoreLabConfig {
     pub size: u64,
     /// Frame size of the push, bytes.
     pub frame_bytes: u64,
-    /// The page server's block, bytes.
+    /// The page server's block for the local file, bytes (a snapshot in the store is served
+    /// a frame a fault).
     pub block_bytes: u64,
     /// Share of memory in the working set.
     pub ws_fraction: f64,
@@ -90,10 +91,10 @@ impl Default for ObjectStoreLabConfig {
     fn default() -> Self {
         ObjectStoreLabConfig {
             size: 1 << 30,
-            frame_bytes: 1 << 20,
+            frame_bytes: 256 << 10,
             block_bytes: 1 << 20,
             ws_fraction: 0.10,
-            ws_run: 1 << 20,
+            ws_run: 256 << 10,
             latencies_ms: vec![0, 20],
             bandwidth: 1 << 30,
             vms: 20,

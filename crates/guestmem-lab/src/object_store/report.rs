@@ -16,8 +16,8 @@ impl LabReport for ObjectStoreResult {
             &s.thp_mode,
             &s.protocol,
             &format!(
-                "{} MiB snapshot (incompressible), frames of {} KiB, the page server's block {} \
-                 KiB; working set {:.0}% of memory in runs of {} KiB at random places ({} MiB); \
+                "{} MiB snapshot (incompressible), frames of {} KiB (a frame a fault), the local \
+                 file's block {} KiB; working set {:.0}% of memory in runs of {} KiB at random places ({} MiB); \
                  the store is s3s-fs on this host behind a proxy with first-byte latency {:?} ms \
                  and a link of {} MiB/s; one stand-in VM (Firecracker's handshake) reading one \
                  word a page, each checked; {} pool threads, one prefetch thread. Timed: {}. \

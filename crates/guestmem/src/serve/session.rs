@@ -332,6 +332,13 @@ fn image_of(
         .map(|r| r.page_size)
         .max()
         .unwrap_or(SMALL_PAGE_BYTES);
+    // A snapshot in the store is served a frame a fault: a larger block would fetch frames
+    // the VM did not ask for, one GET each.
+    let block_bytes = match &mem.source {
+        Source::File(_) => block_bytes,
+        #[cfg(feature = "store")]
+        Source::Store(m) => m.snapshot().frame_bytes(),
+    };
     let block = block_bytes.max(largest).next_multiple_of(largest);
     let raw: Vec<RawRegion> = regions
         .iter()

@@ -89,13 +89,14 @@ pub struct ObjectStoreArgs {
     #[arg(long, default_value = "1G", value_parser = size)]
     size: u64,
     /// Frame size of the push.
-    #[arg(long, default_value = "1M", value_parser = size)]
+    #[arg(long, default_value = "256K", value_parser = size)]
     frame_size: u64,
-    /// The page server's block [default: the frame size].
-    #[arg(long, value_parser = size)]
-    block: Option<u64>,
-    /// The working set's runs.
+    /// The page server's block for the local file (a snapshot in the store is served a
+    /// frame a fault).
     #[arg(long, default_value = "1M", value_parser = size)]
+    block: u64,
+    /// The working set's runs.
+    #[arg(long, default_value = "256K", value_parser = size)]
     ws_run: u64,
     /// First-byte latencies of the store, milliseconds, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "0,20")]
@@ -415,7 +416,7 @@ pub fn run(scenario: Scenario) -> Result<()> {
             let cfg = ObjectStoreLabConfig {
                 size: a.size,
                 frame_bytes: a.frame_size,
-                block_bytes: a.block.unwrap_or(a.frame_size),
+                block_bytes: a.block,
                 ws_run: a.ws_run,
                 latencies_ms: a.latency_ms.clone(),
                 bandwidth: a.bandwidth,
