@@ -230,6 +230,8 @@ struct Readahead {
     /// time on the pool's threads (see `Lazy::prefetch_step`), and how far it has got.
     order: OnceLock<Vec<u64>>,
     cursor: AtomicU64,
+    /// How many blocks at the front of `order` are the recorded working set.
+    first: AtomicU64,
 }
 
 /// What the memory a restore fills holds when it starts.

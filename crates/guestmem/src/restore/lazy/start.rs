@@ -170,6 +170,7 @@ impl LazyRestore {
                 ahead: AtomicU64::new(u64::MAX),
                 order: OnceLock::new(),
                 cursor: AtomicU64::new(0),
+                first: AtomicU64::new(0),
             },
             regain: Mutex::new(None),
         });
@@ -201,7 +202,10 @@ impl LazyRestore {
                 lazy.image.ahead(first.iter().copied());
                 if threads.handlers == Handlers::Pool {
                     // No thread of its own: the pool prefetches between faults.
-                    let _ = lazy.readahead.order.set(lazy.plan(&first));
+                    let order = lazy.plan(&first);
+                    let in_first = order.len().min(first.len()) as u64;
+                    lazy.readahead.first.store(in_first, std::sync::atomic::Ordering::Release);
+                    let _ = lazy.readahead.order.set(order);
                 } else {
                     this.start_prefetch(first)?;
                 }
