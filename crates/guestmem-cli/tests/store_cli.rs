@@ -75,7 +75,15 @@ fn push_ls_pull_and_a_diff_on_a_base() {
     let url = format!("s3://{BUCKET}/vm/base");
     let r = json(&ok(
         &s3,
-        &["snapshot", "push", "--frame-size", "1M", mem.to_str().unwrap(), &url, "--json"],
+        &[
+            "snapshot",
+            "push",
+            "--frame-size",
+            "1M",
+            mem.to_str().unwrap(),
+            &url,
+            "--json",
+        ],
     ));
     assert_eq!(r["frames"], 8);
     assert_eq!(r["zero_frames"], 1, "{r}");
@@ -96,7 +104,17 @@ fn push_ls_pull_and_a_diff_on_a_base() {
     assert_eq!(r["objects_stored"], 0, "{r}");
     assert_eq!(r["objects_skipped"], 7, "{r}");
     // A name is never replaced.
-    let (code, _, err) = gm(&s3, &["snapshot", "push", "--frame-size", "1M", mem.to_str().unwrap(), &url]);
+    let (code, _, err) = gm(
+        &s3,
+        &[
+            "snapshot",
+            "push",
+            "--frame-size",
+            "1M",
+            mem.to_str().unwrap(),
+            &url,
+        ],
+    );
     assert_eq!(code, 1);
     assert!(err.contains("already"), "{err}");
     let ls = ok(&s3, &["snapshot", "ls", &format!("s3://{BUCKET}")]);
@@ -177,11 +195,25 @@ fn gc_deletes_only_what_no_snapshot_names() {
     std::fs::write(&b, vec![7u8; 2 * MIB]).unwrap();
     ok(
         &s3,
-        &["snapshot", "push", "--frame-size", "1M", a.to_str().unwrap(), "s3://snaps/a"],
+        &[
+            "snapshot",
+            "push",
+            "--frame-size",
+            "1M",
+            a.to_str().unwrap(),
+            "s3://snaps/a",
+        ],
     );
     ok(
         &s3,
-        &["snapshot", "push", "--frame-size", "1M", b.to_str().unwrap(), "s3://snaps/b"],
+        &[
+            "snapshot",
+            "push",
+            "--frame-size",
+            "1M",
+            b.to_str().unwrap(),
+            "s3://snaps/b",
+        ],
     );
     // b is deleted (its manifest): its one frame is named by nobody.
     std::fs::remove_dir_all(s3.bucket_dir(BUCKET).join("snapshots/b")).unwrap();
@@ -219,7 +251,14 @@ fn a_vm_is_served_from_the_store_and_then_from_the_cache_alone() {
     let mem = memory_file(&d, 16 * MIB, Some(9 * MIB));
     ok(
         &s3,
-        &["snapshot", "push", "--frame-size", "1M", mem.to_str().unwrap(), "s3://snaps/vm"],
+        &[
+            "snapshot",
+            "push",
+            "--frame-size",
+            "1M",
+            mem.to_str().unwrap(),
+            "s3://snaps/vm",
+        ],
     );
     let cache = d.join("cache");
     let socket = d.join("uffd.sock");
@@ -256,9 +295,15 @@ fn a_vm_is_served_from_the_store_and_then_from_the_cache_alone() {
     assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
     // The store's counters, as Prometheus reads them (no credential among them).
     let metrics = ctl(&control, "metrics");
-    assert!(metrics.contains("guestmem_cache_hits_total 15"), "{metrics}");
+    assert!(
+        metrics.contains("guestmem_cache_hits_total 15"),
+        "{metrics}"
+    );
     assert!(metrics.contains("guestmem_store_gets_total 0"), "{metrics}");
-    assert!(metrics.contains("guestmem_store_fetch_latency_seconds"), "{metrics}");
+    assert!(
+        metrics.contains("guestmem_store_fetch_latency_seconds"),
+        "{metrics}"
+    );
     assert!(!metrics.contains(SECRET_KEY) && !metrics.contains("GMTESTACCESSKEY"));
     vm.disconnect();
     let (code, out, err) = finish(srv);
@@ -318,7 +363,14 @@ fn a_store_that_fails_mid_serve_ends_the_vm_with_the_reason() {
         let mut s3 = S3Server::start(if corrupt { "fail-hash" } else { "fail-gone" }, &[BUCKET]);
         ok(
             &s3,
-            &["snapshot", "push", "--frame-size", "1M", mem.to_str().unwrap(), "s3://snaps/vm"],
+            &[
+                "snapshot",
+                "push",
+                "--frame-size",
+                "1M",
+                mem.to_str().unwrap(),
+                "s3://snaps/vm",
+            ],
         );
         if corrupt {
             // Every frame object's last byte flipped.
@@ -370,7 +422,14 @@ fn many_vms_of_one_snapshot_fetch_each_frame_once() {
     let mem = memory_file(&d, 8 * MIB, None);
     ok(
         &s3,
-        &["snapshot", "push", "--frame-size", "1M", mem.to_str().unwrap(), "s3://snaps/vm"],
+        &[
+            "snapshot",
+            "push",
+            "--frame-size",
+            "1M",
+            mem.to_str().unwrap(),
+            "s3://snaps/vm",
+        ],
     );
     let socket = d.join("uffd.sock");
     let go = d.join("go");
@@ -421,7 +480,14 @@ fn a_kill_9_mid_serve_from_the_store_loses_nothing_and_the_cache_is_reused() {
     let mem = memory_file(&d, SIZE, None);
     ok(
         &s3,
-        &["snapshot", "push", "--frame-size", "1M", mem.to_str().unwrap(), "s3://snaps/vm"],
+        &[
+            "snapshot",
+            "push",
+            "--frame-size",
+            "1M",
+            mem.to_str().unwrap(),
+            "s3://snaps/vm",
+        ],
     );
     let socket = d.join("uffd.sock");
     let (state, cache) = (d.join("state"), d.join("cache"));

@@ -75,9 +75,9 @@ fn a_guestmem_snapshot_is_restored_from_its_url_and_a_diff_shares_its_frames() {
         &PushConfig::default(),
     )
     .unwrap();
-    assert_eq!(full.frames, 14, "{full:?}");
+    assert_eq!(full.frames, 56, "{full:?}");
     assert!(
-        full.objects_stored > 0 && full.objects_stored <= 14,
+        full.objects_stored > 0 && full.objects_stored <= 56,
         "{full:?}"
     );
 

@@ -339,7 +339,11 @@ impl Lab<'_> {
         let bb = cfg.block_bytes;
         // As the page server records it: the blocks the VM faulted (a store snapshot's block
         // is its frame), first first.
-        let unit = if kind == Kind::File { bb } else { cfg.frame_bytes };
+        let unit = if kind == Kind::File {
+            bb
+        } else {
+            cfg.frame_bytes
+        };
         let working_set: Vec<u64> = if kind == Kind::ColdWs {
             let mut seen = std::collections::HashSet::new();
             self.runs

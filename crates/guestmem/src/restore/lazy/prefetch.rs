@@ -62,7 +62,7 @@ impl Lazy {
                 {
                     return Err(());
                 }
-                if !(self.image.is_remote() && !first.is_empty()) {
+                if !self.image.is_remote() || first.is_empty() {
                     self.follow();
                 }
                 if self.claim(b).is_ok() {

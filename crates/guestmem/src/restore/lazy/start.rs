@@ -204,7 +204,9 @@ impl LazyRestore {
                     // No thread of its own: the pool prefetches between faults.
                     let order = lazy.plan(&first);
                     let in_first = order.len().min(first.len()) as u64;
-                    lazy.readahead.first.store(in_first, std::sync::atomic::Ordering::Release);
+                    lazy.readahead
+                        .first
+                        .store(in_first, std::sync::atomic::Ordering::Release);
                     let _ = lazy.readahead.order.set(order);
                 } else {
                     this.start_prefetch(first)?;
