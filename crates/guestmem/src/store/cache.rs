@@ -391,8 +391,9 @@ mod tests {
 
     #[test]
     fn the_cache_is_bounded_checked_and_found_again_after_a_restart() {
-        let dir = std::env::temp_dir().join(format!("gm-cache-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        // Removed when dropped, a failing assertion included.
+        let scratch = guestmem_testkit::Scratch::new("cache");
+        let dir = scratch.to_path_buf();
         let frames: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 4096]).collect();
         let hashes: Vec<_> = frames.iter().map(|f| blake3::hash(f)).collect();
         {
@@ -432,6 +433,5 @@ mod tests {
             .flat_map(|d| std::fs::read_dir(d.path()).unwrap().flatten())
             .any(|f| f.file_name().to_string_lossy().ends_with(".tmp"));
         assert!(!tmp_left);
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

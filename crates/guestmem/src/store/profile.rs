@@ -98,8 +98,8 @@ mod tests {
 
     #[test]
     fn a_profile_is_read_from_both_files_the_credentials_file_winning() {
-        let dir = std::env::temp_dir().join(format!("gm-profile-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = guestmem_testkit::Scratch::new("profile");
+        let dir = scratch.to_path_buf();
         std::fs::write(
             dir.join("config"),
             "[default]\nregion = eu-west-1\n[profile lab]\nregion = us-east-2\nendpoint_url = http://127.0.0.1:9000\naws_access_key_id = fromconfig\n",
@@ -118,7 +118,6 @@ mod tests {
             _ => None,
         };
         let p = Profile::from_files(&env);
-        std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(p.access_key_id.as_deref(), Some("AKID"));
         assert_eq!(p.secret_access_key.as_deref(), Some("s3cr3t"));
         assert_eq!(p.region.as_deref(), Some("us-east-2"));
