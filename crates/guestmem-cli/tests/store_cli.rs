@@ -42,10 +42,11 @@ fn json(s: &str) -> serde_json::Value {
     serde_json::from_str(s).unwrap_or_else(|e| panic!("{e}: {s}"))
 }
 
-/// `guestmem serve-uffd --once` of `url` on `socket` with the server's environment.
-fn serve_once(s3: &S3Server, socket: &Path, url: &str, extra: &[&str]) -> Srv {
+/// `guestmem serve-uffd` of `url` on `socket` with the server's environment and `extra`
+/// flags, its socket listening.
+fn serve(s3: &S3Server, socket: &Path, url: &str, extra: &[&str]) -> Srv {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_guestmem"));
-    cmd.args(["serve-uffd", "--once", "--socket"])
+    cmd.args(["serve-uffd", "--socket"])
         .arg(socket)
         .args(["--mem-file", url])
         .args(extra)
@@ -61,6 +62,13 @@ fn serve_once(s3: &S3Server, socket: &Path, url: &str, extra: &[&str]) -> Srv {
         std::thread::sleep(Duration::from_millis(5));
     }
     g
+}
+
+/// [`serve`] with `--once`.
+fn serve_once(s3: &S3Server, socket: &Path, url: &str, extra: &[&str]) -> Srv {
+    let mut args = vec!["--once"];
+    args.extend_from_slice(extra);
+    serve(s3, socket, url, &args)
 }
 
 /// A raw memory file pushed (zero frames stored nowhere, compressed where it pays), listed,
@@ -433,22 +441,19 @@ fn many_vms_of_one_snapshot_fetch_each_frame_once() {
     );
     let socket = d.join("uffd.sock");
     let go = d.join("go");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_guestmem"));
-    cmd.args(["serve-uffd", "--socket"])
-        .arg(&socket)
-        .args(["--mem-file", "s3://snaps/vm", "--cache-dir"])
-        .arg(d.join("cache"))
-        .args(["--json", "--prefetch-threads", "0"])
-        .envs(s3.env());
-    let mut srv = Srv::start(&mut cmd);
-    let t = std::time::Instant::now();
-    while !socket.exists() {
-        assert!(
-            srv.running() && t.elapsed() < Duration::from_secs(30),
-            "no socket"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let cache = d.join("cache");
+    let srv = serve(
+        &s3,
+        &socket,
+        "s3://snaps/vm",
+        &[
+            "--cache-dir",
+            cache.to_str().unwrap(),
+            "--json",
+            "--prefetch-threads",
+            "0",
+        ],
+    );
     let mut vms: Vec<Guard> = (0..8)
         .map(|_| vm_child(&socket, 8 * MIB, 0, ChildDoes::Handshake, &go))
         .collect();
@@ -502,24 +507,7 @@ fn a_kill_9_mid_serve_from_the_store_loses_nothing_and_the_cache_is_reused() {
         "--cache-dir",
         cache.to_str().unwrap(),
     ];
-    let start = || {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_guestmem"));
-        cmd.args(["serve-uffd", "--socket"])
-            .arg(&socket)
-            .args(["--mem-file", "s3://snaps/vm"])
-            .args(args)
-            .envs(s3.env());
-        let mut g = Srv::start(&mut cmd);
-        let t = std::time::Instant::now();
-        while !socket.exists() {
-            assert!(
-                g.running() && t.elapsed() < Duration::from_secs(30),
-                "no socket"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        g
-    };
+    let start = || serve(&s3, &socket, "s3://snaps/vm", &args);
     let mut first = start();
     let mut vm = Standin::new(&[SIZE], false).unwrap();
     vm.connect(&socket).unwrap();
