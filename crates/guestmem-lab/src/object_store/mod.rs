@@ -25,8 +25,9 @@
 
 mod proxy;
 mod report;
+mod workload;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -43,6 +44,7 @@ use crate::report::LabResult;
 use crate::run::{available_cpus, summarise, thp_mode, Protocol, RunInfo, Sampled, Summary};
 
 pub use proxy::Proxy;
+use workload::{diff_file, working_set};
 
 /// The scenario's name.
 pub const SCENARIO: &str = "object-store";
@@ -186,34 +188,6 @@ pub type ObjectStoreResult = LabResult<ObjectStoreLabConfig, StoreFindings>;
 
 fn err(what: impl std::fmt::Display) -> LabError {
     LabError::restore(what.to_string())
-}
-
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            let j = (self.next() % (i as u64 + 1)) as usize;
-            v.swap(i, j);
-        }
-    }
-}
-
-/// The working set: runs (byte offsets), in the order the VM reads them.
-fn working_set(cfg: &ObjectStoreLabConfig) -> Vec<u64> {
-    let runs = cfg.size / cfg.ws_run;
-    let want = ((cfg.size as f64 * cfg.ws_fraction) / cfg.ws_run as f64).ceil() as u64;
-    let mut all: Vec<u64> = (0..runs).collect();
-    let mut rng = Rng(0x005e_ed0b_1ec7);
-    rng.shuffle(&mut all);
-    all.truncate(want.min(runs) as usize);
-    all.iter().map(|r| r * cfg.ws_run).collect()
 }
 
 /// A client of the lab's bucket at `endpoint`.
@@ -455,28 +429,6 @@ impl Lab<'_> {
             frames_read,
         })
     }
-}
-
-/// Writes a diff of `mem` into `path`: a sparse file holding `fraction` of its pages,
-/// scattered, each rewritten. The bytes written.
-fn diff_file(path: &Path, size: u64, fraction: f64) -> Result<u64, LabError> {
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::File::create(path).map_err(err)?;
-    f.set_len(size).map_err(err)?;
-    let pages = size / PAGE as u64;
-    let mut all: Vec<u64> = (0..pages).collect();
-    let mut rng = Rng(0xd1ff_5eed);
-    rng.shuffle(&mut all);
-    all.truncate((pages as f64 * fraction) as usize);
-    all.sort_unstable();
-    let mut buf = vec![0u8; PAGE];
-    for &p in &all {
-        for c in buf.chunks_exact_mut(8) {
-            c.copy_from_slice(&rng.next().to_ne_bytes());
-        }
-        f.write_all_at(&buf, p * PAGE as u64).map_err(err)?;
-    }
-    Ok(all.len() as u64 * PAGE as u64)
 }
 
 /// Runs the scenario; writes nothing but its scratch files (removed afterwards).

@@ -46,6 +46,7 @@ use std::io;
 use std::path::PathBuf;
 
 pub(crate) use image::RawRegion;
+#[cfg(feature = "store")]
 pub(crate) use image::RemoteMemory;
 pub use image::{Image, ImageRegion, MAX_CHAIN};
 pub use manifest::{MAX_BLOCKS, MAX_MANIFEST_BYTES};

@@ -194,18 +194,14 @@ impl Client {
 
     /// The error of request `op` on `key`.
     pub(crate) fn error(&self, op: &'static str, key: &str, e: object_store::Error) -> StoreError {
+        // The client maps the store's 404, 403 and 401 to these; a listing's errors come
+        // back generic, and are retried like any other (none is retried past its deadline).
         let permanent = matches!(
             e,
             object_store::Error::NotFound { .. }
                 | object_store::Error::PermissionDenied { .. }
                 | object_store::Error::Unauthenticated { .. }
-        ) || {
-            let t = e.to_string();
-            t.contains("NoSuchBucket")
-                || t.contains("AccessDenied")
-                || t.contains("InvalidAccessKeyId")
-                || t.contains("SignatureDoesNotMatch")
-        };
+        );
         StoreError::Request {
             op,
             url: self.url(key),

@@ -10,8 +10,8 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use super::client::Client;
+use super::lease::LEASE_STALE;
 use super::manifest::Snapshot;
-use super::push::LEASE_STALE;
 use super::url::{StoreUrl, FRAMES, LEASES, SNAPSHOTS};
 use super::StoreError;
 

@@ -29,11 +29,13 @@ mod error;
 mod fetch;
 mod frame;
 mod gc;
+mod lease;
 mod manifest;
 mod memory;
 mod profile;
 mod pull;
 mod push;
+mod source;
 mod url;
 
 pub use cache::{CacheCounters, FrameCache, MAX_CACHE_BYTES};
@@ -41,11 +43,12 @@ pub use client::{Client, Listed};
 pub use error::StoreError;
 pub use fetch::{FetchCounters, FetchPolicy, Frames, StoreStatus};
 pub use gc::{gc, list, GcReport, Listing};
+pub use lease::LEASE_STALE;
 pub use manifest::{
     check_frame_bytes, PieceRef, Snapshot, StoreManifest, DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES,
     MAX_MANIFEST_BYTES, MAX_PIECES, MIN_FRAME_BYTES,
 };
 pub use memory::{read_snapshot, StoreMemory};
 pub use pull::{pull, PullReport};
-pub use push::{push, PushConfig, PushReport, PushSource, LEASE_STALE};
+pub use push::{push, PushConfig, PushReport, PushSource};
 pub use url::StoreUrl;

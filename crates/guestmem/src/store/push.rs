@@ -6,21 +6,24 @@
 use std::collections::HashSet;
 use std::fs::File;
 use std::os::fd::AsFd;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 
 use super::client::Client;
 use super::fetch::{FetchPolicy, Frames};
+use super::lease::Lease;
 use super::manifest::{
     check_frame_bytes, Piece, Snapshot, StoreManifest, FORMAT, MAX_PIECES, VERSION,
 };
 use super::memory::{overlay, read_snapshot};
-use super::url::{frame_key, StoreUrl, LEASES};
+use super::source::{
+    check_len, image_regions, is_zero, pack, read_file, read_image, working_frames,
+};
+use super::url::{frame_key, StoreUrl};
 use super::StoreError;
 use crate::snapshot::{Image, ManifestRegion, IMAGE_PAGE_BYTES};
 
@@ -99,12 +102,6 @@ pub struct PushReport {
     /// Seconds from start to the manifest written.
     pub wall_secs: f64,
 }
-
-/// How long a push's lease stays good without being renewed; gc treats an older one as a
-/// push that died.
-pub const LEASE_STALE: Duration = Duration::from_secs(600);
-/// How often a running push renews its lease.
-const LEASE_RENEW: Duration = Duration::from_secs(60);
 
 /// A diff's base, and the ranges of the diff file that hold data.
 type Diff = (Snapshot, Vec<(u64, u64)>);
@@ -327,53 +324,6 @@ pub fn push(
         upload_secs: secs(&c.upload_ns),
         wall_secs: t0.elapsed().as_secs_f64(),
     })
-}
-
-fn check_len(len: u64, path: &Path) -> Result<(), StoreError> {
-    if len == 0 || !len.is_multiple_of(IMAGE_PAGE_BYTES) || len > super::manifest::MAX_MEMORY_BYTES
-    {
-        return Err(StoreError::Io {
-            op: "push (its length must be a non-zero multiple of 4 KiB, at most 16 TiB)",
-            path: path.to_path_buf(),
-            source: std::io::Error::from_raw_os_error(libc::EINVAL),
-        });
-    }
-    Ok(())
-}
-
-/// A guestmem image's regions as the store keeps them (where each lies in its memory).
-fn image_regions(image: &Image) -> Vec<ManifestRegion> {
-    image
-        .regions()
-        .iter()
-        .map(|r| ManifestRegion {
-            guest_addr: r.guest_addr,
-            size: r.size,
-            file_offset: r.file_offset,
-            page_size: r.page_size,
-            backing: r.backing.clone(),
-            huge_bytes: r.huge_bytes,
-        })
-        .collect()
-}
-
-/// A guestmem image's working set (blocks) as frames, first first.
-fn working_frames(image: &Image, frame_bytes: u64) -> Vec<u64> {
-    let mut seen = HashSet::new();
-    let mut out = Vec::new();
-    for &b in image.working_set() {
-        if b >= image.total_blocks() {
-            continue;
-        }
-        let (ri, off, len) = image.block_span(b);
-        let at = image.regions()[ri].file_offset + off;
-        for f in at / frame_bytes..(at + len).div_ceil(frame_bytes) {
-            if seen.insert(f) {
-                out.push(f);
-            }
-        }
-    }
-    out
 }
 
 #[derive(Default)]
@@ -604,126 +554,5 @@ impl Job<'_> {
             pages: Some(mask),
         });
         Ok(stack)
-    }
-}
-
-/// The pages of `bytes` that `mask` names, packed in page order.
-fn pack(bytes: &[u8], mask: &[u64]) -> Vec<u8> {
-    let page = IMAGE_PAGE_BYTES as usize;
-    let mut out = Vec::new();
-    for p in 0..bytes.len() / page {
-        if mask[p / 64] >> (p % 64) & 1 != 0 {
-            out.extend_from_slice(&bytes[p * page..(p + 1) * page]);
-        }
-    }
-    out
-}
-
-fn is_zero(b: &[u8]) -> bool {
-    let (pre, words, post) = {
-        // SAFETY: any byte pattern is a valid u64; align_to splits at the aligned middle.
-        unsafe { b.align_to::<u64>() }
-    };
-    pre.iter().all(|&x| x == 0) && words.iter().all(|&x| x == 0) && post.iter().all(|&x| x == 0)
-}
-
-/// Reads `dst.len()` bytes at `offset` of a raw memory file; past its end reads as zero.
-fn read_file(file: &File, len: u64, offset: u64, dst: &mut [u8]) -> Result<(), StoreError> {
-    let n = (len.saturating_sub(offset)).min(dst.len() as u64) as usize;
-    file.read_exact_at(&mut dst[..n], offset)
-        .map_err(|source| StoreError::Io {
-            op: "read the memory file at its frames",
-            path: PathBuf::from(format!(
-                "/proc/self/fd/{}",
-                std::os::fd::AsRawFd::as_raw_fd(file)
-            )),
-            source,
-        })?;
-    dst[n..].fill(0);
-    Ok(())
-}
-
-/// Reads `dst.len()` bytes at `offset` of a guestmem image's memory (regions where their
-/// `file_offset` says), every block checked; bytes no region holds read as zero.
-fn read_image(
-    image: &Image,
-    regions: &[ManifestRegion],
-    offset: u64,
-    dst: &mut [u8],
-) -> Result<(), StoreError> {
-    dst.fill(0);
-    let end = offset + dst.len() as u64;
-    let bb = image.block_bytes();
-    let mut scratch = Vec::new();
-    let mut block: Vec<u64> = Vec::new();
-    for (ri, r) in regions.iter().enumerate() {
-        let (s, e) = (offset.max(r.file_offset), end.min(r.file_offset + r.size));
-        let mut at = s;
-        while at < e {
-            let in_region = at - r.file_offset;
-            let b = image.regions()[ri].first_block + in_region / bb;
-            let (_, boff, blen) = image.block_span(b);
-            if block.len() < (blen as usize).div_ceil(8) {
-                block.resize((blen as usize).div_ceil(8), 0);
-            }
-            // SAFETY: `block` is this thread's own, 8-byte aligned, at least blen bytes.
-            unsafe { image.read_block(b, block.as_mut_ptr() as *mut u8, false, &mut scratch)? };
-            // SAFETY: as above; just written.
-            let bbytes =
-                unsafe { std::slice::from_raw_parts(block.as_ptr() as *const u8, blen as usize) };
-            let from = (in_region - boff) as usize;
-            let n = ((e - at) as usize).min(blen as usize - from);
-            let d = (at - offset) as usize;
-            dst[d..d + n].copy_from_slice(&bbytes[from..from + n]);
-            at += n as u64;
-        }
-    }
-    Ok(())
-}
-
-/// A push's lease in the bucket: `gc` deletes nothing while one younger than
-/// [`LEASE_STALE`] is there.
-struct Lease {
-    client: Arc<Client>,
-    key: String,
-    body: Bytes,
-    renewed: Mutex<Instant>,
-}
-
-impl Lease {
-    fn take(client: &Arc<Client>, url: &StoreUrl) -> Result<Lease, StoreError> {
-        let key = format!(
-            "{LEASES}{}.{}.{}",
-            url.name.replace('/', "_"),
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos())
-        );
-        let body = Bytes::from(
-            serde_json::json!({ "push": url.to_string(), "pid": std::process::id() }).to_string(),
-        );
-        client.put(&key, body.clone())?;
-        Ok(Lease {
-            client: Arc::clone(client),
-            key,
-            body,
-            renewed: Mutex::new(Instant::now()),
-        })
-    }
-
-    fn renew_if_due(&self) {
-        let mut at = self.renewed.lock().unwrap_or_else(|e| e.into_inner());
-        if at.elapsed() >= LEASE_RENEW {
-            *at = Instant::now();
-            // A failed renewal shows in gc's refusal to trust a stale lease: the push's own
-            // last check (the frames it skipped, looked at again) covers it.
-            let _ = self.client.put(&self.key, self.body.clone());
-        }
-    }
-
-    fn release(&self) {
-        // Best effort: a lease left behind goes stale.
-        let _ = self.client.delete(&self.key);
     }
 }

@@ -1,0 +1,139 @@
+//! An image of memory read from elsewhere than a file of this host (a snapshot in object
+//! storage): its blocks planned from what the source holds, read through the source.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use super::{Image, ImageRegion, Inner, Layer, Piece, Plan};
+use crate::snapshot::{Manifest, SnapshotError};
+
+/// Memory an image reads from somewhere other than a file of this host (a snapshot in object
+/// storage): offsets are the memory's own (as a raw memory file's).
+// Only object storage (the `store` feature) makes such images.
+#[cfg_attr(not(feature = "store"), allow(dead_code))]
+pub(crate) trait RemoteMemory: Send + Sync + std::fmt::Debug {
+    /// Reads `dst.len()` bytes at `offset`, every byte checked (retried as its source allows).
+    fn read(
+        &self,
+        offset: u64,
+        dst: &mut [u8],
+    ) -> Result<(), std::sync::Arc<dyn std::error::Error + Send + Sync>>;
+    /// Whether `offset..offset + len` holds any data (else it reads as zero).
+    fn held(&self, offset: u64, len: u64) -> bool;
+    /// `ranges` will be read soon, in this order: fetch them ahead, in the background.
+    fn ahead(&self, ranges: &[(u64, u64)]);
+    /// Where it is read from, for messages.
+    fn name(&self) -> String;
+}
+
+#[cfg_attr(not(feature = "store"), allow(dead_code))]
+impl Image {
+    /// Memory read from `memory` (a snapshot in object storage), as an image of `regions`
+    /// (where each lies in that memory; a guestmem image's own, or a VM's as its peer
+    /// declared them), blocks of `block_bytes` cut within each region. Blocks holding no
+    /// data read as zero without a read; every other block is read through `memory`, which
+    /// checks what it reads. `name` names it in errors.
+    pub(crate) fn remote(
+        memory: Arc<dyn RemoteMemory>,
+        name: &str,
+        regions: Vec<crate::snapshot::ManifestRegion>,
+        block_bytes: u64,
+        working_set: Vec<u64>,
+    ) -> Result<Image, SnapshotError> {
+        let mut iregions = Vec::with_capacity(regions.len());
+        let mut plan = Plan::new();
+        let mut first_block = 0u64;
+        for r in &regions {
+            let blocks = r.size.div_ceil(block_bytes);
+            for b in 0..blocks {
+                let at = b * block_bytes;
+                if memory.held(r.file_offset + at, block_bytes.min(r.size - at)) {
+                    plan.insert(
+                        first_block + b,
+                        vec![Piece {
+                            layer: 0,
+                            pages: None,
+                            checksum: 0,
+                        }],
+                    );
+                }
+            }
+            iregions.push(ImageRegion {
+                guest_addr: r.guest_addr,
+                size: r.size,
+                file_offset: r.file_offset,
+                page_size: r.page_size,
+                backing: r.backing.clone(),
+                huge_bytes: r.huge_bytes,
+                first_block,
+            });
+            first_block += blocks;
+        }
+        // No file of this host holds it: the layer's descriptor is an empty memfd, which
+        // nothing reads (reads go through `memory`; a mapped restore needs a file, and an
+        // image of remote memory is never mapped).
+        let placeholder =
+            crate::sys::memfd_create(c"guestmem-remote", libc::MFD_CLOEXEC).map_err(|source| {
+                SnapshotError::File {
+                    op: "make a placeholder (memfd) for",
+                    path: PathBuf::from(name),
+                    source,
+                }
+            })?;
+        let manifest = Manifest {
+            format: crate::snapshot::FORMAT.into(),
+            version: crate::snapshot::VERSION,
+            id: name.into(),
+            parent: None,
+            memory_file: name.into(),
+            memory_bytes: regions.iter().map(|r| r.size).sum(),
+            block_bytes,
+            regions,
+            blocks: Vec::new(),
+            working_set,
+            meta: BTreeMap::new(),
+        };
+        Ok(Image {
+            inner: Arc::new(Inner {
+                layers: vec![Layer {
+                    dir: PathBuf::from(name),
+                    path: PathBuf::from(name),
+                    file: File::from(placeholder),
+                    manifest,
+                }],
+                regions: iregions,
+                block_bytes,
+                plan,
+                total_blocks: first_block,
+                checked: false,
+                source: None,
+                remote: Some(memory),
+            }),
+        })
+    }
+
+    /// Whether its memory is read from elsewhere than this host (see [`Image::remote`]).
+    pub fn is_remote(&self) -> bool {
+        self.inner.remote.is_some()
+    }
+
+    /// Tells a remote image's source that `blocks` will be read soon, in this order (a
+    /// local image ignores it).
+    pub(crate) fn ahead(&self, blocks: impl Iterator<Item = u64>) {
+        let Some(remote) = &self.inner.remote else {
+            return;
+        };
+        let ranges: Vec<(u64, u64)> = blocks
+            .filter(|&b| b < self.inner.total_blocks && self.held_from(b, 0))
+            .map(|b| {
+                let (ri, offset, len) = self.block_span(b);
+                (self.inner.regions[ri].file_offset + offset, len)
+            })
+            .collect();
+        if !ranges.is_empty() {
+            remote.ahead(&ranges);
+        }
+    }
+}
