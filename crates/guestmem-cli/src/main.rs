@@ -4,6 +4,7 @@
 mod bringup;
 mod inspect;
 mod man;
+mod moves;
 mod report;
 mod serve_ctl;
 mod serve_uffd;
@@ -37,6 +38,12 @@ enum Command {
     ServeCtl(serve_ctl::Args),
     /// Snapshots in object storage (S3): push, pull, ls, gc.
     Snapshot(snapshot::Args),
+    /// Move a running Firecracker VM (restored from a snapshot in the store) to another
+    /// host's `guestmem move-in`, with a pause of milliseconds: run on the source host.
+    Move(moves::Out),
+    /// Take one VM moved here by `guestmem move`, and serve it until it ends: run on the
+    /// destination host.
+    MoveIn(moves::In),
     /// Write the manual pages (a packaging step).
     #[command(hide = true)]
     Man(man::Args),
@@ -67,6 +74,8 @@ fn main() -> ExitCode {
         Command::ServeUffd(args) => serve_uffd::run(*args),
         Command::ServeCtl(args) => serve_ctl::run(args),
         Command::Snapshot(args) => snapshot::run(args),
+        Command::Move(args) => moves::run_out(args),
+        Command::MoveIn(args) => moves::run_in(args),
         Command::Man(args) => man::run(args),
     };
     match result {

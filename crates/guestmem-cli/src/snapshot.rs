@@ -136,6 +136,7 @@ fn push(p: Push) -> Result<()> {
         &PushConfig {
             frame_bytes: p.frame_size,
             threads: p.threads as usize,
+            ..PushConfig::default()
         },
     )
     .with_context(|| format!("push {} to {url}", p.src.display()))?;

@@ -164,6 +164,8 @@ pub mod layout;
 mod lifecycle;
 pub mod limits;
 pub mod map;
+#[cfg(feature = "store")]
+pub mod migrate;
 pub mod mmap;
 #[cfg(test)]
 mod outside_input;

@@ -86,6 +86,46 @@ pub fn build_guest(src: &Path, out: &Path, region_mb: u64) -> io::Result<PathBuf
     Ok(elf)
 }
 
+/// Builds guestmem's copy of the guest (`crates/guestmem-testkit/guest/guest.S`: the shared
+/// one, plus `w`, which writes `dirty_mb` MiB of the region with another pattern, for
+/// diffs and moves) with a `region_mb` MiB region into `out/guest.elf`; returns its path.
+/// `region_mb / dirty_mb` must be a power of two.
+pub fn build_move_guest(out: &Path, region_mb: u64, dirty_mb: u64) -> io::Result<PathBuf> {
+    assert!(
+        dirty_mb > 0 && (region_mb / dirty_mb).is_power_of_two() && region_mb % dirty_mb == 0,
+        "region {region_mb} MiB, dirty {dirty_mb} MiB: the ratio must be a power of two"
+    );
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("guest");
+    let obj = out.join("guest-move.o");
+    let elf = out.join("guest-move.elf");
+    let run = |cmd: &mut Command, what: &str| match cmd.status()?.success() {
+        true => Ok(()),
+        false => Err(io::Error::other(format!("{what} failed"))),
+    };
+    run(
+        Command::new("gcc")
+            .arg(format!("-DREGION_MB={region_mb}"))
+            .arg(format!("-DDIRTY_MB={dirty_mb}"))
+            .arg("-c")
+            .arg(src.join("guest.S"))
+            .arg("-o")
+            .arg(&obj),
+        "gcc on guest.S",
+    )?;
+    run(
+        Command::new("ld")
+            .args(["-m", "elf_x86_64", "-static", "-nostdlib"])
+            .args(["-z", "max-page-size=0x1000", "-z", "noexecstack"])
+            .args(["--build-id=none", "--no-warn-rwx-segments", "-T"])
+            .arg(src.join("guest.ld"))
+            .arg("-o")
+            .arg(&elf)
+            .arg(&obj),
+        "ld on guest-move.o",
+    )?;
+    Ok(elf)
+}
+
 /// Waits until a unix socket is bound at `path` and listening (from `/proc/net/unix`), at
 /// most `limit`: a page handler that binds before it listens refuses a connect in between,
 /// and probing it with a connect would take its one connection.
@@ -278,6 +318,22 @@ impl Vmm {
             vmstate.display(),
             path.display()
         )
+    }
+
+    /// Restores `vmstate` from `backend` into this (fresh) process with KVM's dirty-page
+    /// tracking on (so that a `Diff` snapshot holds exactly what the guest wrote since),
+    /// and resumes it.
+    pub fn load_tracked(&self, vmstate: &Path, backend: Backend<'_>) -> io::Result<()> {
+        let body = Vmm::load_body(vmstate, backend).replace(
+            r#""resume_vm": true"#,
+            r#""track_dirty_pages": true, "resume_vm": true"#,
+        );
+        self.ok("PUT", "/snapshot/load", &body).map(drop)
+    }
+
+    /// Its API socket.
+    pub fn api(&self) -> &Path {
+        &self.api
     }
 
     /// Restores `vmstate` from `backend` into this (fresh) process and resumes it.

@@ -1,6 +1,8 @@
 //! The S3 client: object_store's, driven from plain threads through a runtime of its own,
 //! configured as every AWS tool is (environment first, then the profile files), and the one
-//! place a credential is held. Every error leaves here redacted.
+//! place a credential is held. Every error leaves here redacted. The same client reads a
+//! move's source host (`http://HOST:PORT`, the frames it serves in the store's layout) and
+//! holds a move's frames in memory, so that there is one fetch path whatever holds a frame.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -8,7 +10,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::StreamExt;
-use object_store::aws::{AmazonS3, AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::http::HttpBuilder;
+use object_store::memory::InMemory;
 use object_store::path::Path as ObjectPath;
 use object_store::{
     ClientOptions, ObjectMeta, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig,
@@ -24,9 +28,11 @@ const RUNTIME_THREADS: usize = 2;
 
 /// A connection to one bucket.
 pub struct Client {
-    store: Arc<AmazonS3>,
+    store: Arc<dyn ObjectStore>,
     rt: tokio::runtime::Runtime,
     bucket: String,
+    /// What a key is named under in messages: `s3://BUCKET`, `http://HOST:PORT`, `mem://NAME`.
+    shown_root: String,
     /// Where requests go, for messages (no credential in it).
     endpoint: String,
     /// Strings never to let out: the secret key, the session token, the key id.
@@ -143,22 +149,61 @@ impl Client {
             bucket: bucket.into(),
             reason: redact(e.to_string()),
         })?;
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(RUNTIME_THREADS)
-            .thread_name("guestmem-s3")
-            .enable_all()
-            .build()
-            .map_err(|source| StoreError::Io {
-                op: "start the object store's runtime for",
-                path: bucket.into(),
-                source,
-            })?;
         Ok(Client {
             store: Arc::new(store),
-            rt,
+            rt: runtime(bucket)?,
             bucket: bucket.into(),
+            shown_root: format!("s3://{bucket}"),
             endpoint: shown,
             secrets,
+        })
+    }
+
+    /// A move's source host at `base` (`http://HOST:PORT`): the frames it serves, read-only,
+    /// in the store's layout. No credential: the move's network is the operator's to trust
+    /// (docs/move.md).
+    pub fn peer(base: &str) -> Result<Client, StoreError> {
+        let bad = |reason: String| StoreError::Config {
+            bucket: base.into(),
+            reason,
+        };
+        if !base.starts_with("http://") {
+            return Err(bad("a move's source is http://HOST:PORT".into()));
+        }
+        let options = ClientOptions::new()
+            .with_allow_http(true)
+            .with_connect_timeout(Duration::from_secs(5))
+            .with_timeout(Duration::from_secs(60))
+            .with_pool_max_idle_per_host(64);
+        let store = HttpBuilder::new()
+            .with_url(base)
+            .with_client_options(options)
+            .with_retry(RetryConfig {
+                max_retries: 0,
+                ..RetryConfig::default()
+            })
+            .build()
+            .map_err(|e| bad(e.to_string()))?;
+        Ok(Client {
+            store: Arc::new(store),
+            rt: runtime(base)?,
+            bucket: base.into(),
+            shown_root: base.trim_end_matches('/').into(),
+            endpoint: base.into(),
+            secrets: Vec::new(),
+        })
+    }
+
+    /// Objects held in this process's memory under `name` (a move's frames on its source
+    /// host, served from there by [`super::peer::PeerServer`]).
+    pub fn in_memory(name: &str) -> Result<Client, StoreError> {
+        Ok(Client {
+            store: Arc::new(InMemory::new()),
+            rt: runtime(name)?,
+            bucket: name.into(),
+            shown_root: format!("mem://{name}"),
+            endpoint: format!("mem://{name}"),
+            secrets: Vec::new(),
         })
     }
 
@@ -172,9 +217,9 @@ impl Client {
         &self.endpoint
     }
 
-    /// `s3://bucket/key`.
+    /// `s3://bucket/key` (or the peer's, or memory's, root and the key).
     pub(crate) fn url(&self, key: &str) -> String {
-        format!("s3://{}/{key}", self.bucket)
+        format!("{}/{key}", self.shown_root)
     }
 
     /// `s` with every credential replaced by `[redacted]`.
@@ -327,6 +372,20 @@ impl Client {
             }
         })
     }
+}
+
+/// The client's runtime: its requests' I/O (the callers' threads wait).
+fn runtime(what: &str) -> Result<tokio::runtime::Runtime, StoreError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(RUNTIME_THREADS)
+        .thread_name("guestmem-s3")
+        .enable_all()
+        .build()
+        .map_err(|source| StoreError::Io {
+            op: "start the object store's runtime for",
+            path: what.into(),
+            source,
+        })
 }
 
 fn redact(secrets: &[String], mut s: String) -> String {

@@ -2,9 +2,12 @@
 //! however many VMs fault on a frame at once (one flight per frame, the others wait on it),
 //! checked against the frame's hash, retried with backoff while the faulting vCPU waits, up
 //! to a deadline. Read-ahead (`Frames::ahead`) fetches many frames at once in the
-//! background, bounded, so that a fault's own GET never waits behind it.
+//! background, bounded, so that a fault's own GET never waits behind it. During a move,
+//! the frames the move's diff brought are owed by its source host (`Frames::follow`): they
+//! are fetched from there on the same path (flights, checks, retries, the deadline) until
+//! the store holds them (`Frames::release`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -58,6 +61,12 @@ pub struct FetchCounters {
     pub ahead: AtomicU64,
     /// GET latency (to the whole object).
     pub(crate) latency: Histogram,
+    /// GETs sent to a move's source host (in `gets` too).
+    pub peer_gets: AtomicU64,
+    /// Bytes received from it (in `bytes` too).
+    pub peer_bytes: AtomicU64,
+    /// Its GET latency.
+    pub(crate) peer_latency: Histogram,
 }
 
 impl FetchCounters {
@@ -65,6 +74,19 @@ impl FetchCounters {
     pub fn latency(&self) -> LatencySummary {
         LatencySummary::of(self.latency.counts(), self.latency.sum_ns() as f64 / 1000.0)
     }
+
+    /// GET latency from a move's source host so far.
+    pub fn peer_latency(&self) -> LatencySummary {
+        let h = &self.peer_latency;
+        LatencySummary::of(h.counts(), h.sum_ns() as f64 / 1000.0)
+    }
+}
+
+/// Frames a move's source host owes: fetched from there until the store holds them.
+#[derive(Debug)]
+struct Follow {
+    peer: Arc<Client>,
+    owed: HashSet<[u8; 32]>,
 }
 
 type Outcome = Result<Arc<Vec<u8>>, Arc<StoreError>>;
@@ -77,6 +99,7 @@ pub struct Frames {
     policy: FetchPolicy,
     flights: Mutex<HashMap<[u8; 32], tokio::sync::watch::Receiver<Option<Outcome>>>>,
     ahead: Arc<tokio::sync::Semaphore>,
+    follow: Mutex<Option<Arc<Follow>>>,
     /// What it did.
     pub counters: FetchCounters,
 }
@@ -94,6 +117,7 @@ impl Frames {
             ahead: Arc::new(tokio::sync::Semaphore::new(policy.ahead_gets.max(1))),
             policy,
             flights: Mutex::new(HashMap::new()),
+            follow: Mutex::new(None),
             counters: FetchCounters::default(),
         })
     }
@@ -111,6 +135,38 @@ impl Frames {
     /// The policy.
     pub fn policy(&self) -> FetchPolicy {
         self.policy
+    }
+
+    /// From now on, the frames `owed` come from a move's source host `peer`, on the same
+    /// path as the store's (one flight per frame, checked against its hash, retried up to
+    /// the deadline), until [`Frames::release`].
+    pub fn follow(&self, peer: Arc<Client>, owed: impl IntoIterator<Item = blake3::Hash>) {
+        let owed = owed.into_iter().map(|h| *h.as_bytes()).collect();
+        *self.follow.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(Arc::new(Follow { peer, owed }));
+    }
+
+    /// The store holds what the source host owed: every fetch from now on goes there (an
+    /// attempt in flight to the source finishes; its retries go to the store).
+    pub fn release(&self) {
+        self.follow.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
+
+    /// Whether a move's source host still owes frames.
+    pub fn following(&self) -> bool {
+        self.follow
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// Where the next attempt at `hash` goes: the source host while it owes it, else the
+    /// store.
+    fn holder(&self, hash: &blake3::Hash) -> Option<Arc<Client>> {
+        let f = self.follow.lock().unwrap_or_else(|e| e.into_inner());
+        f.as_ref()
+            .filter(|f| f.owed.contains(hash.as_bytes()))
+            .map(|f| Arc::clone(&f.peer))
     }
 
     /// The frame of `hash` into `dst` (its length): straight from the cache when it is
@@ -210,22 +266,32 @@ impl Frames {
                 });
             }
             attempts += 1;
+            let peer = self.holder(&hash);
+            let client = peer.as_ref().unwrap_or(&self.client);
             self.counters.gets.fetch_add(1, Ordering::Relaxed);
+            if peer.is_some() {
+                self.counters.peer_gets.fetch_add(1, Ordering::Relaxed);
+            }
             let sent = Instant::now();
             let got =
-                tokio::time::timeout(left.min(self.policy.attempt), self.client.get_async(&key))
-                    .await;
+                tokio::time::timeout(left.min(self.policy.attempt), client.get_async(&key)).await;
             let last = match got {
                 Ok(Ok(Some(obj))) => {
                     self.counters.latency.record(sent.elapsed());
                     self.counters.bytes.fetch_add(obj.len() as u64, Ordering::Relaxed);
+                    if peer.is_some() {
+                        self.counters.peer_latency.record(sent.elapsed());
+                        self.counters
+                            .peer_bytes
+                            .fetch_add(obj.len() as u64, Ordering::Relaxed);
+                    }
                     match super::frame::decode(&obj, len, &hash) {
                         Ok(p) => return Ok(p),
                         Err(why) => {
                             self.counters.mismatches.fetch_add(1, Ordering::Relaxed);
                             if mismatched {
                                 return Err(StoreError::Frame {
-                                    url: self.client.url(&key),
+                                    url: client.url(&key),
                                     reason: format!("{why} (fetched twice)"),
                                 });
                             }
@@ -236,7 +302,7 @@ impl Frames {
                 }
                 Ok(Ok(None)) => {
                     return Err(StoreError::Frame {
-                        url: self.client.url(&key),
+                        url: client.url(&key),
                         reason: "not in the bucket (collected while a manifest still names it, or never pushed whole)".into(),
                     })
                 }
@@ -248,7 +314,7 @@ impl Frames {
             let left = self.policy.deadline.saturating_sub(t0.elapsed());
             if left.is_zero() {
                 return Err(StoreError::Deadline {
-                    url: self.client.url(&key),
+                    url: client.url(&key),
                     deadline: self.policy.deadline,
                     attempts,
                     last,

@@ -21,14 +21,27 @@ pub(crate) enum Encoding {
     Zstd = 1,
 }
 
+/// A frame's header, for `plain_len` plain bytes kept as `enc`.
+fn header(out: &mut Vec<u8>, plain_len: usize, enc: Encoding) {
+    out.extend_from_slice(&MAGIC);
+    out.push(VERSION);
+    out.push(enc as u8);
+    out.extend_from_slice(&[0, 0]);
+    out.extend_from_slice(&(plain_len as u32).to_le_bytes());
+}
+
+/// The object of `plain`, kept raw.
+pub(crate) fn raw(plain: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_BYTES + plain.len());
+    header(&mut out, plain.len(), Encoding::Raw);
+    out.extend_from_slice(plain);
+    out
+}
+
 /// The object of `plain`, compressed where that pays.
 pub(crate) fn encode(plain: &[u8]) -> (Vec<u8>, Encoding) {
     let mut out = Vec::with_capacity(HEADER_BYTES + plain.len());
-    out.extend_from_slice(&MAGIC);
-    out.push(VERSION);
-    out.push(0);
-    out.extend_from_slice(&[0, 0]);
-    out.extend_from_slice(&(plain.len() as u32).to_le_bytes());
+    header(&mut out, plain.len(), Encoding::Raw);
     let enc = match zstd::bulk::compress(plain, ZSTD_LEVEL) {
         Ok(z) if z.len() * 8 <= plain.len() * PAYS_NUMERATOR => {
             out.extend_from_slice(&z);

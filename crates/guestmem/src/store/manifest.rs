@@ -115,7 +115,7 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// Checks a manifest read from `url`.
-    pub(crate) fn parse(url: &StoreUrl, text: &[u8]) -> Result<Snapshot, StoreError> {
+    pub fn parse(url: &StoreUrl, text: &[u8]) -> Result<Snapshot, StoreError> {
         let bad = |reason: String| StoreError::Manifest {
             url: url.object(&url.manifest_key()),
             reason,

@@ -41,6 +41,15 @@ impl StoreMemory {
         Ok(StoreMemory { frames, snapshot })
     }
 
+    /// A snapshot whose manifest was read (and checked) elsewhere: a move's chain, its
+    /// manifest from the source host.
+    pub fn from_snapshot(frames: Arc<Frames>, snapshot: Snapshot) -> StoreMemory {
+        StoreMemory {
+            frames,
+            snapshot: Arc::new(snapshot),
+        }
+    }
+
     /// The snapshot.
     pub fn snapshot(&self) -> &Snapshot {
         &self.snapshot

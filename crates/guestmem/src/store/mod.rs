@@ -32,6 +32,7 @@ mod gc;
 mod lease;
 mod manifest;
 mod memory;
+mod peer;
 mod profile;
 mod pull;
 mod push;
@@ -49,6 +50,7 @@ pub use manifest::{
     MAX_MANIFEST_BYTES, MAX_PIECES, MIN_FRAME_BYTES,
 };
 pub use memory::{read_snapshot, StoreMemory};
+pub use peer::{PeerCounters, PeerServer};
 pub use pull::{pull, PullReport};
 pub use push::{push, PushConfig, PushReport, PushSource};
 pub use url::StoreUrl;

@@ -53,6 +53,12 @@ pub struct PushConfig {
     pub frame_bytes: u64,
     /// Threads reading, hashing, compressing and uploading at once.
     pub threads: usize,
+    /// Compress frames where that pays (a move's frames served from its source host are
+    /// not: the time is the VM's pause, and the link is fast).
+    pub compress: bool,
+    /// Where a diff's base is read from, when not from where the push writes (a move's
+    /// frames are kept in memory, their base is in the store).
+    pub base_from: Option<Arc<Client>>,
 }
 
 impl Default for PushConfig {
@@ -60,6 +66,8 @@ impl Default for PushConfig {
         PushConfig {
             frame_bytes: super::manifest::DEFAULT_FRAME_BYTES,
             threads: 16,
+            compress: true,
+            base_from: None,
         }
     }
 }
@@ -174,7 +182,8 @@ pub fn push(
         PushSource::RawDiff { path, base } => {
             let file = File::open(path).map_err(io("open", path))?;
             let len = file.metadata().map_err(io("stat", path))?.len();
-            let frames = Frames::new(Arc::clone(client), None, FetchPolicy::default());
+            let from = cfg.base_from.as_ref().unwrap_or(client);
+            let frames = Frames::new(Arc::clone(from), None, FetchPolicy::default());
             let snap = read_snapshot(&frames, base)?;
             if len > snap.memory_bytes() {
                 return Err(StoreError::Base {
@@ -219,6 +228,8 @@ pub fn push(
     let lease = Lease::take(client, url)?;
     let job = Job {
         client,
+        base_from: cfg.base_from.as_ref().unwrap_or(client),
+        compress: cfg.compress,
         reader: &reader,
         frame_bytes,
         memory_bytes,
@@ -344,6 +355,8 @@ struct Counters {
 
 struct Job<'a> {
     client: &'a Arc<Client>,
+    base_from: &'a Arc<Client>,
+    compress: bool,
     reader: &'a Reader,
     frame_bytes: u64,
     memory_bytes: u64,
@@ -471,7 +484,10 @@ impl Job<'_> {
                 return Ok(hash);
             }
         }
-        let (obj, enc) = timed(&c.compress_ns, || super::frame::encode(plain));
+        let (obj, enc) = match self.compress {
+            true => timed(&c.compress_ns, || super::frame::encode(plain)),
+            false => (super::frame::raw(plain), super::frame::Encoding::Raw),
+        };
         if enc == super::frame::Encoding::Zstd {
             c.compressed.fetch_add(1, Ordering::Relaxed);
         }
@@ -525,7 +541,7 @@ impl Job<'_> {
         if below.len() + 1 > MAX_PIECES {
             // Too deep a stack: the frame flattened into one whole piece, its base's pieces
             // fetched and the diff's pages laid over them.
-            let frames = Frames::new(Arc::clone(self.client), None, FetchPolicy::default());
+            let frames = Frames::new(Arc::clone(self.base_from), None, FetchPolicy::default());
             let mut whole = vec![0u8; bytes.len()];
             for p in below {
                 let b = frames

@@ -1,0 +1,200 @@
+//! `guestmem move` (on the source host) and `guestmem move-in` (on the destination): a
+//! running Firecracker VM moved between hosts with a pause of milliseconds (docs/move.md).
+
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args as ClapArgs;
+use guestmem::migrate::{self, MoveIn, MoveOut};
+use guestmem::serve::{ServeLog, ServerConfig, Vms};
+use guestmem::store::{Client, StoreUrl};
+
+use crate::report::{bytes, write_json};
+
+/// Flags of `guestmem move`.
+#[derive(ClapArgs)]
+pub struct Out {
+    /// The source Firecracker's API socket (its VM restored from --base with
+    /// `track_dirty_pages: true`).
+    #[arg(long)]
+    api: PathBuf,
+    /// The snapshot in the store the VM was restored from: s3://BUCKET/NAME.
+    #[arg(long)]
+    base: String,
+    /// The name its diff gets in the store (new; in the base's bucket).
+    #[arg(long = "as")]
+    name: String,
+    /// The destination's `guestmem move-in`: HOST:PORT.
+    #[arg(long)]
+    to: SocketAddr,
+    /// Where this host serves the diff's frames until the store holds them.
+    #[arg(long, default_value = "0.0.0.0:0")]
+    listen: SocketAddr,
+    /// The URL the destination reaches them at (default: http://, this host's address
+    /// toward the destination, the port listened on).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Where Firecracker writes the diff (removed when the move ends).
+    #[arg(long, default_value = "/var/lib/guestmem/move")]
+    work_dir: PathBuf,
+    /// Threads hashing and pushing the diff.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=64))]
+    threads: u32,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Flags of `guestmem move-in`.
+#[derive(ClapArgs)]
+pub struct In {
+    /// Where to wait for the source's `guestmem move`: ADDR:PORT.
+    #[arg(long)]
+    listen: SocketAddr,
+    /// The destination Firecracker's API socket (a process started, nothing loaded).
+    #[arg(long)]
+    api: PathBuf,
+    /// Where the vmstate and the page server's socket go.
+    #[arg(long, default_value = "/run/guestmem/move")]
+    dir: PathBuf,
+    /// The host's frame cache (shared with serve-uffd).
+    #[arg(long)]
+    cache_dir: Option<PathBuf>,
+    /// Its bound.
+    #[arg(long, default_value = "16G", value_parser = size, requires = "cache_dir")]
+    cache_size: u64,
+    /// How long a fault waits for its frame (from the store or the source), retries
+    /// included, before the VM is ended with the reason.
+    #[arg(long, default_value = "30", value_parser = secs)]
+    fetch_deadline: f64,
+    /// How long to wait for the source: its connection and each of its messages.
+    #[arg(long, default_value = "600", value_parser = secs)]
+    wait: f64,
+    /// Fault-handling threads (default: one per CPU).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    threads: Option<u32>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn size(s: &str) -> Result<u64, String> {
+    guestmem::plan::parse_size(s).map_err(|e| e.to_string())
+}
+
+fn secs(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+        _ => Err(format!("{s:?}: seconds, a positive number")),
+    }
+}
+
+/// `guestmem move`.
+pub fn run_out(a: Out) -> Result<()> {
+    let base = StoreUrl::parse(&a.base, false).context("--base")?;
+    let push_as = base.sibling(&a.name);
+    StoreUrl::parse(&push_as.to_string(), false).context("--as")?;
+    let store = Arc::new(Client::connect(&base.bucket)?);
+    let m = MoveOut {
+        api: a.api,
+        base,
+        push_as,
+        to: a.to,
+        listen: a.listen,
+        advertise: a.advertise,
+        work_dir: a.work_dir,
+        threads: a.threads as usize,
+    };
+    let r = migrate::move_out(&m, &store)?;
+    if a.json {
+        return write_json(&mut std::io::stdout().lock(), &r);
+    }
+    let p = &r.pause;
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "moved in a pause of {:.1} ms: pause {:.1}, diff snapshot {:.1}, frames {:.1}, send {:.1}, open {:.1}, load {:.1}",
+        p.total_ms, p.pause_ms, p.snapshot_ms, p.frames_ms, p.send_ms, p.open_ms, p.load_ms
+    )?;
+    writeln!(
+        out,
+        "diff {} (vmstate {}); sent {} in {} GETs; pushed as {} ({} stored)",
+        bytes(r.diff_bytes),
+        bytes(r.vmstate_bytes),
+        bytes(r.bytes_sent),
+        r.gets_served,
+        r.pushed,
+        bytes(r.push.bytes_stored)
+    )?;
+    writeln!(
+        out,
+        "window of risk (the pause to the destination released): {:.1} ms",
+        r.risk_ms
+    )?;
+    Ok(())
+}
+
+/// `guestmem move-in`.
+pub fn run_in(a: In) -> Result<()> {
+    let mut stores = crate::store::Stores::new(
+        a.cache_dir.as_deref(),
+        a.cache_size,
+        Duration::from_secs_f64(a.fetch_deadline),
+    )?;
+    std::fs::create_dir_all(&a.dir).with_context(|| format!("--dir {}", a.dir.display()))?;
+    let listener = TcpListener::bind(a.listen).with_context(|| format!("--listen {}", a.listen))?;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let wait = Duration::from_secs_f64(a.wait);
+    let m = MoveIn {
+        api: a.api,
+        dir: a.dir,
+        server: ServerConfig {
+            handler_threads: a.threads.map_or(cpus, |t| t as usize),
+            prefetch_threads: cpus,
+            vms: Vms::One {
+                wait: Some(Duration::from_secs(60)),
+            },
+            log: ServeLog::default(),
+            ..ServerConfig::default()
+        },
+        wait,
+    };
+    eprintln!("waiting for a move on {}", listener.local_addr()?);
+    let r = migrate::move_in(&listener, &m, &mut |u| {
+        stores
+            .frames(&u.bucket)
+            .map_err(|e| guestmem::store::StoreError::Config {
+                bucket: u.bucket.clone(),
+                reason: format!("{e:#}"),
+            })
+    })?;
+    if a.json {
+        return write_json(&mut std::io::stdout().lock(), &r);
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "VM {} from {}: open {:.1} ms, load {:.1} ms; {} frames owed, {} in {} GETs from the source (p50 {:.0} us, p99 {:.0} us); {}",
+        r.name,
+        r.base,
+        r.open_ms,
+        r.load_ms,
+        r.owed_frames,
+        bytes(r.peer_bytes),
+        r.peer_gets,
+        r.peer_latency.p50_us,
+        r.peer_latency.p99_us,
+        match r.released_ms {
+            Some(ms) => format!("source released {ms:.0} ms after the VM ran"),
+            None => "the source was never released".into(),
+        }
+    )?;
+    if let Some(s) = r.server.as_ref().and_then(|s| s.last.as_ref()) {
+        writeln!(out, "served until: {:?}", s.end)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,347 @@
+//! The destination host's side of a move: check the base, take the chain and the vmstate,
+//! serve the chain (the diff's frames followed from the source), load and resume the VM,
+//! and stop needing the source once the store holds the diff.
+
+use std::collections::HashSet;
+use std::net::TcpListener;
+use std::os::fd::AsFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::firecracker::{json_path, Api};
+use super::wire::{Msg, Wire};
+use super::MoveError;
+use crate::restore::latency::LatencySummary;
+use crate::serve::{Listener, MemoryFile, Server, ServerConfig, ServerReport, Socket};
+use crate::store::{read_snapshot, Client, Frames, Snapshot, StoreError, StoreMemory, StoreUrl};
+
+/// A move into this host.
+#[derive(Debug, Clone)]
+pub struct MoveIn {
+    /// The destination Firecracker's API socket (a process started, nothing loaded).
+    pub api: PathBuf,
+    /// Where the vmstate and the page server's socket go (the vmstate is removed when the
+    /// move ends).
+    pub dir: PathBuf,
+    /// How the VM is served (one VM: `Vms::One`).
+    pub server: ServerConfig,
+    /// How long to wait for the source: its connection, and each message.
+    pub wait: Duration,
+}
+
+/// What a move into this host did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct MoveInReport {
+    /// The snapshot the VM came from (its base) and the move's name.
+    pub base: String,
+    /// The move's name.
+    pub name: String,
+    /// Frames the source owed.
+    pub owed_frames: u64,
+    /// Milliseconds from the chain received to the VM running.
+    pub open_ms: f64,
+    /// Milliseconds of Firecracker's `snapshot/load`.
+    pub load_ms: f64,
+    /// Milliseconds from the VM running to the source no longer needed (`None`: it was
+    /// still needed when the VM ended, or the source went away).
+    pub released_ms: Option<f64>,
+    /// GETs of frames sent to the source, and their bytes.
+    pub peer_gets: u64,
+    /// See `peer_gets`.
+    pub peer_bytes: u64,
+    /// Latency of those GETs.
+    pub peer_latency: LatencySummary,
+    /// The page server's report, when the VM ended.
+    #[serde(skip)]
+    pub server: Option<ServerReport>,
+}
+
+/// Takes one move on `listener`: waits (at most `m.wait`) for a source, then serves the VM
+/// it moves here until the VM ends. `frames_for` gives the frames of a bucket (the host's
+/// cache shared): one `Frames` for this move, as it follows the source for the diff's.
+pub fn move_in(
+    listener: &TcpListener,
+    m: &MoveIn,
+    frames_for: &mut dyn FnMut(&StoreUrl) -> Result<Arc<Frames>, StoreError>,
+) -> Result<MoveInReport, MoveError> {
+    let mut fds = [crate::sys::PollFd::readable(listener.as_fd())];
+    let ready = crate::sys::poll(&mut fds, Some(m.wait)).map_err(|e| MoveError::Io {
+        op: "wait for a move on",
+        path: listener
+            .local_addr()
+            .map_or("?".into(), |a| a.to_string())
+            .into(),
+        source: e,
+    })?;
+    let (s, _) = match ready {
+        0 => {
+            return Err(MoveError::Wire {
+                peer: "(none)".into(),
+                reason: format!("no source connected within {:?}", m.wait),
+            })
+        }
+        _ => listener.accept().map_err(|e| MoveError::Wire {
+            peer: "(none)".into(),
+            reason: format!("accept: {e}"),
+        })?,
+    };
+    let _ = s.set_nonblocking(false);
+    let mut wire = Wire::new(s)?;
+    let (base_url, peer_url, name) = match wire.recv(m.wait)? {
+        Msg::Offer { base, peer, name } => (base, peer, name),
+        other => {
+            return Err(MoveError::Wire {
+                peer: wire.peer().into(),
+                reason: format!("expected an offer, got {other:?}"),
+            })
+        }
+    };
+    // Refused before anything is paused: a base this host cannot read, a bad name.
+    let checked = (|| -> Result<_, MoveError> {
+        let base_url = StoreUrl::parse(&base_url, false)?;
+        let name_url = StoreUrl::parse(&format!("s3://{}/{name}", base_url.bucket), false)?;
+        let frames = frames_for(&base_url)?;
+        let base = read_snapshot(&frames, &base_url)?;
+        let peer = Arc::new(Client::peer(&peer_url)?);
+        Ok((base_url, name_url, frames, base, peer))
+    })();
+    let (base_url, name_url, frames, base, peer) = match checked {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = wire.send(
+                &Msg::Refused {
+                    reason: e.to_string(),
+                },
+                &[],
+            );
+            return Err(e);
+        }
+    };
+    wire.send(&Msg::Ready, &[])?;
+    let (manifest, vmstate_bytes) = match wire.recv(m.wait)? {
+        Msg::Diff {
+            manifest,
+            vmstate_bytes,
+        } => (manifest, vmstate_bytes),
+        other => {
+            return Err(MoveError::Wire {
+                peer: wire.peer().into(),
+                reason: format!("expected the diff, got {other:?}"),
+            })
+        }
+    };
+    let state = wire.payload(vmstate_bytes, m.wait)?;
+    let t_open = Instant::now();
+    let vmstate = m.dir.join(format!("{}.vmstate", name_url.name));
+    let sock = m.dir.join(format!("{}.uffd.sock", name_url.name));
+    let _vmstate_removed = RemovedOnDrop(vmstate.clone());
+    // The chain: checked as any manifest, then against the base this host read itself.
+    let opened = (|| -> Result<_, MoveError> {
+        let chain = Snapshot::parse(&name_url, manifest.as_bytes())?;
+        let owed = owed(&base, &chain)?;
+        std::fs::write(&vmstate, &state).map_err(|source| MoveError::Io {
+            op: "write",
+            path: vmstate.clone(),
+            source,
+        })?;
+        let fb = chain.frame_bytes();
+        let working_set: Vec<u64> = owed.iter().map(|&(i, _)| i * fb).collect();
+        frames.follow(Arc::clone(&peer), owed.iter().map(|&(_, h)| h));
+        let memory = MemoryFile::from_store(StoreMemory::from_snapshot(
+            Arc::clone(&frames),
+            chain.clone(),
+        ));
+        let listener = Listener::bind(&sock)?;
+        let server = Server::new(
+            vec![Socket {
+                listener,
+                memory,
+                working_set,
+            }],
+            m.server.clone(),
+        )?;
+        let drainer = server.drainer();
+        let run = std::thread::Builder::new()
+            .name("guestmem-move-in".into())
+            .spawn(move || server.run())
+            .map_err(|source| MoveError::Io {
+                op: "start the page server for",
+                path: sock.clone(),
+                source,
+            })?;
+        Ok((chain, owed.len() as u64, drainer, run))
+    })();
+    let (chain, owed_frames, drainer, run) = match opened {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = wire.send(
+                &Msg::Refused {
+                    reason: e.to_string(),
+                },
+                &[],
+            );
+            return Err(e);
+        }
+    };
+    let open_ms = t_open.elapsed().as_secs_f64() * 1e3;
+    let t_load = Instant::now();
+    let loaded = Api::open(&m.api, "destination").and_then(|(api, _)| {
+        api.ok(
+            "PUT",
+            "snapshot/load",
+            &format!(
+                r#"{{"snapshot_path":{},"mem_backend":{{"backend_type":"Uffd","backend_path":{}}},"track_dirty_pages":true,"resume_vm":true}}"#,
+                json_path(&vmstate),
+                json_path(&m.dir.join(format!("{}.uffd.sock", name_url.name)))
+            ),
+            Duration::from_secs(120),
+        )
+    });
+    let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
+    if let Err(e) = loaded {
+        let _ = wire.send(
+            &Msg::Refused {
+                reason: e.to_string(),
+            },
+            &[],
+        );
+        drainer.drain();
+        let _ = run.join();
+        return Err(e);
+    }
+    wire.send(&Msg::Running { load_ms, open_ms }, &[])?;
+    let t_run = Instant::now();
+    tracing::info!(
+        "VM {} moved here from {} ({owed_frames} frames owed by it); chain on {}",
+        name_url.name,
+        wire.peer(),
+        base_url
+    );
+    // Until the store holds the diff, the source owes its frames. A source that goes away
+    // before then leaves them owed: a fault on one waits up to the deadline, then the VM
+    // is ended with the reason.
+    let mut released_ms = None;
+    match wire.recv(m.wait.max(Duration::from_secs(600))) {
+        Ok(Msg::Pushed { url }) => {
+            match released(&frames, &url, &chain) {
+                Ok(()) => {
+                    frames.release();
+                    released_ms = Some(t_run.elapsed().as_secs_f64() * 1e3);
+                    let _ = wire.send(&Msg::Released, &[]);
+                    tracing::info!(
+                        "the diff of {} is in the store as {url}: the source is no longer needed",
+                        name_url.name
+                    );
+                }
+                Err(e) => {
+                    tracing::error!("the source says the diff is at {url}, but: {e}; still following the source");
+                    let _ = wire.send(
+                        &Msg::Refused {
+                            reason: e.to_string(),
+                        },
+                        &[],
+                    );
+                }
+            }
+        }
+        Ok(other) => {
+            tracing::error!("move: expected Pushed, got {other:?}; still following the source")
+        }
+        Err(e) => tracing::error!("move: {e}; the source still owes {owed_frames} frames"),
+    }
+    drop(wire);
+    let server = run.join().map_err(|_| MoveError::Io {
+        op: "serve (its thread panicked)",
+        path: m.dir.clone(),
+        source: std::io::Error::other("page server thread panicked"),
+    })??;
+    let c = &frames.counters;
+    Ok(MoveInReport {
+        base: base_url.to_string(),
+        name: name_url.name.clone(),
+        owed_frames,
+        open_ms,
+        load_ms,
+        released_ms,
+        peer_gets: c.peer_gets.load(std::sync::atomic::Ordering::Relaxed),
+        peer_bytes: c.peer_bytes.load(std::sync::atomic::Ordering::Relaxed),
+        peer_latency: c.peer_latency(),
+        server: Some(server),
+    })
+}
+
+/// The frames of `chain` whose top piece its base does not hold (those the source owes),
+/// in memory order; refuses a chain that is not a diff on `base`.
+fn owed(base: &Snapshot, chain: &Snapshot) -> Result<Vec<(u64, blake3::Hash)>, MoveError> {
+    let bad = |reason: String| {
+        MoveError::Store(StoreError::Manifest {
+            url: chain.url.to_string(),
+            reason,
+        })
+    };
+    if chain.manifest.base.as_deref() != Some(base.url.name.as_str()) {
+        return Err(bad(format!(
+            "not a diff on {} (its base: {:?})",
+            base.url, chain.manifest.base
+        )));
+    }
+    if chain.memory_bytes() != base.memory_bytes() || chain.frame_bytes() != base.frame_bytes() {
+        return Err(bad(format!(
+            "memory {:#x} in frames of {:#x}, its base's {:#x} in {:#x}",
+            chain.memory_bytes(),
+            chain.frame_bytes(),
+            base.memory_bytes(),
+            base.frame_bytes()
+        )));
+    }
+    let held: HashSet<[u8; 32]> = base
+        .frames
+        .iter()
+        .flatten()
+        .map(|p| *p.hash.as_bytes())
+        .collect();
+    let mut out = Vec::new();
+    for (i, stack) in chain.frames.iter().enumerate() {
+        for p in stack {
+            if !held.contains(p.hash.as_bytes()) {
+                out.push((i as u64, p.hash));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Checks the store's `url` names exactly the frames of `chain`.
+fn released(frames: &Frames, url: &str, chain: &Snapshot) -> Result<(), MoveError> {
+    let u = StoreUrl::parse(url, false)?;
+    if u.bucket != chain.url.bucket {
+        return Err(MoveError::Refused {
+            side: "destination",
+            reason: format!("{url} is not in the base's bucket {}", chain.url.bucket),
+        });
+    }
+    let pushed = read_snapshot(frames, &u)?;
+    let same = pushed.frames.len() == chain.frames.len()
+        && pushed.frames.iter().zip(&chain.frames).all(|(a, b)| {
+            a.len() == b.len()
+                && a.iter()
+                    .zip(b)
+                    .all(|(x, y)| x.hash == y.hash && x.pages == y.pages)
+        });
+    match same {
+        true => Ok(()),
+        false => Err(MoveError::Refused {
+            side: "destination",
+            reason: format!("{url} does not name the frames the source owed"),
+        }),
+    }
+}
+
+struct RemovedOnDrop(PathBuf);
+
+impl Drop for RemovedOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}

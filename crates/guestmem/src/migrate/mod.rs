@@ -1,0 +1,88 @@
+//! Moving a running Firecracker VM to another host with a pause of milliseconds.
+//!
+//! The VM was restored from a snapshot in the store (`s3://BUCKET/BASE`) with dirty-page
+//! tracking on, so at the pause only what it wrote since is moved:
+//!
+//! 1. [`move_out`] on the source host offers the move to [`move_in`] on the destination,
+//!    which reads the base's manifest and says it is ready (or refuses: nothing is paused).
+//! 2. The source pauses the VM and has Firecracker write a `Diff` snapshot (vmstate and a
+//!    sparse memory file of the pages written). It cuts the diff into frames in the store's
+//!    format (hashed, kept in memory, served over HTTP by a [`crate::store::PeerServer`])
+//!    and sends the chain's manifest and the vmstate to the destination.
+//! 3. The destination serves the chain with its page server (the base's frames from its
+//!    cache or the store, the diff's from the source, on one fetch path: flights, hash
+//!    checks, retries, the deadline), loads the vmstate into its Firecracker through the
+//!    `Uffd` backend with `resume_vm`, and says the VM runs. The pause ends there.
+//! 4. The source ends its Firecracker (through a pidfd), pushes the diff to the store as a
+//!    layer on the base (manifest last), and tells the destination, which reads that
+//!    manifest, checks it names the frames it was owed, and stops needing the source.
+//!
+//! The window of risk is from the pause to that release: losing the source inside it ends
+//! the VM (after the fetch deadline, with the reason logged; never a zero page). A failure
+//! before the destination runs resumes the VM on the source.
+
+mod firecracker;
+mod into;
+mod out;
+mod wire;
+
+pub use into::{move_in, MoveIn, MoveInReport};
+pub use out::{move_out, MoveOut, MoveReport, PauseSteps};
+
+/// What can go wrong with a move; each names the side, request or limit at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum MoveError {
+    /// A Firecracker API request failed.
+    #[error("{side} Firecracker: {request}: {reason}")]
+    Firecracker {
+        /// `source` or `destination`.
+        side: &'static str,
+        /// The request.
+        request: String,
+        /// Its answer or error.
+        reason: String,
+    },
+    /// The control connection between the hosts failed.
+    #[error("move control connection with {peer}: {reason}")]
+    Wire {
+        /// The other host.
+        peer: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The other side refused the move.
+    #[error("the {side} refused the move: {reason}")]
+    Refused {
+        /// Who refused.
+        side: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The move failed after the pause, before the destination ran; the VM was resumed
+    /// on the source (or, when `resumed` is false, could not be: see `resume`).
+    #[error("move failed after the pause ({reason}); {}", if *resumed { "the VM runs on the source again".to_string() } else { format!("resuming it on the source failed too: {resume}") })]
+    Failed {
+        /// Why the move failed.
+        reason: String,
+        /// Whether the VM runs on the source again.
+        resumed: bool,
+        /// Why it could not be resumed, if it could not.
+        resume: String,
+    },
+    /// The store.
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    /// The page server.
+    #[error(transparent)]
+    Serve(#[from] crate::serve::ServeError),
+    /// A local file or socket.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// To what.
+        path: std::path::PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+}

@@ -1,0 +1,328 @@
+//! The source host's side of a move: offer, pause, diff, serve its frames, hand over, end
+//! the source VM, push the diff, release the destination.
+
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::firecracker::{json_path, Api};
+use super::wire::{Msg, Wire};
+use super::MoveError;
+use crate::store::{
+    push, read_snapshot, Client, FetchPolicy, Frames, PeerServer, PushConfig, PushReport,
+    PushSource, StoreUrl,
+};
+
+/// How long the destination may take to answer a message (reading the base's manifest,
+/// loading the vmstate, reading the pushed manifest).
+const ANSWER_LIMIT: Duration = Duration::from_secs(120);
+/// Firecracker's API requests: pausing, resuming, writing a diff.
+const API_LIMIT: Duration = Duration::from_secs(120);
+
+/// A move of one Firecracker VM, as the source host runs it.
+#[derive(Debug, Clone)]
+pub struct MoveOut {
+    /// The source Firecracker's API socket.
+    pub api: PathBuf,
+    /// The snapshot in the store the VM was restored from (with `track_dirty_pages`).
+    pub base: StoreUrl,
+    /// Where the diff goes in the store (a new name in the base's bucket).
+    pub push_as: StoreUrl,
+    /// The destination's `move-in`.
+    pub to: SocketAddr,
+    /// Where this host serves the diff's frames (port 0: any free one).
+    pub listen: SocketAddr,
+    /// The URL the destination reaches them at; by default `http://` this host's address
+    /// toward the destination, and the port listened on.
+    pub advertise: Option<String>,
+    /// Where Firecracker writes the diff (removed when the move ends).
+    pub work_dir: PathBuf,
+    /// Threads hashing the diff.
+    pub threads: usize,
+}
+
+/// The pause, step by step (milliseconds).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct PauseSteps {
+    /// `PATCH /vm Paused`.
+    pub pause_ms: f64,
+    /// `PUT /snapshot/create` Diff: Firecracker writes the vmstate and the dirty pages.
+    pub snapshot_ms: f64,
+    /// The diff cut into frames and hashed (its manifest made).
+    pub frames_ms: f64,
+    /// The manifest and the vmstate sent, until the destination opened the chain.
+    pub send_ms: f64,
+    /// On the destination: the chain opened and served (its page server listening).
+    pub open_ms: f64,
+    /// On the destination: Firecracker's `snapshot/load` with `resume_vm`.
+    pub load_ms: f64,
+    /// From `PATCH /vm Paused` to the destination's word that the VM runs.
+    pub total_ms: f64,
+}
+
+/// What a move did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct MoveReport {
+    /// The pause, step by step.
+    pub pause: PauseSteps,
+    /// Bytes of memory the diff holds (the pages written since the restore).
+    pub diff_bytes: u64,
+    /// Bytes of the vmstate.
+    pub vmstate_bytes: u64,
+    /// Bytes of frames this host served to the destination.
+    pub bytes_sent: u64,
+    /// Frame GETs it answered.
+    pub gets_served: u64,
+    /// The push of the diff to the store.
+    pub push: PushReport,
+    /// From the pause until the destination no longer needed this host: the window in
+    /// which losing this host loses the VM.
+    pub risk_ms: f64,
+    /// Where the diff is in the store.
+    pub pushed: String,
+}
+
+/// Moves the VM behind `m.api` to the destination's `move-in` at `m.to`.
+pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveError> {
+    let (api, process) = Api::open(&m.api, "source")?;
+    // Everything that can be checked before the pause is.
+    let base = read_snapshot(
+        &Frames::new(Arc::clone(store), None, FetchPolicy::default()),
+        &m.base,
+    )?;
+    if !base.manifest.regions.is_empty() {
+        return Err(MoveError::Refused {
+            side: "source",
+            reason: format!(
+                "{} is a guestmem snapshot; a Firecracker VM moves on a raw memory file's snapshot",
+                m.base
+            ),
+        });
+    }
+    let io = |op, path: &std::path::Path| {
+        let path = path.to_path_buf();
+        move |source| MoveError::Io { op, path, source }
+    };
+    std::fs::create_dir_all(&m.work_dir).map_err(io("create", &m.work_dir))?;
+    let vmstate = m.work_dir.join(format!("{}.vmstate", m.push_as.name));
+    let memfile = m.work_dir.join(format!("{}.mem", m.push_as.name));
+    for f in [&vmstate, &memfile] {
+        if f.exists() {
+            return Err(MoveError::Io {
+                op: "write a diff to (a file is there already)",
+                path: f.clone(),
+                source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+            });
+        }
+    }
+    let _files = Removed(vec![vmstate.clone(), memfile.clone()]);
+    let held = Arc::new(Client::in_memory(&m.push_as.name)?);
+    let peer = PeerServer::start(m.listen, Arc::clone(&held))?;
+    let ctl = TcpStream::connect_timeout(&m.to, Duration::from_secs(10)).map_err(|e| {
+        MoveError::Wire {
+            peer: m.to.to_string(),
+            reason: format!("connect: {e}"),
+        }
+    })?;
+    let advertise = match &m.advertise {
+        Some(a) => a.clone(),
+        None => {
+            let ip = ctl.local_addr().map_err(|e| MoveError::Wire {
+                peer: m.to.to_string(),
+                reason: e.to_string(),
+            })?;
+            format!("http://{}", SocketAddr::new(ip.ip(), peer.addr().port()))
+        }
+    };
+    let mut wire = Wire::new(ctl)?;
+    wire.send(
+        &Msg::Offer {
+            base: m.base.to_string(),
+            peer: advertise,
+            name: m.push_as.name.clone(),
+        },
+        &[],
+    )?;
+    match wire.recv(ANSWER_LIMIT)? {
+        Msg::Ready => {}
+        Msg::Refused { reason } => {
+            return Err(MoveError::Refused {
+                side: "destination",
+                reason,
+            })
+        }
+        other => return Err(unexpected(&wire, "Ready", &other)),
+    }
+
+    // The pause.
+    let mut steps = PauseSteps::default();
+    let t0 = Instant::now();
+    api.ok("PATCH", "vm", r#"{"state":"Paused"}"#, API_LIMIT)?;
+    steps.pause_ms = ms(t0);
+    let mut paused = || -> Result<(u64, Vec<u8>), MoveError> {
+        let t = Instant::now();
+        api.ok(
+            "PUT",
+            "snapshot/create",
+            &format!(
+                r#"{{"snapshot_type":"Diff","snapshot_path":{},"mem_file_path":{}}}"#,
+                json_path(&vmstate),
+                json_path(&memfile)
+            ),
+            API_LIMIT,
+        )?;
+        steps.snapshot_ms = ms(t);
+        let t = Instant::now();
+        let held_url = StoreUrl {
+            bucket: m.push_as.bucket.clone(),
+            name: m.push_as.name.clone(),
+        };
+        let cfg = PushConfig {
+            frame_bytes: base.frame_bytes(),
+            threads: m.threads.max(1),
+            compress: false,
+            base_from: Some(Arc::clone(store)),
+        };
+        push(
+            &held,
+            &PushSource::RawDiff {
+                path: memfile.clone(),
+                base: m.base.clone(),
+            },
+            &held_url,
+            &cfg,
+        )?;
+        steps.frames_ms = ms(t);
+        let manifest = held
+            .get(&held_url.manifest_key())?
+            .expect("the push wrote its manifest");
+        let state = std::fs::read(&vmstate).map_err(io("read", &vmstate))?;
+        let t = Instant::now();
+        wire.send(
+            &Msg::Diff {
+                manifest: String::from_utf8_lossy(&manifest).into_owned(),
+                vmstate_bytes: state.len() as u64,
+            },
+            &state,
+        )?;
+        match wire.recv(ANSWER_LIMIT)? {
+            Msg::Running { load_ms, open_ms } => {
+                steps.load_ms = load_ms;
+                steps.open_ms = open_ms;
+                steps.send_ms = (ms(t) - load_ms - open_ms).max(0.0);
+            }
+            Msg::Refused { reason } => {
+                return Err(MoveError::Refused {
+                    side: "destination",
+                    reason,
+                })
+            }
+            other => return Err(unexpected(&wire, "Running", &other)),
+        }
+        let file = std::fs::File::open(&memfile).map_err(io("open", &memfile))?;
+        let len = file.metadata().map_err(io("stat", &memfile))?.len();
+        let data = crate::sys::data_ranges(file.as_fd(), 0, len)
+            .map_err(io("find the data (SEEK_DATA) of", &memfile))?;
+        Ok((data.iter().map(|(s, e)| e - s).sum(), state))
+    };
+    let (diff_bytes, state) = match paused() {
+        Ok(v) => v,
+        Err(e) => {
+            let resumed = api.ok("PATCH", "vm", r#"{"state":"Resumed"}"#, API_LIMIT);
+            tracing::warn!("move of {} failed after the pause: {e}", m.api.display());
+            return Err(MoveError::Failed {
+                reason: e.to_string(),
+                resumed: resumed.is_ok(),
+                resume: resumed.err().map_or(String::new(), |e| e.to_string()),
+            });
+        }
+    };
+    steps.total_ms = ms(t0);
+    // The VM runs on the destination: the source's copy ends now, never before.
+    if let Err(e) = process.kill() {
+        tracing::warn!(
+            "the VM runs on the destination, but ending the source Firecracker failed: {e}"
+        );
+    }
+    tracing::info!(
+        "VM moved to {} in a pause of {:.1} ms; pushing its diff to {}",
+        wire.peer(),
+        steps.total_ms,
+        m.push_as
+    );
+
+    // The window of risk: until the store holds the diff and the destination reads it.
+    let pushed = push(
+        store,
+        &PushSource::RawDiff {
+            path: memfile.clone(),
+            base: m.base.clone(),
+        },
+        &m.push_as,
+        &PushConfig {
+            frame_bytes: base.frame_bytes(),
+            threads: m.threads.max(1),
+            ..PushConfig::default()
+        },
+    );
+    let report = match pushed {
+        Ok(r) => r,
+        Err(e) => {
+            // The destination still needs this host: serve it until it goes.
+            tracing::error!(
+                "the diff could not be pushed to {} ({e}); serving its frames until the destination closes",
+                m.push_as
+            );
+            let _ = wire.recv(Duration::from_secs(u32::MAX as u64));
+            return Err(e.into());
+        }
+    };
+    wire.send(
+        &Msg::Pushed {
+            url: m.push_as.to_string(),
+        },
+        &[],
+    )?;
+    match wire.recv(ANSWER_LIMIT)? {
+        Msg::Released => {}
+        other => return Err(unexpected(&wire, "Released", &other)),
+    }
+    let risk_ms = ms(t0);
+    Ok(MoveReport {
+        pause: steps,
+        diff_bytes,
+        vmstate_bytes: state.len() as u64,
+        bytes_sent: peer.bytes_sent(),
+        gets_served: peer
+            .counters
+            .gets
+            .load(std::sync::atomic::Ordering::Relaxed),
+        push: report,
+        risk_ms,
+        pushed: m.push_as.to_string(),
+    })
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn unexpected(wire: &Wire, want: &str, got: &Msg) -> MoveError {
+    MoveError::Wire {
+        peer: wire.peer().into(),
+        reason: format!("expected {want}, got {got:?}"),
+    }
+}
+
+/// Files removed when dropped.
+struct Removed(Vec<PathBuf>);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        for f in &self.0 {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+}
