@@ -39,6 +39,7 @@ pub mod firecracker;
 pub mod fleet;
 pub mod guards;
 pub mod huge_regain;
+pub mod moves;
 pub mod object_store;
 pub mod peer;
 pub mod peer_ch;

@@ -2,8 +2,9 @@
  * guestmem's copy of the shared kit's guest (../shared/firecracker/guest.S), with one more
  * command for moving a VM between hosts:
  *        'w': writes DIRTY_MB MiB of the region (runs of 16 pages, one every STRIDE pages,
- *             spread over the whole region) with pattern(page) ^ M, and prints
- *             "WROTE <pages>\n"; from then on 't' and 'g' expect pattern ^ M on those pages.
+ *             spread over the whole region) with pattern(page) ^ T, and prints
+ *             "WROTE <pages>\n"; from then on 't' and 'g' expect pattern ^ T on those pages
+ *             (T: the time stamp counter when 'w' came, odd: each write new bytes).
  * So a diff snapshot taken after 'w' holds exactly those pages, and a 'g' after a move
  * checks every qword: the pages the diff brought and the ones the base did.
  *
@@ -59,7 +60,6 @@
 #endif
 #define RUN_PAGES 16
 #define STRIDE_PAGES (RUN_PAGES * REGION_MB / DIRTY_MB)  /* a power of two */
-#define M 0xA5A5F00D0FF1CE55
 #define COM1 0x3f8
 #define K 0x9E3779B97F4A7C15
 #define C 0x5A17C0DEDEADBEEF
@@ -171,10 +171,14 @@ full:
     lea rsi, [rip + msg_pass]
     jmp report
 
-/* WRITE: the dirty set gets pattern ^ M; prints "WROTE <pages>". */
+/* WRITE: the dirty set gets pattern ^ T (r14); prints "WROTE <pages>". */
 dirty:
     inc r15
-    mov r14, 1
+    rdtsc                               /* this write's mask: new bytes every time */
+    shl rdx, 32
+    or rax, rdx
+    or rax, 1
+    mov r14, rax
     xor r12, r12
     mov rdi, REGION_BASE
     call pattern
@@ -183,10 +187,7 @@ dirty:
 1:  call in_dirty_set
     jae 2f
     mov rax, r9
-    push rdx
-    movabs rdx, M
-    xor rax, rdx
-    pop rdx
+    xor rax, r14
     mov ecx, 512
     rep stosq                           /* rdi += 4096 */
     inc r12
@@ -214,17 +215,14 @@ in_dirty_set:
     pop rbx
     ret
 
-/* expect: rax = what the page at rdi holds: r9 (its pattern), ^ M once 'w' wrote it. */
+/* expect: rax = what the page at rdi holds: r9 (its pattern), ^ r14 once 'w' wrote it. */
 expect:
     mov rax, r9
     test r14, r14
     jz 1f
     call in_dirty_set
     jae 1f
-    push rdx
-    movabs rdx, M
-    xor rax, rdx
-    pop rdx
+    xor rax, r14
 1:  ret
 
 /* report: rsi = "TOUCH " or "PASS "; prints "<rsi><n> BAD <count>\n" [+ FIRSTBAD]. */

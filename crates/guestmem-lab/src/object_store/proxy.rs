@@ -84,6 +84,11 @@ impl Proxy {
         })
     }
 
+    /// Where it listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
     /// `http://127.0.0.1:PORT`.
     pub fn endpoint(&self) -> String {
         format!("http://{}", self.addr)

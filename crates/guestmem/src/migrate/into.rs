@@ -52,6 +52,8 @@ pub struct MoveInReport {
     pub peer_bytes: u64,
     /// Latency of those GETs.
     pub peer_latency: LatencySummary,
+    /// Latency of those a fault sent itself (not read-ahead).
+    pub peer_fault_latency: LatencySummary,
     /// The page server's report, when the VM ended.
     #[serde(skip)]
     pub server: Option<ServerReport>,
@@ -267,6 +269,7 @@ pub fn move_in(
         peer_gets: c.peer_gets.load(std::sync::atomic::Ordering::Relaxed),
         peer_bytes: c.peer_bytes.load(std::sync::atomic::Ordering::Relaxed),
         peer_latency: c.peer_latency(),
+        peer_fault_latency: c.peer_fault_latency(),
         server: Some(server),
     })
 }

@@ -88,10 +88,10 @@ pub struct MoveReport {
 pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveError> {
     let (api, process) = Api::open(&m.api, "source")?;
     // Everything that can be checked before the pause is.
-    let base = read_snapshot(
+    let base = Arc::new(read_snapshot(
         &Frames::new(Arc::clone(store), None, FetchPolicy::default()),
         &m.base,
-    )?;
+    )?);
     if !base.manifest.regions.is_empty() {
         return Err(MoveError::Refused {
             side: "source",
@@ -179,11 +179,15 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             bucket: m.push_as.bucket.clone(),
             name: m.push_as.name.clone(),
         };
+        // Threads past the CPUs only wait on each other here: nothing is uploaded.
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let cfg = PushConfig {
             frame_bytes: base.frame_bytes(),
-            threads: m.threads.max(1),
+            threads: m.threads.clamp(1, cpus),
             compress: false,
             base_from: Some(Arc::clone(store)),
+            base: Some(Arc::clone(&base)),
+            look_first: false,
         };
         push(
             &held,
@@ -264,6 +268,7 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         &PushConfig {
             frame_bytes: base.frame_bytes(),
             threads: m.threads.max(1),
+            base: Some(Arc::clone(&base)),
             ..PushConfig::default()
         },
     );

@@ -67,6 +67,8 @@ pub struct FetchCounters {
     pub peer_bytes: AtomicU64,
     /// Its GET latency.
     pub(crate) peer_latency: Histogram,
+    /// The latency of its GETs a fault sent itself (not read-ahead).
+    pub(crate) peer_fault_latency: Histogram,
 }
 
 impl FetchCounters {
@@ -78,6 +80,12 @@ impl FetchCounters {
     /// GET latency from a move's source host so far.
     pub fn peer_latency(&self) -> LatencySummary {
         let h = &self.peer_latency;
+        LatencySummary::of(h.counts(), h.sum_ns() as f64 / 1000.0)
+    }
+
+    /// The latency of the GETs from a move's source host that a fault sent itself.
+    pub fn peer_fault_latency(&self) -> LatencySummary {
+        let h = &self.peer_fault_latency;
         LatencySummary::of(h.counts(), h.sum_ns() as f64 / 1000.0)
     }
 }
@@ -210,7 +218,7 @@ impl Frames {
                 self.counters.joined.fetch_add(1, Ordering::Relaxed);
                 wait(rx).await
             }
-            Ok(tx) => self.lead(hash, len, tx).await,
+            Ok(tx) => self.lead(hash, len, tx, false).await,
         }
     }
 
@@ -220,6 +228,7 @@ impl Frames {
         hash: blake3::Hash,
         len: usize,
         tx: tokio::sync::watch::Sender<Option<Outcome>>,
+        ahead: bool,
     ) -> Outcome {
         // A flight that ended between our cache look-up and registering this one left the
         // frame in the cache.
@@ -229,7 +238,7 @@ impl Frames {
             .and_then(|c| c.contains(&hash).then(|| c.get(&hash, len)).flatten());
         let out = match cached {
             Some(p) => Ok(Arc::new(p)),
-            None => match self.fetch(hash, len).await {
+            None => match self.fetch(hash, len, ahead).await {
                 Ok(p) => {
                     if let Some(c) = &self.cache {
                         c.put(&hash, &p);
@@ -249,7 +258,12 @@ impl Frames {
 
     /// GETs a frame until it arrives whole and right, or the deadline passes. A frame whose
     /// bytes fail their check is fetched once more, then given up.
-    async fn fetch(&self, hash: blake3::Hash, len: usize) -> Result<Vec<u8>, StoreError> {
+    async fn fetch(
+        &self,
+        hash: blake3::Hash,
+        len: usize,
+        ahead: bool,
+    ) -> Result<Vec<u8>, StoreError> {
         let key = frame_key(&hash);
         let t0 = Instant::now();
         let mut backoff = FIRST_BACKOFF;
@@ -281,6 +295,9 @@ impl Frames {
                     self.counters.bytes.fetch_add(obj.len() as u64, Ordering::Relaxed);
                     if peer.is_some() {
                         self.counters.peer_latency.record(sent.elapsed());
+                        if !ahead {
+                            self.counters.peer_fault_latency.record(sent.elapsed());
+                        }
                         self.counters
                             .peer_bytes
                             .fetch_add(obj.len() as u64, Ordering::Relaxed);
@@ -358,7 +375,7 @@ impl Frames {
                     tx
                 };
                 me.counters.ahead.fetch_add(1, Ordering::Relaxed);
-                let _ = me.lead(hash, len, tx).await;
+                let _ = me.lead(hash, len, tx, true).await;
             });
         }
     }

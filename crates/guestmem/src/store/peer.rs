@@ -33,6 +33,9 @@ pub struct PeerCounters {
 pub struct PeerServer {
     addr: SocketAddr,
     rt: Option<tokio::runtime::Runtime>,
+    /// Held here too, so that the last reference (and the client's own runtime) is never
+    /// dropped inside this server's runtime, where dropping a runtime panics.
+    _objects: Arc<Client>,
     /// What it served.
     pub counters: Arc<PeerCounters>,
 }
@@ -59,6 +62,7 @@ impl PeerServer {
         let addr = listener.local_addr().map_err(io("read the address of"))?;
         let counters = Arc::new(PeerCounters::default());
         let c = Arc::clone(&counters);
+        let held = Arc::clone(&objects);
         rt.spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
@@ -80,6 +84,7 @@ impl PeerServer {
         Ok(PeerServer {
             addr,
             rt: Some(rt),
+            _objects: held,
             counters,
         })
     }
@@ -98,7 +103,8 @@ impl PeerServer {
 impl Drop for PeerServer {
     fn drop(&mut self) {
         if let Some(rt) = self.rt.take() {
-            rt.shutdown_background();
+            // Waits for its threads (and the tasks they drop) before `_objects` goes.
+            rt.shutdown_timeout(std::time::Duration::from_secs(5));
         }
     }
 }

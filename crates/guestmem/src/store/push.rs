@@ -21,7 +21,7 @@ use super::manifest::{
 };
 use super::memory::{overlay, read_snapshot};
 use super::source::{
-    check_len, image_regions, is_zero, pack, read_file, read_image, working_frames,
+    check_len, image_regions, is_zero, pack, read_file, read_image, read_packed, working_frames,
 };
 use super::url::{frame_key, StoreUrl};
 use super::StoreError;
@@ -59,6 +59,12 @@ pub struct PushConfig {
     /// Where a diff's base is read from, when not from where the push writes (a move's
     /// frames are kept in memory, their base is in the store).
     pub base_from: Option<Arc<Client>>,
+    /// A diff's base's manifest, read already (a move reads it before the pause, and the
+    /// push during the pause asks the store nothing).
+    pub base: Option<Arc<Snapshot>>,
+    /// Ask the bucket whether it holds a frame before uploading it (a HEAD each); a push
+    /// into an empty place (a move's frames in memory) skips that.
+    pub look_first: bool,
 }
 
 impl Default for PushConfig {
@@ -68,6 +74,8 @@ impl Default for PushConfig {
             threads: 16,
             compress: true,
             base_from: None,
+            base: None,
+            look_first: true,
         }
     }
 }
@@ -182,9 +190,14 @@ pub fn push(
         PushSource::RawDiff { path, base } => {
             let file = File::open(path).map_err(io("open", path))?;
             let len = file.metadata().map_err(io("stat", path))?.len();
-            let from = cfg.base_from.as_ref().unwrap_or(client);
-            let frames = Frames::new(Arc::clone(from), None, FetchPolicy::default());
-            let snap = read_snapshot(&frames, base)?;
+            let snap = match &cfg.base {
+                Some(s) if s.url == *base => Snapshot::clone(s),
+                _ => {
+                    let from = cfg.base_from.as_ref().unwrap_or(client);
+                    let frames = Frames::new(Arc::clone(from), None, FetchPolicy::default());
+                    read_snapshot(&frames, base)?
+                }
+            };
             if len > snap.memory_bytes() {
                 return Err(StoreError::Base {
                     url: base.to_string(),
@@ -242,7 +255,7 @@ pub fn push(
         next: AtomicU64::new(0),
     };
     let all: Vec<u64> = (0..count).collect();
-    job.run(&all, cfg.threads, false, &lease);
+    job.run(&all, cfg.threads, !cfg.look_first, &lease);
     if let Some(e) = job.failed.lock().unwrap_or_else(|e| e.into_inner()).take() {
         lease.release();
         return Err(e);
@@ -531,10 +544,24 @@ impl Job<'_> {
             self.counters.base.fetch_add(1, Ordering::Relaxed);
             return Ok(below.clone());
         }
+        self.counters.read.fetch_add(held * page, Ordering::Relaxed);
+        if held < pages && below.len() < MAX_PIECES {
+            // Only the diff's pages are read, packed as they are stored.
+            let mut packed = Vec::with_capacity((held * page) as usize);
+            timed(&self.counters.read_ns, || {
+                read_packed(file, flen, start, &mask, pages, &mut packed)
+            })?;
+            let hash = self.upload(i, &packed, force)?;
+            let mut stack = below.clone();
+            stack.push(Piece {
+                hash,
+                pages: Some(mask),
+            });
+            return Ok(stack);
+        }
         timed(&self.counters.read_ns, || {
             read_file(file, flen, start, bytes)
         })?;
-        self.counters.read.fetch_add(held * page, Ordering::Relaxed);
         if held == pages {
             return Ok(self.whole(i, bytes, force)?.into_iter().collect());
         }
@@ -562,13 +589,7 @@ impl Job<'_> {
             );
             return Ok(self.whole(i, &whole, force)?.into_iter().collect());
         }
-        let packed = pack(bytes, &mask);
-        let hash = self.upload(i, &packed, force)?;
-        let mut stack = below.clone();
-        stack.push(Piece {
-            hash,
-            pages: Some(mask),
-        });
-        Ok(stack)
+        // Too deep a stack: the frame flattened into one whole piece (above).
+        unreachable!("a partial frame on a stack of {} pieces", below.len())
     }
 }

@@ -98,6 +98,36 @@ pub(super) fn read_file(
     Ok(())
 }
 
+/// The pages of the frame at `offset` that `mask` names, read straight into place packed
+/// (a run of pages a read), into `out` (cleared first).
+pub(super) fn read_packed(
+    file: &File,
+    len: u64,
+    offset: u64,
+    mask: &[u64],
+    pages: u64,
+    out: &mut Vec<u8>,
+) -> Result<(), StoreError> {
+    let page = IMAGE_PAGE_BYTES;
+    let bit = |p: u64| mask[(p / 64) as usize] >> (p % 64) & 1 != 0;
+    out.clear();
+    let mut p = 0;
+    while p < pages {
+        if !bit(p) {
+            p += 1;
+            continue;
+        }
+        let run_start = p;
+        while p < pages && bit(p) {
+            p += 1;
+        }
+        let at = out.len();
+        out.resize(at + ((p - run_start) * page) as usize, 0);
+        read_file(file, len, offset + run_start * page, &mut out[at..])?;
+    }
+    Ok(())
+}
+
 /// Reads `dst.len()` bytes at `offset` of a guestmem image's memory (regions where their
 /// `file_offset` says), every block checked; bytes no region holds read as zero.
 pub(super) fn read_image(

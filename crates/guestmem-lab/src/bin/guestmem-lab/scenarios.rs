@@ -14,6 +14,7 @@ use guestmem_lab::firecracker::{run_firecracker, Cache, FirecrackerLabConfig};
 use guestmem_lab::fleet::{run_fleet, FleetLabConfig};
 use guestmem_lab::guards::{run_guards, GuardsLabConfig};
 use guestmem_lab::huge_regain::{run_huge_regain, HugeRegainLabConfig};
+use guestmem_lab::moves::{run_move, MoveLabConfig};
 use guestmem_lab::object_store::{run_object_store, ObjectStoreLabConfig};
 use guestmem_lab::populate::{run_populate, LayoutKind, PopulateLabConfig, DEFAULT_SETTLE};
 use guestmem_lab::report::{write_run, LabReport, LabResult};
@@ -62,6 +63,10 @@ pub enum Scenario {
     /// guestmem's page server, 4 KiB and 2 MiB guests, warm and cold page cache; every page
     /// checked by the guest.
     Firecracker(FirecrackerArgs),
+    /// A running Firecracker VM moved between two page servers (two hosts on this one, a
+    /// proxy adding round-trip latency): the pause and its steps, remote fetches, bytes
+    /// sent against the diff, the window of risk; every qword checked after the move.
+    Move(MoveArgs),
     /// Every scenario, one after the other, into one folder with an index.md of all reports.
     All(AllArgs),
 }
@@ -111,6 +116,29 @@ pub struct ObjectStoreArgs {
     /// comma-separated.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    #[command(flatten)]
+    protocol: ProtocolArgs,
+}
+
+/// Flags of `guestmem-lab move`.
+#[derive(ClapArgs)]
+pub struct MoveArgs {
+    /// What the guest writes before the move, MiB, comma-separated (each divides the
+    /// region by a power of two).
+    #[arg(long, value_delimiter = ',', default_value = "64,256")]
+    dirty_mib: Vec<u64>,
+    /// Round trips added between the hosts, milliseconds, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0,0.5,20")]
+    rtt_ms: Vec<f64>,
+    /// The guest's region, MiB (it starts at 64 MiB; filled at boot, checked after).
+    #[arg(long, default_value_t = 512)]
+    region_mib: u64,
+    /// The VM's memory, MiB.
+    #[arg(long, default_value_t = 1024)]
+    mem_mib: u64,
+    /// The Firecracker binary [default: ../shared/firecracker/firecracker].
+    #[arg(long)]
+    firecracker: Option<PathBuf>,
     #[command(flatten)]
     protocol: ProtocolArgs,
 }
@@ -360,6 +388,7 @@ pub fn run(scenario: Scenario) -> Result<()> {
         Scenario::VmRestore(a) => &a.protocol.out,
         Scenario::Fleet(a) => &a.protocol.out,
         Scenario::ObjectStore(a) => &a.protocol.out,
+        Scenario::Move(a) => &a.protocol.out,
         Scenario::HugeRegain(a) => &a.protocol.out,
         Scenario::Firecracker(a) => &a.protocol.out,
         Scenario::All(a) => &a.out,
@@ -430,6 +459,20 @@ pub fn run(scenario: Scenario) -> Result<()> {
                 &run_object_store(&cfg).context("lab object-store")?,
                 &a.protocol.out,
             )
+        }
+        Scenario::Move(a) => {
+            let d = MoveLabConfig::default();
+            let cfg = MoveLabConfig {
+                dirty_mib: a.dirty_mib.clone(),
+                rtt_ms: a.rtt_ms.clone(),
+                region_mib: a.region_mib,
+                mem_mib: a.mem_mib,
+                firecracker: a.firecracker.clone(),
+                protocol: a.protocol.protocol(d.protocol),
+                command: command_line(),
+                ..d
+            };
+            emit(&run_move(&cfg).context("lab move")?, &a.protocol.out)
         }
         Scenario::Firecracker(a) => {
             let d = FirecrackerLabConfig::default();
