@@ -155,6 +155,8 @@ fn a_running_firecracker_vm_moves_between_page_servers_and_reads_every_qword_rig
         guestmem_testkit::skip(format_args!("{why}"));
         return;
     }
+    // One Firecracker test at a time: two booting at once here had one's API refuse.
+    let _one = guestmem_testkit::host_lock();
     let dir = Scratch::new("move");
     let s3 = S3Server::start("move", &["snaps"]);
     let vmstate = base_in_store(&dir, &s3);
@@ -223,6 +225,7 @@ fn a_move_the_destination_refuses_leaves_the_vm_running_on_the_source() {
         guestmem_testkit::skip(format_args!("{why}"));
         return;
     }
+    let _one = guestmem_testkit::host_lock();
     let dir = Scratch::new("move-refused");
     let s3 = S3Server::start("move-refused", &["snaps"]);
     let vmstate = base_in_store(&dir, &s3);

@@ -100,7 +100,8 @@ pub struct MoveSample {
     /// The pause, ms: `PATCH /vm Paused` to the VM running on the destination.
     pub pause_ms: f64,
     /// Its steps, ms: pausing, Firecracker's Diff snapshot, the diff cut into frames, the
-    /// hand-over sent, the chain opened on the destination, Firecracker's load there.
+    /// hand-over sent, the chain opened on the destination, Firecracker's load there (the
+    /// VM paused), the commit (the destination resumes it).
     pub step_pause_ms: f64,
     /// See `step_pause_ms`.
     pub snapshot_ms: f64,
@@ -112,6 +113,8 @@ pub struct MoveSample {
     pub open_ms: f64,
     /// See `step_pause_ms`.
     pub load_ms: f64,
+    /// The commit: its message, the destination's resume, its answer, ms.
+    pub commit_ms: f64,
     /// Bytes of memory in the diff.
     pub diff_bytes: u64,
     /// Bytes of frames the source sent.
@@ -474,6 +477,7 @@ impl Lab<'_> {
             send_ms: p.send_ms,
             open_ms: p.open_ms,
             load_ms: p.load_ms,
+            commit_ms: p.commit_ms,
             diff_bytes: r.diff_bytes,
             bytes_sent: r.bytes_sent,
             remote_gets: arrived.peer_gets,

@@ -25,15 +25,15 @@ impl LabReport for MoveResult {
             ),
         );
         md.push_str(
-            "| variant | pause ms | pause | Diff snapshot | frames | send | open | load | diff MiB \
+            "| variant | pause ms | pause | Diff snapshot | frames | send | open | load | commit | diff MiB \
              | sent / diff | remote GET p50 ms | p99 ms | a fault's own: GETs | p50 ms | p99 ms | miss p50 ms | p99 ms | risk window ms \
              | check s | BAD |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for v in &self.body.variants {
             let m = |f: fn(&MoveSample) -> f64| summarise(&v.samples, f).median;
             md.push_str(&format!(
-                "| {} | {:.1} ({:.1}-{:.1}) | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} \
+                "| {} | {:.1} ({:.1}-{:.1}) | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} \
                  | {:.3} | {:.2} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} | {:.1} | {:.0} |\n",
                 v.name,
                 v.pause_ms.median,
@@ -45,6 +45,7 @@ impl LabReport for MoveResult {
                 m(|s| s.send_ms),
                 m(|s| s.open_ms),
                 m(|s| s.load_ms),
+                m(|s| s.commit_ms),
                 m(|s| s.diff_bytes as f64) / (1 << 20) as f64,
                 ratio(m(|s| s.bytes_sent as f64), m(|s| s.diff_bytes as f64)),
                 m(|s| s.remote_p50_us) / 1000.0,
@@ -64,7 +65,8 @@ impl LabReport for MoveResult {
              `snapshot/create` writing the vmstate and the dirty pages; `frames` the diff cut into \
              frames and hashed on the source (its manifest); `send` the manifest and vmstate to \
              the destination, with the latency; `open` the chain opened and served there; `load` \
-             the destination Firecracker's `snapshot/load` with `resume_vm`. `sent / diff`: bytes \
+             the destination Firecracker's `snapshot/load`, the VM left paused; `commit` the \
+             source's word to run it, the destination's `PATCH /vm Resumed`, its answer. `sent / diff`: bytes \
              of frames the source served against the diff's bytes (the destination stops asking \
              the source once the store holds the diff, so this can be below 1). `remote GET`: \
              the destination's GETs to the source (frame objects of 256 KiB of memory, the diff's \

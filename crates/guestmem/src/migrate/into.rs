@@ -16,6 +16,11 @@ use crate::restore::latency::LatencySummary;
 use crate::serve::{Listener, MemoryFile, Server, ServerConfig, ServerReport, Socket};
 use crate::store::{read_snapshot, Client, Frames, Snapshot, StoreError, StoreMemory, StoreUrl};
 
+/// How long Firecracker's `snapshot/load` (and resume) may take here.
+pub(super) const LOAD_LIMIT: Duration = Duration::from_secs(120);
+/// How long the vmstate's bytes may take to arrive after their announcement.
+const PAYLOAD_LIMIT: Duration = Duration::from_secs(20);
+
 /// A move into this host.
 #[derive(Debug, Clone)]
 pub struct MoveIn {
@@ -106,9 +111,16 @@ pub fn move_in(
         let frames = frames_for(&base_url)?;
         let base = read_snapshot(&frames, &base_url)?;
         let peer = Arc::new(Client::peer(&peer_url)?);
-        Ok((base_url, name_url, frames, base, peer))
+        // The source's frames answer here (nothing is there yet: a 404 is an answer).
+        peer.get(&name_url.manifest_key())
+            .map_err(|e| MoveError::Refused {
+                side: "destination",
+                reason: format!("the source's frames at {peer_url} do not answer: {e}"),
+            })?;
+        let (api, process) = Api::open(&m.api, "destination")?;
+        Ok((base_url, name_url, frames, base, peer, api, process))
     })();
-    let (base_url, name_url, frames, base, peer) = match checked {
+    let (base_url, name_url, frames, base, peer, api, process) = match checked {
         Ok(v) => v,
         Err(e) => {
             let _ = wire.send(
@@ -133,20 +145,30 @@ pub fn move_in(
             })
         }
     };
-    let state = wire.payload(vmstate_bytes, m.wait)?;
+    let state = wire.payload(vmstate_bytes, PAYLOAD_LIMIT)?;
     let t_open = Instant::now();
-    let vmstate = m.dir.join(format!("{}.vmstate", name_url.name));
-    let sock = m.dir.join(format!("{}.uffd.sock", name_url.name));
+    // The name may hold '/' (never a '..' part): one file name of it here.
+    let local = name_url.name.replace('/', "_");
+    let vmstate = m.dir.join(format!("{local}.vmstate"));
+    let sock = m.dir.join(format!("{local}.uffd.sock"));
     let _vmstate_removed = RemovedOnDrop(vmstate.clone());
     // The chain: checked as any manifest, then against the base this host read itself.
     let opened = (|| -> Result<_, MoveError> {
         let chain = Snapshot::parse(&name_url, manifest.as_bytes())?;
         let owed = owed(&base, &chain)?;
-        std::fs::write(&vmstate, &state).map_err(|source| MoveError::Io {
-            op: "write",
-            path: vmstate.clone(),
-            source,
-        })?;
+        {
+            use std::io::Write;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&vmstate)
+                .and_then(|mut f| f.write_all(&state))
+                .map_err(|source| MoveError::Io {
+                    op: "write (a new file)",
+                    path: vmstate.clone(),
+                    source,
+                })?;
+        }
         let fb = chain.frame_bytes();
         let working_set: Vec<u64> = owed.iter().map(|&(i, _)| i * fb).collect();
         frames.follow(Arc::clone(&peer), owed.iter().map(|&(_, h)| h));
@@ -188,20 +210,23 @@ pub fn move_in(
     };
     let open_ms = t_open.elapsed().as_secs_f64() * 1e3;
     let t_load = Instant::now();
-    let loaded = Api::open(&m.api, "destination").and_then(|(api, _)| {
-        api.ok(
-            "PUT",
-            "snapshot/load",
-            &format!(
-                r#"{{"snapshot_path":{},"mem_backend":{{"backend_type":"Uffd","backend_path":{}}},"track_dirty_pages":true,"resume_vm":true}}"#,
-                json_path(&vmstate),
-                json_path(&m.dir.join(format!("{}.uffd.sock", name_url.name)))
-            ),
-            Duration::from_secs(120),
-        )
-    });
+    // Loaded paused: it runs here only once the source commits (never two copies).
+    let loaded = api.ok(
+        "PUT",
+        "snapshot/load",
+        &format!(
+            r#"{{"snapshot_path":{},"mem_backend":{{"backend_type":"Uffd","backend_path":{}}},"track_dirty_pages":true,"resume_vm":false}}"#,
+            json_path(&vmstate),
+            json_path(&m.dir.join(format!("{local}.uffd.sock")))
+        ),
+        LOAD_LIMIT,
+    );
     let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
-    if let Err(e) = loaded {
+    // Ends this side's copy (it never ran) and its server, and says why.
+    let abandon = |wire: &mut Wire, e: MoveError| {
+        if let Err(k) = process.kill() {
+            tracing::error!("ending the destination Firecracker failed: {k}");
+        }
         let _ = wire.send(
             &Msg::Refused {
                 reason: e.to_string(),
@@ -209,10 +234,35 @@ pub fn move_in(
             &[],
         );
         drainer.drain();
+        e
+    };
+    if let Err(e) = loaded {
+        let e = abandon(&mut wire, e);
         let _ = run.join();
         return Err(e);
     }
-    wire.send(&Msg::Running { load_ms, open_ms }, &[])?;
+    wire.send(&Msg::Loaded { load_ms, open_ms }, &[])?;
+    let go = match wire.recv(LOAD_LIMIT) {
+        Ok(Msg::Commit) => api.ok("PATCH", "vm", r#"{"state":"Resumed"}"#, LOAD_LIMIT),
+        Ok(Msg::Abort { reason }) => Err(MoveError::Refused {
+            side: "source",
+            reason,
+        }),
+        Ok(other) => Err(MoveError::Wire {
+            peer: wire.peer().into(),
+            reason: format!("expected Commit, got {other:?}"),
+        }),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = go {
+        let e = abandon(&mut wire, e);
+        let _ = run.join();
+        return Err(e);
+    }
+    if let Err(e) = wire.send(&Msg::Running, &[]) {
+        // The VM runs here: it is served on whatever the source does now.
+        tracing::error!("the VM runs here, but telling the source failed: {e}");
+    }
     let t_run = Instant::now();
     tracing::info!(
         "VM {} moved here from {} ({owed_frames} frames owed by it); chain on {}",

@@ -11,8 +11,8 @@ use super::firecracker::{json_path, Api};
 use super::wire::{Msg, Wire};
 use super::MoveError;
 use crate::store::{
-    push, read_snapshot, Client, FetchPolicy, Frames, PeerServer, PushConfig, PushReport,
-    PushSource, StoreUrl,
+    check_push, push, read_snapshot, Client, FetchPolicy, Frames, PeerServer, PushConfig,
+    PushReport, PushSource, StoreUrl,
 };
 
 /// How long the destination may take to answer a message (reading the base's manifest,
@@ -20,6 +20,13 @@ use crate::store::{
 const ANSWER_LIMIT: Duration = Duration::from_secs(120);
 /// Firecracker's API requests: pausing, resuming, writing a diff.
 const API_LIMIT: Duration = Duration::from_secs(120);
+/// How long the destination may take from the hand-over to the VM loaded: it reads the
+/// vmstate, opens the chain and loads within [`super::into::LOAD_LIMIT`] of its own.
+const LOAD_LIMIT: Duration = Duration::from_secs(150);
+/// How long the destination may take to read the pushed manifest and let go.
+const RELEASE_LIMIT: Duration = Duration::from_secs(60);
+/// Pushes of the diff tried before giving up (the client retries each request too).
+const PUSH_ATTEMPTS: u32 = 3;
 
 /// A move of one Firecracker VM, as the source host runs it.
 #[derive(Debug, Clone)]
@@ -56,8 +63,10 @@ pub struct PauseSteps {
     pub send_ms: f64,
     /// On the destination: the chain opened and served (its page server listening).
     pub open_ms: f64,
-    /// On the destination: Firecracker's `snapshot/load` with `resume_vm`.
+    /// On the destination: Firecracker's `snapshot/load`, the VM left paused.
     pub load_ms: f64,
+    /// The commit: its message, the destination's `PATCH /vm Resumed`, its answer.
+    pub commit_ms: f64,
     /// From `PATCH /vm Paused` to the destination's word that the VM runs.
     pub total_ms: f64,
 }
@@ -106,8 +115,9 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         move |source| MoveError::Io { op, path, source }
     };
     std::fs::create_dir_all(&m.work_dir).map_err(io("create", &m.work_dir))?;
-    let vmstate = m.work_dir.join(format!("{}.vmstate", m.push_as.name));
-    let memfile = m.work_dir.join(format!("{}.mem", m.push_as.name));
+    let local = m.push_as.name.replace('/', "_");
+    let vmstate = m.work_dir.join(format!("{local}.vmstate"));
+    let memfile = m.work_dir.join(format!("{local}.mem"));
     for f in [&vmstate, &memfile] {
         if f.exists() {
             return Err(MoveError::Io {
@@ -117,7 +127,9 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             });
         }
     }
-    let _files = Removed(vec![vmstate.clone(), memfile.clone()]);
+    // Checked before the pause: the name is free and this host may write the store.
+    check_push(store, &m.push_as)?;
+    let mut files = Removed(vec![vmstate.clone(), memfile.clone()]);
     let held = Arc::new(Client::in_memory(&m.push_as.name)?);
     let peer = PeerServer::start(m.listen, Arc::clone(&held))?;
     let ctl = TcpStream::connect_timeout(&m.to, Duration::from_secs(10)).map_err(|e| {
@@ -129,11 +141,17 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
     let advertise = match &m.advertise {
         Some(a) => a.clone(),
         None => {
-            let ip = ctl.local_addr().map_err(|e| MoveError::Wire {
-                peer: m.to.to_string(),
-                reason: e.to_string(),
-            })?;
-            format!("http://{}", SocketAddr::new(ip.ip(), peer.addr().port()))
+            let ip = match m.listen.ip().is_unspecified() {
+                true => ctl
+                    .local_addr()
+                    .map_err(|e| MoveError::Wire {
+                        peer: m.to.to_string(),
+                        reason: e.to_string(),
+                    })?
+                    .ip(),
+                false => m.listen.ip(),
+            };
+            format!("http://{}", SocketAddr::new(ip, peer.addr().port()))
         }
     };
     let mut wire = Wire::new(ctl)?;
@@ -156,12 +174,14 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         other => return Err(unexpected(&wire, "Ready", &other)),
     }
 
-    // The pause.
+    // The pause. Until the destination has the VM loaded and this side commits, any
+    // failure resumes the VM here.
     let mut steps = PauseSteps::default();
     let t0 = Instant::now();
-    api.ok("PATCH", "vm", r#"{"state":"Paused"}"#, API_LIMIT)?;
-    steps.pause_ms = ms(t0);
+    let mut snapshotted = false;
     let mut paused = || -> Result<(u64, Vec<u8>), MoveError> {
+        api.ok("PATCH", "vm", r#"{"state":"Paused"}"#, API_LIMIT)?;
+        steps.pause_ms = ms(t0);
         let t = Instant::now();
         api.ok(
             "PUT",
@@ -173,12 +193,14 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             ),
             API_LIMIT,
         )?;
+        snapshotted = true;
         steps.snapshot_ms = ms(t);
         let t = Instant::now();
-        let held_url = StoreUrl {
-            bucket: m.push_as.bucket.clone(),
-            name: m.push_as.name.clone(),
-        };
+        let file = std::fs::File::open(&memfile).map_err(io("open", &memfile))?;
+        let len = file.metadata().map_err(io("stat", &memfile))?.len();
+        let data = crate::sys::data_ranges(file.as_fd(), 0, len)
+            .map_err(io("find the data (SEEK_DATA) of", &memfile))?;
+        drop(file);
         // Threads past the CPUs only wait on each other here: nothing is uploaded.
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let cfg = PushConfig {
@@ -195,13 +217,17 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
                 path: memfile.clone(),
                 base: m.base.clone(),
             },
-            &held_url,
+            &m.push_as,
             &cfg,
         )?;
         steps.frames_ms = ms(t);
         let manifest = held
-            .get(&held_url.manifest_key())?
-            .expect("the push wrote its manifest");
+            .get(&m.push_as.manifest_key())?
+            .ok_or_else(|| MoveError::Io {
+                op: "read the manifest just made of",
+                path: memfile.clone(),
+                source: std::io::Error::from(std::io::ErrorKind::NotFound),
+            })?;
         let state = std::fs::read(&vmstate).map_err(io("read", &vmstate))?;
         let t = Instant::now();
         wire.send(
@@ -211,8 +237,8 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             },
             &state,
         )?;
-        match wire.recv(ANSWER_LIMIT)? {
-            Msg::Running { load_ms, open_ms } => {
+        match wire.recv(LOAD_LIMIT)? {
+            Msg::Loaded { load_ms, open_ms } => {
                 steps.load_ms = load_ms;
                 steps.open_ms = open_ms;
                 steps.send_ms = (ms(t) - load_ms - open_ms).max(0.0);
@@ -223,26 +249,94 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
                     reason,
                 })
             }
-            other => return Err(unexpected(&wire, "Running", &other)),
+            other => return Err(unexpected(&wire, "Loaded", &other)),
         }
-        let file = std::fs::File::open(&memfile).map_err(io("open", &memfile))?;
-        let len = file.metadata().map_err(io("stat", &memfile))?.len();
-        let data = crate::sys::data_ranges(file.as_fd(), 0, len)
-            .map_err(io("find the data (SEEK_DATA) of", &memfile))?;
         Ok((data.iter().map(|(s, e)| e - s).sum(), state))
     };
     let (diff_bytes, state) = match paused() {
         Ok(v) => v,
         Err(e) => {
+            let _ = wire.send(
+                &Msg::Abort {
+                    reason: e.to_string(),
+                },
+                &[],
+            );
             let resumed = api.ok("PATCH", "vm", r#"{"state":"Resumed"}"#, API_LIMIT);
             tracing::warn!("move of {} failed after the pause: {e}", m.api.display());
+            // Firecracker cleared its dirty log at the Diff: a later move on the same base
+            // would miss these writes. They go to the store as the base for the next move.
+            let kept = match snapshotted {
+                false => String::new(),
+                true => match push(
+                    store,
+                    &PushSource::RawDiff {
+                        path: memfile.clone(),
+                        base: m.base.clone(),
+                    },
+                    &m.push_as,
+                    &PushConfig {
+                        frame_bytes: base.frame_bytes(),
+                        threads: m.threads.max(1),
+                        base: Some(Arc::clone(&base)),
+                        ..PushConfig::default()
+                    },
+                ) {
+                    Ok(_) => format!(
+                        "; its writes until the pause are in {} (a new move must use --base {})",
+                        m.push_as, m.push_as
+                    ),
+                    Err(p) => {
+                        files.0.clear();
+                        format!(
+                            "; its writes until the pause could not be pushed ({p}): they are kept in {} (push them with --base {} before a new move)",
+                            memfile.display(),
+                            m.base
+                        )
+                    }
+                },
+            };
             return Err(MoveError::Failed {
-                reason: e.to_string(),
+                reason: format!("{e}{kept}"),
                 resumed: resumed.is_ok(),
                 resume: resumed.err().map_or(String::new(), |e| e.to_string()),
             });
         }
     };
+    // The commit: from here this side never resumes its copy.
+    let t_commit = Instant::now();
+    let committed = wire
+        .send(&Msg::Commit, &[])
+        .and_then(|_| wire.recv(ANSWER_LIMIT));
+    match committed {
+        Ok(Msg::Running) => {}
+        Ok(Msg::Refused { reason }) => {
+            // The destination ended its copy: the source's is the only one.
+            let resumed = api.ok("PATCH", "vm", r#"{"state":"Resumed"}"#, API_LIMIT);
+            return Err(MoveError::Failed {
+                reason: format!("the destination could not resume the VM: {reason}"),
+                resumed: resumed.is_ok(),
+                resume: resumed.err().map_or(String::new(), |e| e.to_string()),
+            });
+        }
+        other => {
+            // Whether the destination runs the VM cannot be known from here: the source
+            // copy stays paused (never two copies running) and its frames stay served.
+            let why = match other {
+                Ok(m) => format!("expected Running, got {m:?}"),
+                Err(e) => e.to_string(),
+            };
+            tracing::error!(
+                "move committed but the destination did not confirm ({why}); the source VM is left paused, not ended"
+            );
+            let _ = wire.recv(Duration::from_secs(u32::MAX as u64));
+            return Err(MoveError::Wire {
+                peer: wire.peer().into(),
+                reason: format!("after the commit: {why}; the source VM is left paused (the destination may run it)"),
+            });
+        }
+    }
+    steps.commit_ms = ms(t_commit);
     steps.total_ms = ms(t0);
     // The VM runs on the destination: the source's copy ends now, never before.
     if let Err(e) = process.kill() {
@@ -258,31 +352,54 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
     );
 
     // The window of risk: until the store holds the diff and the destination reads it.
-    let pushed = push(
-        store,
-        &PushSource::RawDiff {
-            path: memfile.clone(),
-            base: m.base.clone(),
-        },
-        &m.push_as,
-        &PushConfig {
-            frame_bytes: base.frame_bytes(),
-            threads: m.threads.max(1),
-            base: Some(Arc::clone(&base)),
-            ..PushConfig::default()
-        },
-    );
-    let report = match pushed {
-        Ok(r) => r,
-        Err(e) => {
-            // The destination still needs this host: serve it until it goes.
-            tracing::error!(
-                "the diff could not be pushed to {} ({e}); serving its frames until the destination closes",
-                m.push_as
-            );
-            let _ = wire.recv(Duration::from_secs(u32::MAX as u64));
-            return Err(e.into());
+    // The push retries; the frames stay served until the destination lets go.
+    let mut pushed = None;
+    for attempt in 1..=PUSH_ATTEMPTS {
+        match push(
+            store,
+            &PushSource::RawDiff {
+                path: memfile.clone(),
+                base: m.base.clone(),
+            },
+            &m.push_as,
+            &PushConfig {
+                frame_bytes: base.frame_bytes(),
+                threads: m.threads.max(1),
+                base: Some(Arc::clone(&base)),
+                ..PushConfig::default()
+            },
+        ) {
+            Ok(r) => {
+                pushed = Some(r);
+                break;
+            }
+            Err(e) => {
+                tracing::error!(
+                    "push of the diff to {} failed (attempt {attempt}): {e}",
+                    m.push_as
+                );
+                std::thread::sleep(Duration::from_secs(attempt as u64));
+            }
         }
+    }
+    let Some(report) = pushed else {
+        // The destination still needs this host: serve it until it goes, and keep the diff.
+        files.0.clear();
+        tracing::error!(
+            "the diff could not be pushed to {}; kept in {}; serving its frames until the destination closes",
+            m.push_as,
+            memfile.display()
+        );
+        let _ = wire.recv(Duration::from_secs(u32::MAX as u64));
+        return Err(MoveError::Failed {
+            reason: format!(
+                "the VM runs on the destination, but its diff could not be pushed to {} (kept in {})",
+                m.push_as,
+                memfile.display()
+            ),
+            resumed: false,
+            resume: "it was not to be: the destination runs it".into(),
+        });
     };
     wire.send(
         &Msg::Pushed {
@@ -290,7 +407,7 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         },
         &[],
     )?;
-    match wire.recv(ANSWER_LIMIT)? {
+    match wire.recv(RELEASE_LIMIT)? {
         Msg::Released => {}
         other => return Err(unexpected(&wire, "Released", &other)),
     }

@@ -14,6 +14,8 @@ use super::MoveError;
 /// The longest message line (a manifest of 16 TiB of memory is far longer; a move's is the
 /// manifest of one VM's memory: 4 MiB holds 16,000 frames' stacks).
 pub(crate) const MAX_LINE_BYTES: u64 = 64 << 20;
+/// How long one send may block.
+const SEND_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 /// The largest vmstate accepted (Firecracker's is tens of KiB).
 pub(crate) const MAX_VMSTATE_BYTES: u64 = 64 << 20;
 
@@ -38,8 +40,15 @@ pub(crate) enum Msg {
         manifest: String,
         vmstate_bytes: u64,
     },
-    /// Destination: the VM runs here (`load_ms`: Firecracker's `snapshot/load`).
-    Running { load_ms: f64, open_ms: f64 },
+    /// Destination: the VM is loaded here, paused (`load_ms`: Firecracker's
+    /// `snapshot/load`); it runs here once the source commits.
+    Loaded { load_ms: f64, open_ms: f64 },
+    /// Source: run it there; from now on the source never resumes its copy.
+    Commit,
+    /// Source: no move (the source resumes its copy); the destination ends its own.
+    Abort { reason: String },
+    /// Destination: the VM runs here.
+    Running,
     /// Source: the diff is in the store as `url`.
     Pushed { url: String },
     /// Destination: it read `url`'s manifest, which names the frames it was owed, and no
@@ -62,6 +71,13 @@ impl Wire {
             peer: peer.clone(),
             reason: e.to_string(),
         })?;
+        // A stalled peer never holds a send (and so a pause) for ever.
+        writer
+            .set_write_timeout(Some(SEND_LIMIT))
+            .map_err(|e| MoveError::Wire {
+                peer: peer.clone(),
+                reason: e.to_string(),
+            })?;
         Ok(Wire {
             reader: BufReader::new(s),
             writer,
@@ -102,7 +118,12 @@ impl Wire {
         let n = (&mut self.reader)
             .take(MAX_LINE_BYTES + 1)
             .read_until(b'\n', &mut line)
-            .map_err(|e| self.err(format!("no message within {limit:?}: {e}")))?;
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                    self.err(format!("no message within {limit:?}"))
+                }
+                _ => self.err(format!("receive: {e}")),
+            })?;
         if n == 0 {
             return Err(self.err("closed the connection".into()));
         }

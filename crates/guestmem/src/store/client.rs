@@ -274,6 +274,39 @@ impl Client {
         }
     }
 
+    /// The object at `key` if it is at most `max` bytes (its length is checked before its
+    /// body is read: a store or a move's source cannot make this read more), `None` when
+    /// there is none.
+    pub(crate) async fn get_capped(
+        &self,
+        key: &str,
+        max: u64,
+    ) -> Result<Option<Bytes>, StoreError> {
+        let r = match self.store.get(&ObjectPath::from(key)).await {
+            Ok(r) => r,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(self.error("GET", key, e)),
+        };
+        if r.meta.size > max {
+            return Err(StoreError::Request {
+                op: "GET",
+                url: self.url(key),
+                reason: format!("{} bytes, past the {max} its frame can take", r.meta.size),
+                permanent: true,
+            });
+        }
+        match r.bytes().await {
+            Ok(b) if b.len() as u64 <= max => Ok(Some(b)),
+            Ok(b) => Err(StoreError::Request {
+                op: "GET",
+                url: self.url(key),
+                reason: format!("{} bytes, past the {max} its frame can take", b.len()),
+                permanent: true,
+            }),
+            Err(e) => Err(self.error("GET", key, e)),
+        }
+    }
+
     /// Whether `key` is there.
     pub(crate) async fn exists_async(&self, key: &str) -> Result<bool, StoreError> {
         match self.store.head(&ObjectPath::from(key)).await {

@@ -273,7 +273,11 @@ impl Frames {
             let left = self.policy.deadline.saturating_sub(t0.elapsed());
             if left.is_zero() && attempts > 0 {
                 return Err(StoreError::Deadline {
-                    url: self.client.url(&key),
+                    url: self
+                        .holder(&hash)
+                        .as_ref()
+                        .unwrap_or(&self.client)
+                        .url(&key),
                     deadline: self.policy.deadline,
                     attempts,
                     last: "no attempt finished in time".into(),
@@ -287,8 +291,11 @@ impl Frames {
                 self.counters.peer_gets.fetch_add(1, Ordering::Relaxed);
             }
             let sent = Instant::now();
-            let got =
-                tokio::time::timeout(left.min(self.policy.attempt), client.get_async(&key)).await;
+            let got = tokio::time::timeout(
+                left.min(self.policy.attempt),
+                client.get_capped(&key, (len + super::frame::HEADER_BYTES) as u64),
+            )
+            .await;
             let last = match got {
                 Ok(Ok(Some(obj))) => {
                     self.counters.latency.record(sent.elapsed());
@@ -320,7 +327,10 @@ impl Frames {
                 Ok(Ok(None)) => {
                     return Err(StoreError::Frame {
                         url: client.url(&key),
-                        reason: "not in the bucket (collected while a manifest still names it, or never pushed whole)".into(),
+                        reason: match peer.is_some() {
+                            true => "not served by the move's source (it holds no such frame)".into(),
+                            false => "not in the bucket (collected while a manifest still names it, or never pushed whole)".into(),
+                        },
                     })
                 }
                 Ok(Err(e)) if !e.is_transient() => return Err(e),

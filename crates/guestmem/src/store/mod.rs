@@ -52,5 +52,5 @@ pub use manifest::{
 pub use memory::{read_snapshot, StoreMemory};
 pub use peer::{PeerCounters, PeerServer};
 pub use pull::{pull, PullReport};
-pub use push::{push, PushConfig, PushReport, PushSource};
+pub use push::{check_push, push, PushConfig, PushReport, PushSource};
 pub use url::StoreUrl;

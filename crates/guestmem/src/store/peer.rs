@@ -65,8 +65,13 @@ impl PeerServer {
         let held = Arc::clone(&objects);
         rt.spawn(async move {
             loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
+                let stream = match listener.accept().await {
+                    Ok((s, _)) => s,
+                    Err(_) => {
+                        // Out of descriptors, say: wait a little rather than spin.
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        continue;
+                    }
                 };
                 let _ = stream.set_nodelay(true);
                 let (objects, c) = (Arc::clone(&objects), Arc::clone(&c));
@@ -149,5 +154,127 @@ async fn answer<B>(objects: &Client, c: &PeerCounters, req: Request<B>) -> Respo
             status(StatusCode::NOT_FOUND)
         }
         Err(_) => status(StatusCode::INTERNAL_SERVER_ERROR),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::store::fetch::{FetchPolicy, Frames};
+    use crate::store::frame;
+    use crate::store::url::frame_key;
+
+    fn policy(deadline_ms: u64) -> FetchPolicy {
+        FetchPolicy {
+            deadline: Duration::from_millis(deadline_ms),
+            attempt: Duration::from_millis(deadline_ms / 2),
+            ahead_gets: 4,
+        }
+    }
+
+    fn plain(seed: u8) -> Vec<u8> {
+        (0..64 << 10).map(|i| (i as u8) ^ seed).collect()
+    }
+
+    #[test]
+    fn owed_frames_come_from_the_source_checked_then_from_the_store_once_released() {
+        let store = Arc::new(Client::in_memory("store").unwrap());
+        let held = Arc::new(Client::in_memory("source").unwrap());
+        let p = plain(7);
+        let hash = blake3::hash(&p);
+        held.put(&frame_key(&hash), Bytes::from(frame::raw(&p)))
+            .unwrap();
+        let server = PeerServer::start("127.0.0.1:0".parse().unwrap(), Arc::clone(&held)).unwrap();
+        let frames = Frames::new(Arc::clone(&store), None, policy(2000));
+        let peer = Client::peer(&format!("http://{}", server.addr())).unwrap();
+        frames.follow(Arc::new(peer), [hash]);
+        assert!(frames.following());
+        assert_eq!(*frames.get(&hash, p.len()).unwrap(), p);
+        let c = &frames.counters;
+        assert_eq!(c.peer_gets.load(Ordering::Relaxed), 1);
+        assert_eq!(server.bytes_sent(), (p.len() + frame::HEADER_BYTES) as u64);
+        // Released: the same frame now comes from the store (no cache: a GET again).
+        store
+            .put(&frame_key(&hash), Bytes::from(frame::raw(&p)))
+            .unwrap();
+        frames.release();
+        assert!(!frames.following());
+        assert_eq!(*frames.get(&hash, p.len()).unwrap(), p);
+        assert_eq!(c.peer_gets.load(Ordering::Relaxed), 1);
+        assert_eq!(c.gets.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn a_source_that_is_gone_fails_the_fetch_at_the_deadline_naming_it() {
+        let store = Arc::new(Client::in_memory("store").unwrap());
+        // A port nothing listens on: bound, then let go.
+        let gone = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let frames = Frames::new(store, None, policy(600));
+        let hash = blake3::hash(&plain(1));
+        frames.follow(
+            Arc::new(Client::peer(&format!("http://{gone}")).unwrap()),
+            [hash],
+        );
+        let t = Instant::now();
+        let e = frames.get(&hash, 64 << 10).unwrap_err().to_string();
+        assert!(
+            t.elapsed() >= Duration::from_millis(600),
+            "{:?}",
+            t.elapsed()
+        );
+        assert!(e.contains(&format!("http://{gone}/frames/")), "{e}");
+        assert!(
+            frames.counters.errors.load(Ordering::Relaxed) >= 2,
+            "retried: {e}"
+        );
+    }
+
+    #[test]
+    fn a_source_serving_other_bytes_under_a_frame_fails_closed() {
+        let store = Arc::new(Client::in_memory("store").unwrap());
+        let held = Arc::new(Client::in_memory("source").unwrap());
+        let (good, bad) = (plain(3), plain(4));
+        let hash = blake3::hash(&good);
+        held.put(&frame_key(&hash), Bytes::from(frame::raw(&bad)))
+            .unwrap();
+        let server = PeerServer::start("127.0.0.1:0".parse().unwrap(), held).unwrap();
+        let frames = Frames::new(store, None, policy(2000));
+        let peer = Client::peer(&format!("http://{}", server.addr())).unwrap();
+        frames.follow(Arc::new(peer), [hash]);
+        let e = frames.get(&hash, good.len()).unwrap_err().to_string();
+        assert!(e.contains("fetched twice"), "{e}");
+        assert_eq!(frames.counters.mismatches.load(Ordering::Relaxed), 2);
+    }
+
+    #[test]
+    fn the_source_serves_only_frames_and_manifests_and_only_reads() {
+        let held = Arc::new(Client::in_memory("source").unwrap());
+        held.put("leases/x", Bytes::from_static(b"secret")).unwrap();
+        let server = PeerServer::start("127.0.0.1:0".parse().unwrap(), held).unwrap();
+        let ask = |req: &str| {
+            use std::io::{Read, Write};
+            let mut s = std::net::TcpStream::connect(server.addr()).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            s.write_all(req.as_bytes()).unwrap();
+            let mut out = String::new();
+            let _ = s.read_to_string(&mut out);
+            out
+        };
+        let get = ask("GET /leases/x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        assert!(get.starts_with("HTTP/1.1 404"), "{get}");
+        let put = ask(
+            "PUT /frames/x HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        );
+        assert!(put.starts_with("HTTP/1.1 405"), "{put}");
+        let up = ask("GET /frames/../leases/x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        assert!(
+            up.starts_with("HTTP/1.1 404") || up.starts_with("HTTP/1.1 400"),
+            "{up}"
+        );
     }
 }
