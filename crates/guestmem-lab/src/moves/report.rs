@@ -18,10 +18,16 @@ impl LabReport for MoveResult {
                  host) with track_dirty_pages; the guest writes {:?} MiB spread over its {} MiB \
                  region (runs of 64 KiB), then moves; two page servers on this host stand for the \
                  two hosts, both starting from a cache holding the base; a proxy adds {:?} ms of \
-                 round trip to the control connection and to the source's frames. After the move \
+                 round trip to the control connection and to the source's frames; the source's \
+                 Firecracker writes the diff into {}. After the move \
                  the guest checks every qword of its region. Timed: {}. Medians over the \
                  measured rounds (min-max in brackets).\n",
-                s.mem_mib, s.dirty_mib, s.region_mib, s.rtt_ms, self.timed
+                s.mem_mib,
+                s.dirty_mib,
+                s.region_mib,
+                s.rtt_ms,
+                s.diff_dir.display(),
+                self.timed
             ),
         );
         md.push_str(
