@@ -239,7 +239,7 @@ pub fn run_move(cfg: &MoveLabConfig) -> Result<MoveResult, LabError> {
         });
     }
     for &d in &cfg.dirty_mib {
-        if d == 0 || cfg.region_mib % d != 0 || !(cfg.region_mib / d).is_power_of_two() {
+        if d == 0 || !cfg.region_mib.is_multiple_of(d) || !(cfg.region_mib / d).is_power_of_two() {
             return Err(LabError::Config {
                 scenario: SCENARIO,
                 reason: format!(

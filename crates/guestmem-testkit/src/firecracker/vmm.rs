@@ -92,7 +92,9 @@ pub fn build_guest(src: &Path, out: &Path, region_mb: u64) -> io::Result<PathBuf
 /// `region_mb / dirty_mb` must be a power of two.
 pub fn build_move_guest(out: &Path, region_mb: u64, dirty_mb: u64) -> io::Result<PathBuf> {
     assert!(
-        dirty_mb > 0 && (region_mb / dirty_mb).is_power_of_two() && region_mb % dirty_mb == 0,
+        dirty_mb > 0
+            && (region_mb / dirty_mb).is_power_of_two()
+            && region_mb.is_multiple_of(dirty_mb),
         "region {region_mb} MiB, dirty {dirty_mb} MiB: the ratio must be a power of two"
     );
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("guest");
