@@ -222,6 +222,9 @@ impl Vmm {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+        // The socket's file appears at bind, before Firecracker listens: a request in
+        // between is refused (seen on a loaded host).
+        wait_listening(&vmm.api, API_SOCKET_WAIT.saturating_sub(t.elapsed()))?;
         Ok(vmm)
     }
 
