@@ -57,15 +57,21 @@ pub fn guest_toolchain_missing() -> Option<String> {
 /// Builds the shared guest (`guest.S`, `guest.ld` in `src`) with a `region_mb` MiB region
 /// into `out/guest.elf`, as the shared README says; returns its path.
 pub fn build_guest(src: &Path, out: &Path, region_mb: u64) -> io::Result<PathBuf> {
-    let obj = out.join("guest.o");
-    let elf = out.join("guest.elf");
+    build(src, out, "guest", &[format!("-DREGION_MB={region_mb}")])
+}
+
+/// `src/guest.S` assembled with `defines` and linked by `src/guest.ld` into
+/// `out/<name>.elf`, as the shared README says.
+fn build(src: &Path, out: &Path, name: &str, defines: &[String]) -> io::Result<PathBuf> {
+    let obj = out.join(format!("{name}.o"));
+    let elf = out.join(format!("{name}.elf"));
     let run = |cmd: &mut Command, what: &str| match cmd.status()?.success() {
         true => Ok(()),
         false => Err(io::Error::other(format!("{what} failed"))),
     };
     run(
         Command::new("gcc")
-            .arg(format!("-DREGION_MB={region_mb}"))
+            .args(defines)
             .arg("-c")
             .arg(src.join("guest.S"))
             .arg("-o")
@@ -81,7 +87,7 @@ pub fn build_guest(src: &Path, out: &Path, region_mb: u64) -> io::Result<PathBuf
             .arg("-o")
             .arg(&elf)
             .arg(&obj),
-        "ld on guest.o",
+        "ld",
     )?;
     Ok(elf)
 }
@@ -98,34 +104,15 @@ pub fn build_move_guest(out: &Path, region_mb: u64, dirty_mb: u64) -> io::Result
         "region {region_mb} MiB, dirty {dirty_mb} MiB: the ratio must be a power of two"
     );
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("guest");
-    let obj = out.join("guest-move.o");
-    let elf = out.join("guest-move.elf");
-    let run = |cmd: &mut Command, what: &str| match cmd.status()?.success() {
-        true => Ok(()),
-        false => Err(io::Error::other(format!("{what} failed"))),
-    };
-    run(
-        Command::new("gcc")
-            .arg(format!("-DREGION_MB={region_mb}"))
-            .arg(format!("-DDIRTY_MB={dirty_mb}"))
-            .arg("-c")
-            .arg(src.join("guest.S"))
-            .arg("-o")
-            .arg(&obj),
-        "gcc on guest.S",
-    )?;
-    run(
-        Command::new("ld")
-            .args(["-m", "elf_x86_64", "-static", "-nostdlib"])
-            .args(["-z", "max-page-size=0x1000", "-z", "noexecstack"])
-            .args(["--build-id=none", "--no-warn-rwx-segments", "-T"])
-            .arg(src.join("guest.ld"))
-            .arg("-o")
-            .arg(&elf)
-            .arg(&obj),
-        "ld on guest-move.o",
-    )?;
-    Ok(elf)
+    build(
+        &src,
+        out,
+        "guest-move",
+        &[
+            format!("-DREGION_MB={region_mb}"),
+            format!("-DDIRTY_MB={dirty_mb}"),
+        ],
+    )
 }
 
 /// Waits until a unix socket is bound at `path` and listening (from `/proc/net/unix`), at
