@@ -174,6 +174,24 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         other => return Err(unexpected(&wire, "Ready", &other)),
     }
 
+    // The diff to the store, as a layer on the base (after the move, or after a failed one).
+    let push_diff = || {
+        push(
+            store,
+            &PushSource::RawDiff {
+                path: memfile.clone(),
+                base: m.base.clone(),
+            },
+            &m.push_as,
+            &PushConfig {
+                frame_bytes: base.frame_bytes(),
+                threads: m.threads.max(1),
+                base: Some(Arc::clone(&base)),
+                ..PushConfig::default()
+            },
+        )
+    };
+
     // The pause. Until the destination has the VM loaded and this side commits, any
     // failure resumes the VM here.
     let mut steps = PauseSteps::default();
@@ -268,20 +286,7 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             // would miss these writes. They go to the store as the base for the next move.
             let kept = match snapshotted {
                 false => String::new(),
-                true => match push(
-                    store,
-                    &PushSource::RawDiff {
-                        path: memfile.clone(),
-                        base: m.base.clone(),
-                    },
-                    &m.push_as,
-                    &PushConfig {
-                        frame_bytes: base.frame_bytes(),
-                        threads: m.threads.max(1),
-                        base: Some(Arc::clone(&base)),
-                        ..PushConfig::default()
-                    },
-                ) {
+                true => match push_diff() {
                     Ok(_) => format!(
                         "; its writes until the pause are in {} (a new move must use --base {})",
                         m.push_as, m.push_as
@@ -355,20 +360,7 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
     // The push retries; the frames stay served until the destination lets go.
     let mut pushed = None;
     for attempt in 1..=PUSH_ATTEMPTS {
-        match push(
-            store,
-            &PushSource::RawDiff {
-                path: memfile.clone(),
-                base: m.base.clone(),
-            },
-            &m.push_as,
-            &PushConfig {
-                frame_bytes: base.frame_bytes(),
-                threads: m.threads.max(1),
-                base: Some(Arc::clone(&base)),
-                ..PushConfig::default()
-            },
-        ) {
+        match push_diff() {
             Ok(r) => {
                 pushed = Some(r);
                 break;

@@ -63,3 +63,15 @@ impl Lease {
         let _ = self.client.delete(&self.key);
     }
 }
+
+/// Checks, before anything depends on it, that a push to `url` can be written: the name
+/// is free, and this client may write the bucket (a lease written and removed).
+pub fn check_push(client: &Arc<Client>, url: &StoreUrl) -> Result<(), StoreError> {
+    if client.get(&url.manifest_key())?.is_some() {
+        return Err(StoreError::Exists {
+            url: url.to_string(),
+        });
+    }
+    Lease::take(client, url)?.release();
+    Ok(())
+}

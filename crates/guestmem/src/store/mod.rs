@@ -44,7 +44,7 @@ pub use client::{Client, Listed};
 pub use error::StoreError;
 pub use fetch::{FetchCounters, FetchPolicy, Frames, StoreStatus};
 pub use gc::{gc, list, GcReport, Listing};
-pub use lease::LEASE_STALE;
+pub use lease::{check_push, LEASE_STALE};
 pub use manifest::{
     check_frame_bytes, PieceRef, Snapshot, StoreManifest, DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES,
     MAX_MANIFEST_BYTES, MAX_PIECES, MIN_FRAME_BYTES,
@@ -52,5 +52,5 @@ pub use manifest::{
 pub use memory::{read_snapshot, StoreMemory};
 pub use peer::{PeerCounters, PeerServer};
 pub use pull::{pull, PullReport};
-pub use push::{check_push, push, PushConfig, PushReport, PushSource};
+pub use push::{push, PushConfig, PushReport, PushSource};
 pub use url::StoreUrl;

@@ -136,18 +136,6 @@ enum Reader {
     },
 }
 
-/// Checks, before anything depends on it, that a push to `url` can be written: the name
-/// is free, and this client may write the bucket (a lease written and removed).
-pub fn check_push(client: &Arc<Client>, url: &StoreUrl) -> Result<(), StoreError> {
-    if client.get(&url.manifest_key())?.is_some() {
-        return Err(StoreError::Exists {
-            url: url.to_string(),
-        });
-    }
-    Lease::take(client, url)?.release();
-    Ok(())
-}
-
 /// Pushes `source` to `url` through `client`.
 pub fn push(
     client: &Arc<Client>,
