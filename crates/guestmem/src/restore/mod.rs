@@ -36,7 +36,7 @@ pub use crate::lifecycle::RestoreState;
 pub use latency::{FaultClass, FaultLatency, LatencySummary};
 pub use lazy::{LazyReport, LazyRestore};
 // The engine as the page server reaches it (`crate::serve`): nothing else of `lazy`.
-pub(crate) use lazy::{as_prefetcher, PeerRange, Pooled, RemoteRestore, Start};
+pub(crate) use lazy::{as_prefetcher, is_prefetcher, PeerRange, Pooled, RemoteRestore, Start};
 pub use regain::{RegainHuge, RegainReport, Regaining, REGAIN_SETTLE};
 
 use crate::jobs::{Job, JobRange};

@@ -2,13 +2,14 @@
 //! however many VMs fault on a frame at once (one flight per frame, the others wait on it),
 //! checked against the frame's hash, retried with backoff while the faulting vCPU waits, up
 //! to a deadline. Read-ahead (`Frames::ahead`) fetches many frames at once in the
-//! background, bounded, so that a fault's own GET never waits behind it. During a move,
+//! background, bounded, so that a fault's own GET never waits behind it; while a fault
+//! waits on a GET of its own, no new read-ahead GET starts. During a move,
 //! the frames the move's diff brought are owed by its source host (`Frames::follow`): they
 //! are fetched from there on the same path (flights, checks, retries, the deadline) until
 //! the store holds them (`Frames::release`).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -107,6 +108,10 @@ pub struct Frames {
     policy: FetchPolicy,
     flights: Mutex<HashMap<[u8; 32], tokio::sync::watch::Receiver<Option<Outcome>>>>,
     ahead: Arc<tokio::sync::Semaphore>,
+    /// Faults waiting on a GET of their own: while any does, no new read-ahead GET starts.
+    faults_fetching: AtomicUsize,
+    /// Woken when `faults_fetching` drops to 0.
+    faults_clear: tokio::sync::Notify,
     follow: Mutex<Option<Arc<Follow>>>,
     /// What it did.
     pub counters: FetchCounters,
@@ -125,6 +130,8 @@ impl Frames {
             ahead: Arc::new(tokio::sync::Semaphore::new(policy.ahead_gets.max(1))),
             policy,
             flights: Mutex::new(HashMap::new()),
+            faults_fetching: AtomicUsize::new(0),
+            faults_clear: tokio::sync::Notify::new(),
             follow: Mutex::new(None),
             counters: FetchCounters::default(),
         })
@@ -218,7 +225,24 @@ impl Frames {
                 self.counters.joined.fetch_add(1, Ordering::Relaxed);
                 wait(rx).await
             }
-            Ok(tx) => self.lead(hash, len, tx, false).await,
+            Ok(tx) => {
+                // A fault's own GET goes ahead of read-ahead (a prefetch thread's does not).
+                let _first = (!crate::restore::is_prefetcher()).then(|| FaultFirst::new(self));
+                self.lead(hash, len, tx, false).await
+            }
+        }
+    }
+
+    /// Returns once no fault waits on a GET of its own.
+    async fn after_faults(&self) {
+        loop {
+            let clear = self.faults_clear.notified();
+            tokio::pin!(clear);
+            clear.as_mut().enable();
+            if self.faults_fetching.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            clear.await;
         }
     }
 
@@ -371,6 +395,7 @@ impl Frames {
                 let Ok(_permit) = gate.acquire_owned().await else {
                     return;
                 };
+                me.after_faults().await;
                 // A fault may have fetched it while this waited for its turn.
                 if me.cache.as_ref().is_some_and(|c| c.contains(&hash)) {
                     return;
@@ -387,6 +412,24 @@ impl Frames {
                 me.counters.ahead.fetch_add(1, Ordering::Relaxed);
                 let _ = me.lead(hash, len, tx, true).await;
             });
+        }
+    }
+}
+
+/// A fault fetching a frame itself, counted while it waits (read-ahead holds back).
+struct FaultFirst<'a>(&'a Frames);
+
+impl<'a> FaultFirst<'a> {
+    fn new(f: &'a Frames) -> FaultFirst<'a> {
+        f.faults_fetching.fetch_add(1, Ordering::AcqRel);
+        FaultFirst(f)
+    }
+}
+
+impl Drop for FaultFirst<'_> {
+    fn drop(&mut self) {
+        if self.0.faults_fetching.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.faults_clear.notify_waiters();
         }
     }
 }

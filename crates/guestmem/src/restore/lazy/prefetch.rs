@@ -13,10 +13,16 @@ use crate::jobs::{Job, JobRange};
 /// guest's start is not queued behind it.
 const PREFETCH_NICE: libc::c_int = 5;
 
+thread_local!(static PREFETCHER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+
+/// Whether this thread prefetches (it lowered its priority): its reads are not faults.
+pub(crate) fn is_prefetcher() -> bool {
+    PREFETCHER.with(|d| d.get())
+}
+
 /// Lowers the calling thread's priority to [`PREFETCH_NICE`], once per thread.
 pub(super) fn lower_priority() {
-    thread_local!(static DONE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
-    if !DONE.with(|d| d.replace(true)) {
+    if !PREFETCHER.with(|d| d.replace(true)) {
         // SAFETY: gettid takes nothing; setpriority on our own thread id touches no memory.
         // Best effort: a failure leaves the thread at its priority.
         unsafe {
