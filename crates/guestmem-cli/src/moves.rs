@@ -119,8 +119,8 @@ pub fn run_out(a: Out) -> Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "moved in a pause of {:.1} ms: pause {:.1}, diff snapshot {:.1}, frames {:.1}, send {:.1}, open {:.1}, load {:.1}, commit {:.1}",
-        p.total_ms, p.pause_ms, p.snapshot_ms, p.frames_ms, p.send_ms, p.open_ms, p.load_ms, p.commit_ms
+        "moved in a pause of {:.1} ms: pause {:.1}, diff snapshot {:.1}, vmstate sent {:.1}, frames {:.1} (the destination's load {:.1} beside them), wait {:.1} (its chain opened {:.1}), commit {:.1}",
+        p.total_ms, p.pause_ms, p.snapshot_ms, p.send_ms, p.frames_ms, p.load_ms, p.wait_ms, p.open_ms, p.commit_ms
     )?;
     writeln!(
         out,

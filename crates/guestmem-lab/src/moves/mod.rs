@@ -104,9 +104,11 @@ impl Default for MoveLabConfig {
 pub struct MoveSample {
     /// The pause, ms: `PATCH /vm Paused` to the VM running on the destination.
     pub pause_ms: f64,
-    /// Its steps, ms: pausing, Firecracker's Diff snapshot, the diff cut into frames, the
-    /// hand-over sent, the chain opened on the destination, Firecracker's load there (the
-    /// VM paused), the commit (the destination resumes it).
+    /// Its steps, ms: pausing, Firecracker's Diff snapshot, the vmstate sent, the diff cut
+    /// into frames (while the destination loads the vmstate), the wait from the chain sent
+    /// to the VM loaded there, the commit (the destination resumes it). Beside them, on the
+    /// destination: the chain opened, and Firecracker's load (the VM paused) from the
+    /// vmstate's arrival.
     pub step_pause_ms: f64,
     /// See `step_pause_ms`.
     pub snapshot_ms: f64,
@@ -114,6 +116,9 @@ pub struct MoveSample {
     pub frames_ms: f64,
     /// See `step_pause_ms`.
     pub send_ms: f64,
+    /// See `step_pause_ms`.
+    #[serde(default)]
+    pub wait_ms: f64,
     /// See `step_pause_ms`.
     pub open_ms: f64,
     /// See `step_pause_ms`.
@@ -482,6 +487,7 @@ impl Lab<'_> {
             snapshot_ms: p.snapshot_ms,
             frames_ms: p.frames_ms,
             send_ms: p.send_ms,
+            wait_ms: p.wait_ms,
             open_ms: p.open_ms,
             load_ms: p.load_ms,
             commit_ms: p.commit_ms,

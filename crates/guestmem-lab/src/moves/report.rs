@@ -31,15 +31,15 @@ impl LabReport for MoveResult {
             ),
         );
         md.push_str(
-            "| variant | pause ms | pause | Diff snapshot | frames | send | open | load | commit | diff MiB \
+            "| variant | pause ms | pause | Diff snapshot | send | frames | wait | (load) | (open) | commit | diff MiB \
              | sent / diff | remote GET p50 ms | p99 ms | a fault's own: GETs | p50 ms | p99 ms | miss p50 ms | p99 ms | risk window ms \
              | check s | BAD |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for v in &self.body.variants {
             let m = |f: fn(&MoveSample) -> f64| summarise(&v.samples, f).median;
             md.push_str(&format!(
-                "| {} | {:.1} ({:.1}-{:.1}) | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} \
+                "| {} | {:.1} ({:.1}-{:.1}) | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} \
                  | {:.3} | {:.2} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} | {:.1} | {:.0} |\n",
                 v.name,
                 v.pause_ms.median,
@@ -47,10 +47,11 @@ impl LabReport for MoveResult {
                 v.pause_ms.max,
                 m(|s| s.step_pause_ms),
                 m(|s| s.snapshot_ms),
-                m(|s| s.frames_ms),
                 m(|s| s.send_ms),
-                m(|s| s.open_ms),
+                m(|s| s.frames_ms),
+                m(|s| s.wait_ms),
                 m(|s| s.load_ms),
+                m(|s| s.open_ms),
                 m(|s| s.commit_ms),
                 m(|s| s.diff_bytes as f64) / (1 << 20) as f64,
                 ratio(m(|s| s.bytes_sent as f64), m(|s| s.diff_bytes as f64)),
@@ -68,10 +69,12 @@ impl LabReport for MoveResult {
         }
         md.push_str(
             "\nSteps: `pause` is Firecracker's `PATCH /vm Paused`; `Diff snapshot` its \
-             `snapshot/create` writing the vmstate and the dirty pages; `frames` the diff cut into \
-             frames and hashed on the source (its manifest); `send` the manifest and vmstate to \
-             the destination, with the latency; `open` the chain opened and served there; `load` \
-             the destination Firecracker's `snapshot/load`, the VM left paused; `commit` the \
+             `snapshot/create` writing the vmstate and the dirty pages; `send` the vmstate to the \
+             destination, which starts loading it; `frames` the diff cut into frames and hashed \
+             on the source (its manifest), while the destination loads; `wait` from the manifest \
+             sent to the destination's word that the VM is loaded. In brackets, beside those on \
+             the destination: `load` its Firecracker's `snapshot/load` (the VM left paused) from \
+             the vmstate's arrival, and `open` the chain checked and served there. `commit` the \
              source's word to run it, the destination's `PATCH /vm Resumed`, its answer. `sent / diff`: bytes \
              of frames the source served against the diff's bytes (the destination stops asking \
              the source once the store holds the diff, so this can be below 1). `remote GET`: \

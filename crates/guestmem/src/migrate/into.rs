@@ -44,9 +44,10 @@ pub struct MoveInReport {
     pub name: String,
     /// Frames the source owed.
     pub owed_frames: u64,
-    /// Milliseconds from the chain received to the VM running.
+    /// Milliseconds from the chain received to it served here.
     pub open_ms: f64,
-    /// Milliseconds of Firecracker's `snapshot/load`.
+    /// Milliseconds of Firecracker's `snapshot/load`, from the vmstate received (it runs
+    /// while the source cuts its diff into frames).
     pub load_ms: f64,
     /// Milliseconds from the VM running to the source no longer needed (`None`: it was
     /// still needed when the VM ended, or the source went away).
@@ -133,70 +134,149 @@ pub fn move_in(
         }
     };
     wire.send(&Msg::Ready, &[])?;
-    let (manifest, vmstate_bytes) = match wire.recv(m.wait)? {
-        Msg::Diff {
-            manifest,
-            vmstate_bytes,
-        } => (manifest, vmstate_bytes),
+    let vmstate_bytes = match wire.recv(m.wait)? {
+        Msg::State { vmstate_bytes } => vmstate_bytes,
+        Msg::Abort { reason } => {
+            return Err(MoveError::Refused {
+                side: "source",
+                reason,
+            })
+        }
         other => {
             return Err(MoveError::Wire {
                 peer: wire.peer().into(),
-                reason: format!("expected the diff, got {other:?}"),
+                reason: format!("expected the vmstate, got {other:?}"),
             })
         }
     };
-    let state = wire.payload(vmstate_bytes, PAYLOAD_LIMIT)?;
-    let t_open = Instant::now();
+    let state = wire.payload("vmstate", vmstate_bytes, PAYLOAD_LIMIT)?;
+    let t_load = Instant::now();
     // The name may hold '/' (never a '..' part): one file name of it here.
     let local = name_url.name.replace('/', "_");
     let vmstate = m.dir.join(format!("{local}.vmstate"));
     let sock = m.dir.join(format!("{local}.uffd.sock"));
     let _vmstate_removed = RemovedOnDrop(vmstate.clone());
-    // The chain: checked as any manifest, then against the base this host read itself.
-    let opened = (|| -> Result<_, MoveError> {
-        let chain = Snapshot::parse(&name_url, manifest.as_bytes())?;
-        let owed = owed(&base, &chain)?;
-        {
-            use std::io::Write;
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&vmstate)
-                .and_then(|mut f| f.write_all(&state))
-                .map_err(|source| MoveError::Io {
-                    op: "write (a new file)",
-                    path: vmstate.clone(),
-                    source,
-                })?;
-        }
-        let fb = chain.frame_bytes();
-        let working_set: Vec<u64> = owed.iter().map(|&(i, _)| i * fb).collect();
-        frames.follow(Arc::clone(&peer), owed.iter().map(|&(_, h)| h));
-        let memory = MemoryFile::from_store(StoreMemory::from_snapshot(
-            Arc::clone(&frames),
-            chain.clone(),
-        ));
-        let listener = Listener::bind(&sock)?;
-        let server = Server::new(
-            vec![Socket {
-                listener,
-                memory,
-                working_set,
-            }],
-            m.server.clone(),
-        )?;
-        let drainer = server.drainer();
-        let run = std::thread::Builder::new()
-            .name("guestmem-move-in".into())
-            .spawn(move || server.run())
+    let prepared = (|| -> Result<Listener, MoveError> {
+        use std::io::Write;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&vmstate)
+            .and_then(|mut f| f.write_all(&state))
             .map_err(|source| MoveError::Io {
-                op: "start the page server for",
-                path: sock.clone(),
+                op: "write (a new file)",
+                path: vmstate.clone(),
                 source,
             })?;
-        Ok((chain, owed.len() as u64, drainer, run))
+        Ok(Listener::bind(&sock)?)
     })();
-    let (chain, owed_frames, drainer, run) = match opened {
+    let listener = match prepared {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = wire.send(
+                &Msg::Refused {
+                    reason: e.to_string(),
+                },
+                &[],
+            );
+            return Err(e);
+        }
+    };
+    // Firecracker loads the VM (paused) while the source cuts its diff into frames. Its
+    // connection to the page server's socket waits in the listen backlog, and is taken once
+    // the chain is here; a touch of memory before that waits for it (a userfault).
+    let load_body = format!(
+        r#"{{"snapshot_path":{},"mem_backend":{{"backend_type":"Uffd","backend_path":{}}},"track_dirty_pages":true,"resume_vm":false}}"#,
+        json_path(&vmstate),
+        json_path(&sock)
+    );
+    let (opened, loaded, load_ms, open_ms) = std::thread::scope(|scope| {
+        let load = scope.spawn(|| {
+            let r = api.ok("PUT", "snapshot/load", &load_body, LOAD_LIMIT);
+            (r, t_load.elapsed().as_secs_f64() * 1e3)
+        });
+        // The chain: checked as any manifest, then against the base this host read itself.
+        let mut t_open = Instant::now();
+        let opened = wire
+            .recv(LOAD_LIMIT)
+            .and_then(|msg| match msg {
+                Msg::Diff { manifest_bytes } => {
+                    let manifest = wire.payload("manifest", manifest_bytes, PAYLOAD_LIMIT);
+                    t_open = Instant::now();
+                    manifest
+                }
+                Msg::Abort { reason } => Err(MoveError::Refused {
+                    side: "source",
+                    reason,
+                }),
+                other => Err(MoveError::Wire {
+                    peer: wire.peer().into(),
+                    reason: format!("expected the chain, got {other:?}"),
+                }),
+            })
+            .and_then(|manifest| {
+                let chain = Snapshot::parse(&name_url, &manifest)?;
+                let owed = owed(&base, &chain)?;
+                let fb = chain.frame_bytes();
+                // With a cache, the owed frames are read ahead into it once the VM runs:
+                // until then only faults ask the source, so that Firecracker's load (which
+                // touches a few pages) and the resume never wait behind read-ahead. Without
+                // one, the server prefetches them into the VM from its start.
+                let working_set: Vec<u64> = match frames.cache() {
+                    Some(_) => Vec::new(),
+                    None => owed.iter().map(|&(i, _)| i * fb).collect(),
+                };
+                let ahead: Vec<(blake3::Hash, usize)> = owed
+                    .iter()
+                    .map(|&(i, h)| {
+                        let len = fb.min(chain.memory_bytes() - i * fb);
+                        let piece = chain.frames[i as usize].iter().find(|p| p.hash == h);
+                        (h, piece.map_or(len, |p| p.plain_len(len)) as usize)
+                    })
+                    .collect();
+                frames.follow(Arc::clone(&peer), owed.iter().map(|&(_, h)| h));
+                let memory = MemoryFile::from_store(StoreMemory::from_snapshot(
+                    Arc::clone(&frames),
+                    chain.clone(),
+                ));
+                let server = Server::new(
+                    vec![Socket {
+                        listener,
+                        memory,
+                        working_set,
+                    }],
+                    m.server.clone(),
+                )?;
+                let drainer = server.drainer();
+                let run = std::thread::Builder::new()
+                    .name("guestmem-move-in".into())
+                    .spawn(move || server.run())
+                    .map_err(|source| MoveError::Io {
+                        op: "start the page server for",
+                        path: sock.clone(),
+                        source,
+                    })?;
+                Ok((chain, owed.len() as u64, ahead, drainer, run))
+            });
+        let open_ms = t_open.elapsed().as_secs_f64() * 1e3;
+        if opened.is_err() {
+            // Nothing serves this copy: it is ended (it never ran), which ends its load.
+            if let Err(k) = process.kill() {
+                tracing::error!("ending the destination Firecracker failed: {k}");
+            }
+        }
+        let (loaded, load_ms) = load.join().unwrap_or_else(|_| {
+            (
+                Err(MoveError::Wire {
+                    peer: wire.peer().into(),
+                    reason: "the load's thread panicked".into(),
+                }),
+                0.0,
+            )
+        });
+        (opened, loaded, load_ms, open_ms)
+    });
+    let (chain, owed_frames, ahead, drainer, run) = match opened {
         Ok(v) => v,
         Err(e) => {
             let _ = wire.send(
@@ -208,20 +288,6 @@ pub fn move_in(
             return Err(e);
         }
     };
-    let open_ms = t_open.elapsed().as_secs_f64() * 1e3;
-    let t_load = Instant::now();
-    // Loaded paused: it runs here only once the source commits (never two copies).
-    let loaded = api.ok(
-        "PUT",
-        "snapshot/load",
-        &format!(
-            r#"{{"snapshot_path":{},"mem_backend":{{"backend_type":"Uffd","backend_path":{}}},"track_dirty_pages":true,"resume_vm":false}}"#,
-            json_path(&vmstate),
-            json_path(&m.dir.join(format!("{local}.uffd.sock")))
-        ),
-        LOAD_LIMIT,
-    );
-    let load_ms = t_load.elapsed().as_secs_f64() * 1e3;
     // Ends this side's copy (it never ran) and its server, and says why.
     let abandon = |wire: &mut Wire, e: MoveError| {
         if let Err(k) = process.kill() {
@@ -262,6 +328,9 @@ pub fn move_in(
     if let Err(e) = wire.send(&Msg::Running, &[]) {
         // The VM runs here: it is served on whatever the source does now.
         tracing::error!("the VM runs here, but telling the source failed: {e}");
+    }
+    if frames.cache().is_some() {
+        frames.ahead(&ahead);
     }
     let t_run = Instant::now();
     tracing::info!(

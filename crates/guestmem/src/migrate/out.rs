@@ -2,7 +2,6 @@
 //! the source VM, push the diff, release the destination.
 
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,8 +10,8 @@ use super::firecracker::{json_path, Api};
 use super::wire::{Msg, Wire};
 use super::MoveError;
 use crate::store::{
-    check_push, push, read_snapshot, Client, FetchPolicy, Frames, PeerServer, PushConfig,
-    PushReport, PushSource, StoreUrl,
+    check_push, push, push_held, read_snapshot, Client, FetchPolicy, Frames, HeldFrames,
+    PeerServer, PushConfig, PushReport, PushSource, StoreUrl,
 };
 
 /// How long the destination may take to answer a message (reading the base's manifest,
@@ -57,13 +56,17 @@ pub struct PauseSteps {
     pub pause_ms: f64,
     /// `PUT /snapshot/create` Diff: Firecracker writes the vmstate and the dirty pages.
     pub snapshot_ms: f64,
-    /// The diff cut into frames and hashed (its manifest made).
-    pub frames_ms: f64,
-    /// The manifest and the vmstate sent, until the destination opened the chain.
+    /// The vmstate sent to the destination, which starts loading it.
     pub send_ms: f64,
-    /// On the destination: the chain opened and served (its page server listening).
+    /// The diff cut into frames and hashed (its manifest made), while the destination loads.
+    pub frames_ms: f64,
+    /// From the chain's manifest sent to the destination's word that the VM is loaded: what
+    /// of the load the frames did not hide, the chain opened there, and a round trip.
+    pub wait_ms: f64,
+    /// On the destination: the chain checked and served (its page server listening).
     pub open_ms: f64,
-    /// On the destination: Firecracker's `snapshot/load`, the VM left paused.
+    /// On the destination: Firecracker's `snapshot/load`, the VM left paused, from the
+    /// vmstate's arrival (beside `frames_ms`, not after it).
     pub load_ms: f64,
     /// The commit: its message, the destination's `PATCH /vm Resumed`, its answer.
     pub commit_ms: f64,
@@ -131,7 +134,8 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
     check_push(store, &m.push_as)?;
     let mut files = Removed(vec![vmstate.clone(), memfile.clone()]);
     let held = Arc::new(Client::in_memory(&m.push_as.name)?);
-    let peer = PeerServer::start(m.listen, Arc::clone(&held))?;
+    let held_frames = Arc::new(HeldFrames::new());
+    let peer = PeerServer::start(m.listen, Arc::clone(&held_frames), Arc::clone(&held))?;
     let ctl = TcpStream::connect_timeout(&m.to, Duration::from_secs(10)).map_err(|e| {
         MoveError::Wire {
             peer: m.to.to_string(),
@@ -213,12 +217,17 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         )?;
         snapshotted = true;
         steps.snapshot_ms = ms(t);
+        // The vmstate first: the destination loads it while this side cuts the frames.
         let t = Instant::now();
-        let file = std::fs::File::open(&memfile).map_err(io("open", &memfile))?;
-        let len = file.metadata().map_err(io("stat", &memfile))?.len();
-        let data = crate::sys::data_ranges(file.as_fd(), 0, len)
-            .map_err(io("find the data (SEEK_DATA) of", &memfile))?;
-        drop(file);
+        let state = std::fs::read(&vmstate).map_err(io("read", &vmstate))?;
+        wire.send(
+            &Msg::State {
+                vmstate_bytes: state.len() as u64,
+            },
+            &state,
+        )?;
+        steps.send_ms = ms(t);
+        let t = Instant::now();
         // Threads past the CPUs only wait on each other here: nothing is uploaded.
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         let cfg = PushConfig {
@@ -229,7 +238,7 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             base: Some(Arc::clone(&base)),
             look_first: false,
         };
-        push(
+        let cut = push_held(
             &held,
             &PushSource::RawDiff {
                 path: memfile.clone(),
@@ -237,8 +246,8 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             },
             &m.push_as,
             &cfg,
+            &held_frames,
         )?;
-        steps.frames_ms = ms(t);
         let manifest = held
             .get(&m.push_as.manifest_key())?
             .ok_or_else(|| MoveError::Io {
@@ -246,20 +255,19 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
                 path: memfile.clone(),
                 source: std::io::Error::from(std::io::ErrorKind::NotFound),
             })?;
-        let state = std::fs::read(&vmstate).map_err(io("read", &vmstate))?;
+        steps.frames_ms = ms(t);
         let t = Instant::now();
         wire.send(
             &Msg::Diff {
-                manifest: String::from_utf8_lossy(&manifest).into_owned(),
-                vmstate_bytes: state.len() as u64,
+                manifest_bytes: manifest.len() as u64,
             },
-            &state,
+            &manifest,
         )?;
         match wire.recv(LOAD_LIMIT)? {
             Msg::Loaded { load_ms, open_ms } => {
                 steps.load_ms = load_ms;
                 steps.open_ms = open_ms;
-                steps.send_ms = (ms(t) - load_ms - open_ms).max(0.0);
+                steps.wait_ms = ms(t);
             }
             Msg::Refused { reason } => {
                 return Err(MoveError::Refused {
@@ -269,7 +277,7 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             }
             other => return Err(unexpected(&wire, "Loaded", &other)),
         }
-        Ok((data.iter().map(|(s, e)| e - s).sum(), state))
+        Ok((cut.bytes_read, state))
     };
     let (diff_bytes, state) = match paused() {
         Ok(v) => v,

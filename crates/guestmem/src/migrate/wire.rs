@@ -16,8 +16,9 @@ use super::MoveError;
 pub(crate) const MAX_LINE_BYTES: u64 = 64 << 20;
 /// How long one send may block.
 const SEND_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
-/// The largest vmstate accepted (Firecracker's is tens of KiB).
-pub(crate) const MAX_VMSTATE_BYTES: u64 = 64 << 20;
+/// The largest payload accepted: a vmstate (Firecracker's is tens of KiB) or a manifest
+/// (at most [`crate::store::MAX_MANIFEST_BYTES`]).
+pub(crate) const MAX_PAYLOAD_BYTES: u64 = 64 << 20;
 
 /// One message.
 #[derive(Debug, Serialize, Deserialize)]
@@ -34,14 +35,15 @@ pub(crate) enum Msg {
     Ready,
     /// Either side: no move, and why.
     Refused { reason: String },
-    /// Source: the VM is paused; its chain's manifest (the base's frames and the diff's)
-    /// and its vmstate (`vmstate_bytes` raw bytes follow this line).
-    Diff {
-        manifest: String,
-        vmstate_bytes: u64,
-    },
+    /// Source: the VM is paused; its vmstate (`vmstate_bytes` raw bytes follow this line),
+    /// sent first so that the destination loads it while the source cuts its diff.
+    State { vmstate_bytes: u64 },
+    /// Source: the chain's manifest (the base's frames and the diff's; `manifest_bytes` raw
+    /// bytes follow this line).
+    Diff { manifest_bytes: u64 },
     /// Destination: the VM is loaded here, paused (`load_ms`: Firecracker's
-    /// `snapshot/load`); it runs here once the source commits.
+    /// `snapshot/load` from the vmstate's arrival, `open_ms`: the chain checked and served
+    /// from its arrival); it runs here once the source commits.
     Loaded { load_ms: f64, open_ms: f64 },
     /// Source: run it there; from now on the source never resumes its copy.
     Commit,
@@ -135,11 +137,16 @@ impl Wire {
         serde_json::from_slice(&line).map_err(|e| self.err(format!("not a move message: {e}")))
     }
 
-    /// `len` raw bytes that follow a message.
-    pub(crate) fn payload(&mut self, len: u64, limit: Duration) -> Result<Vec<u8>, MoveError> {
-        if len > MAX_VMSTATE_BYTES {
+    /// `len` raw bytes (of `what`) that follow a message.
+    pub(crate) fn payload(
+        &mut self,
+        what: &str,
+        len: u64,
+        limit: Duration,
+    ) -> Result<Vec<u8>, MoveError> {
+        if len > MAX_PAYLOAD_BYTES {
             return Err(self.err(format!(
-                "a vmstate of {len} bytes, past the limit of {MAX_VMSTATE_BYTES}"
+                "a {what} of {len} bytes, past the limit of {MAX_PAYLOAD_BYTES}"
             )));
         }
         self.reader
@@ -149,7 +156,7 @@ impl Wire {
         let mut b = vec![0u8; len as usize];
         self.reader
             .read_exact(&mut b)
-            .map_err(|e| self.err(format!("the vmstate's {len} bytes: {e}")))?;
+            .map_err(|e| self.err(format!("the {what}'s {len} bytes: {e}")))?;
         Ok(b)
     }
 }

@@ -30,6 +30,14 @@ fn header(out: &mut Vec<u8>, plain_len: usize, enc: Encoding) {
     out.extend_from_slice(&(plain_len as u32).to_le_bytes());
 }
 
+/// An empty raw object for `plain_len` plain bytes, its header written: the caller appends
+/// exactly those bytes (read straight into place, no copy after).
+pub(crate) fn raw_for(plain_len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_BYTES + plain_len);
+    header(&mut out, plain_len, Encoding::Raw);
+    out
+}
+
 /// The object of `plain`, kept raw.
 pub(crate) fn raw(plain: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_BYTES + plain.len());

@@ -29,6 +29,7 @@ mod error;
 mod fetch;
 mod frame;
 mod gc;
+mod held;
 mod lease;
 mod manifest;
 mod memory;
@@ -44,6 +45,7 @@ pub use client::{Client, Listed};
 pub use error::StoreError;
 pub use fetch::{FetchCounters, FetchPolicy, Frames, StoreStatus};
 pub use gc::{gc, list, GcReport, Listing};
+pub use held::HeldFrames;
 pub use lease::{check_push, LEASE_STALE};
 pub use manifest::{
     check_frame_bytes, PieceRef, Snapshot, StoreManifest, DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES,
@@ -52,5 +54,5 @@ pub use manifest::{
 pub use memory::{read_snapshot, StoreMemory};
 pub use peer::{PeerCounters, PeerServer};
 pub use pull::{pull, PullReport};
-pub use push::{push, PushConfig, PushReport, PushSource};
+pub use push::{push, push_held, PushConfig, PushReport, PushSource};
 pub use url::StoreUrl;

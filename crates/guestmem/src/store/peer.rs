@@ -2,7 +2,8 @@
 //! the store's own layout (`frames/<hash>`, `snapshots/NAME/manifest.json`), read-only, so
 //! that the destination reads them through the one fetch path it reads the store through
 //! ([`super::Client::peer`], then [`super::Frames`]: flights, hash checks, retries, the
-//! deadline). The objects are held in memory ([`super::Client::in_memory`]): the diff of one
+//! deadline). The diff's frames are held where they lie in its file ([`HeldFrames`], read
+//! when asked for), its manifest in memory ([`super::Client::in_memory`]): the diff of one
 //! VM, for as long as the move needs it.
 
 use std::convert::Infallible;
@@ -15,6 +16,7 @@ use http_body_util::Full;
 use hyper::{Method, Request, Response, StatusCode};
 
 use super::client::Client;
+use super::held::HeldFrames;
 use super::StoreError;
 
 /// What the source host served.
@@ -41,8 +43,13 @@ pub struct PeerServer {
 }
 
 impl PeerServer {
-    /// Listens on `listen` (port 0: any) and serves `objects` from two threads of its own.
-    pub fn start(listen: SocketAddr, objects: Arc<Client>) -> Result<PeerServer, StoreError> {
+    /// Listens on `listen` (port 0: any) and serves `frames`, then `objects`, from two
+    /// threads of its own.
+    pub fn start(
+        listen: SocketAddr,
+        frames: Arc<HeldFrames>,
+        objects: Arc<Client>,
+    ) -> Result<PeerServer, StoreError> {
         let io = |op| {
             move |source| StoreError::Io {
                 op,
@@ -74,11 +81,13 @@ impl PeerServer {
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let (objects, c) = (Arc::clone(&objects), Arc::clone(&c));
+                let (frames, objects, c) =
+                    (Arc::clone(&frames), Arc::clone(&objects), Arc::clone(&c));
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(move |req| {
-                        let (objects, c) = (Arc::clone(&objects), Arc::clone(&c));
-                        async move { Ok::<_, Infallible>(answer(&objects, &c, req).await) }
+                        let (frames, objects, c) =
+                            (Arc::clone(&frames), Arc::clone(&objects), Arc::clone(&c));
+                        async move { Ok::<_, Infallible>(answer(&frames, &objects, &c, req).await) }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
@@ -116,7 +125,12 @@ impl Drop for PeerServer {
 
 /// One request: GET or HEAD of a frame or a manifest this host holds; anything else is
 /// refused.
-async fn answer<B>(objects: &Client, c: &PeerCounters, req: Request<B>) -> Response<Full<Bytes>> {
+async fn answer<B>(
+    frames: &HeldFrames,
+    objects: &Client,
+    c: &PeerCounters,
+    req: Request<B>,
+) -> Response<Full<Bytes>> {
     let status = |s: StatusCode| {
         let mut r = Response::new(Full::new(Bytes::new()));
         *r.status_mut() = s;
@@ -135,7 +149,17 @@ async fn answer<B>(objects: &Client, c: &PeerCounters, req: Request<B>) -> Respo
         c.not_found.fetch_add(1, Ordering::Relaxed);
         return status(StatusCode::NOT_FOUND);
     }
-    match objects.get_async(key).await {
+    // A held frame is read from the diff file here (a read of tmpfs pages, microseconds).
+    let held = match key.strip_prefix(super::url::FRAMES) {
+        Some(hex) => frames.object(hex),
+        None => Ok(None),
+    };
+    let got = match held {
+        Ok(Some(b)) => Ok(Some(b)),
+        Ok(None) => objects.get_async(key).await,
+        Err(e) => Err(e),
+    };
+    match got {
         Ok(Some(b)) => {
             let len = b.len();
             let mut r = if head {
@@ -186,7 +210,12 @@ mod tests {
         let hash = blake3::hash(&p);
         held.put(&frame_key(&hash), Bytes::from(frame::raw(&p)))
             .unwrap();
-        let server = PeerServer::start("127.0.0.1:0".parse().unwrap(), Arc::clone(&held)).unwrap();
+        let server = PeerServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::new(HeldFrames::new()),
+            Arc::clone(&held),
+        )
+        .unwrap();
         let frames = Frames::new(Arc::clone(&store), None, policy(2000));
         let peer = Client::peer(&format!("http://{}", server.addr())).unwrap();
         frames.follow(Arc::new(peer), [hash]);
@@ -242,7 +271,12 @@ mod tests {
         let hash = blake3::hash(&good);
         held.put(&frame_key(&hash), Bytes::from(frame::raw(&bad)))
             .unwrap();
-        let server = PeerServer::start("127.0.0.1:0".parse().unwrap(), held).unwrap();
+        let server = PeerServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::new(HeldFrames::new()),
+            held,
+        )
+        .unwrap();
         let frames = Frames::new(store, None, policy(2000));
         let peer = Client::peer(&format!("http://{}", server.addr())).unwrap();
         frames.follow(Arc::new(peer), [hash]);
@@ -255,7 +289,12 @@ mod tests {
     fn the_source_serves_only_frames_and_manifests_and_only_reads() {
         let held = Arc::new(Client::in_memory("source").unwrap());
         held.put("leases/x", Bytes::from_static(b"secret")).unwrap();
-        let server = PeerServer::start("127.0.0.1:0".parse().unwrap(), held).unwrap();
+        let server = PeerServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::new(HeldFrames::new()),
+            held,
+        )
+        .unwrap();
         let ask = |req: &str| {
             use std::io::{Read, Write};
             let mut s = std::net::TcpStream::connect(server.addr()).unwrap();
@@ -276,5 +315,122 @@ mod tests {
             up.starts_with("HTTP/1.1 404") || up.starts_with("HTTP/1.1 400"),
             "{up}"
         );
+    }
+}
+
+#[cfg(test)]
+mod held_tests {
+    use std::os::unix::fs::FileExt;
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    use super::PeerServer;
+    use crate::store::fetch::{FetchPolicy, Frames};
+    use crate::store::{
+        push, push_held, read_snapshot, Client, HeldFrames, PushConfig, PushSource, Snapshot,
+        StoreMemory, StoreUrl,
+    };
+
+    const PAGE: u64 = 4096;
+    const FB: u64 = 64 << 10;
+    const MEM: u64 = 8 * FB;
+
+    #[test]
+    fn a_diff_held_in_place_makes_the_manifest_a_push_makes_and_is_served_checked() {
+        let scratch = guestmem_testkit::Scratch::new("held");
+        let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x5a).collect();
+        std::fs::write(scratch.join("base"), &base_bytes).unwrap();
+        let store = Arc::new(Client::in_memory("store").unwrap());
+        let base = StoreUrl::parse("s3://bkt/base", false).unwrap();
+        let cfg = PushConfig {
+            frame_bytes: FB,
+            threads: 2,
+            ..PushConfig::default()
+        };
+        push(&store, &PushSource::Raw(scratch.join("base")), &base, &cfg).unwrap();
+
+        // The diff: frame 0 whole, pages 1, 2 and 5 of frame 2, frame 5 whole and all
+        // zero, the last page of the last frame; the rest holes (the base's pages).
+        let diff_path = scratch.join("diff");
+        let f = std::fs::File::create(&diff_path).unwrap();
+        f.set_len(MEM).unwrap();
+        let mut want = base_bytes.clone();
+        let mut write = |at: u64, b: Vec<u8>| {
+            f.write_all_at(&b, at).unwrap();
+            want[at as usize..at as usize + b.len()].copy_from_slice(&b);
+        };
+        write(0, (0..FB).map(|i| (i * 7 + 1) as u8).collect());
+        for p in [1, 2, 5] {
+            write(2 * FB + p * PAGE, vec![0xc0 | p as u8; PAGE as usize]);
+        }
+        write(5 * FB, vec![0; FB as usize]);
+        write(MEM - PAGE, vec![0xee; PAGE as usize]);
+        drop(f);
+
+        let snap = Arc::new(
+            read_snapshot(
+                &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
+                &base,
+            )
+            .unwrap(),
+        );
+        let in_base: std::collections::HashSet<_> =
+            snap.frames.iter().flatten().map(|p| p.hash).collect();
+        let diff = StoreUrl::parse("s3://bkt/diff", false).unwrap();
+        let dcfg = PushConfig {
+            frame_bytes: FB,
+            threads: 2,
+            compress: false,
+            base_from: Some(Arc::clone(&store)),
+            base: Some(snap),
+            look_first: false,
+        };
+        let src = PushSource::RawDiff {
+            path: diff_path,
+            base: base.clone(),
+        };
+        let held = Arc::new(Client::in_memory("held").unwrap());
+        let held_frames = Arc::new(HeldFrames::new());
+        push_held(&held, &src, &diff, &dcfg, &held_frames).unwrap();
+        // Frame 0, the piece of frame 2, the last page: frame 5 is zero (stored nowhere).
+        assert_eq!(held_frames.len(), 3);
+        let plain = Arc::new(Client::in_memory("plain").unwrap());
+        push(&plain, &src, &diff, &dcfg).unwrap();
+        let manifest = |c: &Client| {
+            let mut v: serde_json::Value =
+                serde_json::from_slice(&c.get(&diff.manifest_key()).unwrap().unwrap()).unwrap();
+            v["created"] = 0.into();
+            v
+        };
+        assert_eq!(manifest(&held), manifest(&plain));
+
+        // Served from the file, each frame checked on the one fetch path, every byte right.
+        let server = PeerServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::clone(&held_frames),
+            Arc::clone(&held),
+        )
+        .unwrap();
+        let chain =
+            Snapshot::parse(&diff, &held.get(&diff.manifest_key()).unwrap().unwrap()).unwrap();
+        let owed: Vec<_> = chain
+            .frames
+            .iter()
+            .flatten()
+            .map(|p| p.hash)
+            .filter(|h| !in_base.contains(h))
+            .collect();
+        assert_eq!(owed.len(), 3);
+        let frames = Frames::new(Arc::clone(&store), None, FetchPolicy::default());
+        let peer = Client::peer(&format!("http://{}", server.addr())).unwrap();
+        frames.follow(Arc::new(peer), owed);
+        let memory = StoreMemory::from_snapshot(Arc::clone(&frames), chain);
+        for i in 0..MEM / FB {
+            let got = memory.frame(i).unwrap();
+            let at = (i * FB) as usize;
+            assert_eq!(got.as_slice(), &want[at..at + FB as usize], "frame {i}");
+        }
+        assert_eq!(frames.counters.peer_gets.load(Ordering::Relaxed), 3);
+        assert_eq!(frames.counters.mismatches.load(Ordering::Relaxed), 0);
     }
 }

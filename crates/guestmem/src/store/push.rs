@@ -15,13 +15,15 @@ use bytes::Bytes;
 
 use super::client::Client;
 use super::fetch::{FetchPolicy, Frames};
+use super::held::HeldFrames;
 use super::lease::Lease;
 use super::manifest::{
     check_frame_bytes, Piece, Snapshot, StoreManifest, FORMAT, MAX_PIECES, VERSION,
 };
 use super::memory::{overlay, read_snapshot};
 use super::source::{
-    check_len, image_regions, is_zero, pack, read_file, read_image, read_packed, working_frames,
+    check_len, image_regions, is_zero, mask_runs, pack, read_file, read_image, read_runs,
+    working_frames,
 };
 use super::url::{frame_key, StoreUrl};
 use super::StoreError;
@@ -143,6 +145,30 @@ pub fn push(
     url: &StoreUrl,
     cfg: &PushConfig,
 ) -> Result<PushReport, StoreError> {
+    push_to(client, source, url, cfg, None)
+}
+
+/// A push of a raw memory file (a diff, for a move) whose frames go to `frames`, held as
+/// where they lie in the file (read again when served), and its manifest to `client`: no
+/// memory of the diff's size is taken, and no frame is read twice in it. The manifest is
+/// the one [`push`] would write.
+pub fn push_held(
+    client: &Arc<Client>,
+    source: &PushSource,
+    url: &StoreUrl,
+    cfg: &PushConfig,
+    frames: &HeldFrames,
+) -> Result<PushReport, StoreError> {
+    push_to(client, source, url, cfg, Some(frames))
+}
+
+fn push_to(
+    client: &Arc<Client>,
+    source: &PushSource,
+    url: &StoreUrl,
+    cfg: &PushConfig,
+    hold: Option<&HeldFrames>,
+) -> Result<PushReport, StoreError> {
     let t0 = Instant::now();
     client.check()?;
     if client.get(&url.manifest_key())?.is_some() {
@@ -156,6 +182,13 @@ pub fn push(
     };
     let (reader, memory_bytes, frame_bytes, base_name) = match source {
         PushSource::Guestmem(dir) => {
+            if hold.is_some() {
+                return Err(StoreError::Io {
+                    op: "hold frames in place (a raw memory file only) of",
+                    path: dir.clone(),
+                    source: std::io::Error::from_raw_os_error(libc::EINVAL),
+                });
+            }
             let image = Image::open(dir)?;
             let regions = image_regions(&image);
             let memory = regions
@@ -230,6 +263,13 @@ pub fn push(
             )
         }
     };
+    if let (Some(h), Reader::File { file, len, .. }) = (hold, &reader) {
+        let path = match source {
+            PushSource::Raw(p) | PushSource::RawDiff { path: p, .. } => p.as_path(),
+            PushSource::Guestmem(p) => p.as_path(),
+        };
+        h.attach(file.try_clone().map_err(io("open again", path))?, *len)?;
+    }
     let count = memory_bytes.div_ceil(frame_bytes);
     if memory_bytes == 0 {
         return Err(StoreError::Limit {
@@ -241,6 +281,7 @@ pub fn push(
     let lease = Lease::take(client, url)?;
     let job = Job {
         client,
+        hold,
         base_from: cfg.base_from.as_ref().unwrap_or(client),
         compress: cfg.compress,
         reader: &reader,
@@ -316,8 +357,11 @@ pub fn push(
             .collect(),
     };
     let text = serde_json::to_vec(&manifest).expect("serialises");
-    // Checked as a reader will check it, before it is published.
-    Snapshot::parse(url, &text)?;
+    // Checked as a reader will check it, before it is published (frames held for a move
+    // are published to one reader, which checks it so before it loads anything).
+    if hold.is_none() {
+        Snapshot::parse(url, &text)?;
+    }
     if client.get(&url.manifest_key())?.is_some() {
         lease.release();
         return Err(StoreError::Exists {
@@ -368,6 +412,8 @@ struct Counters {
 
 struct Job<'a> {
     client: &'a Arc<Client>,
+    /// Where frames go instead of `client`, held in place.
+    hold: Option<&'a HeldFrames>,
     base_from: &'a Arc<Client>,
     compress: bool,
     reader: &'a Reader,
@@ -391,6 +437,24 @@ fn timed<T>(ns: &AtomicU64, f: impl FnOnce() -> T) -> T {
     r
 }
 
+/// A frame's plain bytes to upload: borrowed, read from runs (offset, bytes) of a raw file
+/// (held as those runs where frames are held in place), or already in a raw frame object
+/// (its header first), which is stored as it is where nothing is compressed.
+enum Plain<'b> {
+    Bytes(&'b [u8]),
+    Read(&'b [u8], Vec<(u64, u64)>),
+    Raw(Vec<u8>),
+}
+
+impl Plain<'_> {
+    fn plain(&self) -> &[u8] {
+        match self {
+            Plain::Bytes(b) | Plain::Read(b, _) => b,
+            Plain::Raw(obj) => &obj[super::frame::HEADER_BYTES..],
+        }
+    }
+}
+
 impl Job<'_> {
     /// Frames `which`, on `threads` threads; `force`: upload even what the bucket holds.
     fn run(&self, which: &[u64], threads: usize, force: bool, lease: &Lease) {
@@ -398,6 +462,7 @@ impl Job<'_> {
             for _ in 0..threads.clamp(1, 64) {
                 s.spawn(|| {
                     let mut buf = vec![0u64; (self.frame_bytes / 8) as usize];
+                    let mut scratch = Vec::new();
                     loop {
                         if self.stop.load(Ordering::Relaxed) {
                             return;
@@ -405,7 +470,7 @@ impl Job<'_> {
                         lease.renew_if_due();
                         let k = self.next.fetch_add(1, Ordering::Relaxed) as usize;
                         let Some(&i) = which.get(k) else { return };
-                        if let Err(e) = self.frame(i, &mut buf, force) {
+                        if let Err(e) = self.frame(i, &mut buf, &mut scratch, force) {
                             self.stop.store(true, Ordering::Relaxed);
                             self.failed
                                 .lock()
@@ -419,7 +484,13 @@ impl Job<'_> {
         });
     }
 
-    fn frame(&self, i: u64, buf: &mut [u64], force: bool) -> Result<(), StoreError> {
+    fn frame(
+        &self,
+        i: u64,
+        buf: &mut [u64],
+        scratch: &mut Vec<u8>,
+        force: bool,
+    ) -> Result<(), StoreError> {
         let fb = self.frame_bytes;
         let len = fb.min(self.memory_bytes - i * fb) as usize;
         // SAFETY: a u64 buffer viewed as bytes (any bit pattern is a valid u8).
@@ -431,7 +502,9 @@ impl Job<'_> {
                     read_image(image, regions, i * fb, bytes)
                 })?;
                 self.counters.read.fetch_add(len as u64, Ordering::Relaxed);
-                self.whole(i, bytes, force)?.into_iter().collect()
+                self.whole(i, Plain::Bytes(bytes), force)?
+                    .into_iter()
+                    .collect()
             }
             Reader::File {
                 file,
@@ -442,13 +515,15 @@ impl Job<'_> {
                     read_file(file, *flen, i * fb, bytes)
                 })?;
                 self.counters.read.fetch_add(len as u64, Ordering::Relaxed);
-                self.whole(i, bytes, force)?.into_iter().collect()
+                self.whole(i, Plain::Read(bytes, vec![(i * fb, len as u64)]), force)?
+                    .into_iter()
+                    .collect()
             }
             Reader::File {
                 file,
                 len: flen,
                 diff: Some(diff),
-            } => self.diff_frame(i, file, *flen, &diff.0, &diff.1, bytes, force)?,
+            } => self.diff_frame(i, file, *flen, &diff.0, &diff.1, bytes, scratch, force)?,
         };
         if stack.is_empty() {
             self.counters.zero.fetch_add(1, Ordering::Relaxed);
@@ -458,8 +533,8 @@ impl Job<'_> {
     }
 
     /// A whole frame: `None` for zeros, else its piece (uploaded unless there already).
-    fn whole(&self, i: u64, bytes: &[u8], force: bool) -> Result<Option<Piece>, StoreError> {
-        if is_zero(bytes) {
+    fn whole(&self, i: u64, bytes: Plain<'_>, force: bool) -> Result<Option<Piece>, StoreError> {
+        if is_zero(bytes.plain()) {
             return Ok(None);
         }
         let hash = self.upload(i, bytes, force)?;
@@ -467,9 +542,11 @@ impl Job<'_> {
     }
 
     /// Hashes `plain` (of frame `i`) and uploads it unless this push or the bucket has it.
-    fn upload(&self, i: u64, plain: &[u8], force: bool) -> Result<blake3::Hash, StoreError> {
+    fn upload(&self, i: u64, plain: Plain<'_>, force: bool) -> Result<blake3::Hash, StoreError> {
         let c = &self.counters;
-        let hash = timed(&c.hash_ns, || blake3::hash(plain));
+        let object = plain;
+        let plain_len = object.plain().len() as u64;
+        let hash = timed(&c.hash_ns, || blake3::hash(object.plain()));
         if !self
             .seen
             .lock()
@@ -477,8 +554,19 @@ impl Job<'_> {
             .insert(*hash.as_bytes())
         {
             c.skipped.fetch_add(1, Ordering::Relaxed);
-            c.skipped_bytes
-                .fetch_add(plain.len() as u64, Ordering::Relaxed);
+            c.skipped_bytes.fetch_add(plain_len, Ordering::Relaxed);
+            return Ok(hash);
+        }
+        if let Some(h) = self.hold {
+            // Held in place: nothing stored now (no memory of the frame's size taken).
+            let n = plain_len + super::frame::HEADER_BYTES as u64;
+            match object {
+                Plain::Read(_, runs) => h.hold_runs(&hash, runs),
+                Plain::Raw(obj) => h.hold_object(&hash, Bytes::from(obj)),
+                Plain::Bytes(b) => h.hold_object(&hash, Bytes::from(super::frame::raw(b))),
+            }
+            c.stored.fetch_add(1, Ordering::Relaxed);
+            c.stored_bytes.fetch_add(n, Ordering::Relaxed);
             return Ok(hash);
         }
         let key = frame_key(&hash);
@@ -488,8 +576,7 @@ impl Job<'_> {
             })?;
             if there {
                 c.skipped.fetch_add(1, Ordering::Relaxed);
-                c.skipped_bytes
-                    .fetch_add(plain.len() as u64, Ordering::Relaxed);
+                c.skipped_bytes.fetch_add(plain_len, Ordering::Relaxed);
                 self.skipped_existing
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -497,9 +584,12 @@ impl Job<'_> {
                 return Ok(hash);
             }
         }
-        let (obj, enc) = match self.compress {
-            true => timed(&c.compress_ns, || super::frame::encode(plain)),
-            false => (super::frame::raw(plain), super::frame::Encoding::Raw),
+        let (obj, enc) = match (self.compress, object) {
+            (true, o) => timed(&c.compress_ns, || super::frame::encode(o.plain())),
+            (false, Plain::Raw(obj)) => (obj, super::frame::Encoding::Raw),
+            (false, Plain::Bytes(plain) | Plain::Read(plain, _)) => {
+                (super::frame::raw(plain), super::frame::Encoding::Raw)
+            }
         };
         if enc == super::frame::Encoding::Zstd {
             c.compressed.fetch_add(1, Ordering::Relaxed);
@@ -522,6 +612,7 @@ impl Job<'_> {
         base: &Snapshot,
         data: &[(u64, u64)],
         bytes: &mut [u8],
+        scratch: &mut Vec<u8>,
         force: bool,
     ) -> Result<Vec<Piece>, StoreError> {
         let fb = self.frame_bytes;
@@ -546,12 +637,25 @@ impl Job<'_> {
         }
         self.counters.read.fetch_add(held * page, Ordering::Relaxed);
         if held < pages && below.len() < MAX_PIECES {
-            // Only the diff's pages are read, packed as they are stored.
-            let mut packed = Vec::with_capacity((held * page) as usize);
-            timed(&self.counters.read_ns, || {
-                read_packed(file, flen, start, &mask, pages, &mut packed)
-            })?;
-            let hash = self.upload(i, &packed, force)?;
+            // Only the diff's pages are read, packed: straight into their object, or into
+            // this thread's scratch where frames are held in place.
+            let runs = mask_runs(start, &mask, pages);
+            let hash = match self.hold {
+                Some(_) => {
+                    scratch.clear();
+                    timed(&self.counters.read_ns, || {
+                        read_runs(file, flen, &runs, scratch)
+                    })?;
+                    self.upload(i, Plain::Read(scratch, runs), force)?
+                }
+                None => {
+                    let mut packed = super::frame::raw_for((held * page) as usize);
+                    timed(&self.counters.read_ns, || {
+                        read_runs(file, flen, &runs, &mut packed)
+                    })?;
+                    self.upload(i, Plain::Raw(packed), force)?
+                }
+            };
             let mut stack = below.clone();
             stack.push(Piece {
                 hash,
@@ -563,7 +667,11 @@ impl Job<'_> {
             read_file(file, flen, start, bytes)
         })?;
         if held == pages {
-            return Ok(self.whole(i, bytes, force)?.into_iter().collect());
+            let run = vec![(start, bytes.len() as u64)];
+            return Ok(self
+                .whole(i, Plain::Read(bytes, run), force)?
+                .into_iter()
+                .collect());
         }
         if below.len() + 1 > MAX_PIECES {
             // Too deep a stack: the frame flattened into one whole piece, its base's pieces
@@ -587,7 +695,10 @@ impl Job<'_> {
                 },
                 &pack(bytes, &mask),
             );
-            return Ok(self.whole(i, &whole, force)?.into_iter().collect());
+            return Ok(self
+                .whole(i, Plain::Bytes(&whole), force)?
+                .into_iter()
+                .collect());
         }
         // Too deep a stack: the frame flattened into one whole piece (above).
         unreachable!("a partial frame on a stack of {} pieces", below.len())

@@ -98,19 +98,12 @@ pub(super) fn read_file(
     Ok(())
 }
 
-/// The pages of the frame at `offset` that `mask` names, read straight into place packed
-/// (a run of pages a read), into `out` (cleared first).
-pub(super) fn read_packed(
-    file: &File,
-    len: u64,
-    offset: u64,
-    mask: &[u64],
-    pages: u64,
-    out: &mut Vec<u8>,
-) -> Result<(), StoreError> {
+/// The runs (file offset, bytes) of the pages of the frame at `offset` that `mask` names, in
+/// page order: where a diff's packed piece lies in its file.
+pub(super) fn mask_runs(offset: u64, mask: &[u64], pages: u64) -> Vec<(u64, u64)> {
     let page = IMAGE_PAGE_BYTES;
     let bit = |p: u64| mask[(p / 64) as usize] >> (p % 64) & 1 != 0;
-    out.clear();
+    let mut runs = Vec::new();
     let mut p = 0;
     while p < pages {
         if !bit(p) {
@@ -121,9 +114,23 @@ pub(super) fn read_packed(
         while p < pages && bit(p) {
             p += 1;
         }
-        let at = out.len();
-        out.resize(at + ((p - run_start) * page) as usize, 0);
-        read_file(file, len, offset + run_start * page, &mut out[at..])?;
+        runs.push((offset + run_start * page, (p - run_start) * page));
+    }
+    runs
+}
+
+/// The bytes of `runs` of a raw memory file, read straight into place one after another,
+/// appended to `out` (past the file's end reads as zero).
+pub(super) fn read_runs(
+    file: &File,
+    len: u64,
+    runs: &[(u64, u64)],
+    out: &mut Vec<u8>,
+) -> Result<(), StoreError> {
+    for &(at, n) in runs {
+        let from = out.len();
+        out.resize(from + n as usize, 0);
+        read_file(file, len, at, &mut out[from..])?;
     }
     Ok(())
 }

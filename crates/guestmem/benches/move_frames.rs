@@ -1,0 +1,102 @@
+//! The frames step of a move's pause: Firecracker's Diff file of a VM that wrote 64 MiB
+//! spread over a 512 MiB region (runs of 16 pages every 512 KiB, as the lab's guest writes)
+//! cut into the store's frames, hashed, held in memory for the source's page server.
+//!
+//! `cargo bench -p guestmem --features store --bench move_frames`. The diff lies in
+//! /dev/shm (where the move writes it); the base is a store snapshot of zeros.
+
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+use guestmem::store::{
+    push, push_held, read_snapshot, Client, FetchPolicy, Frames, HeldFrames, PushConfig,
+    PushSource, StoreUrl,
+};
+
+const REGION: u64 = 512 << 20;
+const DIRTY: u64 = 64 << 20;
+const RUN: u64 = 64 << 10;
+
+fn bench(c: &mut Criterion) {
+    let dir = std::path::PathBuf::from("/dev/shm");
+    let base_file = dir.join(format!("gm-bench-base-{}", std::process::id()));
+    let diff_file = dir.join(format!("gm-bench-diff-{}", std::process::id()));
+    let f = std::fs::File::create(&base_file).unwrap();
+    f.set_len(REGION).unwrap();
+    let f = std::fs::File::create(&diff_file).unwrap();
+    f.set_len(REGION).unwrap();
+    let stride = REGION / (DIRTY / RUN);
+    let run: Vec<u8> = (0..RUN).map(|i| (i * 7 + 1) as u8).collect();
+    for at in (0..REGION).step_by(stride as usize) {
+        f.write_all_at(&run, at).unwrap();
+    }
+    drop(f);
+    let store = Arc::new(Client::in_memory("store").unwrap());
+    let base = StoreUrl::parse("s3://bench/base", false).unwrap();
+    push(
+        &store,
+        &PushSource::Raw(base_file.clone()),
+        &base,
+        &PushConfig::default(),
+    )
+    .unwrap();
+    let _ = std::fs::remove_file(&base_file);
+    let snap = Arc::new(
+        read_snapshot(
+            &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
+            &base,
+        )
+        .unwrap(),
+    );
+    let diff = StoreUrl::parse("s3://bench/diff", false).unwrap();
+    let mut g = c.benchmark_group("move-frames-64MiB-of-512MiB");
+    g.sample_size(20).measurement_time(Duration::from_secs(10));
+    let cfg = |threads| PushConfig {
+        frame_bytes: snap.frame_bytes(),
+        threads,
+        compress: false,
+        base_from: Some(Arc::clone(&store)),
+        base: Some(Arc::clone(&snap)),
+        look_first: false,
+    };
+    let src = PushSource::RawDiff {
+        path: diff_file.clone(),
+        base: base.clone(),
+    };
+    for threads in [1, 2] {
+        // The frames held where they lie in the file (what a move does).
+        g.bench_function(format!("held-{threads}-threads"), |b| {
+            b.iter_batched(
+                || {
+                    (
+                        Arc::new(Client::in_memory("held").unwrap()),
+                        HeldFrames::new(),
+                    )
+                },
+                |(held, frames)| {
+                    push_held(&held, &src, &diff, &cfg(threads), &frames).unwrap();
+                    (held, frames)
+                },
+                BatchSize::PerIteration,
+            )
+        });
+        // Each frame's object made in memory (before: 64 MiB of fresh pages in the pause).
+        g.bench_function(format!("in-memory-{threads}-threads"), |b| {
+            b.iter_batched(
+                || Arc::new(Client::in_memory("held").unwrap()),
+                |held| {
+                    push(&held, &src, &diff, &cfg(threads)).unwrap();
+                    held
+                },
+                BatchSize::PerIteration,
+            )
+        });
+    }
+    g.finish();
+    let _ = std::fs::remove_file(&diff_file);
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
