@@ -25,6 +25,7 @@
 
 mod cache;
 mod client;
+mod cut;
 mod error;
 mod fetch;
 mod frame;
