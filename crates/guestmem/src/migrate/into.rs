@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::firecracker::{json_path, Api};
-use super::wire::{Msg, Wire};
+use super::wire::{Msg, Wire, WIRE_VERSION};
 use super::MoveError;
 use crate::restore::latency::LatencySummary;
 use crate::serve::{Listener, MemoryFile, Server, ServerConfig, ServerReport, Socket};
@@ -97,7 +97,26 @@ pub fn move_in(
     let _ = s.set_nonblocking(false);
     let mut wire = Wire::new(s)?;
     let (base_url, peer_url, name) = match wire.recv(m.wait)? {
-        Msg::Offer { base, peer, name } => (base, peer, name),
+        Msg::Offer {
+            version,
+            base,
+            peer,
+            name,
+        } if version == WIRE_VERSION => (base, peer, name),
+        Msg::Offer { version, .. } => {
+            let reason =
+                format!("the source speaks move messages v{version}, this host v{WIRE_VERSION}");
+            let _ = wire.send(
+                &Msg::Refused {
+                    reason: reason.clone(),
+                },
+                &[],
+            );
+            return Err(MoveError::Wire {
+                peer: wire.peer().into(),
+                reason,
+            });
+        }
         other => {
             return Err(MoveError::Wire {
                 peer: wire.peer().into(),
@@ -133,7 +152,12 @@ pub fn move_in(
             return Err(e);
         }
     };
-    wire.send(&Msg::Ready, &[])?;
+    wire.send(
+        &Msg::Ready {
+            version: WIRE_VERSION,
+        },
+        &[],
+    )?;
     let vmstate_bytes = match wire.recv(m.wait)? {
         Msg::State { vmstate_bytes } => vmstate_bytes,
         Msg::Abort { reason } => {
@@ -155,22 +179,27 @@ pub fn move_in(
     let local = name_url.name.replace('/', "_");
     let vmstate = m.dir.join(format!("{local}.vmstate"));
     let sock = m.dir.join(format!("{local}.uffd.sock"));
-    let _vmstate_removed = RemovedOnDrop(vmstate.clone());
-    let prepared = (|| -> Result<Listener, MoveError> {
+    let prepared = (|| -> Result<(RemovedOnDrop, Listener), MoveError> {
         use std::io::Write;
-        std::fs::OpenOptions::new()
+        let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .open(&vmstate)
-            .and_then(|mut f| f.write_all(&state))
             .map_err(|source| MoveError::Io {
                 op: "write (a new file)",
                 path: vmstate.clone(),
                 source,
             })?;
-        Ok(Listener::bind(&sock)?)
+        // Ours from here (a file that was there already is another move's: left alone).
+        let removed = RemovedOnDrop(vmstate.clone());
+        f.write_all(&state).map_err(|source| MoveError::Io {
+            op: "write",
+            path: vmstate.clone(),
+            source,
+        })?;
+        Ok((removed, Listener::bind(&sock)?))
     })();
-    let listener = match prepared {
+    let (_vmstate_removed, listener) = match prepared {
         Ok(l) => l,
         Err(e) => {
             let _ = wire.send(
@@ -307,7 +336,12 @@ pub fn move_in(
         let _ = run.join();
         return Err(e);
     }
-    wire.send(&Msg::Loaded { load_ms, open_ms }, &[])?;
+    if let Err(e) = wire.send(&Msg::Loaded { load_ms, open_ms }, &[]) {
+        // The source resumes its copy: this one, loaded and never run, ends.
+        let e = abandon(&mut wire, e);
+        let _ = run.join();
+        return Err(e);
+    }
     let go = match wire.recv(LOAD_LIMIT) {
         Ok(Msg::Commit) => api.ok("PATCH", "vm", r#"{"state":"Resumed"}"#, LOAD_LIMIT),
         Ok(Msg::Abort { reason }) => Err(MoveError::Refused {

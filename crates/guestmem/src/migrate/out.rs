@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::firecracker::{json_path, Api};
-use super::wire::{Msg, Wire};
+use super::wire::{Msg, Wire, WIRE_VERSION};
 use super::MoveError;
 use crate::store::{
     check_push, push, push_held, read_snapshot, Client, FetchPolicy, Frames, HeldFrames,
@@ -161,6 +161,7 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
     let mut wire = Wire::new(ctl)?;
     wire.send(
         &Msg::Offer {
+            version: WIRE_VERSION,
             base: m.base.to_string(),
             peer: advertise,
             name: m.push_as.name.clone(),
@@ -168,7 +169,15 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         &[],
     )?;
     match wire.recv(ANSWER_LIMIT)? {
-        Msg::Ready => {}
+        Msg::Ready { version } if version == WIRE_VERSION => {}
+        Msg::Ready { version } => {
+            return Err(MoveError::Refused {
+                side: "destination",
+                reason: format!(
+                    "it speaks move messages v{version}, this host v{WIRE_VERSION}; nothing paused"
+                ),
+            })
+        }
         Msg::Refused { reason } => {
             return Err(MoveError::Refused {
                 side: "destination",

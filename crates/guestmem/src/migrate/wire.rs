@@ -20,6 +20,10 @@ const SEND_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 /// (at most [`crate::store::MAX_MANIFEST_BYTES`]).
 pub(crate) const MAX_PAYLOAD_BYTES: u64 = 64 << 20;
 
+/// The version of these messages: both sides must speak the same one, which is known
+/// before anything is paused (an Offer or a Ready without it, or with another, is refused).
+pub(crate) const WIRE_VERSION: u32 = 2;
+
 /// One message.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "m", rename_all = "snake_case")]
@@ -27,12 +31,13 @@ pub(crate) enum Msg {
     /// Source: a VM restored from `base` wants to move; its diff's frames will be served at
     /// `peer`.
     Offer {
+        version: u32,
         base: String,
         peer: String,
         name: String,
     },
     /// Destination: the base is readable here; pause when you like.
-    Ready,
+    Ready { version: u32 },
     /// Either side: no move, and why.
     Refused { reason: String },
     /// Source: the VM is paused; its vmstate (`vmstate_bytes` raw bytes follow this line),

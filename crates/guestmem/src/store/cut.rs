@@ -105,7 +105,8 @@ impl Job<'_> {
         std::thread::scope(|s| {
             for _ in 0..threads.clamp(1, 64) {
                 s.spawn(|| {
-                    let mut buf = vec![0u64; (self.frame_bytes / 8) as usize];
+                    // Whole u64s holding at least a frame (a frame's slice is cut from it).
+                    let mut buf = vec![0u64; self.frame_bytes.div_ceil(8) as usize];
                     let mut scratch = Vec::new();
                     loop {
                         if self.stop.load(Ordering::Relaxed) {

@@ -3,7 +3,8 @@
 //! checked against the frame's hash, retried with backoff while the faulting vCPU waits, up
 //! to a deadline. Read-ahead (`Frames::ahead`) fetches many frames at once in the
 //! background, bounded, so that a fault's own GET never waits behind it; while a fault
-//! waits on a GET of its own, no new read-ahead GET starts. During a move,
+//! waits on a GET of its own, no new read-ahead GET starts (for at most
+//! [`AHEAD_DEFER_MAX`] each). During a move,
 //! the frames the move's diff brought are owed by its source host (`Frames::follow`): they
 //! are fetched from there on the same path (flights, checks, retries, the deadline) until
 //! the store holds them (`Frames::release`).
@@ -395,7 +396,9 @@ impl Frames {
                 let Ok(_permit) = gate.acquire_owned().await else {
                     return;
                 };
-                me.after_faults().await;
+                // Never held back for long: a fault retrying toward a store (or a move's
+                // source) that went away must not stop every VM's read-ahead.
+                let _ = tokio::time::timeout(AHEAD_DEFER_MAX, me.after_faults()).await;
                 // A fault may have fetched it while this waited for its turn.
                 if me.cache.as_ref().is_some_and(|c| c.contains(&hash)) {
                     return;
@@ -415,6 +418,9 @@ impl Frames {
         }
     }
 }
+
+/// The longest a read-ahead GET defers to faults' own GETs before it goes anyway.
+const AHEAD_DEFER_MAX: Duration = Duration::from_millis(100);
 
 /// A fault fetching a frame itself, counted while it waits (read-ahead holds back).
 struct FaultFirst<'a>(&'a Frames);

@@ -433,4 +433,45 @@ mod held_tests {
         assert_eq!(frames.counters.peer_gets.load(Ordering::Relaxed), 3);
         assert_eq!(frames.counters.mismatches.load(Ordering::Relaxed), 0);
     }
+
+    #[test]
+    fn a_base_handed_in_with_another_frame_size_is_refused_not_cut() {
+        let scratch = guestmem_testkit::Scratch::new("held-bad-base");
+        std::fs::write(scratch.join("base"), vec![7u8; MEM as usize]).unwrap();
+        std::fs::write(scratch.join("diff"), vec![9u8; MEM as usize]).unwrap();
+        let store = Arc::new(Client::in_memory("store").unwrap());
+        let base = StoreUrl::parse("s3://bkt/base", false).unwrap();
+        let cfg = PushConfig {
+            frame_bytes: FB,
+            threads: 1,
+            ..PushConfig::default()
+        };
+        push(&store, &PushSource::Raw(scratch.join("base")), &base, &cfg).unwrap();
+        let frames = Frames::new(Arc::clone(&store), None, FetchPolicy::default());
+        // The manifest's fields are public: a caller may hand in one read and then changed.
+        for (fb, frames_len) in [(FB + 1, None), (FB * 2, None), (FB, Some(3))] {
+            let mut bad = read_snapshot(&frames, &base).unwrap();
+            bad.manifest.frame_bytes = fb;
+            if let Some(n) = frames_len {
+                bad.frames.truncate(n);
+            }
+            let dcfg = PushConfig {
+                frame_bytes: FB,
+                threads: 1,
+                compress: false,
+                base_from: Some(Arc::clone(&store)),
+                base: Some(Arc::new(bad)),
+                look_first: false,
+            };
+            let src = PushSource::RawDiff {
+                path: scratch.join("diff"),
+                base: base.clone(),
+            };
+            let held = Arc::new(Client::in_memory("held").unwrap());
+            let to = StoreUrl::parse("s3://bkt/diff", false).unwrap();
+            let e = push_held(&held, &src, &to, &dcfg, &HeldFrames::new()).unwrap_err();
+            let e = e.to_string();
+            assert!(e.contains("frame"), "{fb} {frames_len:?}: {e}");
+        }
+    }
 }

@@ -210,6 +210,20 @@ fn push_to(
                     read_snapshot(&frames, base)?
                 }
             };
+            // A base handed in is checked as one read from the store is (its manifest's
+            // fields are public): the frames are cut to its frame size.
+            check_frame_bytes(snap.frame_bytes())?;
+            if snap.frames.len() as u64 != snap.memory_bytes().div_ceil(snap.frame_bytes()) {
+                return Err(StoreError::Base {
+                    url: base.to_string(),
+                    reason: format!(
+                        "{} frames for {:#x} bytes in frames of {:#x}",
+                        snap.frames.len(),
+                        snap.memory_bytes(),
+                        snap.frame_bytes()
+                    ),
+                });
+            }
             if len > snap.memory_bytes() {
                 return Err(StoreError::Base {
                     url: base.to_string(),
