@@ -104,18 +104,13 @@ pub fn move_in(
             name,
         } if version == WIRE_VERSION => (base, peer, name),
         Msg::Offer { version, .. } => {
-            let reason =
-                format!("the source speaks move messages v{version}, this host v{WIRE_VERSION}");
-            let _ = wire.send(
-                &Msg::Refused {
-                    reason: reason.clone(),
-                },
-                &[],
-            );
-            return Err(MoveError::Wire {
+            let e = MoveError::Wire {
                 peer: wire.peer().into(),
-                reason,
-            });
+                reason: format!(
+                    "the source speaks move messages v{version}, this host v{WIRE_VERSION}"
+                ),
+            };
+            return Err(wire.refuse(e));
         }
         other => {
             return Err(MoveError::Wire {
@@ -142,15 +137,7 @@ pub fn move_in(
     })();
     let (base_url, name_url, frames, base, peer, api, process) = match checked {
         Ok(v) => v,
-        Err(e) => {
-            let _ = wire.send(
-                &Msg::Refused {
-                    reason: e.to_string(),
-                },
-                &[],
-            );
-            return Err(e);
-        }
+        Err(e) => return Err(wire.refuse(e)),
     };
     wire.send(
         &Msg::Ready {
@@ -201,15 +188,7 @@ pub fn move_in(
     })();
     let (_vmstate_removed, listener) = match prepared {
         Ok(l) => l,
-        Err(e) => {
-            let _ = wire.send(
-                &Msg::Refused {
-                    reason: e.to_string(),
-                },
-                &[],
-            );
-            return Err(e);
-        }
+        Err(e) => return Err(wire.refuse(e)),
     };
     // Firecracker loads the VM (paused) while the source cuts its diff into frames. Its
     // connection to the page server's socket waits in the listen backlog, and is taken once
@@ -307,27 +286,14 @@ pub fn move_in(
     });
     let (chain, owed_frames, ahead, drainer, run) = match opened {
         Ok(v) => v,
-        Err(e) => {
-            let _ = wire.send(
-                &Msg::Refused {
-                    reason: e.to_string(),
-                },
-                &[],
-            );
-            return Err(e);
-        }
+        Err(e) => return Err(wire.refuse(e)),
     };
     // Ends this side's copy (it never ran) and its server, and says why.
     let abandon = |wire: &mut Wire, e: MoveError| {
         if let Err(k) = process.kill() {
             tracing::error!("ending the destination Firecracker failed: {k}");
         }
-        let _ = wire.send(
-            &Msg::Refused {
-                reason: e.to_string(),
-            },
-            &[],
-        );
+        let e = wire.refuse(e);
         drainer.drain();
         e
     };
@@ -391,12 +357,7 @@ pub fn move_in(
                 }
                 Err(e) => {
                     tracing::error!("the source says the diff is at {url}, but: {e}; still following the source");
-                    let _ = wire.send(
-                        &Msg::Refused {
-                            reason: e.to_string(),
-                        },
-                        &[],
-                    );
+                    wire.refuse(e);
                 }
             }
         }

@@ -115,6 +115,17 @@ impl Wire {
             .map_err(|e| self.err(format!("send: {e}")))
     }
 
+    /// Tells the other side no, and why (best effort: it may be gone); gives `e` back.
+    pub(crate) fn refuse(&mut self, e: MoveError) -> MoveError {
+        let _ = self.send(
+            &Msg::Refused {
+                reason: e.to_string(),
+            },
+            &[],
+        );
+        e
+    }
+
     /// The next message, waiting at most `limit`.
     pub(crate) fn recv(&mut self, limit: Duration) -> Result<Msg, MoveError> {
         self.reader
