@@ -335,11 +335,9 @@ mod held_tests {
     const FB: u64 = 64 << 10;
     const MEM: u64 = 8 * FB;
 
-    #[test]
-    fn a_diff_held_in_place_makes_the_manifest_a_push_makes_and_is_served_checked() {
-        let scratch = guestmem_testkit::Scratch::new("held");
-        let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x5a).collect();
-        std::fs::write(scratch.join("base"), &base_bytes).unwrap();
+    /// `bytes` pushed to an in-memory store as `s3://bkt/base`, in frames of FB.
+    fn base_in_store(scratch: &std::path::Path, bytes: &[u8]) -> (Arc<Client>, StoreUrl) {
+        std::fs::write(scratch.join("base"), bytes).unwrap();
         let store = Arc::new(Client::in_memory("store").unwrap());
         let base = StoreUrl::parse("s3://bkt/base", false).unwrap();
         let cfg = PushConfig {
@@ -348,6 +346,26 @@ mod held_tests {
             ..PushConfig::default()
         };
         push(&store, &PushSource::Raw(scratch.join("base")), &base, &cfg).unwrap();
+        (store, base)
+    }
+
+    /// A move's push of a raw diff on `base` (raw frames, nothing looked up first).
+    fn diff_config(store: &Arc<Client>, base: Snapshot) -> PushConfig {
+        PushConfig {
+            frame_bytes: FB,
+            threads: 2,
+            compress: false,
+            base_from: Some(Arc::clone(store)),
+            base: Some(Arc::new(base)),
+            look_first: false,
+        }
+    }
+
+    #[test]
+    fn a_diff_held_in_place_makes_the_manifest_a_push_makes_and_is_served_checked() {
+        let scratch = guestmem_testkit::Scratch::new("held");
+        let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x5a).collect();
+        let (store, base) = base_in_store(&scratch, &base_bytes);
 
         // The diff: frame 0 whole, pages 1, 2 and 5 of frame 2, frame 5 whole and all
         // zero, the last page of the last frame; the rest holes (the base's pages).
@@ -367,24 +385,15 @@ mod held_tests {
         write(MEM - PAGE, vec![0xee; PAGE as usize]);
         drop(f);
 
-        let snap = Arc::new(
-            read_snapshot(
-                &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
-                &base,
-            )
-            .unwrap(),
-        );
+        let snap = read_snapshot(
+            &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
+            &base,
+        )
+        .unwrap();
         let in_base: std::collections::HashSet<_> =
             snap.frames.iter().flatten().map(|p| p.hash).collect();
         let diff = StoreUrl::parse("s3://bkt/diff", false).unwrap();
-        let dcfg = PushConfig {
-            frame_bytes: FB,
-            threads: 2,
-            compress: false,
-            base_from: Some(Arc::clone(&store)),
-            base: Some(snap),
-            look_first: false,
-        };
+        let dcfg = diff_config(&store, snap);
         let src = PushSource::RawDiff {
             path: diff_path,
             base: base.clone(),
@@ -437,16 +446,8 @@ mod held_tests {
     #[test]
     fn a_base_handed_in_with_another_frame_size_is_refused_not_cut() {
         let scratch = guestmem_testkit::Scratch::new("held-bad-base");
-        std::fs::write(scratch.join("base"), vec![7u8; MEM as usize]).unwrap();
+        let (store, base) = base_in_store(&scratch, &vec![7u8; MEM as usize]);
         std::fs::write(scratch.join("diff"), vec![9u8; MEM as usize]).unwrap();
-        let store = Arc::new(Client::in_memory("store").unwrap());
-        let base = StoreUrl::parse("s3://bkt/base", false).unwrap();
-        let cfg = PushConfig {
-            frame_bytes: FB,
-            threads: 1,
-            ..PushConfig::default()
-        };
-        push(&store, &PushSource::Raw(scratch.join("base")), &base, &cfg).unwrap();
         let frames = Frames::new(Arc::clone(&store), None, FetchPolicy::default());
         // The manifest's fields are public: a caller may hand in one read and then changed.
         for (fb, frames_len) in [(FB + 1, None), (FB * 2, None), (FB, Some(3))] {
@@ -455,14 +456,7 @@ mod held_tests {
             if let Some(n) = frames_len {
                 bad.frames.truncate(n);
             }
-            let dcfg = PushConfig {
-                frame_bytes: FB,
-                threads: 1,
-                compress: false,
-                base_from: Some(Arc::clone(&store)),
-                base: Some(Arc::new(bad)),
-                look_first: false,
-            };
+            let dcfg = diff_config(&store, bad);
             let src = PushSource::RawDiff {
                 path: scratch.join("diff"),
                 base: base.clone(),
