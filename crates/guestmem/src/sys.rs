@@ -88,6 +88,55 @@ pub fn data_ranges(fd: BorrowedFd<'_>, start: u64, end: u64) -> io::Result<Vec<(
     Ok(out)
 }
 
+/// Why `SEEK_DATA` on files of `fd`'s filesystem may report more than the pages written,
+/// or `None`: a tmpfs whose files may take huge pages (mounted with `huge=` other than
+/// `never`, or every tmpfs where `shmem_enabled` is `force`) allocates 2 MiB at a 4 KiB
+/// write, and reports all of it as data. A sparse file read there as "pages written, holes
+/// not" (a Firecracker Diff on its base) would take the zeros around each write for data.
+pub fn coarse_data_ranges(fd: BorrowedFd<'_>) -> io::Result<Option<String>> {
+    const TMPFS_MAGIC: libc::c_long = 0x0102_1994;
+    // SAFETY: statfs is plain data, for which all zeros is a valid value.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs writes one statfs into a live struct; the descriptor is borrowed.
+    check(unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) })?;
+    if fs.f_type as libc::c_long != TMPFS_MAGIC {
+        return Ok(None);
+    }
+    let forced = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .is_ok_and(|s| s.contains("[force]"));
+    if forced {
+        return Ok(Some(
+            "every tmpfs takes huge pages here (transparent_hugepage/shmem_enabled is force)"
+                .into(),
+        ));
+    }
+    // SAFETY: stat is plain data, for which all zeros is a valid value.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes one stat into a live struct; the descriptor is borrowed.
+    check(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
+    let dev = format!("{}:{}", libc::major(st.st_dev), libc::minor(st.st_dev));
+    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
+    Ok(huge_tmpfs_option(&info, &dev).map(|h| format!("its tmpfs is mounted with huge={h}")))
+}
+
+/// The `huge=` option (other than `never`) of the tmpfs mount of device `dev` (`major:minor`)
+/// in `mountinfo` (`/proc/self/mountinfo`'s text).
+fn huge_tmpfs_option(mountinfo: &str, dev: &str) -> Option<String> {
+    mountinfo.lines().find_map(|line| {
+        let mut f = line.split(' ');
+        if f.nth(2) != Some(dev) {
+            return None;
+        }
+        // After the optional fields and " - ": fstype, source, super options.
+        let (_, tail) = line.split_once(" - ")?;
+        let opts = tail.split(' ').nth(2)?;
+        opts.split(',')
+            .find_map(|o| o.strip_prefix("huge="))
+            .filter(|h| *h != "never" && *h != "deny")
+            .map(str::to_string)
+    })
+}
+
 /// Allocates `offset..offset+len` of `fd` (zeroed pages for a memfd or hugetlbfs file),
 /// keeping its size.
 pub fn fallocate(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
@@ -308,4 +357,26 @@ pub fn sched_setaffinity(set: &CpuSet) -> io::Result<()> {
     // SAFETY: `set.0` is a valid cpu_set_t of the size passed; pid 0 is this thread, and
     // affinity touches no memory.
     check(unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set.0) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::huge_tmpfs_option;
+
+    #[test]
+    fn a_tmpfs_mounts_huge_option_is_found_by_its_device() {
+        let info = "\
+25 1 0:22 / /dev/shm rw,nosuid shared:4 - tmpfs tmpfs rw,size=1024k\n\
+26 1 0:23 / /mnt/a rw,relatime - tmpfs none rw,size=2097152k,huge=always\n\
+27 1 0:24 / /mnt/b rw,relatime - tmpfs none rw,huge=never\n\
+28 1 0:25 / /mnt/c rw - tmpfs none rw,huge=within_size,nr_inodes=4\n";
+        assert_eq!(huge_tmpfs_option(info, "0:22"), None);
+        assert_eq!(huge_tmpfs_option(info, "0:23").as_deref(), Some("always"));
+        assert_eq!(huge_tmpfs_option(info, "0:24"), None);
+        assert_eq!(
+            huge_tmpfs_option(info, "0:25").as_deref(),
+            Some("within_size")
+        );
+        assert_eq!(huge_tmpfs_option(info, "0:99"), None);
+    }
 }

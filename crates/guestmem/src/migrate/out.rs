@@ -2,6 +2,7 @@
 //! the source VM, push the diff, release the destination.
 
 use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -129,6 +130,19 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
                 source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
             });
         }
+    }
+    // Checked before the pause: Firecracker's Diff there keeps its holes page by page.
+    let dir = std::fs::File::open(&m.work_dir).map_err(io("open", &m.work_dir))?;
+    if let Some(why) =
+        crate::sys::coarse_data_ranges(dir.as_fd()).map_err(io("stat", &m.work_dir))?
+    {
+        return Err(MoveError::Refused {
+            side: "source",
+            reason: format!(
+                "the work dir {} cannot hold a Diff: {why} (a 4 KiB write shows as 2 MiB of data, and the base's pages around it would read as zeros); nothing paused",
+                m.work_dir.display()
+            ),
+        });
     }
     // Checked before the pause: the name is free and this host may write the store.
     check_push(store, &m.push_as)?;

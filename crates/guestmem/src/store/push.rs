@@ -241,6 +241,19 @@ fn push_to(
                         .into(),
                 });
             }
+            // A hole is the base's page: data ranges coarser than the pages written would
+            // take zeros for memory.
+            if let Some(why) = crate::sys::coarse_data_ranges(file.as_fd())
+                .map_err(io("find the filesystem of", path))?
+            {
+                return Err(StoreError::Io {
+                    op: "read as a diff (its holes are the base's pages)",
+                    path: path.clone(),
+                    source: std::io::Error::other(format!(
+                        "{why}: a 4 KiB write there shows as 2 MiB of data, so the base's pages around it would read as zeros; write the Diff to a tmpfs with huge=never (as /dev/shm) or a disk"
+                    )),
+                });
+            }
             let data = crate::sys::data_ranges(file.as_fd(), 0, len)
                 .map_err(io("find the data (SEEK_DATA) of", path))?;
             let (mb, fb) = (snap.memory_bytes(), snap.frame_bytes());
