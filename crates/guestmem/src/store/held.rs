@@ -76,6 +76,16 @@ impl HeldFrames {
             .insert(*hash.as_bytes(), Held::Object(object));
     }
 
+    /// The length of the object of the frame under `hex` (its hash), without reading it.
+    pub(super) fn object_len(&self, hex: &str) -> Option<u64> {
+        let hash = blake3::Hash::from_hex(hex).ok()?;
+        let frames = self.frames.read().unwrap_or_else(|e| e.into_inner());
+        match frames.get(hash.as_bytes())? {
+            Held::Object(b) => Some(b.len() as u64),
+            Held::Runs { plain_len, .. } => Some(plain_len + super::frame::HEADER_BYTES as u64),
+        }
+    }
+
     /// The object of the frame under `hex` (its hash), raw, read from the file now.
     pub(super) fn object(&self, hex: &str) -> Result<Option<Bytes>, StoreError> {
         let Ok(hash) = blake3::Hash::from_hex(hex) else {

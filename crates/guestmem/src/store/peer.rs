@@ -19,6 +19,9 @@ use super::client::Client;
 use super::held::HeldFrames;
 use super::StoreError;
 
+/// Connections served at once (a destination reads with tens; more wait to be accepted).
+const MAX_CONNECTIONS: usize = 256;
+
 /// What the source host served.
 #[derive(Debug, Default)]
 pub struct PeerCounters {
@@ -70,8 +73,13 @@ impl PeerServer {
         let counters = Arc::new(PeerCounters::default());
         let c = Arc::clone(&counters);
         let held = Arc::clone(&objects);
+        // At most this many connections at once; more wait in the listen backlog.
+        let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         rt.spawn(async move {
             loop {
+                let Ok(permit) = Arc::clone(&open).acquire_owned().await else {
+                    return;
+                };
                 let stream = match listener.accept().await {
                     Ok((s, _)) => s,
                     Err(_) => {
@@ -92,6 +100,7 @@ impl PeerServer {
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
                         .await;
+                    drop(permit);
                 });
             }
         });
@@ -148,6 +157,17 @@ async fn answer<B>(
     if !known || key.contains("..") {
         c.not_found.fetch_add(1, Ordering::Relaxed);
         return status(StatusCode::NOT_FOUND);
+    }
+    // A HEAD of a held frame is answered from its length, not read.
+    if let (true, Some(len)) = (
+        head,
+        key.strip_prefix(super::url::FRAMES)
+            .and_then(|hex| frames.object_len(hex)),
+    ) {
+        let mut r = status(StatusCode::OK);
+        r.headers_mut()
+            .insert(hyper::header::CONTENT_LENGTH, len.into());
+        return r;
     }
     // A held frame is read from the diff file here (a read of tmpfs pages, microseconds).
     let held = match key.strip_prefix(super::url::FRAMES) {
@@ -431,8 +451,8 @@ mod held_tests {
             .collect();
         assert_eq!(owed.len(), 3);
         let frames = Frames::new(Arc::clone(&store), None, FetchPolicy::default());
-        let peer = Client::peer(&format!("http://{}", server.addr())).unwrap();
-        frames.follow(Arc::new(peer), owed);
+        let peer = Arc::new(Client::peer(&format!("http://{}", server.addr())).unwrap());
+        frames.follow(Arc::clone(&peer), owed.clone());
         let memory = StoreMemory::from_snapshot(Arc::clone(&frames), chain);
         for i in 0..MEM / FB {
             let got = memory.frame(i).unwrap();
@@ -441,6 +461,20 @@ mod held_tests {
         }
         assert_eq!(frames.counters.peer_gets.load(Ordering::Relaxed), 3);
         assert_eq!(frames.counters.mismatches.load(Ordering::Relaxed), 0);
+
+        // A HEAD is answered from the frame's length, without reading it: with the file
+        // emptied, a GET fails and a HEAD still answers.
+        let gets = server.counters.gets.load(Ordering::Relaxed);
+        std::fs::File::options()
+            .write(true)
+            .open(scratch.join("diff"))
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        let key = crate::store::url::frame_key(&owed[0]);
+        assert!(peer.block_on(peer.exists_async(&key)).unwrap());
+        assert!(peer.get(&key).is_err());
+        assert_eq!(server.counters.gets.load(Ordering::Relaxed), gets);
     }
 
     #[test]
