@@ -2,6 +2,8 @@
 //! spread over a 512 MiB region (runs of 16 pages every 512 KiB, as the lab's guest writes)
 //! cut into the store's frames, hashed, held in memory for the source's page server.
 //!
+//! Then one of those frames fetched from the source's page server over loopback.
+//!
 //! `cargo bench -p guestmem --features store --bench move_frames`. The diff lies in
 //! /dev/shm (where the move writes it); the base is a store snapshot of zeros.
 
@@ -11,8 +13,8 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use guestmem::store::{
-    push, push_held, read_snapshot, Client, FetchPolicy, Frames, HeldFrames, PushConfig,
-    PushSource, StoreUrl,
+    push, push_held, read_snapshot, Client, FetchPolicy, Frames, HeldFrames, PeerServer,
+    PushConfig, PushSource, Snapshot, StoreUrl,
 };
 
 const REGION: u64 = 512 << 20;
@@ -95,6 +97,38 @@ fn bench(c: &mut Criterion) {
         });
     }
     g.finish();
+
+    // A frame of the diff fetched from the source's page server, as a destination's fault
+    // fetches it (loopback, no added round trip): the part of a remote fault this side owns.
+    let held = Arc::new(Client::in_memory("held").unwrap());
+    let frames = Arc::new(HeldFrames::new());
+    push_held(&held, &src, &diff, &cfg(2), &frames).unwrap();
+    let chain = Snapshot::parse(
+        &diff,
+        &held.get("snapshots/diff/manifest.json").unwrap().unwrap(),
+    )
+    .unwrap();
+    let piece = chain
+        .manifest
+        .frames
+        .iter()
+        .find_map(|stack| stack.iter().find(|p| p.p.is_some()))
+        .expect("a frame with the diff's pages");
+    let key = format!("frames/{}", piece.h);
+    let server = PeerServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        Arc::clone(&frames),
+        Arc::clone(&held),
+    )
+    .unwrap();
+    let peer = Client::peer(&format!("http://{}", server.addr())).unwrap();
+    let mut g = c.benchmark_group("move-peer-get");
+    g.sample_size(50).measurement_time(Duration::from_secs(5));
+    g.bench_function("a-64KiB-piece-over-loopback", |b| {
+        b.iter(|| peer.get(&key).unwrap().expect("held"))
+    });
+    g.finish();
+    drop(server);
     let _ = std::fs::remove_file(&diff_file);
 }
 
