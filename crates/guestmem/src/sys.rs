@@ -89,9 +89,10 @@ pub fn data_ranges(fd: BorrowedFd<'_>, start: u64, end: u64) -> io::Result<Vec<(
 }
 
 /// Why `SEEK_DATA` on files of `fd`'s filesystem may report more than the pages written,
-/// or `None`: a tmpfs whose files may take huge pages (mounted with `huge=` other than
-/// `never`, or every tmpfs where `shmem_enabled` is `force`) allocates 2 MiB at a 4 KiB
-/// write, and reports all of it as data. A sparse file read there as "pages written, holes
+/// or `None`: a tmpfs whose files may take huge pages at a `write(2)` (mounted with `huge=`
+/// `always` or `within_size`, or every tmpfs where `shmem_enabled` is `force`) allocates
+/// 2 MiB at a 4 KiB write, and reports all of it as data. A tmpfs this process cannot see
+/// the mount of is taken as one that may. A sparse file read there as "pages written, holes
 /// not" (a Firecracker Diff on its base) would take the zeros around each write for data.
 pub fn coarse_data_ranges(fd: BorrowedFd<'_>) -> io::Result<Option<String>> {
     const TMPFS_MAGIC: libc::c_long = 0x0102_1994;
@@ -102,9 +103,13 @@ pub fn coarse_data_ranges(fd: BorrowedFd<'_>) -> io::Result<Option<String>> {
     if fs.f_type as libc::c_long != TMPFS_MAGIC {
         return Ok(None);
     }
-    let forced = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-        .is_ok_and(|s| s.contains("[force]"));
-    if forced {
+    let global = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .unwrap_or_default();
+    // `deny` keeps every tmpfs on base pages, whatever it was mounted with.
+    if global.contains("[deny]") {
+        return Ok(None);
+    }
+    if global.contains("[force]") {
         return Ok(Some(
             "every tmpfs takes huge pages here (transparent_hugepage/shmem_enabled is force)"
                 .into(),
@@ -116,24 +121,35 @@ pub fn coarse_data_ranges(fd: BorrowedFd<'_>) -> io::Result<Option<String>> {
     check(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) })?;
     let dev = format!("{}:{}", libc::major(st.st_dev), libc::minor(st.st_dev));
     let info = std::fs::read_to_string("/proc/self/mountinfo")?;
-    Ok(huge_tmpfs_option(&info, &dev).map(|h| format!("its tmpfs is mounted with huge={h}")))
+    Ok(match huge_tmpfs_option(&info, &dev) {
+        Some(Some(h)) => Some(format!("its tmpfs is mounted with huge={h}")),
+        Some(None) => None,
+        // Another mount namespace's, or the kernel's own (a memfd): its option unknown.
+        None => Some(format!(
+            "its tmpfs (device {dev}) is not in this process's /proc/self/mountinfo, so whether it takes huge pages cannot be read"
+        )),
+    })
 }
 
-/// The `huge=` option (other than `never`) of the tmpfs mount of device `dev` (`major:minor`)
-/// in `mountinfo` (`/proc/self/mountinfo`'s text).
-fn huge_tmpfs_option(mountinfo: &str, dev: &str) -> Option<String> {
+/// For the mount of device `dev` (`major:minor`) in `mountinfo` (`/proc/self/mountinfo`'s
+/// text): `Some(Some(huge))` where it is mounted with a `huge=` that gives a `write(2)` huge
+/// pages, `Some(None)` where it is not (`never`, `deny`, `advise`: a write has no mapping to
+/// advise), `None` where no mount has that device.
+fn huge_tmpfs_option(mountinfo: &str, dev: &str) -> Option<Option<String>> {
     mountinfo.lines().find_map(|line| {
-        let mut f = line.split(' ');
-        if f.nth(2) != Some(dev) {
+        // Field 3 comes before the optional fields; paths have their spaces escaped.
+        if line.split(' ').nth(2) != Some(dev) {
             return None;
         }
         // After the optional fields and " - ": fstype, source, super options.
         let (_, tail) = line.split_once(" - ")?;
         let opts = tail.split(' ').nth(2)?;
-        opts.split(',')
-            .find_map(|o| o.strip_prefix("huge="))
-            .filter(|h| *h != "never" && *h != "deny")
-            .map(str::to_string)
+        Some(
+            opts.split(',')
+                .find_map(|o| o.strip_prefix("huge="))
+                .filter(|h| !matches!(*h, "never" | "deny" | "advise"))
+                .map(str::to_string),
+        )
     })
 }
 
@@ -369,14 +385,14 @@ mod tests {
 25 1 0:22 / /dev/shm rw,nosuid shared:4 - tmpfs tmpfs rw,size=1024k\n\
 26 1 0:23 / /mnt/a rw,relatime - tmpfs none rw,size=2097152k,huge=always\n\
 27 1 0:24 / /mnt/b rw,relatime - tmpfs none rw,huge=never\n\
-28 1 0:25 / /mnt/c rw - tmpfs none rw,huge=within_size,nr_inodes=4\n";
-        assert_eq!(huge_tmpfs_option(info, "0:22"), None);
-        assert_eq!(huge_tmpfs_option(info, "0:23").as_deref(), Some("always"));
-        assert_eq!(huge_tmpfs_option(info, "0:24"), None);
-        assert_eq!(
-            huge_tmpfs_option(info, "0:25").as_deref(),
-            Some("within_size")
-        );
-        assert_eq!(huge_tmpfs_option(info, "0:99"), None);
+28 1 0:25 / /mnt/c rw - tmpfs none rw,huge=within_size,nr_inodes=4\n\
+29 1 0:26 / /mnt/with\\040space rw - tmpfs none rw,huge=advise\n";
+        let huge = |dev| huge_tmpfs_option(info, dev);
+        assert_eq!(huge("0:22"), Some(None));
+        assert_eq!(huge("0:23"), Some(Some("always".into())));
+        assert_eq!(huge("0:24"), Some(None));
+        assert_eq!(huge("0:25"), Some(Some("within_size".into())));
+        assert_eq!(huge("0:26"), Some(None));
+        assert_eq!(huge("0:99"), None);
     }
 }

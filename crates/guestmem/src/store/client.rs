@@ -174,7 +174,9 @@ impl Client {
             .with_allow_http(true)
             .with_connect_timeout(Duration::from_secs(5))
             .with_timeout(Duration::from_secs(60))
-            .with_pool_max_idle_per_host(64);
+            .with_pool_max_idle_per_host(64)
+            // Closed here before the source's server would close it (30 s without a request).
+            .with_pool_idle_timeout(Duration::from_secs(20));
         let store = HttpBuilder::new()
             .with_url(base)
             .with_client_options(options)
