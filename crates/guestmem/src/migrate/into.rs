@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::firecracker::{json_path, Api};
 use super::wire::{Msg, Wire, WIRE_VERSION};
-use super::MoveError;
+use super::{MoveError, OnPanic};
 use crate::restore::latency::LatencySummary;
 use crate::serve::{Listener, MemoryFile, Server, ServerConfig, ServerReport, Socket};
 use crate::store::{read_snapshot, Client, Frames, Snapshot, StoreError, StoreMemory, StoreUrl};
@@ -198,6 +198,12 @@ pub fn move_in(
         json_path(&vmstate),
         json_path(&sock)
     );
+    // A panic from here until the VM runs here ends this copy on its way out (it never
+    // ran; the source resumes its own when the connection drops).
+    let end_on_panic = OnPanic(|| {
+        tracing::error!("move-in panicked before the VM ran here; ending its copy");
+        let _ = process.kill();
+    });
     let (opened, loaded, load_ms, open_ms) = std::thread::scope(|scope| {
         let load = scope.spawn(|| {
             let r = api.ok("PUT", "snapshot/load", &load_body, LOAD_LIMIT);
@@ -325,6 +331,8 @@ pub fn move_in(
         let _ = run.join();
         return Err(e);
     }
+    // The VM runs here: from now on it is served, and ends only as a served VM ends.
+    drop(end_on_panic);
     if let Err(e) = wire.send(&Msg::Running, &[]) {
         // The VM runs here: it is served on whatever the source does now.
         tracing::error!("the VM runs here, but telling the source failed: {e}");

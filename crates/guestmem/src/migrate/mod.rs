@@ -86,3 +86,14 @@ pub enum MoveError {
         source: std::io::Error,
     },
 }
+
+/// Runs its closure if dropped while the thread panics (unwinding through what it guards).
+pub(crate) struct OnPanic<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for OnPanic<F> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            (self.0)();
+        }
+    }
+}

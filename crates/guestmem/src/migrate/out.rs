@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::firecracker::{json_path, Api};
 use super::wire::{Msg, Wire, WIRE_VERSION};
-use super::MoveError;
+use super::{MoveError, OnPanic};
 use crate::store::{
     check_push, push, push_held, read_snapshot, Client, FetchPolicy, Frames, HeldFrames,
     PeerServer, PushConfig, PushReport, PushSource, StoreUrl,
@@ -302,7 +302,20 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         }
         Ok((cut.bytes_read, state))
     };
-    let (diff_bytes, state) = match paused() {
+    // A panic in the pause resumes the VM here on its way out: it is never left paused
+    // with no one to resume it. (An error resumes it below, saying why.)
+    let resume_on_panic = OnPanic(|| {
+        let resumed = api.ok("PATCH", "vm", r#"{"state":"Resumed"}"#, API_LIMIT);
+        tracing::error!(
+            "the move of {} panicked in the pause; the VM resumed here: {}",
+            m.api.display(),
+            resumed.map_or_else(|e| format!("no: {e}"), |_| "yes".into())
+        );
+    });
+    let paused = paused();
+    // Dropped here, before the commit: from then on this side never resumes its copy.
+    drop(resume_on_panic);
+    let (diff_bytes, state) = match paused {
         Ok(v) => v,
         Err(e) => {
             let _ = wire.send(
@@ -469,5 +482,24 @@ impl Drop for Removed {
         for f in &self.0 {
             let _ = std::fs::remove_file(f);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::OnPanic;
+    use std::cell::Cell;
+
+    #[test]
+    fn the_resume_guard_acts_on_a_panic_only() {
+        let acted = Cell::new(0);
+        drop(OnPanic(|| acted.set(acted.get() + 1)));
+        assert_eq!(acted.get(), 0);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _g = OnPanic(|| acted.set(acted.get() + 1));
+            panic!("in the pause");
+        }));
+        assert!(r.is_err());
+        assert_eq!(acted.get(), 1);
     }
 }
