@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -126,26 +126,53 @@ impl Wire {
         e
     }
 
-    /// The next message, waiting at most `limit`.
+    /// Sets the socket's read timeout to what is left until `deadline`; `TimedOut` when
+    /// nothing is.
+    fn until(&self, deadline: Instant) -> std::io::Result<()> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.reader.get_ref().set_read_timeout(Some(left))
+    }
+
+    /// The next message, waiting at most `limit` for all of it: a peer that trickles a
+    /// message out a byte at a time does not stretch the wait.
     pub(crate) fn recv(&mut self, limit: Duration) -> Result<Msg, MoveError> {
-        self.reader
-            .get_ref()
-            .set_read_timeout(Some(limit))
-            .map_err(|e| self.err(e.to_string()))?;
+        let deadline = Instant::now() + limit;
         let mut line = Vec::new();
-        let n = (&mut self.reader)
-            .take(MAX_LINE_BYTES + 1)
-            .read_until(b'\n', &mut line)
-            .map_err(|e| match e.kind() {
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-                    self.err(format!("no message within {limit:?}"))
-                }
-                _ => self.err(format!("receive: {e}")),
-            })?;
-        if n == 0 {
+        let read = loop {
+            if let Err(e) = self.until(deadline) {
+                break Err(e);
+            }
+            let buf = match self.reader.fill_buf() {
+                Ok(b) => b,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => break Err(e),
+            };
+            if buf.is_empty() {
+                break Ok(());
+            }
+            let (n, done) = match buf.iter().position(|&c| c == b'\n') {
+                Some(at) => (at + 1, true),
+                None => (buf.len(), false),
+            };
+            line.extend_from_slice(&buf[..n]);
+            self.reader.consume(n);
+            if done || line.len() as u64 > MAX_LINE_BYTES {
+                break Ok(());
+            }
+        };
+        read.map_err(|e| match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                self.err(format!("no whole message within {limit:?}"))
+            }
+            _ => self.err(format!("receive: {e}")),
+        })?;
+        if line.is_empty() {
             return Err(self.err("closed the connection".into()));
         }
-        if line.last() != Some(&b'\n') {
+        if line.last() != Some(&b'\n') || line.len() as u64 > MAX_LINE_BYTES {
             return Err(self.err(format!(
                 "a message longer than {MAX_LINE_BYTES} bytes, or cut short"
             )));
@@ -153,7 +180,7 @@ impl Wire {
         serde_json::from_slice(&line).map_err(|e| self.err(format!("not a move message: {e}")))
     }
 
-    /// `len` raw bytes (of `what`) that follow a message.
+    /// `len` raw bytes (of `what`) that follow a message, all of them within `limit`.
     pub(crate) fn payload(
         &mut self,
         what: &str,
@@ -165,14 +192,93 @@ impl Wire {
                 "a {what} of {len} bytes, past the limit of {MAX_PAYLOAD_BYTES}"
             )));
         }
-        self.reader
-            .get_ref()
-            .set_read_timeout(Some(limit))
-            .map_err(|e| self.err(e.to_string()))?;
+        let deadline = Instant::now() + limit;
         let mut b = vec![0u8; len as usize];
-        self.reader
-            .read_exact(&mut b)
-            .map_err(|e| self.err(format!("the {what}'s {len} bytes: {e}")))?;
+        let mut got = 0;
+        while got < b.len() {
+            let r = self
+                .until(deadline)
+                .and_then(|_| self.reader.read(&mut b[got..]));
+            match r {
+                Ok(0) => {
+                    return Err(self.err(format!("the {what}'s {len} bytes: cut short at {got}")))
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(
+                        self.err(format!("the {what}'s {len} bytes (within {limit:?}): {e}"))
+                    )
+                }
+            }
+        }
         Ok(b)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// A connected pair: our `Wire` and the other side's raw stream.
+    fn pair() -> (Wire, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let other = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (ours, _) = l.accept().unwrap();
+        (Wire::new(ours).unwrap(), other)
+    }
+
+    #[test]
+    fn a_message_trickled_out_a_byte_at_a_time_does_not_stretch_the_limit() {
+        let (mut wire, mut other) = pair();
+        let line = b"{\"m\":\"running\"}\n".to_vec();
+        // One byte every 100 ms: the whole line would take 1.7 s; the limit is 300 ms.
+        let trickle = std::thread::spawn(move || {
+            for c in line {
+                if other.write_all(&[c]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        let e = wire
+            .recv(Duration::from_millis(300))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no whole message within"), "{e}");
+        drop(wire);
+        trickle.join().unwrap();
+    }
+
+    #[test]
+    fn messages_and_payloads_arrive_whole_in_any_pieces() {
+        let (mut wire, mut other) = pair();
+        let payload: Vec<u8> = (0..100_000u32).map(|i| i as u8).collect();
+        let mut bytes = b"{\"m\":\"state\",\"vmstate_bytes\":100000}\n".to_vec();
+        bytes.extend_from_slice(&payload);
+        bytes.extend_from_slice(b"{\"m\":\"commit\"}\n");
+        let send = std::thread::spawn(move || {
+            for piece in bytes.chunks(7919) {
+                other.write_all(piece).unwrap();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            other
+        });
+        let limit = Duration::from_secs(20);
+        match wire.recv(limit).unwrap() {
+            Msg::State { vmstate_bytes } => {
+                assert_eq!(
+                    wire.payload("vmstate", vmstate_bytes, limit).unwrap(),
+                    payload
+                )
+            }
+            m => panic!("{m:?}"),
+        }
+        assert!(matches!(wire.recv(limit).unwrap(), Msg::Commit));
+        drop(send.join().unwrap());
+        // The other side gone: said so.
+        let e = wire.recv(limit).unwrap_err().to_string();
+        assert!(e.contains("closed"), "{e}");
     }
 }
