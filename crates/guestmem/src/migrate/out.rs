@@ -484,22 +484,3 @@ impl Drop for Removed {
         }
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::super::OnPanic;
-    use std::cell::Cell;
-
-    #[test]
-    fn the_resume_guard_acts_on_a_panic_only() {
-        let acted = Cell::new(0);
-        drop(OnPanic(|| acted.set(acted.get() + 1)));
-        assert_eq!(acted.get(), 0);
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _g = OnPanic(|| acted.set(acted.get() + 1));
-            panic!("in the pause");
-        }));
-        assert!(r.is_err());
-        assert_eq!(acted.get(), 1);
-    }
-}
