@@ -95,6 +95,15 @@ pub fn data_ranges(fd: BorrowedFd<'_>, start: u64, end: u64) -> io::Result<Vec<(
 /// the mount of is taken as one that may. A sparse file read there as "pages written, holes
 /// not" (a Firecracker Diff on its base) would take the zeros around each write for data.
 pub fn coarse_data_ranges(fd: BorrowedFd<'_>) -> io::Result<Option<String>> {
+    Ok(huge_tmpfs(fd)?.map(|why| {
+        format!(
+            "{why}: a 4 KiB write there shows as 2 MiB of data, so the base's pages around it would read as zeros (use a tmpfs with huge=never, as /dev/shm, or a disk)"
+        )
+    }))
+}
+
+/// Why `fd`'s filesystem is a tmpfs that may take huge pages at a `write(2)`, or `None`.
+fn huge_tmpfs(fd: BorrowedFd<'_>) -> io::Result<Option<String>> {
     const TMPFS_MAGIC: libc::c_long = 0x0102_1994;
     // SAFETY: statfs is plain data, for which all zeros is a valid value.
     let mut fs: libc::statfs = unsafe { std::mem::zeroed() };

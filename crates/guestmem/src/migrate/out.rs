@@ -139,7 +139,7 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         return Err(MoveError::Refused {
             side: "source",
             reason: format!(
-                "the work dir {} cannot hold a Diff: {why} (a 4 KiB write shows as 2 MiB of data, and the base's pages around it would read as zeros); nothing paused",
+                "the work dir {} cannot hold a Diff: {why}; nothing paused",
                 m.work_dir.display()
             ),
         });

@@ -249,9 +249,7 @@ fn push_to(
                 return Err(StoreError::Io {
                     op: "read as a diff (its holes are the base's pages)",
                     path: path.clone(),
-                    source: std::io::Error::other(format!(
-                        "{why}: a 4 KiB write there shows as 2 MiB of data, so the base's pages around it would read as zeros; write the Diff to a tmpfs with huge=never (as /dev/shm) or a disk"
-                    )),
+                    source: std::io::Error::other(why),
                 });
             }
             let data = crate::sys::data_ranges(file.as_fd(), 0, len)
