@@ -1,8 +1,10 @@
 //! The frames step of a move's pause: Firecracker's Diff file of a VM that wrote 64 MiB
 //! spread over a 512 MiB region (runs of 16 pages every 512 KiB, as the lab's guest writes)
-//! cut into the store's frames, hashed, held in memory for the source's page server.
+//! made into the chain's manifest with its pieces named later (what a move does), or cut
+//! into the store's frames, hashed, held for the source's page server (a chain too deep).
 //!
-//! Then one of those frames fetched from the source's page server over loopback.
+//! Then one of those frames fetched from the source's page server over loopback, held and
+//! named later (read and hashed when asked).
 //!
 //! `cargo bench -p guestmem --features store --bench move_frames`. The diff lies in
 //! /dev/shm (where the move writes it); the base is a store snapshot of zeros.
@@ -13,8 +15,8 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use guestmem::store::{
-    push, push_held, read_snapshot, Client, FetchPolicy, Frames, HeldFrames, PeerServer,
-    PushConfig, PushSource, Snapshot, StoreUrl,
+    name_later, push, push_held, read_snapshot, Client, FetchPolicy, Frames, HeldFrames,
+    PeerServer, PushConfig, PushSource, Snapshot, StoreUrl,
 };
 
 const REGION: u64 = 512 << 20;
@@ -67,6 +69,19 @@ fn bench(c: &mut Criterion) {
         path: diff_file.clone(),
         base: base.clone(),
     };
+    // The chain's manifest from the diff's shape, its pieces named later (what a move does).
+    g.bench_function("named-later", |b| {
+        b.iter_batched(
+            HeldFrames::new,
+            |frames| {
+                name_later(&diff_file, &snap, &diff, &frames)
+                    .unwrap()
+                    .unwrap();
+                frames
+            },
+            BatchSize::PerIteration,
+        )
+    });
     for threads in [1, 2] {
         // The frames held where they lie in the file (what a move does).
         g.bench_function(format!("held-{threads}-threads"), |b| {
@@ -127,8 +142,32 @@ fn bench(c: &mut Criterion) {
     g.bench_function("a-64KiB-piece-over-loopback", |b| {
         b.iter(|| peer.get(&key).unwrap().expect("held"))
     });
+    // The same piece named later: read and hashed when asked.
+    let later = Arc::new(HeldFrames::new());
+    let named = name_later(&diff_file, &snap, &diff, &later)
+        .unwrap()
+        .unwrap();
+    let chain = Snapshot::parse(&diff, &named.manifest).unwrap();
+    let piece = chain
+        .manifest
+        .frames
+        .iter()
+        .find_map(|stack| stack.iter().find(|p| p.p.is_some()))
+        .expect("a frame with the diff's pages");
+    let key_later = format!("frames/{}", piece.h);
+    let server_later = PeerServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        Arc::clone(&later),
+        Arc::clone(&held),
+    )
+    .unwrap();
+    let peer_later = Client::peer(&format!("http://{}", server_later.addr())).unwrap();
+    g.bench_function("a-64KiB-piece-named-later-over-loopback", |b| {
+        b.iter(|| peer_later.get(&key_later).unwrap().expect("held"))
+    });
     g.finish();
     drop(server);
+    drop(server_later);
     let _ = std::fs::remove_file(&diff_file);
 }
 

@@ -200,6 +200,8 @@ pub fn move_in(
     );
     // A panic from here until the VM runs here ends this copy on its way out (it never
     // ran; the source resumes its own when the connection drops).
+    // The placeholders of a chain named later are forgotten when the move ends, however.
+    let forget = ForgetLater(std::sync::Mutex::new(Vec::new()), &frames);
     let end_on_panic = OnPanic(|| {
         tracing::error!("move-in panicked before the VM ran here; ending its copy");
         let _ = process.kill();
@@ -214,10 +216,13 @@ pub fn move_in(
         let opened = wire
             .recv(LOAD_LIMIT)
             .and_then(|msg| match msg {
-                Msg::Diff { manifest_bytes } => {
+                Msg::Diff {
+                    manifest_bytes,
+                    later,
+                } => {
                     let manifest = wire.payload("manifest", manifest_bytes, PAYLOAD_LIMIT);
                     t_open = Instant::now();
-                    manifest
+                    manifest.map(|m| (m, later))
                 }
                 Msg::Abort { reason } => Err(MoveError::Refused {
                     side: "source",
@@ -228,9 +233,18 @@ pub fn move_in(
                     reason: format!("expected the chain, got {other:?}"),
                 }),
             })
-            .and_then(|manifest| {
+            .and_then(|(manifest, later)| {
                 let chain = Snapshot::parse(&name_url, &manifest)?;
                 let owed = owed(&base, &chain)?;
+                // Named later: every piece the source owes is under a placeholder until the
+                // store's manifest names it.
+                let placeholders: HashSet<[u8; 32]> = match later {
+                    false => HashSet::new(),
+                    true => owed.iter().map(|&(_, h)| *h.as_bytes()).collect(),
+                };
+                frames.name_later(owed.iter().filter(|_| later).map(|&(_, h)| h));
+                *forget.0.lock().unwrap_or_else(|e| e.into_inner()) =
+                    owed.iter().filter(|_| later).map(|&(_, h)| h).collect();
                 let fb = chain.frame_bytes();
                 // With a cache, the owed frames are read ahead into it once the VM runs:
                 // until then only faults ask the source, so that Firecracker's load (which
@@ -270,7 +284,7 @@ pub fn move_in(
                         path: sock.clone(),
                         source,
                     })?;
-                Ok((chain, owed.len() as u64, ahead, drainer, run))
+                Ok((chain, owed.len() as u64, ahead, drainer, run, placeholders))
             });
         let open_ms = t_open.elapsed().as_secs_f64() * 1e3;
         if opened.is_err() {
@@ -290,7 +304,7 @@ pub fn move_in(
         });
         (opened, loaded, load_ms, open_ms)
     });
-    let (chain, owed_frames, ahead, drainer, run) = match opened {
+    let (chain, owed_frames, ahead, drainer, run, placeholders) = match opened {
         Ok(v) => v,
         Err(e) => return Err(wire.refuse(e)),
     };
@@ -353,7 +367,7 @@ pub fn move_in(
     let mut released_ms = None;
     match wire.recv(m.wait.max(Duration::from_secs(600))) {
         Ok(Msg::Pushed { url }) => {
-            match released(&frames, &url, &chain) {
+            match released(&frames, &url, &chain, &placeholders) {
                 Ok(()) => {
                     frames.release();
                     released_ms = Some(t_run.elapsed().as_secs_f64() * 1e3);
@@ -437,8 +451,15 @@ fn owed(base: &Snapshot, chain: &Snapshot) -> Result<Vec<(u64, blake3::Hash)>, M
     Ok(out)
 }
 
-/// Checks the store's `url` names exactly the frames of `chain`.
-fn released(frames: &Frames, url: &str, chain: &Snapshot) -> Result<(), MoveError> {
+/// Checks the store's `url` names exactly the frames of `chain`; where `chain` names pieces
+/// by `placeholders` (named later), the store's manifest gives their names: the same shape,
+/// and for each piece the source served already, the hash it was served as.
+fn released(
+    frames: &Frames,
+    url: &str,
+    chain: &Snapshot,
+    placeholders: &HashSet<[u8; 32]>,
+) -> Result<(), MoveError> {
     let u = StoreUrl::parse(url, false)?;
     if u.bucket != chain.url.bucket {
         return Err(MoveError::Refused {
@@ -447,19 +468,49 @@ fn released(frames: &Frames, url: &str, chain: &Snapshot) -> Result<(), MoveErro
         });
     }
     let pushed = read_snapshot(frames, &u)?;
-    let same = pushed.frames.len() == chain.frames.len()
-        && pushed.frames.iter().zip(&chain.frames).all(|(a, b)| {
-            a.len() == b.len()
-                && a.iter()
-                    .zip(b)
-                    .all(|(x, y)| x.hash == y.hash && x.pages == y.pages)
-        });
-    match same {
-        true => Ok(()),
-        false => Err(MoveError::Refused {
-            side: "destination",
-            reason: format!("{url} does not name the frames the source owed"),
-        }),
+    let refused = |why: String| MoveError::Refused {
+        side: "destination",
+        reason: format!("{url} does not name the frames the source owed: {why}"),
+    };
+    if pushed.frames.len() != chain.frames.len() {
+        return Err(refused(format!(
+            "{} frames, the chain {}",
+            pushed.frames.len(),
+            chain.frames.len()
+        )));
+    }
+    let later = |h: &blake3::Hash| placeholders.contains(h.as_bytes());
+    let mut names = Vec::new();
+    for (i, (a, b)) in pushed.frames.iter().zip(&chain.frames).enumerate() {
+        match (a.as_slice(), b.as_slice()) {
+            // A whole frame of the diff the push found all zeros: stored nowhere.
+            ([], [p]) if p.pages.is_none() && later(&p.hash) => {
+                names.push((p.hash, None, chain.frame_len(i as u64) as usize));
+            }
+            _ if a.len() == b.len() => {
+                for (x, y) in a.iter().zip(b) {
+                    if x.pages != y.pages || (x.hash != y.hash && !later(&y.hash)) {
+                        return Err(refused(format!("frame {i} differs")));
+                    }
+                    if later(&y.hash) {
+                        let len = y.plain_len(chain.frame_len(i as u64)) as usize;
+                        names.push((y.hash, Some(x.hash), len));
+                    }
+                }
+            }
+            _ => return Err(refused(format!("frame {i} differs"))),
+        }
+    }
+    frames.name_later_as(&names).map_err(refused)
+}
+
+/// Forgets the placeholders of a chain named later (those it holds) when dropped.
+struct ForgetLater<'a>(std::sync::Mutex<Vec<blake3::Hash>>, &'a Frames);
+
+impl Drop for ForgetLater<'_> {
+    fn drop(&mut self) {
+        let names = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+        self.1.forget_later(names);
     }
 }
 

@@ -11,8 +11,8 @@ use super::firecracker::{json_path, Api};
 use super::wire::{Msg, Wire, WIRE_VERSION};
 use super::{MoveError, OnPanic};
 use crate::store::{
-    check_push, push, push_held, read_snapshot, Client, FetchPolicy, Frames, HeldFrames,
-    PeerServer, PushConfig, PushReport, PushSource, StoreUrl,
+    check_push, name_later, push, push_held, read_snapshot, Client, FetchPolicy, Frames,
+    HeldFrames, PeerServer, PushConfig, PushReport, PushSource, StoreUrl,
 };
 
 /// How long the destination may take to answer a message (reading the base's manifest,
@@ -59,7 +59,9 @@ pub struct PauseSteps {
     pub snapshot_ms: f64,
     /// The vmstate sent to the destination, which starts loading it.
     pub send_ms: f64,
-    /// The diff cut into frames and hashed (its manifest made), while the destination loads.
+    /// The chain's manifest made, while the destination loads: from the diff's shape
+    /// (`SEEK_DATA`), its pieces named later; or, for a chain too deep for that, the diff
+    /// cut into frames and hashed.
     pub frames_ms: f64,
     /// From the chain's manifest sent to the destination's word that the VM is loaded: what
     /// of the load the frames did not hide, the chain opened there, and a round trip.
@@ -251,38 +253,48 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         )?;
         steps.send_ms = ms(t);
         let t = Instant::now();
-        // Threads past the CPUs only wait on each other here: nothing is uploaded.
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let cfg = PushConfig {
-            frame_bytes: base.frame_bytes(),
-            threads: m.threads.clamp(1, cpus),
-            compress: false,
-            base_from: Some(Arc::clone(store)),
-            base: Some(Arc::clone(&base)),
-            look_first: false,
-        };
-        let cut = push_held(
-            &held,
-            &PushSource::RawDiff {
-                path: memfile.clone(),
-                base: m.base.clone(),
-            },
-            &m.push_as,
-            &cfg,
-            &held_frames,
-        )?;
-        let manifest = held
-            .get(&m.push_as.manifest_key())?
-            .ok_or_else(|| MoveError::Io {
-                op: "read the manifest just made of",
-                path: memfile.clone(),
-                source: std::io::Error::from(std::io::ErrorKind::NotFound),
-            })?;
+        // The chain's manifest from the diff's shape, its pieces named later: nothing of it
+        // read or hashed in the pause. A chain too deep for that is cut here.
+        let (manifest, later, diff_bytes) =
+            match name_later(&memfile, &base, &m.push_as, &held_frames)? {
+                Some(named) => (named.manifest, true, named.diff_bytes),
+                None => {
+                    // Threads past the CPUs only wait on each other: nothing is uploaded.
+                    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+                    let cfg = PushConfig {
+                        frame_bytes: base.frame_bytes(),
+                        threads: m.threads.clamp(1, cpus),
+                        compress: false,
+                        base_from: Some(Arc::clone(store)),
+                        base: Some(Arc::clone(&base)),
+                        look_first: false,
+                    };
+                    let cut = push_held(
+                        &held,
+                        &PushSource::RawDiff {
+                            path: memfile.clone(),
+                            base: m.base.clone(),
+                        },
+                        &m.push_as,
+                        &cfg,
+                        &held_frames,
+                    )?;
+                    let manifest =
+                        held.get(&m.push_as.manifest_key())?
+                            .ok_or_else(|| MoveError::Io {
+                                op: "read the manifest just made of",
+                                path: memfile.clone(),
+                                source: std::io::Error::from(std::io::ErrorKind::NotFound),
+                            })?;
+                    (manifest.to_vec(), false, cut.bytes_read)
+                }
+            };
         steps.frames_ms = ms(t);
         let t = Instant::now();
         wire.send(
             &Msg::Diff {
                 manifest_bytes: manifest.len() as u64,
+                later,
             },
             &manifest,
         )?;
@@ -300,7 +312,7 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             }
             other => return Err(unexpected(&wire, "Loaded", &other)),
         }
-        Ok((cut.bytes_read, state))
+        Ok((diff_bytes, state))
     };
     // A panic in the pause resumes the VM here on its way out: it is never left paused
     // with no one to resume it. (An error resumes it below, saying why.)

@@ -22,7 +22,7 @@ pub(crate) const MAX_PAYLOAD_BYTES: u64 = 64 << 20;
 
 /// The version of these messages: both sides must speak the same one, which is known
 /// before anything is paused (an Offer or a Ready without it, or with another, is refused).
-pub(crate) const WIRE_VERSION: u32 = 2;
+pub(crate) const WIRE_VERSION: u32 = 3;
 
 /// One message.
 #[derive(Debug, Serialize, Deserialize)]
@@ -44,8 +44,9 @@ pub(crate) enum Msg {
     /// sent first so that the destination loads it while the source cuts its diff.
     State { vmstate_bytes: u64 },
     /// Source: the chain's manifest (the base's frames and the diff's; `manifest_bytes` raw
-    /// bytes follow this line).
-    Diff { manifest_bytes: u64 },
+    /// bytes follow this line). `later`: the diff's pieces are named by placeholders
+    /// (`store::name_later`), their hashes given by the store's manifest once pushed.
+    Diff { manifest_bytes: u64, later: bool },
     /// Destination: the VM is loaded here, paused (`load_ms`: Firecracker's
     /// `snapshot/load` from the vmstate's arrival, `open_ms`: the chain checked and served
     /// from its arrival); it runs here once the source commits.

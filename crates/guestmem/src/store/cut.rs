@@ -261,27 +261,18 @@ impl Job<'_> {
         force: bool,
     ) -> Result<Vec<Piece>, StoreError> {
         let fb = self.frame_bytes;
-        let (start, end) = (i * fb, i * fb + bytes.len() as u64);
+        let start = i * fb;
         let page = IMAGE_PAGE_BYTES;
         let pages = bytes.len() as u64 / page;
-        let mut mask = vec![0u64; pages.div_ceil(64) as usize];
-        let first = data.partition_point(|&(_, e)| e <= start);
-        for &(s, e) in &data[first..] {
-            if s >= end {
-                break;
-            }
-            for p in (s.max(start) - start) / page..((e.min(end) - start).div_ceil(page)) {
-                mask[(p / 64) as usize] |= 1 << (p % 64);
-            }
-        }
-        let held: u64 = mask.iter().map(|w| w.count_ones() as u64).sum();
+        let (mask, held) = diff_mask(data, start, bytes.len() as u64);
         let below = &base.frames[i as usize];
-        if held == 0 {
+        let kind = DiffKind::of(held, pages, below.len());
+        if kind == DiffKind::Base {
             self.counters.base.fetch_add(1, Ordering::Relaxed);
             return Ok(below.clone());
         }
         self.counters.read.fetch_add(held * page, Ordering::Relaxed);
-        if held < pages && below.len() < MAX_PIECES {
+        if kind == DiffKind::Partial {
             // Only the diff's pages are read, packed: straight into their object, or into
             // this thread's scratch where frames are held in place.
             let runs = mask_runs(start, &mask, pages);
@@ -311,14 +302,14 @@ impl Job<'_> {
         timed(&self.counters.read_ns, || {
             read_file(file, flen, start, bytes)
         })?;
-        if held == pages {
+        if kind == DiffKind::Whole {
             let run = vec![(start, bytes.len() as u64)];
             return Ok(self
                 .whole(i, Plain::Read(bytes, run), force)?
                 .into_iter()
                 .collect());
         }
-        if below.len() + 1 > MAX_PIECES {
+        if kind == DiffKind::Flatten {
             // Too deep a stack: the frame flattened into one whole piece, its base's pieces
             // fetched and the diff's pages laid over them.
             let frames = Frames::new(Arc::clone(self.base_from), None, FetchPolicy::default());
@@ -345,7 +336,52 @@ impl Job<'_> {
                 .into_iter()
                 .collect());
         }
-        // Too deep a stack: the frame flattened into one whole piece (above).
-        unreachable!("a partial frame on a stack of {} pieces", below.len())
+        unreachable!("every kind of a diff's frame is cut above")
+    }
+}
+
+/// The pages of the memory at `start..start + len` that a diff holds (`data`: the ranges of
+/// its file that hold data, in order): a mask of them, and how many.
+pub(super) fn diff_mask(data: &[(u64, u64)], start: u64, len: u64) -> (Vec<u64>, u64) {
+    let page = IMAGE_PAGE_BYTES;
+    let end = start + len;
+    let mut mask = vec![0u64; (len / page).div_ceil(64) as usize];
+    let first = data.partition_point(|&(_, e)| e <= start);
+    for &(s, e) in &data[first..] {
+        if s >= end {
+            break;
+        }
+        for p in (s.max(start) - start) / page..((e.min(end) - start).div_ceil(page)) {
+            mask[(p / 64) as usize] |= 1 << (p % 64);
+        }
+    }
+    let held = mask.iter().map(|w| w.count_ones() as u64).sum();
+    (mask, held)
+}
+
+/// What a diff makes of one frame of its base.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum DiffKind {
+    /// It holds none of the frame: the base's pieces stay.
+    Base,
+    /// Some of its pages: the base's pieces, and one of the diff's pages on top.
+    Partial,
+    /// All of it: one whole piece (none if its bytes are all zero).
+    Whole,
+    /// Some of its pages on a stack already [`MAX_PIECES`] deep: one whole piece, the base's
+    /// bytes fetched and the diff's laid over them.
+    Flatten,
+}
+
+impl DiffKind {
+    /// The kind of a frame of `pages` pages of which the diff holds `held`, on a stack of
+    /// `below` pieces.
+    pub(super) fn of(held: u64, pages: u64, below: usize) -> DiffKind {
+        match held {
+            0 => DiffKind::Base,
+            h if h == pages => DiffKind::Whole,
+            _ if below < MAX_PIECES => DiffKind::Partial,
+            _ => DiffKind::Flatten,
+        }
     }
 }

@@ -101,6 +101,21 @@ struct Follow {
 
 type Outcome = Result<Arc<Vec<u8>>, Arc<StoreError>>;
 
+/// What is known of a piece of a move's diff named later (under a placeholder,
+/// `store::later`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Later {
+    /// Nothing yet: fetched from the source under its placeholder.
+    Pending,
+    /// The source served it, saying (and the bytes checked against) the hash of its bytes:
+    /// kept in the cache under that hash; fetched again under the placeholder if not there.
+    Served(blake3::Hash),
+    /// The store's manifest names it: fetched as any frame.
+    Named(blake3::Hash),
+    /// The store's manifest holds it as a frame of zeros.
+    Zero,
+}
+
 /// Fetches frames for every VM of a server.
 #[derive(Debug)]
 pub struct Frames {
@@ -114,6 +129,8 @@ pub struct Frames {
     /// Woken when `faults_fetching` drops to 0.
     faults_clear: tokio::sync::Notify,
     follow: Mutex<Option<Arc<Follow>>>,
+    /// Pieces of a move's diff named later, by placeholder (while the move's VM is served).
+    later: Mutex<HashMap<[u8; 32], Later>>,
     /// What it did.
     pub counters: FetchCounters,
 }
@@ -134,6 +151,7 @@ impl Frames {
             faults_fetching: AtomicUsize::new(0),
             faults_clear: tokio::sync::Notify::new(),
             follow: Mutex::new(None),
+            later: Mutex::new(HashMap::new()),
             counters: FetchCounters::default(),
         })
     }
@@ -176,6 +194,96 @@ impl Frames {
             .is_some()
     }
 
+    /// The pieces under `placeholders` are a move's diff's, named later: each is fetched
+    /// from the source under its placeholder (which serves the hash of its bytes with
+    /// them) until [`Frames::name_later_as`] gives the hashes the store names.
+    pub(crate) fn name_later(&self, placeholders: impl IntoIterator<Item = blake3::Hash>) {
+        let mut l = self.later.lock().unwrap_or_else(|e| e.into_inner());
+        for p in placeholders {
+            l.insert(*p.as_bytes(), Later::Pending);
+        }
+    }
+
+    /// The store's names of pieces named later: (placeholder, its hash, or `None` for a
+    /// frame of zeros, its plain length). Refused, with nothing changed, where a piece the
+    /// source served had other bytes than the store names: the VM has read them.
+    pub(crate) fn name_later_as(
+        &self,
+        names: &[(blake3::Hash, Option<blake3::Hash>, usize)],
+    ) -> Result<(), String> {
+        let mut l = self.later.lock().unwrap_or_else(|e| e.into_inner());
+        for (p, h, len) in names {
+            let served = match l.get(p.as_bytes()) {
+                Some(Later::Served(s)) => *s,
+                Some(_) => continue,
+                None => return Err(format!("{p} is not a placeholder of this move")),
+            };
+            let named = match h {
+                Some(h) => *h,
+                None => blake3::hash(&vec![0u8; *len]),
+            };
+            if served != named {
+                return Err(format!(
+                    "the source served the piece {p} as {served}, the store names {named}"
+                ));
+            }
+        }
+        for (p, h, _) in names {
+            l.insert(*p.as_bytes(), h.map_or(Later::Zero, Later::Named));
+        }
+        Ok(())
+    }
+
+    /// The move whose pieces these are is over: their placeholders are forgotten.
+    pub(crate) fn forget_later(&self, placeholders: impl IntoIterator<Item = blake3::Hash>) {
+        let mut l = self.later.lock().unwrap_or_else(|e| e.into_inner());
+        for p in placeholders {
+            l.remove(p.as_bytes());
+        }
+    }
+
+    /// What is known of `hash` if it is a placeholder.
+    fn later_of(&self, hash: &blake3::Hash) -> Option<Later> {
+        let l = self.later.lock().unwrap_or_else(|e| e.into_inner());
+        match l.is_empty() {
+            true => None,
+            false => l.get(hash.as_bytes()).copied(),
+        }
+    }
+
+    /// The hash the frame asked for as `hash` is kept under in the cache: its own, or for a
+    /// piece named later, the hash it was served or named as (while none is known, its
+    /// placeholder, which nothing is kept under).
+    fn kept_as(&self, hash: &blake3::Hash) -> blake3::Hash {
+        match self.later_of(hash) {
+            Some(Later::Served(h) | Later::Named(h)) => h,
+            _ => *hash,
+        }
+    }
+
+    /// The source served the piece of placeholder `p` as `hash`; refused where it was
+    /// served or named otherwise before.
+    fn served(&self, p: &blake3::Hash, hash: blake3::Hash, len: usize) -> Result<(), String> {
+        let mut l = self.later.lock().unwrap_or_else(|e| e.into_inner());
+        let before = l.get(p.as_bytes()).copied();
+        let known = match before {
+            None | Some(Later::Pending) => None,
+            Some(Later::Served(h) | Later::Named(h)) => Some(h),
+            Some(Later::Zero) => Some(blake3::hash(&vec![0u8; len])),
+        };
+        match known {
+            Some(k) if k != hash => Err(format!(
+                "the source served the piece {p} as {hash}, before as {k}"
+            )),
+            _ => {
+                if matches!(before, Some(Later::Pending)) {
+                    l.insert(*p.as_bytes(), Later::Served(hash));
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// Where the next attempt at `hash` goes: the source host while it owes it, else the
     /// store.
     fn holder(&self, hash: &blake3::Hash) -> Option<Arc<Client>> {
@@ -192,7 +300,15 @@ impl Frames {
         hash: &blake3::Hash,
         dst: &mut [u8],
     ) -> Result<(), Arc<StoreError>> {
-        if self.cache.as_ref().is_some_and(|c| c.read_into(hash, dst)) {
+        let key = match self.later_of(hash) {
+            None | Some(Later::Pending) => *hash,
+            Some(Later::Zero) => {
+                dst.fill(0);
+                return Ok(());
+            }
+            Some(Later::Served(h) | Later::Named(h)) => h,
+        };
+        if self.cache.as_ref().is_some_and(|c| c.read_into(&key, dst)) {
             return Ok(());
         }
         let f = self.get(hash, dst.len())?;
@@ -207,7 +323,15 @@ impl Frames {
 
     /// The frame of `hash`: from the cache, from a flight already fetching it, or fetched.
     pub(crate) async fn get_async(self: &Arc<Self>, hash: blake3::Hash, len: usize) -> Outcome {
-        if let Some(p) = self.cache.as_ref().and_then(|c| c.get(&hash, len)) {
+        // A piece named later: under the hash it was served or named as, while known.
+        let (hash, cached) = match self.later_of(&hash) {
+            None => (hash, Some(hash)),
+            Some(Later::Zero) => return Ok(Arc::new(vec![0u8; len])),
+            Some(Later::Named(h)) => (h, Some(h)),
+            Some(Later::Served(h)) => (hash, Some(h)),
+            Some(Later::Pending) => (hash, None),
+        };
+        if let Some(p) = cached.and_then(|h| self.cache.as_ref().and_then(|c| c.get(&h, len))) {
             return Ok(Arc::new(p));
         }
         let tx = {
@@ -257,16 +381,17 @@ impl Frames {
     ) -> Outcome {
         // A flight that ended between our cache look-up and registering this one left the
         // frame in the cache.
+        let kept = self.kept_as(&hash);
         let cached = self
             .cache
             .as_ref()
-            .and_then(|c| c.contains(&hash).then(|| c.get(&hash, len)).flatten());
+            .and_then(|c| c.contains(&kept).then(|| c.get(&kept, len)).flatten());
         let out = match cached {
             Some(p) => Ok(Arc::new(p)),
             None => match self.fetch(hash, len, ahead).await {
-                Ok(p) => {
-                    if let Some(c) = &self.cache {
-                        c.put(&hash, &p);
+                Ok((p, keep)) => {
+                    if let (Some(c), Some(h)) = (&self.cache, keep) {
+                        c.put(&h, &p);
                     }
                     Ok(Arc::new(p))
                 }
@@ -282,19 +407,27 @@ impl Frames {
     }
 
     /// GETs a frame until it arrives whole and right, or the deadline passes. A frame whose
-    /// bytes fail their check is fetched once more, then given up.
+    /// bytes fail their check is fetched once more, then given up. With its bytes, the hash
+    /// to keep them under (none: not kept). A piece named later is fetched under its
+    /// placeholder until the store names it, then under that name.
     async fn fetch(
         &self,
-        hash: blake3::Hash,
+        asked: blake3::Hash,
         len: usize,
         ahead: bool,
-    ) -> Result<Vec<u8>, StoreError> {
-        let key = frame_key(&hash);
+    ) -> Result<(Vec<u8>, Option<blake3::Hash>), StoreError> {
         let t0 = Instant::now();
         let mut backoff = FIRST_BACKOFF;
         let mut attempts = 0u32;
         let mut mismatched = false;
         loop {
+            let (hash, named_later) = match self.later_of(&asked) {
+                None => (asked, false),
+                Some(Later::Zero) => return Ok((vec![0u8; len], None)),
+                Some(Later::Named(h)) => (h, false),
+                Some(Later::Pending | Later::Served(_)) => (asked, true),
+            };
+            let key = frame_key(&hash);
             let left = self.policy.deadline.saturating_sub(t0.elapsed());
             if left.is_zero() && attempts > 0 {
                 return Err(StoreError::Deadline {
@@ -318,7 +451,10 @@ impl Frames {
             let sent = Instant::now();
             let got = tokio::time::timeout(
                 left.min(self.policy.attempt),
-                client.get_capped(&key, (len + super::frame::HEADER_BYTES) as u64),
+                client.get_capped(
+                    &key,
+                    (len + super::frame::HEADER_BYTES + super::later::NAMED_PREFIX_BYTES) as u64,
+                ),
             )
             .await;
             let last = match got {
@@ -334,8 +470,20 @@ impl Frames {
                             .peer_bytes
                             .fetch_add(obj.len() as u64, Ordering::Relaxed);
                     }
-                    match super::frame::decode(&obj, len, &hash) {
-                        Ok(p) => return Ok(p),
+                    let decoded = match named_later {
+                        false => super::frame::decode(&obj, len, &hash).map(|p| (p, hash)),
+                        true => super::later::decode_named(&obj, len),
+                    };
+                    match decoded {
+                        Ok((p, h)) if named_later => {
+                            self.served(&asked, h, len)
+                                .map_err(|reason| StoreError::Frame {
+                                    url: client.url(&key),
+                                    reason,
+                                })?;
+                            return Ok((p, Some(h)));
+                        }
+                        Ok((p, h)) => return Ok((p, Some(h))),
                         Err(why) => {
                             self.counters.mismatches.fetch_add(1, Ordering::Relaxed);
                             if mismatched {
@@ -380,7 +528,16 @@ impl Frames {
     /// Fetches `frames` (hash, plain length) in the background, in their order, a bounded
     /// number at once; those cached or in flight already are left. Returns at once.
     pub(crate) fn ahead(self: &Arc<Self>, frames: &[(blake3::Hash, usize)]) {
-        for &(hash, len) in frames {
+        for &(asked, len) in frames {
+            let hash = match self.later_of(&asked) {
+                None | Some(Later::Pending) => asked,
+                Some(Later::Zero) => continue,
+                Some(Later::Named(h)) => h,
+                Some(Later::Served(h)) if self.cache.as_ref().is_some_and(|c| c.contains(&h)) => {
+                    continue
+                }
+                Some(Later::Served(_)) => asked,
+            };
             if self.cache.as_ref().is_some_and(|c| c.contains(&hash))
                 || self
                     .flights
@@ -400,7 +557,11 @@ impl Frames {
                 // source) that went away must not stop every VM's read-ahead.
                 let _ = tokio::time::timeout(AHEAD_DEFER_MAX, me.after_faults()).await;
                 // A fault may have fetched it while this waited for its turn.
-                if me.cache.as_ref().is_some_and(|c| c.contains(&hash)) {
+                if me
+                    .cache
+                    .as_ref()
+                    .is_some_and(|c| c.contains(&me.kept_as(&hash)))
+                {
                     return;
                 }
                 let tx = {

@@ -24,6 +24,12 @@ enum Held {
     },
     /// Its object, made when it was cut (a frame that is not a run of the file).
     Object(Bytes),
+    /// A piece of a diff named later (under a placeholder, [`super::later`]): these runs of
+    /// the file, served as the hash of their bytes (hashed when asked) and their object.
+    Later {
+        plain_len: u64,
+        runs: Vec<(u64, u64)>,
+    },
 }
 
 /// The frames of one diff, served by [`super::PeerServer`] under their store keys.
@@ -68,6 +74,15 @@ impl HeldFrames {
             .insert(*hash.as_bytes(), Held::Runs { plain_len, runs });
     }
 
+    /// Holds the piece of placeholder `name` as `runs` of the attached file.
+    pub(super) fn hold_later(&self, name: &blake3::Hash, runs: Vec<(u64, u64)>) {
+        let plain_len = runs.iter().map(|r| r.1).sum();
+        self.frames
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(*name.as_bytes(), Held::Later { plain_len, runs });
+    }
+
     /// Holds the frame of `hash` as its object.
     pub(super) fn hold_object(&self, hash: &blake3::Hash, object: Bytes) {
         self.frames
@@ -83,27 +98,43 @@ impl HeldFrames {
         match frames.get(hash.as_bytes())? {
             Held::Object(b) => Some(b.len() as u64),
             Held::Runs { plain_len, .. } => Some(plain_len + super::frame::HEADER_BYTES as u64),
+            Held::Later { plain_len, .. } => Some(
+                plain_len + (super::frame::HEADER_BYTES + super::later::NAMED_PREFIX_BYTES) as u64,
+            ),
         }
     }
 
-    /// The object of the frame under `hex` (its hash), raw, read from the file now.
+    /// The object of the frame under `hex` (its hash), raw, read from the file now; for a
+    /// piece named later (`hex` its placeholder), the hash of its bytes first.
     pub(super) fn object(&self, hex: &str) -> Result<Option<Bytes>, StoreError> {
         let Ok(hash) = blake3::Hash::from_hex(hex) else {
             return Ok(None);
         };
-        let runs = {
+        let (named, plain_len, runs) = {
             let frames = self.frames.read().unwrap_or_else(|e| e.into_inner());
             match frames.get(hash.as_bytes()) {
                 None => return Ok(None),
                 Some(Held::Object(b)) => return Ok(Some(b.clone())),
-                Some(Held::Runs { plain_len, runs }) => (*plain_len, runs.clone()),
+                Some(Held::Runs { plain_len, runs }) => (false, *plain_len, runs.clone()),
+                Some(Held::Later { plain_len, runs }) => (true, *plain_len, runs.clone()),
             }
         };
         let Some((file, len)) = self.file.get() else {
             return Ok(None);
         };
-        let mut obj = super::frame::raw_for(runs.0 as usize);
-        read_runs(file, *len, &runs.1, &mut obj)?;
-        Ok(Some(Bytes::from(obj)))
+        let obj = super::frame::raw_for(plain_len as usize);
+        let at = match named {
+            false => 0,
+            true => super::later::NAMED_PREFIX_BYTES,
+        };
+        let mut out = Vec::with_capacity(at + obj.capacity());
+        out.resize(at, 0);
+        out.extend_from_slice(&obj);
+        read_runs(file, *len, &runs, &mut out)?;
+        if named {
+            let h = blake3::hash(&out[at + super::frame::HEADER_BYTES..]);
+            out[..at].copy_from_slice(h.as_bytes());
+        }
+        Ok(Some(Bytes::from(out)))
     }
 }

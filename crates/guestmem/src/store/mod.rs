@@ -31,6 +31,7 @@ mod fetch;
 mod frame;
 mod gc;
 mod held;
+mod later;
 mod lease;
 mod manifest;
 mod memory;
@@ -47,6 +48,7 @@ pub use error::StoreError;
 pub use fetch::{FetchCounters, FetchPolicy, Frames, StoreStatus};
 pub use gc::{gc, list, GcReport, Listing};
 pub use held::HeldFrames;
+pub use later::{name_later, NamedLater};
 pub use lease::{check_push, LEASE_STALE};
 pub use manifest::{
     check_frame_bytes, PieceRef, Snapshot, StoreManifest, DEFAULT_FRAME_BYTES, MAX_FRAME_BYTES,

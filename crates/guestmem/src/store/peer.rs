@@ -345,7 +345,7 @@ mod tests {
 }
 
 #[cfg(test)]
-mod held_tests {
+pub(super) mod held_tests {
     use std::os::unix::fs::FileExt;
     use std::sync::atomic::Ordering;
     use std::sync::Arc;
@@ -357,12 +357,15 @@ mod held_tests {
         StoreMemory, StoreUrl,
     };
 
-    const PAGE: u64 = 4096;
-    const FB: u64 = 64 << 10;
-    const MEM: u64 = 8 * FB;
+    pub(in crate::store) const PAGE: u64 = 4096;
+    pub(in crate::store) const FB: u64 = 64 << 10;
+    pub(in crate::store) const MEM: u64 = 8 * FB;
 
     /// `bytes` pushed to an in-memory store as `s3://bkt/base`, in frames of FB.
-    fn base_in_store(scratch: &std::path::Path, bytes: &[u8]) -> (Arc<Client>, StoreUrl) {
+    pub(in crate::store) fn base_in_store(
+        scratch: &std::path::Path,
+        bytes: &[u8],
+    ) -> (Arc<Client>, StoreUrl) {
         std::fs::write(scratch.join("base"), bytes).unwrap();
         let store = Arc::new(Client::in_memory("store").unwrap());
         let base = StoreUrl::parse("s3://bkt/base", false).unwrap();
@@ -376,7 +379,7 @@ mod held_tests {
     }
 
     /// A move's push of a raw diff on `base` (raw frames, nothing looked up first).
-    fn diff_config(store: &Arc<Client>, base: Snapshot) -> PushConfig {
+    pub(in crate::store) fn diff_config(store: &Arc<Client>, base: Snapshot) -> PushConfig {
         PushConfig {
             frame_bytes: FB,
             threads: 2,

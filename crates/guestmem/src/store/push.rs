@@ -200,8 +200,6 @@ fn push_to(
             )
         }
         PushSource::RawDiff { path, base } => {
-            let file = File::open(path).map_err(io("open", path))?;
-            let len = file.metadata().map_err(io("stat", path))?.len();
             let snap = match &cfg.base {
                 Some(s) if s.url == *base => Snapshot::clone(s),
                 _ => {
@@ -210,50 +208,7 @@ fn push_to(
                     read_snapshot(&frames, base)?
                 }
             };
-            // A base handed in is checked as one read from the store is (its manifest's
-            // fields are public): the frames are cut to its frame size.
-            check_frame_bytes(snap.frame_bytes())?;
-            if snap.frames.len() as u64 != snap.memory_bytes().div_ceil(snap.frame_bytes()) {
-                return Err(StoreError::Base {
-                    url: base.to_string(),
-                    reason: format!(
-                        "{} frames for {:#x} bytes in frames of {:#x}",
-                        snap.frames.len(),
-                        snap.memory_bytes(),
-                        snap.frame_bytes()
-                    ),
-                });
-            }
-            if len > snap.memory_bytes() {
-                return Err(StoreError::Base {
-                    url: base.to_string(),
-                    reason: format!(
-                        "{} is {len:#x} bytes, the base's memory only {:#x}: not a diff of it",
-                        path.display(),
-                        snap.memory_bytes()
-                    ),
-                });
-            }
-            if !snap.manifest.regions.is_empty() {
-                return Err(StoreError::Base {
-                    url: base.to_string(),
-                    reason: "a guestmem snapshot: a raw diff goes on a raw memory file's snapshot"
-                        .into(),
-                });
-            }
-            // A hole is the base's page: data ranges coarser than the pages written would
-            // take zeros for memory.
-            if let Some(why) = crate::sys::coarse_data_ranges(file.as_fd())
-                .map_err(io("find the filesystem of", path))?
-            {
-                return Err(StoreError::Io {
-                    op: "read as a diff (its holes are the base's pages)",
-                    path: path.clone(),
-                    source: std::io::Error::other(why),
-                });
-            }
-            let data = crate::sys::data_ranges(file.as_fd(), 0, len)
-                .map_err(io("find the data (SEEK_DATA) of", path))?;
+            let (file, len, data) = open_raw_diff(path, base, &snap)?;
             let (mb, fb) = (snap.memory_bytes(), snap.frame_bytes());
             (
                 Reader::File {
@@ -396,4 +351,67 @@ fn push_to(
         upload_secs: secs(&c.upload_ns),
         wall_secs: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// The ranges (offset, end) of a file that hold data.
+pub(super) type DataRanges = Vec<(u64, u64)>;
+
+/// Opens the raw diff at `path` as a diff on `snap` (the snapshot at `base`): checked that it
+/// fits the base and that its holes are the base's pages; its length and the ranges of it
+/// that hold data.
+pub(super) fn open_raw_diff(
+    path: &Path,
+    base: &StoreUrl,
+    snap: &Snapshot,
+) -> Result<(File, u64, DataRanges), StoreError> {
+    let io = |op, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| StoreError::Io { op, path, source }
+    };
+    let file = File::open(path).map_err(io("open", path))?;
+    let len = file.metadata().map_err(io("stat", path))?.len();
+    // A base handed in is checked as one read from the store is (its manifest's
+    // fields are public): the frames are cut to its frame size.
+    check_frame_bytes(snap.frame_bytes())?;
+    if snap.frames.len() as u64 != snap.memory_bytes().div_ceil(snap.frame_bytes()) {
+        return Err(StoreError::Base {
+            url: base.to_string(),
+            reason: format!(
+                "{} frames for {:#x} bytes in frames of {:#x}",
+                snap.frames.len(),
+                snap.memory_bytes(),
+                snap.frame_bytes()
+            ),
+        });
+    }
+    if len > snap.memory_bytes() {
+        return Err(StoreError::Base {
+            url: base.to_string(),
+            reason: format!(
+                "{} is {len:#x} bytes, the base's memory only {:#x}: not a diff of it",
+                path.display(),
+                snap.memory_bytes()
+            ),
+        });
+    }
+    if !snap.manifest.regions.is_empty() {
+        return Err(StoreError::Base {
+            url: base.to_string(),
+            reason: "a guestmem snapshot: a raw diff goes on a raw memory file's snapshot".into(),
+        });
+    }
+    // A hole is the base's page: data ranges coarser than the pages written would
+    // take zeros for memory.
+    if let Some(why) =
+        crate::sys::coarse_data_ranges(file.as_fd()).map_err(io("find the filesystem of", path))?
+    {
+        return Err(StoreError::Io {
+            op: "read as a diff (its holes are the base's pages)",
+            path: path.to_path_buf(),
+            source: std::io::Error::other(why),
+        });
+    }
+    let data = crate::sys::data_ranges(file.as_fd(), 0, len)
+        .map_err(io("find the data (SEEK_DATA) of", path))?;
+    Ok((file, len, data))
 }

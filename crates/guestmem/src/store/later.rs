@@ -1,0 +1,344 @@
+//! A move's diff with its frames named later: the chain's manifest made in the pause from the
+//! diff's shape alone (which pages it holds, from `SEEK_DATA`), each of the diff's pieces
+//! named by a placeholder, not by the hash of its bytes. Nothing of the diff is read or
+//! hashed in the pause; the destination runs the VM on that manifest.
+//!
+//! A placeholder is the keyed BLAKE3 hash of the frame's index under a key drawn for the
+//! move: it names no content, and never one of another move. The source serves it
+//! ([`super::HeldFrames`]) as the hash of the piece's bytes, read and hashed when asked,
+//! then the piece's object; the destination ([`super::Frames`]) checks the bytes against
+//! that hash and keeps them under it. When the store holds the diff, its manifest names
+//! every piece: the destination checks that it has the same shape, and that each piece it
+//! was served has the hash the store names, before it lets the source go.
+//!
+//! A frame whose pieces are already [`super::MAX_PIECES`] deep would be flattened (the
+//! base's bytes fetched), which the pause cannot do unread: such a diff is cut in the pause
+//! instead ([`super::push_held`]).
+
+use std::path::Path;
+
+use super::cut::{diff_mask, DiffKind};
+use super::held::HeldFrames;
+use super::manifest::{Piece, Snapshot, StoreManifest, FORMAT, VERSION};
+use super::push::open_raw_diff;
+use super::source::mask_runs;
+use super::url::StoreUrl;
+use super::StoreError;
+use crate::snapshot::IMAGE_PAGE_BYTES;
+
+/// Bytes before a placeholder's object as the source serves it: the BLAKE3 hash of the
+/// piece's plain bytes.
+pub(crate) const NAMED_PREFIX_BYTES: usize = 32;
+
+/// A diff's chain with its pieces named later.
+#[derive(Debug)]
+pub struct NamedLater {
+    /// The chain's manifest (JSON), as a push of the diff writes it but for the names of
+    /// the diff's pieces.
+    pub manifest: Vec<u8>,
+    /// Bytes of memory the diff holds.
+    pub diff_bytes: u64,
+}
+
+/// The chain's manifest of the raw diff at `path` on `base`, to be pushed as `url`, each of
+/// its pieces named by a placeholder and held in `held` as the runs of the file it lies in.
+/// `None`: a frame would have to be flattened; cut the diff instead.
+pub fn name_later(
+    path: &Path,
+    base: &Snapshot,
+    url: &StoreUrl,
+    held: &HeldFrames,
+) -> Result<Option<NamedLater>, StoreError> {
+    let (file, len, data) = open_raw_diff(path, &base.url, base)?;
+    let (fb, mb) = (base.frame_bytes(), base.memory_bytes());
+    let key = move_key().map_err(|source| StoreError::Io {
+        op: "draw a key (getrandom) for the placeholders of",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut frames = Vec::with_capacity(base.frames.len());
+    let mut later = Vec::new();
+    let mut diff_bytes = 0;
+    for (i, below) in base.frames.iter().enumerate() {
+        let start = i as u64 * fb;
+        let flen = fb.min(mb - start);
+        let pages = flen / IMAGE_PAGE_BYTES;
+        let (mask, held_pages) = diff_mask(&data, start, flen);
+        diff_bytes += held_pages * IMAGE_PAGE_BYTES;
+        let hash = placeholder(&key, i as u64);
+        let stack: Vec<Piece> = match DiffKind::of(held_pages, pages, below.len()) {
+            DiffKind::Base => below.clone(),
+            DiffKind::Flatten => return Ok(None),
+            DiffKind::Whole => {
+                later.push((hash, vec![(start, flen)]));
+                vec![Piece { hash, pages: None }]
+            }
+            DiffKind::Partial => {
+                later.push((hash, mask_runs(start, &mask, pages)));
+                let mut s = below.clone();
+                s.push(Piece {
+                    hash,
+                    pages: Some(mask),
+                });
+                s
+            }
+        };
+        frames.push(stack);
+    }
+    held.attach(file, len)?;
+    for (hash, runs) in later {
+        held.hold_later(&hash, runs);
+    }
+    let manifest = StoreManifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        name: url.name.clone(),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64),
+        frame_bytes: fb,
+        memory_bytes: mb,
+        base: Some(base.url.name.clone()),
+        regions: Vec::new(),
+        working_set: Vec::new(),
+        frames: frames
+            .iter()
+            .map(|s| s.iter().map(Piece::to_ref).collect())
+            .collect(),
+    };
+    Ok(Some(NamedLater {
+        manifest: serde_json::to_vec(&manifest).expect("serialises"),
+        diff_bytes,
+    }))
+}
+
+/// The placeholder of frame `i` under a move's `key`.
+fn placeholder(key: &[u8; 32], i: u64) -> blake3::Hash {
+    blake3::keyed_hash(key, &i.to_le_bytes())
+}
+
+/// A key no other move draws.
+fn move_key() -> std::io::Result<[u8; 32]> {
+    let mut key = [0u8; 32];
+    let mut got = 0;
+    while got < key.len() {
+        // SAFETY: getrandom writes at most the given length into the buffer, which is ours
+        // and that long from `got`.
+        let n = unsafe {
+            libc::getrandom(
+                key[got..].as_mut_ptr() as *mut libc::c_void,
+                key.len() - got,
+                0,
+            )
+        };
+        match n {
+            n if n > 0 => got += n as usize,
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(key)
+}
+
+/// The object of a piece named later as the source serves it: the hash of its plain bytes,
+/// then its object. Its plain bytes and their hash, once both are checked (the object's
+/// header and length, its bytes against the hash).
+pub(crate) fn decode_named(obj: &[u8], len: usize) -> Result<(Vec<u8>, blake3::Hash), String> {
+    if obj.len() < NAMED_PREFIX_BYTES {
+        return Err(format!(
+            "{} bytes: shorter than the hash a piece named later starts with",
+            obj.len()
+        ));
+    }
+    let mut h = [0u8; 32];
+    h.copy_from_slice(&obj[..NAMED_PREFIX_BYTES]);
+    let hash = blake3::Hash::from_bytes(h);
+    let plain = super::frame::decode(&obj[NAMED_PREFIX_BYTES..], len, &hash)?;
+    Ok((plain, hash))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    use super::name_later;
+    use crate::store::fetch::{FetchPolicy, Frames};
+    use crate::store::peer::held_tests::{base_in_store, diff_config, FB, MEM, PAGE};
+    use crate::store::{
+        push, read_snapshot, Client, FrameCache, HeldFrames, PeerServer, PushSource, Snapshot,
+        StoreMemory, StoreUrl,
+    };
+
+    /// The base's bytes, and a diff on them at `path`: frame 0 whole, pages 1, 2 and 5 of
+    /// frame 2, frame 5 whole and all zero, the last page; the rest holes. The memory the
+    /// diff stands for.
+    fn diff_on(base: &[u8], path: &std::path::Path) -> Vec<u8> {
+        let f = std::fs::File::create(path).unwrap();
+        f.set_len(MEM).unwrap();
+        let mut want = base.to_vec();
+        let mut write = |at: u64, b: Vec<u8>| {
+            f.write_all_at(&b, at).unwrap();
+            want[at as usize..at as usize + b.len()].copy_from_slice(&b);
+        };
+        write(0, (0..FB).map(|i| (i * 7 + 1) as u8).collect());
+        for p in [1, 2, 5] {
+            write(2 * FB + p * PAGE, vec![0xc0 | p as u8; PAGE as usize]);
+        }
+        write(5 * FB, vec![0; FB as usize]);
+        write(MEM - PAGE, vec![0xee; PAGE as usize]);
+        want
+    }
+
+    #[test]
+    fn a_diff_named_later_is_served_by_placeholder_then_named_by_the_push() {
+        let scratch = guestmem_testkit::Scratch::new("later");
+        let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x5a).collect();
+        let (store, base) = base_in_store(&scratch, &base_bytes);
+        let diff_path = scratch.join("diff");
+        let want = diff_on(&base_bytes, &diff_path);
+        let frames0 = Frames::new(Arc::clone(&store), None, FetchPolicy::default());
+        let snap = read_snapshot(&frames0, &base).unwrap();
+        let diff = StoreUrl::parse("s3://bkt/diff", false).unwrap();
+
+        let held_frames = Arc::new(HeldFrames::new());
+        let named = name_later(&diff_path, &snap, &diff, &held_frames)
+            .unwrap()
+            .expect("one layer on a base: nothing to flatten");
+        assert_eq!(named.diff_bytes, 2 * FB + 4 * PAGE);
+        // Frame 0, the piece of frame 2, frame 5 (its zeros unread), the last page.
+        assert_eq!(held_frames.len(), 4);
+        let chain = Snapshot::parse(&diff, &named.manifest).unwrap();
+
+        // What a push of the same diff names: the same shape, but frame 5 (zeros) empty.
+        let src = PushSource::RawDiff {
+            path: diff_path.clone(),
+            base: base.clone(),
+        };
+        push(&store, &src, &diff, &diff_config(&store, snap.clone())).unwrap();
+        let pushed = read_snapshot(&frames0, &diff).unwrap();
+        let in_base: std::collections::HashSet<_> =
+            snap.frames.iter().flatten().map(|p| p.hash).collect();
+        let mut owed = Vec::new();
+        let mut names = Vec::new();
+        for (i, (c, p)) in chain.frames.iter().zip(&pushed.frames).enumerate() {
+            if i == 5 {
+                assert!(p.is_empty() && c.len() == 1 && c[0].pages.is_none());
+                owed.push(c[0].hash);
+                names.push((c[0].hash, None, FB as usize));
+                continue;
+            }
+            assert_eq!(c.len(), p.len(), "frame {i}");
+            for (x, y) in c.iter().zip(p) {
+                assert_eq!(x.pages, y.pages, "frame {i}");
+                if in_base.contains(&x.hash) {
+                    assert_eq!(x.hash, y.hash, "frame {i}");
+                } else {
+                    assert!(!in_base.contains(&y.hash));
+                    assert_ne!(x.hash, y.hash, "frame {i}: a placeholder names no content");
+                    owed.push(x.hash);
+                    names.push((x.hash, Some(y.hash), y.plain_len(FB) as usize));
+                }
+            }
+        }
+        assert_eq!(owed.len(), 4);
+
+        // Served by placeholder, checked against the hash served with it, kept in the
+        // cache under that hash; every byte right.
+        let server = PeerServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::clone(&held_frames),
+            Arc::new(Client::in_memory("held").unwrap()),
+        )
+        .unwrap();
+        let peer = Arc::new(Client::peer(&format!("http://{}", server.addr())).unwrap());
+        let cache = Arc::new(FrameCache::open(&scratch.join("cache"), 16 << 20).unwrap());
+        let frames = Frames::new(
+            Arc::clone(&store),
+            Some(Arc::clone(&cache)),
+            FetchPolicy::default(),
+        );
+        frames.name_later(owed.iter().copied());
+        frames.follow(Arc::clone(&peer), owed.iter().copied());
+        let memory = StoreMemory::from_snapshot(Arc::clone(&frames), chain.clone());
+        for i in 0..MEM / FB {
+            let got = memory.frame(i).unwrap();
+            let at = (i * FB) as usize;
+            assert_eq!(got.as_slice(), &want[at..at + FB as usize], "frame {i}");
+        }
+        assert_eq!(frames.counters.peer_gets.load(Ordering::Relaxed), 4);
+        for (_, h, _) in names.iter().filter(|n| n.1.is_some()) {
+            assert!(cache.contains(&h.unwrap()), "kept under its hash");
+        }
+
+        // A name other than the hash a piece was served as is refused, nothing changed.
+        let mut wrong = names.clone();
+        wrong[0].1 = Some(blake3::hash(b"other"));
+        let e = frames.name_later_as(&wrong).unwrap_err();
+        assert!(e.contains("the store names"), "{e}");
+        // The store's names: from now on read as any frame (from the cache or the store).
+        frames.name_later_as(&names).unwrap();
+        frames.release();
+        drop(server);
+        for i in 0..MEM / FB {
+            let got = memory.frame(i).unwrap();
+            let at = (i * FB) as usize;
+            assert_eq!(
+                got.as_slice(),
+                &want[at..at + FB as usize],
+                "frame {i} named"
+            );
+        }
+        assert_eq!(frames.counters.peer_gets.load(Ordering::Relaxed), 4);
+        frames.forget_later(owed);
+    }
+
+    #[test]
+    fn a_piece_served_again_with_other_bytes_fails_closed() {
+        let scratch = guestmem_testkit::Scratch::new("later-changed");
+        let base_bytes = vec![3u8; MEM as usize];
+        let (store, base) = base_in_store(&scratch, &base_bytes);
+        let diff_path = scratch.join("diff");
+        let want = diff_on(&base_bytes, &diff_path);
+        let snap = read_snapshot(
+            &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
+            &base,
+        )
+        .unwrap();
+        let diff = StoreUrl::parse("s3://bkt/diff", false).unwrap();
+        let held_frames = Arc::new(HeldFrames::new());
+        let named = name_later(&diff_path, &snap, &diff, &held_frames)
+            .unwrap()
+            .unwrap();
+        let chain = Snapshot::parse(&diff, &named.manifest).unwrap();
+        let x = chain.frames[0][0].hash;
+        let server = PeerServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::clone(&held_frames),
+            Arc::new(Client::in_memory("held").unwrap()),
+        )
+        .unwrap();
+        let peer = Arc::new(Client::peer(&format!("http://{}", server.addr())).unwrap());
+        // No cache: each read of the piece is a GET of its placeholder.
+        let frames = Frames::new(Arc::clone(&store), None, FetchPolicy::default());
+        frames.name_later([x]);
+        frames.follow(peer, [x]);
+        let first = frames.get(&x, FB as usize).unwrap();
+        assert_eq!(first.as_slice(), &want[..FB as usize]);
+        // The file changes under the source: the same piece now has other bytes.
+        std::fs::File::options()
+            .write(true)
+            .open(&diff_path)
+            .unwrap()
+            .write_all_at(b"changed", 100)
+            .unwrap();
+        let e = frames.get(&x, FB as usize).unwrap_err().to_string();
+        assert!(e.contains("before as"), "{e}");
+        drop(server);
+    }
+}
