@@ -104,8 +104,8 @@ impl Default for MoveLabConfig {
 pub struct MoveSample {
     /// The pause, ms: `PATCH /vm Paused` to the VM running on the destination.
     pub pause_ms: f64,
-    /// Its steps, ms: pausing, Firecracker's Diff snapshot, the vmstate sent, the diff cut
-    /// into frames (while the destination loads the vmstate), the wait from the chain sent
+    /// Its steps, ms: pausing, Firecracker's Diff snapshot, the vmstate sent, the chain's
+    /// manifest made (while the destination loads the vmstate), the wait from the chain sent
     /// to the VM loaded there, the commit (the destination resumes it). Beside them, on the
     /// destination: the chain opened, and Firecracker's load (the VM paused) from the
     /// vmstate's arrival.

@@ -70,8 +70,9 @@ impl LabReport for MoveResult {
         md.push_str(
             "\nSteps: `pause` is Firecracker's `PATCH /vm Paused`; `Diff snapshot` its \
              `snapshot/create` writing the vmstate and the dirty pages; `send` the vmstate to the \
-             destination, which starts loading it; `frames` the diff cut into frames and hashed \
-             on the source (its manifest), while the destination loads; `wait` from the manifest \
+             destination, which starts loading it; `frames` the chain's manifest made on the source \
+             from the diff's shape, its pieces named later (nothing of the diff read or \
+             hashed; a chain too deep is cut and hashed instead), while the destination loads; `wait` from the manifest \
              sent to the destination's word that the VM is loaded. In brackets, beside those on \
              the destination: `load` its Firecracker's `snapshot/load` (the VM left paused) from \
              the vmstate's arrival, and `open` the chain checked and served there. `commit` the \

@@ -242,6 +242,16 @@ pub fn move_in(
                     false => HashSet::new(),
                     true => owed.iter().map(|&(_, h)| *h.as_bytes()).collect(),
                 };
+                if later && placeholders.len() != owed.len() {
+                    return Err(MoveError::Store(StoreError::Manifest {
+                        url: chain.url.to_string(),
+                        reason: format!(
+                            "{} pieces named later under {} placeholders: one names two pieces",
+                            owed.len(),
+                            placeholders.len()
+                        ),
+                    }));
+                }
                 frames.name_later(owed.iter().filter(|_| later).map(|&(_, h)| h));
                 *forget.0.lock().unwrap_or_else(|e| e.into_inner()) =
                     owed.iter().filter(|_| later).map(|&(_, h)| h).collect();
@@ -472,35 +482,7 @@ fn released(
         side: "destination",
         reason: format!("{url} does not name the frames the source owed: {why}"),
     };
-    if pushed.frames.len() != chain.frames.len() {
-        return Err(refused(format!(
-            "{} frames, the chain {}",
-            pushed.frames.len(),
-            chain.frames.len()
-        )));
-    }
-    let later = |h: &blake3::Hash| placeholders.contains(h.as_bytes());
-    let mut names = Vec::new();
-    for (i, (a, b)) in pushed.frames.iter().zip(&chain.frames).enumerate() {
-        match (a.as_slice(), b.as_slice()) {
-            // A whole frame of the diff the push found all zeros: stored nowhere.
-            ([], [p]) if p.pages.is_none() && later(&p.hash) => {
-                names.push((p.hash, None, chain.frame_len(i as u64) as usize));
-            }
-            _ if a.len() == b.len() => {
-                for (x, y) in a.iter().zip(b) {
-                    if x.pages != y.pages || (x.hash != y.hash && !later(&y.hash)) {
-                        return Err(refused(format!("frame {i} differs")));
-                    }
-                    if later(&y.hash) {
-                        let len = y.plain_len(chain.frame_len(i as u64)) as usize;
-                        names.push((y.hash, Some(x.hash), len));
-                    }
-                }
-            }
-            _ => return Err(refused(format!("frame {i} differs"))),
-        }
-    }
+    let names = crate::store::later_names(&pushed, chain, placeholders).map_err(refused)?;
     frames.name_later_as(&names).map_err(refused)
 }
 

@@ -309,9 +309,11 @@ impl Job<'_> {
                 .into_iter()
                 .collect());
         }
-        if kind == DiffKind::Flatten {
-            // Too deep a stack: the frame flattened into one whole piece, its base's pieces
-            // fetched and the diff's pages laid over them.
+        {
+            // DiffKind::Flatten, the one kind left: too deep a stack, the frame flattened
+            // into one whole piece, its base's pieces fetched and the diff's pages laid over
+            // them.
+            debug_assert_eq!(kind, DiffKind::Flatten);
             let frames = Frames::new(Arc::clone(self.base_from), None, FetchPolicy::default());
             let mut whole = vec![0u8; bytes.len()];
             for p in below {
@@ -331,12 +333,11 @@ impl Job<'_> {
                 },
                 &pack(bytes, &mask),
             );
-            return Ok(self
+            Ok(self
                 .whole(i, Plain::Bytes(&whole), force)?
                 .into_iter()
-                .collect());
+                .collect())
         }
-        unreachable!("every kind of a diff's frame is cut above")
     }
 }
 

@@ -131,6 +131,8 @@ pub struct Frames {
     follow: Mutex<Option<Arc<Follow>>>,
     /// Pieces of a move's diff named later, by placeholder (while the move's VM is served).
     later: Mutex<HashMap<[u8; 32], Later>>,
+    /// Whether `later` holds any (read without its lock on every fetch).
+    any_later: std::sync::atomic::AtomicBool,
     /// What it did.
     pub counters: FetchCounters,
 }
@@ -152,6 +154,7 @@ impl Frames {
             faults_clear: tokio::sync::Notify::new(),
             follow: Mutex::new(None),
             later: Mutex::new(HashMap::new()),
+            any_later: std::sync::atomic::AtomicBool::new(false),
             counters: FetchCounters::default(),
         })
     }
@@ -202,6 +205,7 @@ impl Frames {
         for p in placeholders {
             l.insert(*p.as_bytes(), Later::Pending);
         }
+        self.any_later.store(!l.is_empty(), Ordering::Release);
     }
 
     /// The store's names of pieces named later: (placeholder, its hash, or `None` for a
@@ -212,7 +216,11 @@ impl Frames {
         names: &[(blake3::Hash, Option<blake3::Hash>, usize)],
     ) -> Result<(), String> {
         let mut l = self.later.lock().unwrap_or_else(|e| e.into_inner());
+        let mut seen = HashSet::new();
         for (p, h, len) in names {
+            if !seen.insert(*p.as_bytes()) {
+                return Err(format!("the placeholder {p} is named twice"));
+            }
             let served = match l.get(p.as_bytes()) {
                 Some(Later::Served(s)) => *s,
                 Some(_) => continue,
@@ -240,15 +248,16 @@ impl Frames {
         for p in placeholders {
             l.remove(p.as_bytes());
         }
+        self.any_later.store(!l.is_empty(), Ordering::Release);
     }
 
     /// What is known of `hash` if it is a placeholder.
     fn later_of(&self, hash: &blake3::Hash) -> Option<Later> {
-        let l = self.later.lock().unwrap_or_else(|e| e.into_inner());
-        match l.is_empty() {
-            true => None,
-            false => l.get(hash.as_bytes()).copied(),
+        if !self.any_later.load(Ordering::Acquire) {
+            return None;
         }
+        let l = self.later.lock().unwrap_or_else(|e| e.into_inner());
+        l.get(hash.as_bytes()).copied()
     }
 
     /// The hash the frame asked for as `hash` is kept under in the cache: its own, or for a
@@ -441,8 +450,18 @@ impl Frames {
                     last: "no attempt finished in time".into(),
                 });
             }
-            attempts += 1;
             let peer = self.holder(&hash);
+            if named_later && peer.is_none() {
+                // Named and released since the look above: fetched under its name now.
+                if matches!(self.later_of(&asked), Some(Later::Named(_) | Later::Zero)) {
+                    continue;
+                }
+                return Err(StoreError::Frame {
+                    url: self.client.url(&key),
+                    reason: "a piece of a move's diff, not yet named by the store, and no source to ask for it".into(),
+                });
+            }
+            attempts += 1;
             let client = peer.as_ref().unwrap_or(&self.client);
             self.counters.gets.fetch_add(1, Ordering::Relaxed);
             if peer.is_some() {

@@ -15,6 +15,7 @@
 //! base's bytes fetched), which the pause cannot do unread: such a diff is cut in the pause
 //! instead ([`super::push_held`]).
 
+use std::collections::HashSet;
 use std::path::Path;
 
 use super::cut::{diff_mask, DiffKind};
@@ -144,6 +145,63 @@ fn move_key() -> std::io::Result<[u8; 32]> {
     Ok(key)
 }
 
+/// The store's names of the pieces `chain` names by `placeholders`, from `pushed` (the
+/// manifest a push of the same diff wrote): (placeholder, its hash or `None` for a frame of
+/// zeros, its plain length). Refused, saying where, unless `pushed` has `chain`'s shape: the
+/// same frames, the same pieces but for the placeholders' names, the same pages in each (a
+/// whole piece of the diff may be stored as zeros: no piece).
+pub(crate) fn later_names(
+    pushed: &Snapshot,
+    chain: &Snapshot,
+    placeholders: &HashSet<[u8; 32]>,
+) -> Result<Vec<(blake3::Hash, Option<blake3::Hash>, usize)>, String> {
+    if pushed.frames.len() != chain.frames.len() {
+        return Err(format!(
+            "{} frames, the chain {}",
+            pushed.frames.len(),
+            chain.frames.len()
+        ));
+    }
+    let later = |h: &blake3::Hash| placeholders.contains(h.as_bytes());
+    let mut names = Vec::new();
+    for (i, (a, b)) in pushed.frames.iter().zip(&chain.frames).enumerate() {
+        let flen = chain.frame_len(i as u64);
+        match (a.as_slice(), b.as_slice()) {
+            // A whole frame of the diff that the push found all zeros: stored nowhere.
+            ([], [p]) if p.pages.is_none() && later(&p.hash) => {
+                names.push((p.hash, None, flen as usize));
+            }
+            _ if a.len() != b.len() => {
+                return Err(format!(
+                    "frame {i}: {} pieces, the chain's {}",
+                    a.len(),
+                    b.len()
+                ))
+            }
+            _ => {
+                for (k, (x, y)) in a.iter().zip(b).enumerate() {
+                    if x.pages != y.pages {
+                        return Err(format!(
+                            "frame {i}, piece {k}: other pages than the chain's"
+                        ));
+                    }
+                    match later(&y.hash) {
+                        true => names.push((y.hash, Some(x.hash), y.plain_len(flen) as usize)),
+                        false if x.hash != y.hash => {
+                            return Err(format!(
+                                "frame {i}, piece {k}: {}, the chain's {}",
+                                x.hash, y.hash
+                            ))
+                        }
+                        false => {}
+                    }
+                }
+            }
+        }
+    }
+    Ok(names)
+}
+
 /// The object of a piece named later as the source serves it: the hash of its plain bytes,
 /// then its object. Its plain bytes and their hash, once both are checked (the object's
 /// header and length, its bytes against the hash).
@@ -167,7 +225,8 @@ mod tests {
     use std::sync::atomic::Ordering;
     use std::sync::Arc;
 
-    use super::name_later;
+    use super::{later_names, name_later};
+    use crate::snapshot::RemoteMemory;
     use crate::store::fetch::{FetchPolicy, Frames};
     use crate::store::peer::held_tests::{base_in_store, diff_config, FB, MEM, PAGE};
     use crate::store::{
@@ -224,29 +283,47 @@ mod tests {
         let pushed = read_snapshot(&frames0, &diff).unwrap();
         let in_base: std::collections::HashSet<_> =
             snap.frames.iter().flatten().map(|p| p.hash).collect();
-        let mut owed = Vec::new();
-        let mut names = Vec::new();
+        let owed: Vec<_> = chain
+            .frames
+            .iter()
+            .flatten()
+            .map(|p| p.hash)
+            .filter(|h| !in_base.contains(h))
+            .collect();
+        assert_eq!(owed.len(), 4);
+        let placeholders = owed.iter().map(|h| *h.as_bytes()).collect();
+        let names = later_names(&pushed, &chain, &placeholders).unwrap();
+        assert_eq!(names.len(), 4);
         for (i, (c, p)) in chain.frames.iter().zip(&pushed.frames).enumerate() {
             if i == 5 {
+                // Whole and all zero: named later, stored nowhere.
                 assert!(p.is_empty() && c.len() == 1 && c[0].pages.is_none());
-                owed.push(c[0].hash);
-                names.push((c[0].hash, None, FB as usize));
+                assert!(names.contains(&(c[0].hash, None, FB as usize)));
                 continue;
             }
             assert_eq!(c.len(), p.len(), "frame {i}");
             for (x, y) in c.iter().zip(p) {
                 assert_eq!(x.pages, y.pages, "frame {i}");
-                if in_base.contains(&x.hash) {
-                    assert_eq!(x.hash, y.hash, "frame {i}");
-                } else {
-                    assert!(!in_base.contains(&y.hash));
+                if !in_base.contains(&x.hash) {
                     assert_ne!(x.hash, y.hash, "frame {i}: a placeholder names no content");
-                    owed.push(x.hash);
-                    names.push((x.hash, Some(y.hash), y.plain_len(FB) as usize));
+                    let len = y.plain_len(FB) as usize;
+                    assert!(names.contains(&(x.hash, Some(y.hash), len)), "frame {i}");
                 }
             }
         }
-        assert_eq!(owed.len(), 4);
+        // Another shape is refused, saying where.
+        let mut other = pushed.clone();
+        other.frames[2].last_mut().unwrap().pages.as_mut().unwrap()[0] ^= 1 << 9;
+        let e = later_names(&other, &chain, &placeholders).unwrap_err();
+        assert!(e.contains("frame 2, piece 1"), "{e}");
+        let mut other = pushed.clone();
+        other.frames[7].pop();
+        let e = later_names(&other, &chain, &placeholders).unwrap_err();
+        assert!(e.contains("frame 7"), "{e}");
+        let mut other = pushed.clone();
+        other.frames[1][0].hash = blake3::hash(b"other");
+        let e = later_names(&other, &chain, &placeholders).unwrap_err();
+        assert!(e.contains("frame 1, piece 0"), "{e}");
 
         // Served by placeholder, checked against the hash served with it, kept in the
         // cache under that hash; every byte right.
@@ -276,26 +353,43 @@ mod tests {
             assert!(cache.contains(&h.unwrap()), "kept under its hash");
         }
 
-        // A name other than the hash a piece was served as is refused, nothing changed.
+        // A name other than the hash a piece was served as is refused; so is a placeholder
+        // named twice.
         let mut wrong = names.clone();
-        wrong[0].1 = Some(blake3::hash(b"other"));
+        wrong[3].1 = Some(blake3::hash(b"other"));
         let e = frames.name_later_as(&wrong).unwrap_err();
         assert!(e.contains("the store names"), "{e}");
+        let mut twice = names.clone();
+        twice.push(names[0]);
+        let e = frames.name_later_as(&twice).unwrap_err();
+        assert!(e.contains("named twice"), "{e}");
+
+        // A destination that read none of them before the store named them: each fetched
+        // from the store under its name (no cache, no source), read through `read`.
+        let fresh = Frames::new(Arc::clone(&store), None, FetchPolicy::default());
+        fresh.name_later(owed.iter().copied());
+        fresh.follow(Arc::clone(&peer), owed.iter().copied());
+
         // The store's names: from now on read as any frame (from the cache or the store).
         frames.name_later_as(&names).unwrap();
         frames.release();
+        fresh.name_later_as(&names).unwrap();
+        fresh.release();
         drop(server);
-        for i in 0..MEM / FB {
-            let got = memory.frame(i).unwrap();
-            let at = (i * FB) as usize;
-            assert_eq!(
-                got.as_slice(),
-                &want[at..at + FB as usize],
-                "frame {i} named"
-            );
-        }
+        let mut all = vec![0u8; MEM as usize];
+        memory.read(0, &mut all).unwrap();
+        assert!(all == want, "named, from the cache");
         assert_eq!(frames.counters.peer_gets.load(Ordering::Relaxed), 4);
-        frames.forget_later(owed);
+        let fresh_memory = StoreMemory::from_snapshot(Arc::clone(&fresh), chain.clone());
+        let mut all = vec![0u8; MEM as usize];
+        fresh_memory.read(0, &mut all).unwrap();
+        assert!(all == want, "named, from the store");
+        assert_eq!(fresh.counters.peer_gets.load(Ordering::Relaxed), 0);
+        // The base's pieces of frames 1-4, 6 and 7, and the three named: frame 0, the
+        // piece of frame 2, the last page (frame 5: zeros, no GET).
+        assert_eq!(fresh.counters.gets.load(Ordering::Relaxed), 6 + 3);
+        frames.forget_later(owed.iter().copied());
+        fresh.forget_later(owed);
     }
 
     #[test]

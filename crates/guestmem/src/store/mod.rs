@@ -48,6 +48,7 @@ pub use error::StoreError;
 pub use fetch::{FetchCounters, FetchPolicy, Frames, StoreStatus};
 pub use gc::{gc, list, GcReport, Listing};
 pub use held::HeldFrames;
+pub(crate) use later::later_names;
 pub use later::{name_later, NamedLater};
 pub use lease::{check_push, LEASE_STALE};
 pub use manifest::{
