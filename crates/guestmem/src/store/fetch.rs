@@ -302,27 +302,18 @@ impl Frames {
             .map(|f| Arc::clone(&f.peer))
     }
 
-    /// The frame of `hash` into `dst` (its length): straight from the cache when it is
-    /// there (no allocation, one copy), else as [`Frames::get`].
-    pub(crate) fn read_into(
-        self: &Arc<Self>,
-        hash: &blake3::Hash,
-        dst: &mut [u8],
-    ) -> Result<(), Arc<StoreError>> {
+    /// The frame of `hash` into `dst` (its length) if the cache holds it (or it is a piece
+    /// named later that the store holds as zeros): no fetch.
+    pub(crate) fn read_cached(&self, hash: &blake3::Hash, dst: &mut [u8]) -> bool {
         let key = match self.later_of(hash) {
             None | Some(Later::Pending) => *hash,
             Some(Later::Zero) => {
                 dst.fill(0);
-                return Ok(());
+                return true;
             }
             Some(Later::Served(h) | Later::Named(h)) => h,
         };
-        if self.cache.as_ref().is_some_and(|c| c.read_into(&key, dst)) {
-            return Ok(());
-        }
-        let f = self.get(hash, dst.len())?;
-        dst.copy_from_slice(&f);
-        Ok(())
+        self.cache.as_ref().is_some_and(|c| c.read_into(&key, dst))
     }
 
     /// The frame of `hash` (`len` plain bytes), from a thread outside the runtime.

@@ -174,18 +174,24 @@ impl StoreMemory {
 
     /// Frame `i`, put together from its pieces.
     pub(crate) fn frame(&self, i: u64) -> Result<Arc<Vec<u8>>, Arc<StoreError>> {
+        self.frames.client.block_on(self.frame_async(i))
+    }
+
+    /// Frame `i`, put together from its pieces, fetched side by side.
+    async fn frame_async(&self, i: u64) -> Result<Arc<Vec<u8>>, Arc<StoreError>> {
         let len = self.snapshot.frame_len(i) as usize;
         let pieces = &self.snapshot.frames[i as usize];
         match pieces.as_slice() {
             [] => Ok(Arc::new(vec![0u8; len])),
-            [Piece { hash, pages: None }] => self.frames.get(hash, len),
+            [Piece { hash, pages: None }] => self.frames.get_async(*hash, len).await,
             _ => {
                 let frames = &self.frames;
-                let got = frames.client.block_on(futures::future::join_all(
+                let got = futures::future::join_all(
                     pieces
                         .iter()
                         .map(|p| frames.get_async(p.hash, p.plain_len(len as u64) as usize)),
-                ));
+                )
+                .await;
                 let mut out = vec![0u8; len];
                 for (p, bytes) in pieces.iter().zip(got) {
                     overlay(&mut out, p, &bytes?);
@@ -252,6 +258,10 @@ impl RemoteMemory for StoreMemory {
                 limit: self.snapshot.memory_bytes(),
             }));
         }
+        // What the cache holds is read straight into place; the frames it does not hold
+        // are fetched side by side, so that a read of several frames (a fault's block)
+        // waits one round trip, not one a frame.
+        let mut fetch: Vec<(u64, u64, u64)> = Vec::new();
         let mut at = offset;
         while at < end {
             let i = at / fb;
@@ -260,19 +270,25 @@ impl RemoteMemory for StoreMemory {
             let d = &mut dst[(at - offset) as usize..][..n];
             let whole = at == fs && n as u64 == self.snapshot.frame_len(i);
             let pieces = &self.snapshot.frames[i as usize];
-            if let ([Piece { hash, pages: None }], true) = (pieces.as_slice(), whole) {
-                self.frames
-                    .read_into(hash, d)
-                    .map_err(|e| e as Arc<dyn std::error::Error + Send + Sync>)?;
-            } else if self.snapshot.held(i) {
-                let f = self
-                    .frame(i)
-                    .map_err(|e| e as Arc<dyn std::error::Error + Send + Sync>)?;
-                d.copy_from_slice(&f[(at - fs) as usize..][..n]);
-            } else {
-                d.fill(0);
+            match (pieces.as_slice(), whole) {
+                _ if !self.snapshot.held(i) => d.fill(0),
+                ([Piece { hash, pages: None }], true) if self.frames.read_cached(hash, d) => {}
+                _ => fetch.push((i, at, fe)),
             }
             at = fe;
+        }
+        let got = match fetch.as_slice() {
+            [] => return Ok(()),
+            [(i, ..)] => vec![self.frame(*i)],
+            _ => self.frames.client.block_on(futures::future::join_all(
+                fetch.iter().map(|&(i, ..)| self.frame_async(i)),
+            )),
+        };
+        for (&(i, at, fe), f) in fetch.iter().zip(got) {
+            let f = f.map_err(|e| e as Arc<dyn std::error::Error + Send + Sync>)?;
+            let fs = i * fb;
+            dst[(at - offset) as usize..(fe - offset) as usize]
+                .copy_from_slice(&f[(at - fs) as usize..(fe - fs) as usize]);
         }
         Ok(())
     }
