@@ -393,6 +393,41 @@ mod tests {
     }
 
     #[test]
+    fn a_read_through_the_cache_counts_each_frame_once() {
+        let scratch = guestmem_testkit::Scratch::new("cache-counts");
+        let bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 | 1).collect();
+        let (store, base) = base_in_store(&scratch, &bytes);
+        let cache = Arc::new(FrameCache::open(&scratch.join("cache"), 16 << 20).unwrap());
+        let frames = Frames::new(
+            Arc::clone(&store),
+            Some(Arc::clone(&cache)),
+            FetchPolicy::default(),
+        );
+        let memory = StoreMemory::open(Arc::clone(&frames), &base).unwrap();
+        let frames_in = MEM / FB;
+        for pass in 1..=2 {
+            let mut all = vec![0u8; MEM as usize];
+            // One frame at a time, then all at once.
+            match pass {
+                1 => (0..frames_in).for_each(|i| {
+                    let at = (i * FB) as usize;
+                    memory.read(i * FB, &mut all[at..at + FB as usize]).unwrap()
+                }),
+                _ => memory.read(0, &mut all).unwrap(),
+            }
+            assert!(all == bytes, "pass {pass}");
+        }
+        let c = &cache.counters;
+        assert_eq!(
+            c.misses.load(Ordering::Relaxed),
+            frames_in,
+            "each miss once"
+        );
+        assert_eq!(c.hits.load(Ordering::Relaxed), frames_in);
+        assert_eq!(frames.counters.gets.load(Ordering::Relaxed), frames_in);
+    }
+
+    #[test]
     fn a_piece_served_again_with_other_bytes_fails_closed() {
         let scratch = guestmem_testkit::Scratch::new("later-changed");
         let base_bytes = vec![3u8; MEM as usize];
