@@ -1,6 +1,8 @@
 //! A frame as stored: a 12-byte header (`GMFR`, version, encoding, the plain length) and its
 //! bytes, raw or zstd-compressed, stored under the BLAKE3 hash of its plain bytes. Nothing read
-//! back is used before its header, length and hash are checked.
+//! back is used before its header, length and hash are checked. A piece of a move's diff
+//! named later (`store::later`) is served by the move's source with the hash of its plain
+//! bytes in front ([`NAMED_PREFIX_BYTES`]), checked as any frame against that hash.
 
 /// The header's magic.
 const MAGIC: [u8; 4] = *b"GMFR";
@@ -109,6 +111,27 @@ pub(crate) fn decode(object: &[u8], want: usize, hash: &blake3::Hash) -> Result<
         ));
     }
     Ok(plain)
+}
+
+/// Bytes before a placeholder's object as the source serves it: the BLAKE3 hash of the
+/// piece's plain bytes.
+pub(crate) const NAMED_PREFIX_BYTES: usize = 32;
+
+/// The object of a piece named later as the source serves it: the hash of its plain bytes,
+/// then its object. Its plain bytes and their hash, once both are checked (the object's
+/// header and length, its bytes against the hash).
+pub(crate) fn decode_named(obj: &[u8], len: usize) -> Result<(Vec<u8>, blake3::Hash), String> {
+    if obj.len() < NAMED_PREFIX_BYTES {
+        return Err(format!(
+            "{} bytes: shorter than the hash a piece named later starts with",
+            obj.len()
+        ));
+    }
+    let mut h = [0u8; 32];
+    h.copy_from_slice(&obj[..NAMED_PREFIX_BYTES]);
+    let hash = blake3::Hash::from_bytes(h);
+    let plain = decode(&obj[NAMED_PREFIX_BYTES..], len, &hash)?;
+    Ok((plain, hash))
 }
 
 #[cfg(test)]

@@ -99,7 +99,7 @@ impl HeldFrames {
             Held::Object(b) => Some(b.len() as u64),
             Held::Runs { plain_len, .. } => Some(plain_len + super::frame::HEADER_BYTES as u64),
             Held::Later { plain_len, .. } => Some(
-                plain_len + (super::frame::HEADER_BYTES + super::later::NAMED_PREFIX_BYTES) as u64,
+                plain_len + (super::frame::HEADER_BYTES + super::frame::NAMED_PREFIX_BYTES) as u64,
             ),
         }
     }
@@ -125,7 +125,7 @@ impl HeldFrames {
         let obj = super::frame::raw_for(plain_len as usize);
         let at = match named {
             false => 0,
-            true => super::later::NAMED_PREFIX_BYTES,
+            true => super::frame::NAMED_PREFIX_BYTES,
         };
         let mut out = Vec::with_capacity(at + obj.capacity());
         out.resize(at, 0);

@@ -27,10 +27,6 @@ use super::url::StoreUrl;
 use super::StoreError;
 use crate::snapshot::IMAGE_PAGE_BYTES;
 
-/// Bytes before a placeholder's object as the source serves it: the BLAKE3 hash of the
-/// piece's plain bytes.
-pub(crate) const NAMED_PREFIX_BYTES: usize = 32;
-
 /// A diff's chain with its pieces named later.
 #[derive(Debug)]
 pub struct NamedLater {
@@ -202,23 +198,6 @@ pub(crate) fn later_names(
     Ok(names)
 }
 
-/// The object of a piece named later as the source serves it: the hash of its plain bytes,
-/// then its object. Its plain bytes and their hash, once both are checked (the object's
-/// header and length, its bytes against the hash).
-pub(crate) fn decode_named(obj: &[u8], len: usize) -> Result<(Vec<u8>, blake3::Hash), String> {
-    if obj.len() < NAMED_PREFIX_BYTES {
-        return Err(format!(
-            "{} bytes: shorter than the hash a piece named later starts with",
-            obj.len()
-        ));
-    }
-    let mut h = [0u8; 32];
-    h.copy_from_slice(&obj[..NAMED_PREFIX_BYTES]);
-    let hash = blake3::Hash::from_bytes(h);
-    let plain = super::frame::decode(&obj[NAMED_PREFIX_BYTES..], len, &hash)?;
-    Ok((plain, hash))
-}
-
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::FileExt;
@@ -228,31 +207,11 @@ mod tests {
     use super::{later_names, name_later};
     use crate::snapshot::RemoteMemory;
     use crate::store::fetch::{FetchPolicy, Frames};
-    use crate::store::peer::held_tests::{base_in_store, diff_config, FB, MEM, PAGE};
+    use crate::store::peer::held_tests::{base_in_store, diff_config, diff_on, FB, MEM, PAGE};
     use crate::store::{
         push, read_snapshot, Client, FrameCache, HeldFrames, PeerServer, PushSource, Snapshot,
         StoreMemory, StoreUrl,
     };
-
-    /// The base's bytes, and a diff on them at `path`: frame 0 whole, pages 1, 2 and 5 of
-    /// frame 2, frame 5 whole and all zero, the last page; the rest holes. The memory the
-    /// diff stands for.
-    fn diff_on(base: &[u8], path: &std::path::Path) -> Vec<u8> {
-        let f = std::fs::File::create(path).unwrap();
-        f.set_len(MEM).unwrap();
-        let mut want = base.to_vec();
-        let mut write = |at: u64, b: Vec<u8>| {
-            f.write_all_at(&b, at).unwrap();
-            want[at as usize..at as usize + b.len()].copy_from_slice(&b);
-        };
-        write(0, (0..FB).map(|i| (i * 7 + 1) as u8).collect());
-        for p in [1, 2, 5] {
-            write(2 * FB + p * PAGE, vec![0xc0 | p as u8; PAGE as usize]);
-        }
-        write(5 * FB, vec![0; FB as usize]);
-        write(MEM - PAGE, vec![0xee; PAGE as usize]);
-        want
-    }
 
     #[test]
     fn a_diff_named_later_is_served_by_placeholder_then_named_by_the_push() {

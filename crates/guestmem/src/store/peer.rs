@@ -390,18 +390,13 @@ pub(super) mod held_tests {
         }
     }
 
-    #[test]
-    fn a_diff_held_in_place_makes_the_manifest_a_push_makes_and_is_served_checked() {
-        let scratch = guestmem_testkit::Scratch::new("held");
-        let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x5a).collect();
-        let (store, base) = base_in_store(&scratch, &base_bytes);
-
-        // The diff: frame 0 whole, pages 1, 2 and 5 of frame 2, frame 5 whole and all
-        // zero, the last page of the last frame; the rest holes (the base's pages).
-        let diff_path = scratch.join("diff");
-        let f = std::fs::File::create(&diff_path).unwrap();
+    /// The base's bytes, and a diff on them at `path`: frame 0 whole, pages 1, 2 and 5 of
+    /// frame 2, frame 5 whole and all zero, the last page; the rest holes. The memory the
+    /// diff stands for.
+    pub(in crate::store) fn diff_on(base: &[u8], path: &std::path::Path) -> Vec<u8> {
+        let f = std::fs::File::create(path).unwrap();
         f.set_len(MEM).unwrap();
-        let mut want = base_bytes.clone();
+        let mut want = base.to_vec();
         let mut write = |at: u64, b: Vec<u8>| {
             f.write_all_at(&b, at).unwrap();
             want[at as usize..at as usize + b.len()].copy_from_slice(&b);
@@ -412,7 +407,17 @@ pub(super) mod held_tests {
         }
         write(5 * FB, vec![0; FB as usize]);
         write(MEM - PAGE, vec![0xee; PAGE as usize]);
-        drop(f);
+        want
+    }
+
+    #[test]
+    fn a_diff_held_in_place_makes_the_manifest_a_push_makes_and_is_served_checked() {
+        let scratch = guestmem_testkit::Scratch::new("held");
+        let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x5a).collect();
+        let (store, base) = base_in_store(&scratch, &base_bytes);
+
+        let diff_path = scratch.join("diff");
+        let want = diff_on(&base_bytes, &diff_path);
 
         let snap = read_snapshot(
             &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
