@@ -242,22 +242,28 @@ impl FrameCache {
             return None;
         }
         let mut buf = vec![0u8; len];
-        self.read_checked(h, &mut buf).then_some(buf)
+        self.read_checked(h, &mut buf, true).then_some(buf)
     }
 
     /// Reads the frame of `hash` into `dst` (its length), checked; false when it is not
-    /// held or its file no longer holds it (then it is removed).
+    /// held or its file no longer holds it (then it is removed). A frame it cannot give is
+    /// not counted as a miss: the caller fetches it next, and that look counts it.
     pub(crate) fn read_into(&self, hash: &blake3::Hash, dst: &mut [u8]) -> bool {
         let h = hash.as_bytes();
         if !self.lock().touch(h) {
-            self.counters.misses.fetch_add(1, Ordering::Relaxed);
             return false;
         }
-        self.read_checked(h, dst)
+        self.read_checked(h, dst, false)
     }
 
-    /// Reads a frame the index holds into `dst`, checking its length and checksum.
-    fn read_checked(&self, h: &[u8; 32], dst: &mut [u8]) -> bool {
+    /// Reads a frame the index holds into `dst`, checking its length and checksum; `miss`:
+    /// count it as a miss if it cannot be given.
+    fn read_checked(&self, h: &[u8; 32], dst: &mut [u8], miss: bool) -> bool {
+        let count_miss = || {
+            if miss {
+                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+            }
+        };
         use std::os::unix::fs::FileExt;
         let path = self.path_of(h);
         let mut read = || -> std::io::Result<bool> {
@@ -286,7 +292,7 @@ impl FrameCache {
             }
             Ok(false) => {
                 self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
-                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                count_miss();
                 if self.lock().remove(h) {
                     let _ = std::fs::remove_file(&path);
                 }
@@ -294,7 +300,7 @@ impl FrameCache {
             }
             Err(_) => {
                 // Evicted since it was looked up, or removed from outside.
-                self.counters.misses.fetch_add(1, Ordering::Relaxed);
+                count_miss();
                 self.lock().remove(h);
                 false
             }

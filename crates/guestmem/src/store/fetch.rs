@@ -205,11 +205,8 @@ impl Frames {
             }
             Some(Later::Served(h) | Later::Named(h)) => h,
         };
-        // Looked up first without counting: a frame not there is counted once, by the
-        // fetch that follows.
-        self.cache
-            .as_ref()
-            .is_some_and(|c| c.contains(&key) && c.read_into(&key, dst))
+        // A frame it cannot give is counted once, by the fetch that follows.
+        self.cache.as_ref().is_some_and(|c| c.read_into(&key, dst))
     }
 
     /// The frame of `hash` (`len` plain bytes), from a thread outside the runtime.
