@@ -123,20 +123,8 @@ fn bench(c: &mut Criterion) {
         &held.get("snapshots/diff/manifest.json").unwrap().unwrap(),
     )
     .unwrap();
-    let piece = chain
-        .manifest
-        .frames
-        .iter()
-        .find_map(|stack| stack.iter().find(|p| p.p.is_some()))
-        .expect("a frame with the diff's pages");
-    let key = format!("frames/{}", piece.h);
-    let server = PeerServer::start(
-        "127.0.0.1:0".parse().unwrap(),
-        Arc::clone(&frames),
-        Arc::clone(&held),
-    )
-    .unwrap();
-    let peer = Client::peer(&format!("http://{}", server.addr())).unwrap();
+    let key = piece_key(&chain);
+    let (server, peer) = serve(&frames, &held);
     let mut g = c.benchmark_group("move-peer-get");
     g.sample_size(50).measurement_time(Duration::from_secs(5));
     g.bench_function("a-64KiB-piece-over-loopback", |b| {
@@ -148,20 +136,8 @@ fn bench(c: &mut Criterion) {
         .unwrap()
         .unwrap();
     let chain = Snapshot::parse(&diff, &named.manifest).unwrap();
-    let piece = chain
-        .manifest
-        .frames
-        .iter()
-        .find_map(|stack| stack.iter().find(|p| p.p.is_some()))
-        .expect("a frame with the diff's pages");
-    let key_later = format!("frames/{}", piece.h);
-    let server_later = PeerServer::start(
-        "127.0.0.1:0".parse().unwrap(),
-        Arc::clone(&later),
-        Arc::clone(&held),
-    )
-    .unwrap();
-    let peer_later = Client::peer(&format!("http://{}", server_later.addr())).unwrap();
+    let key_later = piece_key(&chain);
+    let (server_later, peer_later) = serve(&later, &held);
     g.bench_function("a-64KiB-piece-named-later-over-loopback", |b| {
         b.iter(|| peer_later.get(&key_later).unwrap().expect("held"))
     });
@@ -169,6 +145,29 @@ fn bench(c: &mut Criterion) {
     drop(server);
     drop(server_later);
     let _ = std::fs::remove_file(&diff_file);
+}
+
+/// The key of the first piece of the diff's pages in `chain`.
+fn piece_key(chain: &Snapshot) -> String {
+    let piece = chain
+        .manifest
+        .frames
+        .iter()
+        .find_map(|stack| stack.iter().find(|p| p.p.is_some()))
+        .expect("a frame with the diff's pages");
+    format!("frames/{}", piece.h)
+}
+
+/// `frames` served by a source's page server on loopback, and a client of it.
+fn serve(frames: &Arc<HeldFrames>, held: &Arc<Client>) -> (PeerServer, Client) {
+    let server = PeerServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        Arc::clone(frames),
+        Arc::clone(held),
+    )
+    .unwrap();
+    let peer = Client::peer(&format!("http://{}", server.addr())).unwrap();
+    (server, peer)
 }
 
 criterion_group!(benches, bench);

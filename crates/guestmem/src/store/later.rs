@@ -20,7 +20,7 @@ use std::path::Path;
 
 use super::cut::{diff_mask, DiffKind};
 use super::held::HeldFrames;
-use super::manifest::{Piece, Snapshot, StoreManifest, FORMAT, VERSION};
+use super::manifest::{created_now, Piece, Snapshot, StoreManifest, FORMAT, VERSION};
 use super::push::open_raw_diff;
 use super::source::mask_runs;
 use super::url::StoreUrl;
@@ -90,9 +90,7 @@ pub fn name_later(
         format: FORMAT.into(),
         version: VERSION,
         name: url.name.clone(),
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() as i64),
+        created: created_now(),
         frame_bytes: fb,
         memory_bytes: mb,
         base: Some(base.url.name.clone()),

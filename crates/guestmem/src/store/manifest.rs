@@ -64,6 +64,13 @@ pub struct StoreManifest {
     pub frames: Vec<Vec<PieceRef>>,
 }
 
+/// Now, as a manifest's `created`: seconds since the epoch (0 on a clock before it).
+pub(crate) fn created_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
 /// One piece of a frame, as stored.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

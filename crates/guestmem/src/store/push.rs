@@ -18,7 +18,9 @@ use super::cut::{Counters, Job, Reader};
 use super::fetch::{FetchPolicy, Frames};
 use super::held::HeldFrames;
 use super::lease::Lease;
-use super::manifest::{check_frame_bytes, Piece, Snapshot, StoreManifest, FORMAT, VERSION};
+use super::manifest::{
+    check_frame_bytes, created_now, Piece, Snapshot, StoreManifest, FORMAT, VERSION,
+};
 use super::memory::read_snapshot;
 use super::source::{check_len, image_regions, working_frames};
 use super::url::{frame_key, StoreUrl};
@@ -302,9 +304,7 @@ fn push_to(
         format: FORMAT.into(),
         version: VERSION,
         name: url.name.clone(),
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs() as i64),
+        created: created_now(),
         frame_bytes,
         memory_bytes,
         base: base_name,
