@@ -31,7 +31,8 @@ pub struct FetchPolicy {
     pub deadline: Duration,
     /// One attempt's limit (within the deadline).
     pub attempt: Duration,
-    /// Read-ahead GETs in flight at once, all VMs together.
+    /// Read-ahead GETs in flight at once, all VMs together (64 by default: enough to keep a
+    /// store with a 20 ms first byte busy, and the prefetch asks for 64 frames ahead).
     pub ahead_gets: usize,
 }
 
@@ -40,7 +41,7 @@ impl Default for FetchPolicy {
         FetchPolicy {
             deadline: Duration::from_secs(30),
             attempt: Duration::from_secs(10),
-            ahead_gets: 16,
+            ahead_gets: 64,
         }
     }
 }
