@@ -66,6 +66,7 @@ impl S3Server {
                         fs,
                         root: fs_root,
                         etags: Default::default(),
+                        writes: std::array::from_fn(|_| tokio::sync::Mutex::new(())),
                     });
                     b.set_auth(SimpleAuth::from_single(ACCESS_KEY, SECRET_KEY));
                     let service = b.build();
@@ -151,15 +152,41 @@ struct ReadWhole {
     fs: s3s_fs::FileSystem,
     root: PathBuf,
     /// The ETag s3s-fs gave each object it stored through a plain PUT (no metadata, no
-    /// checksum: nothing else a GET would answer), with the file's length and time then.
+    /// checksum: nothing else a GET would answer), with its file as it was then.
     etags: std::sync::Mutex<std::collections::HashMap<PathBuf, Stored>>,
+    /// Writes of one key (by a hash of its path) one at a time, each with its look at the
+    /// file after: an ETag is never kept beside another write's file.
+    writes: [tokio::sync::Mutex<()>; 64],
 }
 
 /// What a plain PUT left.
 struct Stored {
     etag: ETag,
+    file: FileId,
+}
+
+/// A file as written: s3s-fs writes every object to a new file and renames it into place,
+/// so any later write makes another.
+#[derive(PartialEq, Eq, Clone, Copy)]
+struct FileId {
+    dev: u64,
+    ino: u64,
     len: u64,
-    modified: std::time::SystemTime,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl FileId {
+    fn of(m: &std::fs::Metadata) -> FileId {
+        use std::os::unix::fs::MetadataExt;
+        FileId {
+            dev: m.dev(),
+            ino: m.ino(),
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        }
+    }
 }
 
 /// A body that is one buffer, its length known (`Content-Length`, as s3s-fs sends).
@@ -191,12 +218,12 @@ fn body_start(range: Option<&str>) -> Option<u64> {
     }
 }
 
-/// `len` bytes of `path` from `start`, read on a blocking thread in one read.
-async fn read_range(path: PathBuf, start: u64, len: u64) -> S3Result<StreamingBlob> {
+/// `file`'s bytes `range`, read on a blocking thread in one read.
+async fn read_range(file: std::fs::File, range: std::ops::Range<u64>) -> S3Result<StreamingBlob> {
     let read = move || -> std::io::Result<Vec<u8>> {
         use std::os::unix::fs::FileExt;
-        let mut buf = vec![0u8; len as usize];
-        std::fs::File::open(&path)?.read_exact_at(&mut buf, start)?;
+        let mut buf = vec![0u8; (range.end - range.start) as usize];
+        file.read_exact_at(&mut buf, range.start)?;
         Ok(buf)
     };
     let buf = tokio::task::spawn_blocking(read)
@@ -248,40 +275,50 @@ impl ReadWhole {
         (plain(bucket) && plain(key)).then(|| self.root.join(bucket).join(key))
     }
 
+    /// The lock of writes to `bucket`/`key`.
+    fn writes_of(&self, bucket: &str, key: &str) -> &tokio::sync::Mutex<()> {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (bucket, key).hash(&mut h);
+        &self.writes[h.finish() as usize % self.writes.len()]
+    }
+
     async fn put(&self, req: S3Request<PutObjectInput>) -> S3Result<S3Response<PutObjectOutput>> {
-        let path = self
-            .path(&req.input.bucket, &req.input.key)
-            .filter(|_| plain_put(&req.input));
-        let resp = self.fs.put_object(req).await?;
-        if let Some(path) = path {
-            let mut etags = self.etags.lock().expect("etags");
-            match (&resp.output.e_tag, std::fs::metadata(&path)) {
-                (Some(etag), Ok(m)) if m.modified().is_ok() => {
-                    let stored = Stored {
+        let (bucket, key) = (req.input.bucket.clone(), req.input.key.clone());
+        let _one = self.writes_of(&bucket, &key).lock().await;
+        let path = self.path(&bucket, &key);
+        let plain = plain_put(&req.input);
+        let resp = self.fs.put_object(req).await;
+        let Some(path) = path else { return resp };
+        let mut etags = self.etags.lock().expect("etags");
+        etags.remove(&path);
+        if let (true, Ok(r), Ok(m)) = (plain, &resp, std::fs::metadata(&path)) {
+            if let Some(etag) = &r.output.e_tag {
+                let file = FileId::of(&m);
+                etags.insert(
+                    path,
+                    Stored {
                         etag: etag.clone(),
-                        len: m.len(),
-                        modified: m.modified().expect("checked"),
-                    };
-                    etags.insert(path, stored);
-                }
-                _ => {
-                    etags.remove(&path);
-                }
+                        file,
+                    },
+                );
             }
         }
-        Ok(resp)
+        resp
     }
 
     async fn get(&self, req: S3Request<GetObjectInput>) -> S3Result<S3Response<GetObjectOutput>> {
         let path = self.path(&req.input.bucket, &req.input.key);
         if let Some(path) = path.as_ref().filter(|_| plain_get(&req.input)) {
-            // An object stored by a plain PUT and unchanged since: answered as s3s-fs would,
-            // without reading it twice (s3s-fs reads it all for its MD5 on every GET).
-            let known = std::fs::metadata(path).ok().and_then(|m| {
+            // An object stored by a plain PUT, its file the one that PUT left: answered as
+            // s3s-fs would, without reading it twice (s3s-fs reads it all for its MD5 on
+            // every GET). Checked and read through one descriptor.
+            let file = std::fs::File::open(path).ok();
+            let known = file.as_ref().and_then(|f| {
+                let id = FileId::of(&f.metadata().ok()?);
                 let etags = self.etags.lock().expect("etags");
-                let s = etags.get(path)?;
-                (s.len == m.len() && m.modified().ok()? == s.modified)
-                    .then(|| (s.etag.clone(), s.len, s.modified))
+                let s = etags.get(path).filter(|s| s.file == id)?;
+                Some((s.etag.clone(), id.len, f.metadata().ok()?.modified().ok()?))
             });
             let range = |len| match &req.input.range {
                 None => Some((0..len, None)),
@@ -291,13 +328,13 @@ impl ReadWhole {
                     Some((r, Some(cr)))
                 }
             };
-            if let Some((etag, len, modified)) = known {
+            if let (Some(file), Some((etag, len, modified))) = (file, known) {
                 if let Some((r, content_range)) =
                     range(len).filter(|(r, _)| r.end - r.start <= READ_WHOLE_MAX)
                 {
                     let output = GetObjectOutput {
-                        body: Some(read_range(path.clone(), r.start, r.end - r.start).await?),
                         content_length: Some((r.end - r.start) as i64),
+                        body: Some(read_range(file, r).await?),
                         content_range,
                         last_modified: Some(Timestamp::from(modified)),
                         e_tag: Some(etag),
@@ -307,7 +344,8 @@ impl ReadWhole {
                 }
             }
         }
-        // s3s-fs answers; only its body is replaced.
+        // s3s-fs answers; only its body is replaced (read through the file it opened's
+        // path again, checked to be the same file).
         let mut resp = self.fs.get_object(req).await?;
         let out = &mut resp.output;
         if let (Some(path), Some(len), Some(start)) = (
@@ -317,14 +355,71 @@ impl ReadWhole {
                 .filter(|&l| l <= READ_WHOLE_MAX),
             body_start(out.content_range.as_deref()),
         ) {
-            out.body = Some(read_range(path, start, len).await?);
+            let same = |f: &std::fs::File| {
+                let t = f.metadata().ok()?.modified().ok()?;
+                (Some(Timestamp::from(t)) == out.last_modified).then_some(())
+            };
+            if let Some(f) = std::fs::File::open(&path)
+                .ok()
+                .filter(|f| same(f).is_some())
+            {
+                out.body = Some(read_range(f, start..start + len).await?);
+            }
         }
         Ok(resp)
     }
+
+    async fn copy(
+        &self,
+        req: S3Request<CopyObjectInput>,
+    ) -> S3Result<S3Response<CopyObjectOutput>> {
+        let (bucket, key) = (req.input.bucket.clone(), req.input.key.clone());
+        let _one = self.writes_of(&bucket, &key).lock().await;
+        self.forget(&bucket, &key);
+        self.fs.copy_object(req).await
+    }
+
+    async fn complete(
+        &self,
+        req: S3Request<CompleteMultipartUploadInput>,
+    ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
+        let (bucket, key) = (req.input.bucket.clone(), req.input.key.clone());
+        let _one = self.writes_of(&bucket, &key).lock().await;
+        self.forget(&bucket, &key);
+        self.fs.complete_multipart_upload(req).await
+    }
+
+    async fn delete(
+        &self,
+        req: S3Request<DeleteObjectInput>,
+    ) -> S3Result<S3Response<DeleteObjectOutput>> {
+        let (bucket, key) = (req.input.bucket.clone(), req.input.key.clone());
+        let _one = self.writes_of(&bucket, &key).lock().await;
+        self.forget(&bucket, &key);
+        self.fs.delete_object(req).await
+    }
+
+    async fn delete_many(
+        &self,
+        req: S3Request<DeleteObjectsInput>,
+    ) -> S3Result<S3Response<DeleteObjectsOutput>> {
+        let bucket = req.input.bucket.clone();
+        for o in &req.input.delete.objects {
+            self.forget(&bucket, &o.key);
+        }
+        self.fs.delete_objects(req).await
+    }
+
+    /// An object about to be written or deleted: its ETag no longer known.
+    fn forget(&self, bucket: &str, key: &str) {
+        if let Some(p) = self.path(bucket, key) {
+            self.etags.lock().expect("etags").remove(&p);
+        }
+    }
 }
 
-/// `impl S3 for ReadWhole`: `get_object` and `put_object` as above, every other operation
-/// s3s-fs implements passed to it as it is.
+/// `impl S3 for ReadWhole`: reads and writes as above (each write forgets the ETag kept for
+/// its key), every other operation s3s-fs implements passed to it as it is.
 macro_rules! s3_passing_to_s3s_fs {
     ($($op:ident($input:ty) -> $output:ty;)*) => {
         #[async_trait::async_trait]
@@ -341,6 +436,30 @@ macro_rules! s3_passing_to_s3s_fs {
             ) -> S3Result<S3Response<PutObjectOutput>> {
                 self.put(req).await
             }
+            async fn copy_object(
+                &self,
+                req: S3Request<CopyObjectInput>,
+            ) -> S3Result<S3Response<CopyObjectOutput>> {
+                self.copy(req).await
+            }
+            async fn complete_multipart_upload(
+                &self,
+                req: S3Request<CompleteMultipartUploadInput>,
+            ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
+                self.complete(req).await
+            }
+            async fn delete_object(
+                &self,
+                req: S3Request<DeleteObjectInput>,
+            ) -> S3Result<S3Response<DeleteObjectOutput>> {
+                self.delete(req).await
+            }
+            async fn delete_objects(
+                &self,
+                req: S3Request<DeleteObjectsInput>,
+            ) -> S3Result<S3Response<DeleteObjectsOutput>> {
+                self.delete_many(req).await
+            }
             $(
                 async fn $op(&self, req: S3Request<$input>) -> S3Result<S3Response<$output>> {
                     self.fs.$op(req).await
@@ -352,10 +471,7 @@ macro_rules! s3_passing_to_s3s_fs {
 
 s3_passing_to_s3s_fs! {
     create_bucket(CreateBucketInput) -> CreateBucketOutput;
-    copy_object(CopyObjectInput) -> CopyObjectOutput;
     delete_bucket(DeleteBucketInput) -> DeleteBucketOutput;
-    delete_object(DeleteObjectInput) -> DeleteObjectOutput;
-    delete_objects(DeleteObjectsInput) -> DeleteObjectsOutput;
     get_bucket_location(GetBucketLocationInput) -> GetBucketLocationOutput;
     head_bucket(HeadBucketInput) -> HeadBucketOutput;
     head_object(HeadObjectInput) -> HeadObjectOutput;
@@ -366,7 +482,6 @@ s3_passing_to_s3s_fs! {
     upload_part(UploadPartInput) -> UploadPartOutput;
     upload_part_copy(UploadPartCopyInput) -> UploadPartCopyOutput;
     list_parts(ListPartsInput) -> ListPartsOutput;
-    complete_multipart_upload(CompleteMultipartUploadInput) -> CompleteMultipartUploadOutput;
     abort_multipart_upload(AbortMultipartUploadInput) -> AbortMultipartUploadOutput;
 }
 
@@ -424,7 +539,20 @@ mod tests {
                 assert!(store.get_range(key, 400_000..400_010).await.is_err());
             }
             assert_eq!(etags[0], etags[1], "both are the MD5 of the same bytes");
-            // Replaced, then deleted: never the old bytes.
+            // Replaced (by a PUT of the same length, by a copy), then deleted: never the old
+            // bytes, never the old ETag.
+            let other: Vec<u8> = data.iter().map(|b| b ^ 0x5a).collect();
+            store
+                .put(plain, PutPayload::from(other.clone()))
+                .await
+                .unwrap();
+            let got = store.get(plain).await.unwrap();
+            assert_ne!(got.meta.e_tag.as_ref(), Some(&etags[0]));
+            assert_eq!(&got.bytes().await.unwrap()[..], &other[..]);
+            store.copy(attrs, plain).await.unwrap();
+            let got = store.get(plain).await.unwrap();
+            assert_eq!(got.meta.e_tag.as_ref(), Some(&etags[1]));
+            assert_eq!(&got.bytes().await.unwrap()[..], &data[..]);
             store
                 .put(plain, PutPayload::from(vec![9u8; 1000]))
                 .await
