@@ -277,13 +277,14 @@ impl Client {
     }
 
     /// The object at `key` if it is at most `max` bytes (its length is checked before its
-    /// body is read: a store or a move's source cannot make this read more), `None` when
-    /// there is none.
+    /// body is read: a store or a move's source cannot make this read more), with how long
+    /// its answer's first byte took; `None` when there is none.
     pub(crate) async fn get_capped(
         &self,
         key: &str,
         max: u64,
-    ) -> Result<Option<Bytes>, StoreError> {
+    ) -> Result<Option<(Bytes, std::time::Duration)>, StoreError> {
+        let sent = std::time::Instant::now();
         let r = match self.store.get(&ObjectPath::from(key)).await {
             Ok(r) => r,
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
@@ -297,8 +298,9 @@ impl Client {
                 permanent: true,
             });
         }
+        let first_byte = sent.elapsed();
         match r.bytes().await {
-            Ok(b) if b.len() as u64 <= max => Ok(Some(b)),
+            Ok(b) if b.len() as u64 <= max => Ok(Some((b, first_byte))),
             Ok(b) => Err(StoreError::Request {
                 op: "GET",
                 url: self.url(key),

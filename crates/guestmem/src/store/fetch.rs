@@ -2,15 +2,16 @@
 //! however many VMs fault on a frame at once (one flight per frame, the others wait on it),
 //! checked against the frame's hash, retried with backoff while the faulting vCPU waits, up
 //! to a deadline. Read-ahead (`Frames::ahead`) fetches many frames at once in the
-//! background, bounded, so that a fault's own GET never waits behind it; while a fault
-//! waits on a GET of its own, no new read-ahead GET starts (for at most
-//! [`AHEAD_DEFER_MAX`] each). During a move,
+//! background, bounded, so that a fault's own GET never waits behind it: the bound shrinks
+//! while the store's answers show a queue (`gate.rs`), and while a fault waits on a GET of
+//! its own, no new read-ahead GET starts (for at most [`AHEAD_DEFER_MAX`] each). During a
+//! move,
 //! the frames the move's diff brought are owed by its source host (`Frames::follow`): they
 //! are fetched from there on the same path (flights, checks, retries, the deadline) until
 //! the store holds them (`Frames::release`).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -20,7 +21,9 @@ use super::url::frame_key;
 use super::StoreError;
 use crate::restore::latency::{Histogram, LatencySummary};
 
+mod gate;
 mod named;
+use gate::{AheadGate, Faults, AHEAD_DEFER_MAX};
 use named::Later;
 
 /// How frames are fetched.
@@ -31,8 +34,10 @@ pub struct FetchPolicy {
     pub deadline: Duration,
     /// One attempt's limit (within the deadline).
     pub attempt: Duration,
-    /// Read-ahead GETs in flight at once, all VMs together (64 by default: enough to keep a
-    /// store with a 20 ms first byte busy, and the prefetch asks for 64 frames ahead).
+    /// Read-ahead GETs in flight at once at most, all VMs together (64 by default: enough
+    /// to keep a store with a 20 ms first byte busy, and the prefetch asks for 64 frames
+    /// ahead). Fewer go while the store's answers show a queue that a fault's own GET would
+    /// wait in (`fetch/gate.rs`), down to 4.
     pub ahead_gets: usize,
 }
 
@@ -112,11 +117,10 @@ pub struct Frames {
     cache: Option<Arc<FrameCache>>,
     policy: FetchPolicy,
     flights: Mutex<HashMap<[u8; 32], tokio::sync::watch::Receiver<Option<Outcome>>>>,
-    ahead: Arc<tokio::sync::Semaphore>,
-    /// Faults waiting on a GET of their own: while any does, no new read-ahead GET starts.
-    faults_fetching: AtomicUsize,
-    /// Woken when `faults_fetching` drops to 0.
-    faults_clear: tokio::sync::Notify,
+    /// Read-ahead's turns: at most `ahead_gets`, fewer while the store's answers show a queue.
+    ahead: Arc<AheadGate>,
+    /// Faults waiting on a GET of their own (read-ahead holds back while any does).
+    faults: Faults,
     follow: Mutex<Option<Arc<Follow>>>,
     /// Pieces of a move's diff named later, by placeholder (while the move's VM is served).
     later: Mutex<HashMap<[u8; 32], Later>>,
@@ -136,11 +140,10 @@ impl Frames {
         Arc::new(Frames {
             client,
             cache,
-            ahead: Arc::new(tokio::sync::Semaphore::new(policy.ahead_gets.max(1))),
+            ahead: AheadGate::new(policy.ahead_gets),
             policy,
             flights: Mutex::new(HashMap::new()),
-            faults_fetching: AtomicUsize::new(0),
-            faults_clear: tokio::sync::Notify::new(),
+            faults: Faults::default(),
             follow: Mutex::new(None),
             later: Mutex::new(HashMap::new()),
             any_later: std::sync::atomic::AtomicBool::new(false),
@@ -246,22 +249,9 @@ impl Frames {
             }
             Ok(tx) => {
                 // A fault's own GET goes ahead of read-ahead (a prefetch thread's does not).
-                let _first = (!crate::restore::is_prefetcher()).then(|| FaultFirst::new(self));
+                let _first = (!crate::restore::is_prefetcher()).then(|| self.faults.first());
                 self.lead(hash, len, tx, false).await
             }
-        }
-    }
-
-    /// Returns once no fault waits on a GET of its own.
-    async fn after_faults(&self) {
-        loop {
-            let clear = self.faults_clear.notified();
-            tokio::pin!(clear);
-            clear.as_mut().enable();
-            if self.faults_fetching.load(Ordering::Acquire) == 0 {
-                return;
-            }
-            clear.await;
         }
     }
 
@@ -362,8 +352,11 @@ impl Frames {
             )
             .await;
             let last = match got {
-                Ok(Ok(Some(obj))) => {
+                Ok(Ok(Some((obj, first_byte)))) => {
                     self.counters.latency.record(sent.elapsed());
+                    if peer.is_none() {
+                        self.ahead.answered(first_byte);
+                    }
                     self.counters.bytes.fetch_add(obj.len() as u64, Ordering::Relaxed);
                     if peer.is_some() {
                         self.counters.peer_latency.record(sent.elapsed());
@@ -414,6 +407,9 @@ impl Frames {
                 Ok(Err(e)) => e.to_string(),
                 Err(_) => format!("no answer within {:?}", left.min(self.policy.attempt)),
             };
+            if peer.is_none() {
+                self.ahead.failed();
+            }
             self.counters.errors.fetch_add(1, Ordering::Relaxed);
             let left = self.policy.deadline.saturating_sub(t0.elapsed());
             if left.is_zero() {
@@ -454,12 +450,12 @@ impl Frames {
             let me = Arc::clone(self);
             let gate = Arc::clone(&self.ahead);
             self.client.handle().spawn(async move {
-                let Ok(_permit) = gate.acquire_owned().await else {
+                let Some(_turn) = gate.turn().await else {
                     return;
                 };
                 // Never held back for long: a fault retrying toward a store (or a move's
                 // source) that went away must not stop every VM's read-ahead.
-                let _ = tokio::time::timeout(AHEAD_DEFER_MAX, me.after_faults()).await;
+                let _ = tokio::time::timeout(AHEAD_DEFER_MAX, me.faults.after()).await;
                 // A fault may have fetched it while this waited for its turn.
                 if me
                     .cache
@@ -480,27 +476,6 @@ impl Frames {
                 me.counters.ahead.fetch_add(1, Ordering::Relaxed);
                 let _ = me.lead(hash, len, tx, true).await;
             });
-        }
-    }
-}
-
-/// The longest a read-ahead GET defers to faults' own GETs before it goes anyway.
-const AHEAD_DEFER_MAX: Duration = Duration::from_millis(100);
-
-/// A fault fetching a frame itself, counted while it waits (read-ahead holds back).
-struct FaultFirst<'a>(&'a Frames);
-
-impl<'a> FaultFirst<'a> {
-    fn new(f: &'a Frames) -> FaultFirst<'a> {
-        f.faults_fetching.fetch_add(1, Ordering::AcqRel);
-        FaultFirst(f)
-    }
-}
-
-impl Drop for FaultFirst<'_> {
-    fn drop(&mut self) {
-        if self.0.faults_fetching.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.faults_clear.notify_waiters();
         }
     }
 }

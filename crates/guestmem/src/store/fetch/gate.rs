@@ -1,0 +1,276 @@
+//! Read-ahead that yields to faults. While a fault waits on a GET of its own, no new
+//! read-ahead GET starts (`Faults`, for at most [`AHEAD_DEFER_MAX`]). And how many may be
+//! in flight (`AheadGate`) is set by what the store's answers say about the
+//! queue they wait in, so that read-ahead yields to faults. The idea is LEDBAT's (RFC 6817,
+//! the congestion control of background transfers): the least latency seen lately is the
+//! store's own; anything above it is queueing, which read-ahead adds and a fault's own GET
+//! then waits behind. The latency taken is a GET's time to its answer's first byte, so
+//! that it does not grow with the object's size. While the queueing stays under half of
+//! [`TARGET`], one more GET may go; past `TARGET` (or on a GET that failed or timed out),
+//! an eighth fewer (at most once per [`CUT_EVERY`] or per least latency, whichever is
+//! longer: the GETs in flight answer with the queue they met before a cut), down to
+//! [`MIN`]. A store far away with bandwidth to spare keeps the limit high (its latency is
+//! its own, not a queue's); a store whose link or server is saturated keeps it as low as
+//! still fills it.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Queueing read-ahead may add to what a fault's own GET waits (the bound on a
+/// demand miss is the store's first byte plus 10 ms).
+pub(super) const TARGET: Duration = Duration::from_millis(10);
+/// The fewest read-ahead GETs let through (enough to keep a near store busy).
+pub(super) const MIN: usize = 4;
+/// The least latency is taken over this long (twice: this epoch and the one before), so
+/// that a store that became slower for good is not thought queued for ever.
+const EPOCH: Duration = Duration::from_secs(4);
+/// At most one cut this often (or once per least latency, if longer).
+const CUT_EVERY: Duration = Duration::from_millis(20);
+
+#[derive(Debug)]
+pub(super) struct AheadGate {
+    sem: Arc<Semaphore>,
+    max: usize,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Permits the gate means to have (in flight and free).
+    limit: usize,
+    /// Permits to forget as they come back (a cut larger than the free permits).
+    debt: usize,
+    /// Least latency of this epoch and of the one before.
+    least: [Option<Duration>; 2],
+    epoch: Instant,
+    last_cut: Option<Instant>,
+}
+
+/// One read-ahead GET's turn; given back (or forgotten, after a cut) on drop.
+#[derive(Debug)]
+pub(super) struct Turn {
+    permit: Option<OwnedSemaphorePermit>,
+    gate: Arc<AheadGate>,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        let Some(p) = self.permit.take() else { return };
+        // Given back under the lock, so that a cut never counts it as taken once it is free.
+        let mut s = self.gate.lock();
+        if s.debt > 0 {
+            s.debt -= 1;
+            p.forget();
+        } else {
+            drop(p);
+        }
+    }
+}
+
+impl AheadGate {
+    /// A gate of at most `max` at once, starting at a quarter of it.
+    pub(super) fn new(max: usize) -> Arc<AheadGate> {
+        let max = max.max(1);
+        let start = (max / 4).clamp(MIN.min(max), max);
+        Arc::new(AheadGate {
+            sem: Arc::new(Semaphore::new(start)),
+            max,
+            state: Mutex::new(State {
+                limit: start,
+                debt: 0,
+                least: [None, None],
+                epoch: Instant::now(),
+                last_cut: None,
+            }),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits for a turn; `None` once the gate is closed (never, today).
+    pub(super) async fn turn(self: &Arc<Self>) -> Option<Turn> {
+        let permit = Arc::clone(&self.sem).acquire_owned().await.ok()?;
+        Some(Turn {
+            permit: Some(permit),
+            gate: Arc::clone(self),
+        })
+    }
+
+    /// The limit now.
+    #[cfg(test)]
+    fn limit(&self) -> usize {
+        self.lock().limit
+    }
+
+    /// One GET answered from the store (read-ahead's or a fault's), its first byte after
+    /// `latency`.
+    pub(super) fn answered(&self, latency: Duration) {
+        self.answered_at(latency, Instant::now());
+    }
+
+    /// One GET to the store that failed or timed out: taken as a queue.
+    pub(super) fn failed(&self) {
+        self.failed_at(Instant::now());
+    }
+
+    fn failed_at(&self, now: Instant) {
+        let mut s = self.lock();
+        let least = s.least.iter().flatten().min().copied().unwrap_or_default();
+        self.cut(&mut s, least, now);
+    }
+
+    fn cut(&self, s: &mut State, least: Duration, now: Instant) {
+        let every = CUT_EVERY.max(least);
+        let due = s.last_cut.is_none_or(|t| now.duration_since(t) >= every);
+        let floor = MIN.min(self.max);
+        if due && s.limit > floor {
+            let cut = (s.limit - (s.limit * 7 / 8).max(floor)).max(1);
+            s.limit -= cut;
+            s.last_cut = Some(now);
+            let forgotten = self.sem.forget_permits(cut);
+            s.debt += cut - forgotten;
+        }
+    }
+
+    fn answered_at(&self, latency: Duration, now: Instant) {
+        let mut s = self.lock();
+        let since = now.duration_since(s.epoch);
+        if since >= EPOCH {
+            // After a long quiet spell, nothing seen before it counts.
+            s.least = [None, if since >= 2 * EPOCH { None } else { s.least[0] }];
+            s.epoch = now;
+        }
+        s.least[0] = Some(s.least[0].map_or(latency, |l| l.min(latency)));
+        let least = s.least.iter().flatten().min().copied().unwrap_or(latency);
+        let queued = latency.saturating_sub(least);
+        if queued > TARGET {
+            self.cut(&mut s, least, now);
+        } else if queued <= TARGET / 2 && s.limit < self.max {
+            s.limit += 1;
+            if s.debt > 0 {
+                s.debt -= 1;
+            } else {
+                self.sem.add_permits(1);
+            }
+        }
+    }
+}
+
+/// The longest a read-ahead GET defers to faults' own GETs before it goes anyway.
+pub(super) const AHEAD_DEFER_MAX: Duration = Duration::from_millis(100);
+
+/// Faults fetching a frame themselves: while any does, no new read-ahead GET starts.
+#[derive(Debug, Default)]
+pub(super) struct Faults {
+    fetching: AtomicUsize,
+    /// Woken when `fetching` drops to 0.
+    clear: tokio::sync::Notify,
+}
+
+/// A fault fetching a frame itself, counted while it waits.
+pub(super) struct FaultFirst<'a>(&'a Faults);
+
+impl Faults {
+    /// Counts a fault's own GET until the guard drops.
+    pub(super) fn first(&self) -> FaultFirst<'_> {
+        self.fetching.fetch_add(1, Ordering::AcqRel);
+        FaultFirst(self)
+    }
+
+    /// Returns once no fault waits on a GET of its own.
+    pub(super) async fn after(&self) {
+        loop {
+            let clear = self.clear.notified();
+            tokio::pin!(clear);
+            clear.as_mut().enable();
+            if self.fetching.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            clear.await;
+        }
+    }
+}
+
+impl Drop for FaultFirst<'_> {
+    fn drop(&mut self) {
+        if self.0.fetching.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.clear.notify_waiters();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn a_far_store_with_no_queue_opens_the_gate_a_queued_one_closes_it_to_the_floor() {
+        let g = AheadGate::new(64);
+        assert_eq!(g.limit(), 16);
+        let t0 = Instant::now();
+        // 20 ms of first byte, always: the store's own latency, not a queue.
+        for i in 0..100 {
+            g.answered_at(ms(20), t0 + ms(i));
+        }
+        assert_eq!(g.limit(), 64);
+        assert_eq!(g.sem.available_permits(), 64);
+        // A queue builds: 40 ms answers, a cut per 20 ms at most.
+        for i in 0..30 {
+            g.answered_at(ms(40), t0 + ms(100 + i * 21));
+        }
+        assert_eq!(g.limit(), MIN);
+        assert_eq!(g.sem.available_permits(), MIN);
+        // The queue drains: it opens again.
+        for i in 0..10 {
+            g.answered_at(ms(21), t0 + ms(2000 + i));
+        }
+        assert_eq!(g.limit(), MIN + 10);
+    }
+
+    #[test]
+    fn a_cut_while_every_turn_is_taken_is_paid_as_turns_come_back() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let g = AheadGate::new(16);
+        assert_eq!(g.limit(), 4);
+        let t0 = Instant::now();
+        for i in 0..12 {
+            g.answered_at(ms(1), t0 + ms(i));
+        }
+        assert_eq!(g.limit(), 16);
+        let turns: Vec<Turn> = (0..16).map(|_| rt.block_on(g.turn()).unwrap()).collect();
+        g.answered_at(ms(30), t0 + ms(100));
+        assert_eq!(g.limit(), 14);
+        assert_eq!(g.lock().debt, 2);
+        drop(turns);
+        assert_eq!(g.lock().debt, 0);
+        assert_eq!(g.sem.available_permits(), 14);
+        // A GET that failed is a queue too.
+        g.failed_at(t0 + ms(200));
+        assert_eq!(g.limit(), 12);
+        assert_eq!(g.sem.available_permits(), 12);
+    }
+
+    #[test]
+    fn a_store_slower_for_good_is_not_thought_queued_after_two_epochs() {
+        let g = AheadGate::new(64);
+        let t0 = Instant::now();
+        g.answered_at(ms(1), t0);
+        for i in 1..=3 {
+            g.answered_at(ms(50), t0 + EPOCH * i);
+        }
+        let before = g.limit();
+        g.answered_at(ms(50), t0 + EPOCH * 3 + ms(1));
+        assert_eq!(g.limit(), before + 1, "50 ms is its own latency now");
+    }
+}
