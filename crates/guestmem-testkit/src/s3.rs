@@ -369,34 +369,17 @@ impl ReadWhole {
         Ok(resp)
     }
 
-    async fn copy(
+    /// A write of `bucket`/`key` by s3s-fs (`op`, not started yet): alone among that key's
+    /// writes, its ETag forgotten first.
+    async fn write<T>(
         &self,
-        req: S3Request<CopyObjectInput>,
-    ) -> S3Result<S3Response<CopyObjectOutput>> {
-        let (bucket, key) = (req.input.bucket.clone(), req.input.key.clone());
-        let _one = self.writes_of(&bucket, &key).lock().await;
-        self.forget(&bucket, &key);
-        self.fs.copy_object(req).await
-    }
-
-    async fn complete(
-        &self,
-        req: S3Request<CompleteMultipartUploadInput>,
-    ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
-        let (bucket, key) = (req.input.bucket.clone(), req.input.key.clone());
-        let _one = self.writes_of(&bucket, &key).lock().await;
-        self.forget(&bucket, &key);
-        self.fs.complete_multipart_upload(req).await
-    }
-
-    async fn delete(
-        &self,
-        req: S3Request<DeleteObjectInput>,
-    ) -> S3Result<S3Response<DeleteObjectOutput>> {
-        let (bucket, key) = (req.input.bucket.clone(), req.input.key.clone());
-        let _one = self.writes_of(&bucket, &key).lock().await;
-        self.forget(&bucket, &key);
-        self.fs.delete_object(req).await
+        bucket: &str,
+        key: &str,
+        op: impl std::future::Future<Output = T>,
+    ) -> T {
+        let _one = self.writes_of(bucket, key).lock().await;
+        self.forget(bucket, key);
+        op.await
     }
 
     async fn delete_many(
@@ -440,19 +423,22 @@ macro_rules! s3_passing_to_s3s_fs {
                 &self,
                 req: S3Request<CopyObjectInput>,
             ) -> S3Result<S3Response<CopyObjectOutput>> {
-                self.copy(req).await
+                let (b, k) = (req.input.bucket.clone(), req.input.key.clone());
+                self.write(&b, &k, self.fs.copy_object(req)).await
             }
             async fn complete_multipart_upload(
                 &self,
                 req: S3Request<CompleteMultipartUploadInput>,
             ) -> S3Result<S3Response<CompleteMultipartUploadOutput>> {
-                self.complete(req).await
+                let (b, k) = (req.input.bucket.clone(), req.input.key.clone());
+                self.write(&b, &k, self.fs.complete_multipart_upload(req)).await
             }
             async fn delete_object(
                 &self,
                 req: S3Request<DeleteObjectInput>,
             ) -> S3Result<S3Response<DeleteObjectOutput>> {
-                self.delete(req).await
+                let (b, k) = (req.input.bucket.clone(), req.input.key.clone());
+                self.write(&b, &k, self.fs.delete_object(req)).await
             }
             async fn delete_objects(
                 &self,
