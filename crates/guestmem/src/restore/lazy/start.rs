@@ -203,7 +203,16 @@ impl LazyRestore {
                 if threads.handlers == Handlers::Pool {
                     // No thread of its own: the pool prefetches between faults.
                     let order = lazy.plan(&first);
-                    let in_first = order.len().min(first.len()) as u64;
+                    // The blocks of `first` that lead the order: each once, and only those
+                    // of this restore (a working set may name a block twice, or past the end).
+                    let mut named: Vec<u64> = first
+                        .iter()
+                        .copied()
+                        .filter(|&b| b < lazy.blocks.total)
+                        .collect();
+                    named.sort_unstable();
+                    named.dedup();
+                    let in_first = named.len() as u64;
                     lazy.readahead
                         .first
                         .store(in_first, std::sync::atomic::Ordering::Release);
