@@ -316,6 +316,16 @@ pub fn punch_hole(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
     })
 }
 
+/// Sets the calling thread's nice value: background work (prefetch, cache writes) below the
+/// vCPUs and the fault handlers. Best effort: a failure leaves the thread as it was.
+pub fn set_thread_nice(nice: libc::c_int) {
+    // SAFETY: gettid takes nothing; setpriority on our own thread id touches no memory.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, nice);
+    }
+}
+
 /// The soft `RLIMIT_MEMLOCK` of this process in bytes, or `None` when it is unlimited.
 pub fn memlock_limit() -> io::Result<Option<u64>> {
     let mut lim = libc::rlimit {

@@ -227,6 +227,10 @@ struct Readahead {
     fault_next: AtomicU64,
     /// The next block the prefetch follows the guest's stream with (see `Lazy::follow`).
     ahead: AtomicU64,
+    /// For memory read from elsewhere: the end of the window of blocks the follow last asked
+    /// to be fetched (`Image::ahead`), so that a stream asks for each block once, not a
+    /// window's worth of lookups per block.
+    asked: AtomicU64,
     /// For a restore whose faults a pool serves: the order its prefetch goes in, a step at a
     /// time on the pool's threads (see `Lazy::prefetch_step`), and how far it has got.
     order: OnceLock<Vec<u64>>,

@@ -168,6 +168,7 @@ impl LazyRestore {
             readahead: Readahead {
                 fault_next: AtomicU64::new(u64::MAX),
                 ahead: AtomicU64::new(u64::MAX),
+                asked: AtomicU64::new(0),
                 order: OnceLock::new(),
                 cursor: AtomicU64::new(0),
                 first: AtomicU64::new(0),
