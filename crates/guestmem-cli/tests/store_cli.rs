@@ -516,9 +516,28 @@ fn a_kill_9_mid_serve_from_the_store_loses_nothing_and_the_cache_is_reused() {
         assert!(t.elapsed() < Duration::from_secs(10), "no session record");
         std::thread::sleep(Duration::from_millis(5));
     }
-    // The first half read (8 frames fetched), then the server dies.
+    // The first half read (8 frames fetched), then, once they are kept (a frame is written
+    // to the cache after its readers have it), the server dies.
     for p in 0..SIZE / 2 / PAGE {
         assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64));
+    }
+    let kept = || {
+        let fans = std::fs::read_dir(cache.join("frames"))
+            .into_iter()
+            .flatten();
+        fans.flatten()
+            .flat_map(|f| std::fs::read_dir(f.path()).into_iter().flatten().flatten())
+            .filter(|f| !f.file_name().to_string_lossy().ends_with(".tmp"))
+            .count()
+    };
+    let t = std::time::Instant::now();
+    while kept() < 8 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{} frames kept",
+            kept()
+        );
+        std::thread::sleep(Duration::from_millis(5));
     }
     // SAFETY: kill on our own child's pid.
     assert_eq!(unsafe { libc::kill(first.id() as i32, libc::SIGKILL) }, 0);

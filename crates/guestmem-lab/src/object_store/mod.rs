@@ -411,6 +411,9 @@ impl Lab<'_> {
                 cfg.size / fb
             }
         };
+        // Its cache's writes under way finish (the rest are dropped) before its folder goes:
+        // nothing of this round is kept into the next one's cache.
+        drop((frames, status));
         let _ = std::fs::remove_dir_all(&dir);
         Ok(StoreSample {
             ws_secs: slowest(|r| r.ws),
@@ -495,6 +498,7 @@ fn run_in(cfg: &ObjectStoreLabConfig) -> Result<ObjectStoreResult, LabError> {
             let t = Instant::now();
             m.fetch_all(16).map_err(err)?;
             let secs = t.elapsed().as_secs_f64();
+            drop(m);
             let _ = std::fs::remove_dir_all(&dir);
             secs
         }

@@ -367,7 +367,12 @@ impl FrameCache {
     fn write(&self, h: &[u8; 32], plain: &[u8]) -> std::io::Result<()> {
         let path = self.path_of(h);
         let parent = path.parent().expect("in a fan-out folder");
-        std::fs::create_dir_all(parent)?;
+        // Only the fan-out folder is made: a cache whose folder was removed (a write that
+        // finished after its owner went) is never made again.
+        match std::fs::create_dir(parent) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+            _ => {}
+        }
         let tmp = parent.join(format!(
             "{}.{}.{}.tmp",
             &path.file_name().expect("named").to_string_lossy()[..16],

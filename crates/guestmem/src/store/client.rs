@@ -29,7 +29,7 @@ const RUNTIME_THREADS: usize = 2;
 /// A connection to one bucket.
 pub struct Client {
     store: Arc<dyn ObjectStore>,
-    rt: tokio::runtime::Runtime,
+    rt: Rt,
     bucket: String,
     /// What a key is named under in messages: `s3://BUCKET`, `http://HOST:PORT`, `mem://NAME`.
     shown_root: String,
@@ -151,7 +151,7 @@ impl Client {
         })?;
         Ok(Client {
             store: Arc::new(store),
-            rt: runtime(bucket)?,
+            rt: Rt(Some(runtime(bucket)?)),
             bucket: bucket.into(),
             shown_root: format!("s3://{bucket}"),
             endpoint: shown,
@@ -188,7 +188,7 @@ impl Client {
             .map_err(|e| bad(e.to_string()))?;
         Ok(Client {
             store: Arc::new(store),
-            rt: runtime(base)?,
+            rt: Rt(Some(runtime(base)?)),
             bucket: base.into(),
             shown_root: base.trim_end_matches('/').into(),
             endpoint: base.into(),
@@ -201,7 +201,7 @@ impl Client {
     pub fn in_memory(name: &str) -> Result<Client, StoreError> {
         Ok(Client {
             store: Arc::new(InMemory::new()),
-            rt: runtime(name)?,
+            rt: Rt(Some(runtime(name)?)),
             bucket: name.into(),
             shown_root: format!("mem://{name}"),
             endpoint: format!("mem://{name}"),
@@ -231,12 +231,12 @@ impl Client {
 
     /// Runs `f` to its end on the client's runtime, from a thread outside it.
     pub(crate) fn block_on<F: Future>(&self, f: F) -> F::Output {
-        self.rt.block_on(f)
+        self.rt.get().block_on(f)
     }
 
     /// The runtime, to spawn background requests on.
     pub(crate) fn handle(&self) -> &tokio::runtime::Handle {
-        self.rt.handle()
+        self.rt.get().handle()
     }
 
     /// The error of request `op` on `key`.
@@ -408,6 +408,28 @@ impl Client {
                 }),
             }
         })
+    }
+}
+
+/// A client's runtime. Dropped with the client: outside any runtime, it waits for the work
+/// under way on its blocking threads (cache writes) and drops what has not started; on one
+/// of its own threads (the last holder of the client a task of it), where a runtime cannot
+/// wait for itself, it is shut down without waiting.
+struct Rt(Option<tokio::runtime::Runtime>);
+
+impl Rt {
+    fn get(&self) -> &tokio::runtime::Runtime {
+        self.0.as_ref().expect("taken only on drop")
+    }
+}
+
+impl Drop for Rt {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            if tokio::runtime::Handle::try_current().is_ok() {
+                rt.shutdown_background();
+            }
+        }
     }
 }
 

@@ -51,6 +51,23 @@ impl Default for FetchPolicy {
     }
 }
 
+thread_local!(static NICED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+
+/// Nice value of a cache write: below prefetch (nice 5), which installs what a VM will read;
+/// a write only saves a later VM a GET.
+const KEEP_NICE: libc::c_int = 10;
+
+/// How long a `Frames` dropped waits for its frames to be kept.
+const SETTLE_ON_DROP: Duration = Duration::from_secs(10);
+
+/// Frames fetched by read-ahead that may wait to be kept at once, KiB (64 MiB).
+const KEEP_PENDING_KIB: u32 = 64 << 10;
+
+/// The share of [`KEEP_PENDING_KIB`] a frame of `len` bytes takes.
+fn pending_kib(len: usize) -> u32 {
+    (len.div_ceil(1024) as u64).clamp(1, KEEP_PENDING_KIB as u64) as u32
+}
+
 /// First wait between attempts; doubled after each, up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(20);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
@@ -110,17 +127,26 @@ struct Follow {
 
 type Outcome = Result<Arc<Vec<u8>>, Arc<StoreError>>;
 
+/// Frames being fetched, each with the channel its outcome lands on.
+type Flights = Mutex<HashMap<[u8; 32], tokio::sync::watch::Receiver<Option<Outcome>>>>;
+
 /// Fetches frames for every VM of a server.
 #[derive(Debug)]
 pub struct Frames {
     pub(crate) client: Arc<Client>,
     cache: Option<Arc<FrameCache>>,
     policy: FetchPolicy,
-    flights: Mutex<HashMap<[u8; 32], tokio::sync::watch::Receiver<Option<Outcome>>>>,
+    flights: Arc<Flights>,
     /// Read-ahead's turns: at most `ahead_gets`, fewer while the store's answers show a queue.
     ahead: Arc<AheadGate>,
     /// Faults waiting on a GET of their own (read-ahead holds back while any does).
     faults: Faults,
+    /// Cache writes at once: one per CPU (see [`Keep`]).
+    keeping: Arc<tokio::sync::Semaphore>,
+    /// Read-ahead's frames waiting to be kept, KiB (see `Frames::lead`).
+    pending: Arc<tokio::sync::Semaphore>,
+    /// Every frame waiting to be kept.
+    unkept: Unkept,
     follow: Mutex<Option<Arc<Follow>>>,
     /// Pieces of a move's diff named later, by placeholder (while the move's VM is served).
     later: Mutex<HashMap<[u8; 32], Later>>,
@@ -142,8 +168,11 @@ impl Frames {
             cache,
             ahead: AheadGate::new(policy.ahead_gets),
             policy,
-            flights: Mutex::new(HashMap::new()),
+            flights: Arc::new(Mutex::new(HashMap::new())),
             faults: Faults::default(),
+            keeping: Arc::new(tokio::sync::Semaphore::new(crate::jobs::default_threads())),
+            pending: Arc::new(tokio::sync::Semaphore::new(KEEP_PENDING_KIB as usize)),
+            unkept: Unkept::default(),
             follow: Mutex::new(None),
             later: Mutex::new(HashMap::new()),
             any_later: std::sync::atomic::AtomicBool::new(false),
@@ -196,6 +225,13 @@ impl Frames {
         f.as_ref()
             .filter(|f| f.owed.contains(hash.as_bytes()))
             .map(|f| Arc::clone(&f.peer))
+    }
+
+    /// Waits until every frame fetched so far is kept in the cache (or given up: no room, a
+    /// disk error). Frames are handed to their readers before they are written, so a caller
+    /// that needs them in the cache (a host warmed ahead) waits here.
+    pub fn settle(&self) {
+        self.unkept.wait(None);
     }
 
     /// The frame of `hash` into `dst` (its length) if the cache holds it (or it is a piece
@@ -270,23 +306,49 @@ impl Frames {
             .cache
             .as_ref()
             .and_then(|c| c.contains(&kept).then(|| c.get(&kept, len)).flatten());
-        let out = match cached {
-            Some(p) => Ok(Arc::new(p)),
+        let (out, keep) = match cached {
+            Some(p) => (Ok(Arc::new(p)), None),
             None => match self.fetch(hash, len, ahead).await {
                 Ok((p, keep)) => {
-                    if let (Some(c), Some(h)) = (&self.cache, keep) {
-                        c.put(&h, &p);
-                    }
-                    Ok(Arc::new(p))
+                    let p = Arc::new(p);
+                    let keep = self.cache.clone().zip(keep).map(|(cache, kept_as)| Keep {
+                        cache,
+                        kept_as,
+                        bytes: Arc::clone(&p),
+                        flight: hash,
+                        flights: Arc::clone(&self.flights),
+                        writers: Arc::clone(&self.keeping),
+                        _counted: self.unkept.one(),
+                    });
+                    (Ok(p), keep)
                 }
-                Err(e) => Err(Arc::new(e)),
+                Err(e) => (Err(Arc::new(e)), None),
             },
         };
+        // Its waiters first: writing it to the cache must not stand between a fault and its
+        // bytes. The flight stays until the frame is kept, so that a look meanwhile joins it
+        // instead of fetching it again.
         let _ = tx.send(Some(out.clone()));
-        self.flights
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(hash.as_bytes());
+        match keep {
+            None => landed(&self.flights, &hash),
+            Some(k) => {
+                // Read-ahead's frames wait to be kept up to KEEP_PENDING_KIB; past that,
+                // read-ahead waits here, holding its turn: it goes no faster than the cache's
+                // disk takes its frames, and what waits is bounded. (A fault's frame never
+                // waits: those are bounded by the faults in flight.)
+                let pending = match ahead {
+                    true => Arc::clone(&self.pending)
+                        .acquire_many_owned(pending_kib(len))
+                        .await
+                        .ok(),
+                    false => None,
+                };
+                self.client.handle().spawn(async move {
+                    k.run().await;
+                    drop(pending);
+                });
+            }
+        }
         out
     }
 
@@ -478,6 +540,112 @@ impl Frames {
             });
         }
     }
+}
+
+impl Drop for Frames {
+    /// The frames fetched are kept before it goes (a server stopped keeps what it fetched),
+    /// waiting at most [`SETTLE_ON_DROP`] for a slow disk; on one of the runtime's own
+    /// threads, where the writes could be waiting for that very thread, it does not wait.
+    fn drop(&mut self) {
+        if tokio::runtime::Handle::try_current().is_err() {
+            self.unkept.wait(Some(SETTLE_ON_DROP));
+        }
+    }
+}
+
+/// A fetched frame to keep in the cache, then end its flight. It holds nothing of its
+/// `Frames` but the flight map: a write still waiting never keeps the client (and its
+/// runtime) alive, and when the client goes, the writes under way finish and the others are
+/// dropped (the frame is fetched again if needed).
+struct Keep {
+    cache: Arc<FrameCache>,
+    kept_as: blake3::Hash,
+    bytes: Arc<Vec<u8>>,
+    flight: blake3::Hash,
+    flights: Arc<Flights>,
+    writers: Arc<tokio::sync::Semaphore>,
+    _counted: Unkept,
+}
+
+/// How many fetched frames wait to be kept, for [`Frames::settle`].
+#[derive(Debug, Default)]
+struct Unkept {
+    count: Arc<(Mutex<usize>, std::sync::Condvar)>,
+    /// One frame's share (made by `one`), not the count itself.
+    counted: bool,
+}
+
+impl Unkept {
+    /// One more; counted down when it is dropped (kept, given up, or dropped with the
+    /// runtime).
+    fn one(&self) -> Unkept {
+        *self.count.0.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        Unkept {
+            count: Arc::clone(&self.count),
+            counted: true,
+        }
+    }
+
+    /// Waits until none is left, or `limit` (if any) has passed.
+    fn wait(&self, limit: Option<Duration>) {
+        let (n, cv) = &*self.count;
+        let n = n.lock().unwrap_or_else(|e| e.into_inner());
+        match limit {
+            None => drop(cv.wait_while(n, |n| *n > 0)),
+            Some(l) => drop(cv.wait_timeout_while(n, l, |n| *n > 0)),
+        }
+    }
+}
+
+impl Drop for Unkept {
+    fn drop(&mut self) {
+        if self.counted {
+            let (n, cv) = &*self.count;
+            let mut n = n.lock().unwrap_or_else(|e| e.into_inner());
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                cv.notify_all();
+            }
+        }
+    }
+}
+
+impl Keep {
+    /// The write (a file made and written: 1.2 ms a frame on this project's journal-less
+    /// ext4, where making a file scans for inodes not recently freed) runs on the runtime's
+    /// blocking threads, one per CPU at [`KEEP_NICE`], never on its workers: a worker blocked
+    /// in it held up the answers to every GET behind it, a fault's own among them
+    /// (demand-miss p99 50-67 ms in the lab, with 64 read-ahead GETs landing at once).
+    async fn run(self) {
+        let Keep {
+            cache,
+            kept_as,
+            bytes,
+            flight,
+            flights,
+            writers,
+            _counted,
+        } = self;
+        if let Ok(_turn) = writers.acquire().await {
+            let _ = tokio::task::spawn_blocking(move || {
+                // Background work: below the faults a CPU is serving, and the prefetch.
+                if !NICED.with(|n| n.replace(true)) {
+                    crate::sys::set_thread_nice(KEEP_NICE);
+                }
+                cache.put(&kept_as, &bytes)
+            })
+            .await;
+        }
+        landed(&flights, &flight);
+    }
+}
+
+/// Ends the flight of `hash`.
+fn landed(flights: &Flights, hash: &blake3::Hash) {
+    flights
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(hash.as_bytes());
 }
 
 async fn wait(mut rx: tokio::sync::watch::Receiver<Option<Outcome>>) -> Outcome {

@@ -306,6 +306,8 @@ mod tests {
             assert_eq!(got.as_slice(), &want[at..at + FB as usize], "frame {i}");
         }
         assert_eq!(frames.counters.peer_gets.load(Ordering::Relaxed), 4);
+        // Kept in the background, after their readers had them.
+        frames.settle();
         for (_, h, _) in names.iter().filter(|n| n.1.is_some()) {
             assert!(cache.contains(&h.unwrap()), "kept under its hash");
         }
@@ -373,6 +375,8 @@ mod tests {
                 _ => memory.read(0, &mut all).unwrap(),
             }
             assert!(all == bytes, "pass {pass}");
+            // Kept in the background, after their readers had them.
+            frames.settle();
         }
         let c = &cache.counters;
         assert_eq!(

@@ -132,7 +132,8 @@ impl StoreMemory {
     }
 
     /// Fetches every frame that holds data into the host's cache (and checks it), on
-    /// `threads` threads: a host warmed before a burst of restores. Bytes of frames read.
+    /// `threads` threads: a host warmed before a burst of restores. It returns once they are
+    /// kept (`Frames::settle`). Bytes of frames read.
     pub fn fetch_all(&self, threads: usize) -> Result<u64, StoreError> {
         let next = std::sync::atomic::AtomicU64::new(0);
         let done = std::sync::atomic::AtomicU64::new(0);
@@ -163,6 +164,7 @@ impl StoreMemory {
                 });
             }
         });
+        self.frames.settle();
         if let Some(e) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
             return Err(StoreError::Frame {
                 url: self.snapshot.url.to_string(),
