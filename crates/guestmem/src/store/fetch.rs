@@ -22,9 +22,13 @@ use super::StoreError;
 use crate::restore::latency::{Histogram, LatencySummary};
 
 mod gate;
+mod keep;
 mod named;
+mod status;
 use gate::{AheadGate, Faults, AHEAD_DEFER_MAX};
+use keep::{landed, pending_kib, Keep, Unkept, KEEP_PENDING_KIB, SETTLE_ON_DROP};
 use named::Later;
+pub use status::StoreStatus;
 
 /// How frames are fetched.
 #[derive(Debug, Clone, Copy)]
@@ -49,23 +53,6 @@ impl Default for FetchPolicy {
             ahead_gets: 64,
         }
     }
-}
-
-thread_local!(static NICED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
-
-/// Nice value of a cache write: below prefetch (nice 5), which installs what a VM will read;
-/// a write only saves a later VM a GET.
-const KEEP_NICE: libc::c_int = 10;
-
-/// How long a `Frames` dropped waits for its frames to be kept.
-const SETTLE_ON_DROP: Duration = Duration::from_secs(10);
-
-/// Frames fetched by read-ahead that may wait to be kept at once, KiB (64 MiB).
-const KEEP_PENDING_KIB: u32 = 64 << 10;
-
-/// The share of [`KEEP_PENDING_KIB`] a frame of `len` bytes takes.
-fn pending_kib(len: usize) -> u32 {
-    (len.div_ceil(1024) as u64).clamp(1, KEEP_PENDING_KIB as u64) as u32
 }
 
 /// First wait between attempts; doubled after each, up to [`MAX_BACKOFF`].
@@ -128,7 +115,7 @@ struct Follow {
 type Outcome = Result<Arc<Vec<u8>>, Arc<StoreError>>;
 
 /// Frames being fetched, each with the channel its outcome lands on.
-type Flights = Mutex<HashMap<[u8; 32], tokio::sync::watch::Receiver<Option<Outcome>>>>;
+pub(super) type Flights = Mutex<HashMap<[u8; 32], tokio::sync::watch::Receiver<Option<Outcome>>>>;
 
 /// Fetches frames for every VM of a server.
 #[derive(Debug)]
@@ -553,101 +540,6 @@ impl Drop for Frames {
     }
 }
 
-/// A fetched frame to keep in the cache, then end its flight. It holds nothing of its
-/// `Frames` but the flight map: a write still waiting never keeps the client (and its
-/// runtime) alive, and when the client goes, the writes under way finish and the others are
-/// dropped (the frame is fetched again if needed).
-struct Keep {
-    cache: Arc<FrameCache>,
-    kept_as: blake3::Hash,
-    bytes: Arc<Vec<u8>>,
-    flight: blake3::Hash,
-    flights: Arc<Flights>,
-    writers: Arc<tokio::sync::Semaphore>,
-    _counted: Unkept,
-}
-
-/// How many fetched frames wait to be kept, for [`Frames::settle`].
-#[derive(Debug, Default)]
-struct Unkept {
-    count: Arc<(Mutex<usize>, std::sync::Condvar)>,
-    /// One frame's share (made by `one`), not the count itself.
-    counted: bool,
-}
-
-impl Unkept {
-    /// One more; counted down when it is dropped (kept, given up, or dropped with the
-    /// runtime).
-    fn one(&self) -> Unkept {
-        *self.count.0.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        Unkept {
-            count: Arc::clone(&self.count),
-            counted: true,
-        }
-    }
-
-    /// Waits until none is left, or `limit` (if any) has passed.
-    fn wait(&self, limit: Option<Duration>) {
-        let (n, cv) = &*self.count;
-        let n = n.lock().unwrap_or_else(|e| e.into_inner());
-        match limit {
-            None => drop(cv.wait_while(n, |n| *n > 0)),
-            Some(l) => drop(cv.wait_timeout_while(n, l, |n| *n > 0)),
-        }
-    }
-}
-
-impl Drop for Unkept {
-    fn drop(&mut self) {
-        if self.counted {
-            let (n, cv) = &*self.count;
-            let mut n = n.lock().unwrap_or_else(|e| e.into_inner());
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                cv.notify_all();
-            }
-        }
-    }
-}
-
-impl Keep {
-    /// The write (a file made and written: 1.2 ms a frame on this project's journal-less
-    /// ext4, where making a file scans for inodes not recently freed) runs on the runtime's
-    /// blocking threads, one per CPU at [`KEEP_NICE`], never on its workers: a worker blocked
-    /// in it held up the answers to every GET behind it, a fault's own among them
-    /// (demand-miss p99 50-67 ms in the lab, with 64 read-ahead GETs landing at once).
-    async fn run(self) {
-        let Keep {
-            cache,
-            kept_as,
-            bytes,
-            flight,
-            flights,
-            writers,
-            _counted,
-        } = self;
-        if let Ok(_turn) = writers.acquire().await {
-            let _ = tokio::task::spawn_blocking(move || {
-                // Background work: below the faults a CPU is serving, and the prefetch.
-                if !NICED.with(|n| n.replace(true)) {
-                    crate::sys::set_thread_nice(KEEP_NICE);
-                }
-                cache.put(&kept_as, &bytes)
-            })
-            .await;
-        }
-        landed(&flights, &flight);
-    }
-}
-
-/// Ends the flight of `hash`.
-fn landed(flights: &Flights, hash: &blake3::Hash) {
-    flights
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(hash.as_bytes());
-}
-
 async fn wait(mut rx: tokio::sync::watch::Receiver<Option<Outcome>>) -> Outcome {
     match rx.wait_for(|v| v.is_some()).await {
         Ok(v) => v.clone().expect("waited for"),
@@ -657,78 +549,5 @@ async fn wait(mut rx: tokio::sync::watch::Receiver<Option<Outcome>>) -> Outcome 
             url: String::new(),
             reason: "its fetch was abandoned".into(),
         })),
-    }
-}
-
-/// What fetching from the store and the frame cache did, for an operator (`serve-ctl
-/// status`, the metrics): totals over every bucket a server reads.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
-pub struct StoreStatus {
-    /// GETs of frames sent (retries included).
-    pub gets: u64,
-    /// Bytes of frame objects fetched.
-    pub bytes_fetched: u64,
-    /// GETs that failed.
-    pub fetch_errors: u64,
-    /// Frames whose bytes did not match their hash.
-    pub hash_mismatches: u64,
-    /// Fetches that waited on another VM's GET of the same frame.
-    pub joined: u64,
-    /// Frames fetched ahead of the VMs (read-ahead, working sets).
-    pub fetched_ahead: u64,
-    /// Frames read from the node-local cache.
-    pub cache_hits: u64,
-    /// Frames looked for in the cache and not there.
-    pub cache_misses: u64,
-    /// Frames evicted from the cache.
-    pub cache_evictions: u64,
-    /// Frames not kept (no room, a disk error).
-    pub cache_uncached: u64,
-    /// Bytes the cache holds now.
-    pub cache_bytes: u64,
-    /// Its bound, bytes (0: no cache).
-    pub cache_capacity: u64,
-    /// GET latency.
-    pub fetch_latency: LatencySummary,
-}
-
-impl StoreStatus {
-    /// The totals of `frames` (each bucket's), their caches counted once each.
-    pub fn of(frames: &[Arc<Frames>]) -> StoreStatus {
-        let mut s = StoreStatus::default();
-        let mut caches: Vec<&Arc<FrameCache>> = Vec::new();
-        let mut latency: Option<LatencySummary> = None;
-        for f in frames {
-            let c = &f.counters;
-            let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-            s.gets += get(&c.gets);
-            s.bytes_fetched += get(&c.bytes);
-            s.fetch_errors += get(&c.errors);
-            s.hash_mismatches += get(&c.mismatches);
-            s.joined += get(&c.joined);
-            s.fetched_ahead += get(&c.ahead);
-            let l = c.latency();
-            latency = Some(match latency {
-                None => l,
-                Some(prev) => prev.merge(&l),
-            });
-            if let Some(cache) = f.cache() {
-                if !caches.iter().any(|k| Arc::ptr_eq(k, cache)) {
-                    caches.push(cache);
-                }
-            }
-        }
-        for c in caches {
-            let k = &c.counters;
-            let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-            s.cache_hits += get(&k.hits);
-            s.cache_misses += get(&k.misses);
-            s.cache_evictions += get(&k.evictions);
-            s.cache_uncached += get(&k.uncached);
-            s.cache_bytes += c.bytes();
-            s.cache_capacity += c.capacity();
-        }
-        s.fetch_latency = latency.unwrap_or_default();
-        s
     }
 }
