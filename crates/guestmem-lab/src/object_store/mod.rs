@@ -411,8 +411,8 @@ impl Lab<'_> {
                 cfg.size / fb
             }
         };
-        // Its cache's writes under way finish (the rest are dropped) before its folder goes:
-        // nothing of this round is kept into the next one's cache.
+        // Its frames are written to its cache (a `Frames` dropped waits for them) before its
+        // folder goes: nothing of this round lands in the next one's cache.
         drop((frames, status));
         let _ = std::fs::remove_dir_all(&dir);
         Ok(StoreSample {

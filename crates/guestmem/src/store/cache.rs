@@ -316,6 +316,11 @@ impl FrameCache {
         }
     }
 
+    /// Counts a frame not kept because the writes waiting were full.
+    pub(crate) fn skipped(&self) {
+        self.counters.uncached.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Keeps `plain`, the frame of `hash`. Never fails: a frame that cannot be kept (no
     /// room even after evicting, a disk error) is counted as uncached.
     pub(crate) fn put(&self, hash: &blake3::Hash, plain: &[u8]) {

@@ -412,9 +412,9 @@ impl Client {
 }
 
 /// A client's runtime. Dropped with the client: outside any runtime, it waits for the work
-/// under way on its blocking threads (cache writes) and drops what has not started; on one
-/// of its own threads (the last holder of the client a task of it), where a runtime cannot
-/// wait for itself, it is shut down without waiting.
+/// under way on its blocking threads and drops what has not started; on a runtime's thread
+/// (the last holder of the client a task of its own), where a runtime cannot wait for
+/// itself, it is shut down without waiting.
 struct Rt(Option<tokio::runtime::Runtime>);
 
 impl Rt {

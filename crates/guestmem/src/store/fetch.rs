@@ -26,7 +26,7 @@ mod keep;
 mod named;
 mod status;
 use gate::{AheadGate, Faults, AHEAD_DEFER_MAX};
-use keep::{landed, pending_kib, Keep, Unkept, KEEP_PENDING_KIB, SETTLE_ON_DROP};
+use keep::{Keep, Keeper, SETTLE_ON_DROP};
 use named::Later;
 pub use status::StoreStatus;
 
@@ -128,12 +128,8 @@ pub struct Frames {
     ahead: Arc<AheadGate>,
     /// Faults waiting on a GET of their own (read-ahead holds back while any does).
     faults: Faults,
-    /// Cache writes at once: one per CPU (see [`Keep`]).
-    keeping: Arc<tokio::sync::Semaphore>,
-    /// Read-ahead's frames waiting to be kept, KiB (see `Frames::lead`).
-    pending: Arc<tokio::sync::Semaphore>,
-    /// Every frame waiting to be kept.
-    unkept: Unkept,
+    /// Writes fetched frames to the cache, after their readers have them.
+    keeper: Keeper,
     follow: Mutex<Option<Arc<Follow>>>,
     /// Pieces of a move's diff named later, by placeholder (while the move's VM is served).
     later: Mutex<HashMap<[u8; 32], Later>>,
@@ -150,16 +146,15 @@ impl Frames {
         cache: Option<Arc<FrameCache>>,
         policy: FetchPolicy,
     ) -> Arc<Frames> {
+        let flights = Arc::new(Mutex::new(HashMap::new()));
         Arc::new(Frames {
+            keeper: Keeper::new(Arc::clone(&flights)),
             client,
             cache,
             ahead: AheadGate::new(policy.ahead_gets),
             policy,
-            flights: Arc::new(Mutex::new(HashMap::new())),
+            flights,
             faults: Faults::default(),
-            keeping: Arc::new(tokio::sync::Semaphore::new(crate::jobs::default_threads())),
-            pending: Arc::new(tokio::sync::Semaphore::new(KEEP_PENDING_KIB as usize)),
-            unkept: Unkept::default(),
             follow: Mutex::new(None),
             later: Mutex::new(HashMap::new()),
             any_later: std::sync::atomic::AtomicBool::new(false),
@@ -214,11 +209,14 @@ impl Frames {
             .map(|f| Arc::clone(&f.peer))
     }
 
-    /// Waits until every frame fetched so far is kept in the cache (or given up: no room, a
-    /// disk error). Frames are handed to their readers before they are written, so a caller
-    /// that needs them in the cache (a host warmed ahead) waits here.
+    /// Waits until no fetched frame waits to be written to the cache (each kept, or given up:
+    /// no room, a disk error); frames fetched meanwhile are waited for too, so a caller whose
+    /// fetches are done (a host warmed ahead) finds them all in the cache after it, but one
+    /// that calls it while read-ahead goes on waits for that as well. Frames are handed to
+    /// their readers before they are written: a caller that needs them in the cache waits
+    /// here. Not from an async task (it blocks its thread).
     pub fn settle(&self) {
-        self.unkept.wait(None);
+        self.keeper.wait(None);
     }
 
     /// The frame of `hash` into `dst` (its length) if the cache holds it (or it is a piece
@@ -302,38 +300,30 @@ impl Frames {
                         cache,
                         kept_as,
                         bytes: Arc::clone(&p),
-                        flight: hash,
-                        flights: Arc::clone(&self.flights),
-                        writers: Arc::clone(&self.keeping),
-                        _counted: self.unkept.one(),
+                        flights: vec![hash],
                     });
                     (Ok(p), keep)
                 }
                 Err(e) => (Err(Arc::new(e)), None),
             },
         };
-        // Its waiters first: writing it to the cache must not stand between a fault and its
-        // bytes. The flight stays until the frame is kept, so that a look meanwhile joins it
-        // instead of fetching it again.
+        // Its readers first: writing it to the cache must not stand between a fault and its
+        // bytes. Its flight stays until it is kept, so that a look meanwhile joins it instead
+        // of fetching it again; so does one under the hash it is kept as (a piece of a move's
+        // diff named later), which a look asks for once the piece is named.
         let _ = tx.send(Some(out.clone()));
         match keep {
-            None => landed(&self.flights, &hash),
-            Some(k) => {
-                // Read-ahead's frames wait to be kept up to KEEP_PENDING_KIB; past that,
-                // read-ahead waits here, holding its turn: it goes no faster than the cache's
-                // disk takes its frames, and what waits is bounded. (A fault's frame never
-                // waits: those are bounded by the faults in flight.)
-                let pending = match ahead {
-                    true => Arc::clone(&self.pending)
-                        .acquire_many_owned(pending_kib(len))
-                        .await
-                        .ok(),
-                    false => None,
-                };
-                self.client.handle().spawn(async move {
-                    k.run().await;
-                    drop(pending);
-                });
+            None => self.keeper.landed(&[hash]),
+            Some(mut k) => {
+                if k.kept_as != hash {
+                    let mut f = self.flights.lock().unwrap_or_else(|e| e.into_inner());
+                    if !f.contains_key(k.kept_as.as_bytes()) {
+                        f.insert(*k.kept_as.as_bytes(), tx.subscribe());
+                        k.flights.push(k.kept_as);
+                    }
+                }
+                let background = ahead || crate::restore::is_prefetcher();
+                self.keeper.keep(k, background).await;
             }
         }
         out
@@ -531,12 +521,10 @@ impl Frames {
 
 impl Drop for Frames {
     /// The frames fetched are kept before it goes (a server stopped keeps what it fetched),
-    /// waiting at most [`SETTLE_ON_DROP`] for a slow disk; on one of the runtime's own
-    /// threads, where the writes could be waiting for that very thread, it does not wait.
+    /// waiting at most [`SETTLE_ON_DROP`] for a slow disk (the writer threads need nothing
+    /// of the dropping thread, a runtime's included).
     fn drop(&mut self) {
-        if tokio::runtime::Handle::try_current().is_err() {
-            self.unkept.wait(Some(SETTLE_ON_DROP));
-        }
+        self.keeper.wait(Some(SETTLE_ON_DROP));
     }
 }
 

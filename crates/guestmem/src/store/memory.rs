@@ -141,24 +141,32 @@ impl StoreMemory {
         let count = self.snapshot.frame_count();
         std::thread::scope(|s| {
             for _ in 0..threads.clamp(1, 64) {
-                s.spawn(|| loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if i >= count {
-                        return;
-                    }
-                    if !self.snapshot.held(i) {
-                        continue;
-                    }
-                    match self.frame(i) {
-                        Ok(f) => {
-                            done.fetch_add(f.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                        }
-                        Err(e) => {
-                            failed
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .get_or_insert(e);
+                s.spawn(|| {
+                    // Background work: below the VMs' faults, and it waits for room to keep
+                    // its frames (it goes no faster than the cache's disk).
+                    crate::restore::as_prefetcher();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if i >= count {
                             return;
+                        }
+                        if !self.snapshot.held(i) {
+                            continue;
+                        }
+                        match self.frame(i) {
+                            Ok(f) => {
+                                done.fetch_add(
+                                    f.len() as u64,
+                                    std::sync::atomic::Ordering::Relaxed,
+                                );
+                            }
+                            Err(e) => {
+                                failed
+                                    .lock()
+                                    .unwrap_or_else(|e| e.into_inner())
+                                    .get_or_insert(e);
+                                return;
+                            }
                         }
                     }
                 });

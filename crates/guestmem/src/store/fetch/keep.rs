@@ -1,57 +1,165 @@
-//! Keeping fetched frames in the cache, off the path to their readers: a frame goes to its
-//! readers first, then to the cache on the runtime's blocking threads (one per CPU, at a
-//! nice value below prefetch), its flight kept until then so a look meanwhile joins it.
-//! Read-ahead's frames waiting to be kept are bounded ([`KEEP_PENDING_KIB`]); every frame
-//! waiting is counted ([`Unkept`]) for `Frames::settle` and a `Frames` dropped.
+//! Keeping fetched frames in the cache, off the path to their readers. A frame goes to its
+//! readers first; then a thread of the [`Keeper`] writes it to the cache (a file made and
+//! written: 1.2 ms a frame on this project's journal-less ext4, where making a file scans
+//! for inodes not recently freed), and only then does its flight end, so that a look
+//! meanwhile joins the flight instead of fetching the frame again. Written on the runtime's
+//! workers, before the readers were told, a write held up the answers to every GET behind it,
+//! a fault's own among them (demand-miss p99 50-67 ms in the lab, with 64 read-ahead GETs
+//! landing at once).
+//!
+//! Bounded: frames waiting to be written hold at most [`KEEP_PENDING_KIB`] between them.
+//! Background fetches (read-ahead, prefetch threads, a host warmed ahead) wait for room, so
+//! they go no faster than the disk takes their frames; a fault's frame never waits: with no
+//! room it is served and not kept (counted as uncached).
 
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::{Flights, FrameCache};
 
-thread_local!(static NICED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
-
-/// Nice value of a cache write: below prefetch (nice 5), which installs what a VM will read;
-/// a write only saves a later VM a GET.
-pub(super) const KEEP_NICE: libc::c_int = 10;
+/// Nice value of the writer threads: below prefetch (nice 5), which installs what a VM will
+/// read; a write only saves a later VM a GET.
+const KEEP_NICE: libc::c_int = 10;
 
 /// How long a `Frames` dropped waits for its frames to be kept.
 pub(super) const SETTLE_ON_DROP: Duration = Duration::from_secs(10);
 
-/// Frames fetched by read-ahead that may wait to be kept at once, KiB (64 MiB).
-pub(super) const KEEP_PENDING_KIB: u32 = 64 << 10;
+/// Frames that may wait to be written at once, KiB (64 MiB).
+const KEEP_PENDING_KIB: u32 = 64 << 10;
 
-/// The share of [`KEEP_PENDING_KIB`] a frame of `len` bytes takes.
-pub(super) fn pending_kib(len: usize) -> u32 {
-    (len.div_ceil(1024) as u64).clamp(1, KEEP_PENDING_KIB as u64) as u32
-}
-
-/// A fetched frame to keep in the cache, then end its flight. It holds nothing of its
-/// `Frames` but the flight map: a write still waiting never keeps the client (and its
-/// runtime) alive, and when the client goes, the writes under way finish and the others are
-/// dropped (the frame is fetched again if needed).
+/// A fetched frame to keep.
 pub(super) struct Keep {
     pub(super) cache: Arc<FrameCache>,
+    /// The hash to keep it under.
     pub(super) kept_as: blake3::Hash,
     pub(super) bytes: Arc<Vec<u8>>,
-    pub(super) flight: blake3::Hash,
-    pub(super) flights: Arc<Flights>,
-    pub(super) writers: Arc<tokio::sync::Semaphore>,
-    pub(super) _counted: Unkept,
+    /// The flights to end once it is kept (its own, and the one under `kept_as` if it
+    /// opened that one too: a piece of a move's diff named later).
+    pub(super) flights: Vec<blake3::Hash>,
 }
 
-/// How many fetched frames wait to be kept, for [`Frames::settle`].
+/// A frame handed to a writer thread, with what it holds until written.
+struct Job {
+    keep: Keep,
+    _room: tokio::sync::OwnedSemaphorePermit,
+    _counted: Unkept,
+}
+
+/// The writer threads of one `Frames` (one per CPU, started on its first frame to keep), and
+/// the room and count of the frames waiting for them.
+#[derive(Debug)]
+pub(super) struct Keeper {
+    flights: Arc<Flights>,
+    jobs: Mutex<Option<Sender<Job>>>,
+    room: Arc<tokio::sync::Semaphore>,
+    unkept: Unkept,
+}
+
+impl Keeper {
+    pub(super) fn new(flights: Arc<Flights>) -> Keeper {
+        Keeper {
+            flights,
+            jobs: Mutex::new(None),
+            room: Arc::new(tokio::sync::Semaphore::new(KEEP_PENDING_KIB as usize)),
+            unkept: Unkept::default(),
+        }
+    }
+
+    /// Hands `keep` to the writers. `wait`: a background fetch, which waits for room; a
+    /// fault's frame does not: with no room it is not kept, and its flights end now.
+    pub(super) async fn keep(&self, keep: Keep, wait: bool) {
+        let kib = (keep.bytes.len().div_ceil(1024) as u64).clamp(1, KEEP_PENDING_KIB as u64);
+        let room = Arc::clone(&self.room);
+        let room = match wait {
+            true => room.acquire_many_owned(kib as u32).await.ok(),
+            false => room.try_acquire_many_owned(kib as u32).ok(),
+        };
+        let Some(room) = room else {
+            keep.cache.skipped();
+            self.landed(&keep.flights);
+            return;
+        };
+        let job = Job {
+            _counted: self.unkept.one(),
+            keep,
+            _room: room,
+        };
+        if let Err(job) = self.sender().send(job) {
+            // No writer thread could be started: served, not kept.
+            job.0.keep.cache.skipped();
+            self.landed(&job.0.keep.flights);
+        }
+    }
+
+    /// Ends the flights of `hashes`.
+    pub(super) fn landed(&self, hashes: &[blake3::Hash]) {
+        landed(&self.flights, hashes);
+    }
+
+    /// Waits until no frame waits to be written, or `limit` (if any) has passed. Frames
+    /// handed over meanwhile are waited for too.
+    pub(super) fn wait(&self, limit: Option<Duration>) {
+        self.unkept.wait(limit);
+    }
+
+    /// The writers' queue, the threads started the first time.
+    fn sender(&self) -> Sender<Job> {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(tx) = jobs.as_ref() {
+            return tx.clone();
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        let mut started = 0;
+        for i in 0..crate::jobs::default_threads() {
+            let (rx, flights) = (Arc::clone(&rx), Arc::clone(&self.flights));
+            let spawned = std::thread::Builder::new()
+                .name(format!("guestmem-keep{i}"))
+                .stack_size(crate::jobs::WORKER_STACK_BYTES)
+                .spawn(move || write_frames(&rx, &flights));
+            started += usize::from(spawned.is_ok());
+        }
+        if started > 0 {
+            *jobs = Some(tx.clone());
+        }
+        // With none started, `tx`'s receiver is gone and every send fails.
+        tx
+    }
+}
+
+/// A writer thread: writes the frames it is handed until its `Frames` goes (the queue's
+/// sender dropped), then what is left in the queue.
+fn write_frames(rx: &Mutex<Receiver<Job>>, flights: &Flights) {
+    crate::sys::set_thread_nice(KEEP_NICE);
+    loop {
+        let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+        let Ok(job) = job else { return };
+        let k = &job.keep;
+        k.cache.put(&k.kept_as, &k.bytes);
+        landed(flights, &k.flights);
+    }
+}
+
+/// Ends the flights of `hashes`.
+pub(super) fn landed(flights: &Flights, hashes: &[blake3::Hash]) {
+    let mut f = flights.lock().unwrap_or_else(|e| e.into_inner());
+    for h in hashes {
+        f.remove(h.as_bytes());
+    }
+}
+
+/// How many fetched frames wait to be kept.
 #[derive(Debug, Default)]
-pub(super) struct Unkept {
+struct Unkept {
     count: Arc<(Mutex<usize>, std::sync::Condvar)>,
     /// One frame's share (made by `one`), not the count itself.
     counted: bool,
 }
 
 impl Unkept {
-    /// One more; counted down when it is dropped (kept, given up, or dropped with the
-    /// runtime).
-    pub(super) fn one(&self) -> Unkept {
+    /// One more; counted down when it is dropped (written, or dropped unwritten).
+    fn one(&self) -> Unkept {
         *self.count.0.lock().unwrap_or_else(|e| e.into_inner()) += 1;
         Unkept {
             count: Arc::clone(&self.count),
@@ -59,8 +167,7 @@ impl Unkept {
         }
     }
 
-    /// Waits until none is left, or `limit` (if any) has passed.
-    pub(super) fn wait(&self, limit: Option<Duration>) {
+    fn wait(&self, limit: Option<Duration>) {
         let (n, cv) = &*self.count;
         let n = n.lock().unwrap_or_else(|e| e.into_inner());
         match limit {
@@ -83,40 +190,85 @@ impl Drop for Unkept {
     }
 }
 
-impl Keep {
-    /// The write (a file made and written: 1.2 ms a frame on this project's journal-less
-    /// ext4, where making a file scans for inodes not recently freed) runs on the runtime's
-    /// blocking threads, one per CPU at [`KEEP_NICE`], never on its workers: a worker blocked
-    /// in it held up the answers to every GET behind it, a fault's own among them
-    /// (demand-miss p99 50-67 ms in the lab, with 64 read-ahead GETs landing at once).
-    pub(super) async fn run(self) {
-        let Keep {
-            cache,
-            kept_as,
-            bytes,
-            flight,
-            flights,
-            writers,
-            _counted,
-        } = self;
-        if let Ok(_turn) = writers.acquire().await {
-            let _ = tokio::task::spawn_blocking(move || {
-                // Background work: below the faults a CPU is serving, and the prefetch.
-                if !NICED.with(|n| n.replace(true)) {
-                    crate::sys::set_thread_nice(KEEP_NICE);
-                }
-                cache.put(&kept_as, &bytes)
-            })
-            .await;
-        }
-        landed(&flights, &flight);
-    }
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
 
-/// Ends the flight of `hash`.
-pub(super) fn landed(flights: &Flights, hash: &blake3::Hash) {
-    flights
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(hash.as_bytes());
+    fn run<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    /// A keep for a frame of `len` bytes, its flight registered.
+    fn keep(cache: &Arc<FrameCache>, flights: &Flights, len: usize, seed: u8) -> Keep {
+        let bytes: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(seed) | 1).collect();
+        let kept_as = blake3::hash(&bytes);
+        let (_tx, rx) = tokio::sync::watch::channel(None);
+        flights.lock().unwrap().insert(*kept_as.as_bytes(), rx);
+        Keep {
+            cache: Arc::clone(cache),
+            kept_as,
+            bytes: Arc::new(bytes),
+            flights: vec![kept_as],
+        }
+    }
+
+    #[test]
+    fn frames_are_written_by_the_keeper_and_a_faults_frame_without_room_is_served_uncached() {
+        let scratch = guestmem_testkit::Scratch::new("keeper");
+        let cache = Arc::new(FrameCache::open(&scratch.join("cache"), 16 << 20).unwrap());
+        let flights: Arc<Flights> = Arc::new(Mutex::new(HashMap::new()));
+        let keeper = Keeper::new(Arc::clone(&flights));
+
+        // Background and fault frames with room: written, their flights ended once kept.
+        let a = keep(&cache, &flights, 256 << 10, 3);
+        let b = keep(&cache, &flights, 64 << 10, 5);
+        let (ha, hb) = (a.kept_as, b.kept_as);
+        run(keeper.keep(a, true));
+        run(keeper.keep(b, false));
+        keeper.wait(None);
+        assert!(cache.contains(&ha) && cache.contains(&hb));
+        assert!(flights.lock().unwrap().is_empty(), "flights ended");
+        assert_eq!(
+            cache.get(&ha, 256 << 10).map(|v| blake3::hash(&v)),
+            Some(ha)
+        );
+
+        // No room: a fault's frame is not kept (counted), and its flight ends now.
+        let all = Arc::clone(&keeper.room)
+            .try_acquire_many_owned(KEEP_PENDING_KIB)
+            .unwrap();
+        let c = keep(&cache, &flights, 4096, 7);
+        let hc = c.kept_as;
+        run(keeper.keep(c, false));
+        assert!(!cache.contains(&hc));
+        assert!(flights.lock().unwrap().is_empty(), "flight ended");
+        assert_eq!(
+            cache
+                .counters
+                .uncached
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+
+        // A background frame waits for room, and is kept once there is some.
+        let d = keep(&cache, &flights, 4096, 9);
+        let hd = d.kept_as;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .build()
+            .unwrap();
+        let keeper = Arc::new(keeper);
+        let k2 = Arc::clone(&keeper);
+        let waiting = rt.spawn(async move { k2.keep(d, true).await });
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!waiting.is_finished(), "waits for room");
+        drop(all);
+        rt.block_on(waiting).unwrap();
+        keeper.wait(None);
+        assert!(cache.contains(&hd));
+    }
 }
