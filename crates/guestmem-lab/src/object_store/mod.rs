@@ -487,20 +487,12 @@ fn run_in(cfg: &ObjectStoreLabConfig) -> Result<ObjectStoreResult, LabError> {
         .collect::<Result<Vec<_>, LabError>>()?;
     let fetch_all_secs = match proxies.first() {
         Some((_, p)) => {
-            let dir = cfg.work_dir.join("fetch-all");
-            let cache = Arc::new(FrameCache::open(&dir, 4 * cfg.size).map_err(err)?);
-            let f = Frames::new(
-                client(&s3, &p.endpoint())?,
-                Some(cache),
-                FetchPolicy::default(),
-            );
+            // No cache: what the store delivers, not what this host's disk keeps.
+            let f = Frames::new(client(&s3, &p.endpoint())?, None, FetchPolicy::default());
             let m = StoreMemory::open(f, &url).map_err(err)?;
             let t = Instant::now();
             m.fetch_all(16).map_err(err)?;
-            let secs = t.elapsed().as_secs_f64();
-            drop(m);
-            let _ = std::fs::remove_dir_all(&dir);
-            secs
+            t.elapsed().as_secs_f64()
         }
         None => 0.0,
     };

@@ -81,7 +81,7 @@ impl LabReport for ObjectStoreResult {
         ));
         md.push_str(&format!(
             "\nWhat this rig's store delivers: every frame fetched once through the {} ms proxy \
-             by 16 threads in {:.2} s ({:.0} MiB/s). The S3 server (s3s-fs, a GET read in one \
+             by 16 threads, kept nowhere, in {:.2} s ({:.0} MiB/s). The S3 server (s3s-fs, a GET read in one \
              piece by the test kit), the proxy and the page server share this host's CPUs: \
              every cold figure above is bounded by this.\n",
             s.latencies_ms.first().copied().unwrap_or(0),
