@@ -29,7 +29,8 @@ pub struct CacheCounters {
     pub misses: AtomicU64,
     /// Frames removed to make room.
     pub evictions: AtomicU64,
-    /// Frames not kept: no room even after evicting (a full disk), or larger than the cache.
+    /// Frames not kept: no room even after evicting (a full disk), larger than the cache, or
+    /// a fault's frame with no room among the frames waiting to be written.
     pub uncached: AtomicU64,
     /// Frames whose file no longer matched its hash (removed, fetched again).
     pub corrupt: AtomicU64,

@@ -28,7 +28,8 @@ pub struct StoreStatus {
     pub cache_misses: u64,
     /// Frames evicted from the cache.
     pub cache_evictions: u64,
-    /// Frames not kept (no room, a disk error).
+    /// Frames not kept (no room in the cache, or among the frames waiting to be written; a
+    /// disk error).
     pub cache_uncached: u64,
     /// Bytes the cache holds now.
     pub cache_bytes: u64,
