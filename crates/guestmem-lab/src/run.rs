@@ -346,6 +346,22 @@ pub fn in_work_dir<T>(
     r
 }
 
+/// Touches `bytes` of fresh memory, a byte a page, and frees it: the memory a timed part
+/// is about to take is then backed by this machine's host again. The host takes back memory
+/// a second or two after it is freed (free page reporting), and a first touch after that
+/// costs it several times a normal fault; a variant with a long untimed set-up (filling a
+/// cache, say) would otherwise pay that in its timed part, and one without would not.
+pub fn rebacked(bytes: usize) {
+    let page = 4096;
+    let mut v: Vec<u8> = Vec::with_capacity(bytes);
+    let p = v.spare_capacity_mut();
+    for i in (0..p.len()).step_by(page) {
+        p[i].write(1);
+    }
+    // Not optimised away: the writes go through a pointer that escapes.
+    std::hint::black_box(&mut v);
+}
+
 /// CPUs this process may run on.
 pub fn available_cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())

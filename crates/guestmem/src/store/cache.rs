@@ -11,7 +11,7 @@
 //! file is removed at the next start). A full disk is not an error: frames are evicted to
 //! make room, and past that served without being kept.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -39,7 +39,7 @@ pub struct CacheCounters {
 #[derive(Debug, Default)]
 struct Index {
     /// hash -> (bytes, last use).
-    entries: HashMap<[u8; 32], (u64, u64)>,
+    entries: super::frame::ByHash<(u64, u64)>,
     /// last use -> hash.
     order: BTreeMap<u64, [u8; 32]>,
     bytes: u64,

@@ -24,10 +24,12 @@ use crate::restore::latency::{Histogram, LatencySummary};
 mod gate;
 mod keep;
 mod named;
+mod stage;
 mod status;
 use gate::{AheadGate, Faults, AHEAD_DEFER_MAX};
 use keep::{Keep, Keeper, SETTLE_ON_DROP};
 use named::Later;
+use stage::Stage;
 pub use status::StoreStatus;
 
 /// How frames are fetched.
@@ -130,6 +132,8 @@ pub struct Frames {
     faults: Faults,
     /// Writes fetched frames to the cache, after their readers have them.
     keeper: Keeper,
+    /// Frames read ahead into memory, checked, for the fills that install them.
+    stage: Stage,
     follow: Mutex<Option<Arc<Follow>>>,
     /// Pieces of a move's diff named later, by placeholder (while the move's VM is served).
     later: Mutex<HashMap<[u8; 32], Later>>,
@@ -149,6 +153,7 @@ impl Frames {
         let flights = Arc::new(Mutex::new(HashMap::new()));
         Arc::new(Frames {
             keeper: Keeper::new(Arc::clone(&flights)),
+            stage: Stage::new(),
             client,
             cache,
             ahead: AheadGate::new(policy.ahead_gets),
@@ -230,8 +235,30 @@ impl Frames {
             }
             Some(Later::Served(h) | Later::Named(h)) => h,
         };
+        if let Some(b) = self.stage.take(&key, dst.len()) {
+            dst.copy_from_slice(&b);
+            self.stage.give_back(b);
+            return true;
+        }
         // A frame it cannot give is counted once, by the fetch that follows.
         self.cache.as_ref().is_some_and(|c| c.read_into(&key, dst))
+    }
+
+    /// The frame of `hash` (`len` plain bytes) if it was read ahead into memory (from the
+    /// cache, or fetched by read-ahead), checked: taken, so that a fill installs it straight
+    /// from there. No read, no fetch.
+    pub(crate) fn take_staged(&self, hash: &blake3::Hash, len: usize) -> Option<Arc<Vec<u8>>> {
+        let key = match self.later_of(hash) {
+            None | Some(Later::Pending) => *hash,
+            Some(Later::Zero) => return None,
+            Some(Later::Served(h) | Later::Named(h)) => h,
+        };
+        self.stage.take(&key, len)
+    }
+
+    /// Gives back the bytes [`Frames::take_staged`] gave, once installed.
+    pub(crate) fn give_back(&self, bytes: Arc<Vec<u8>>) {
+        self.stage.give_back(bytes);
     }
 
     /// The frame of `hash` (`len` plain bytes), from a thread outside the runtime.
@@ -249,6 +276,9 @@ impl Frames {
             Some(Later::Served(h)) => (hash, Some(h)),
             Some(Later::Pending) => (hash, None),
         };
+        if let Some(p) = cached.and_then(|h| self.stage.take(&h, len)) {
+            return Ok(p);
+        }
         if let Some(p) = cached.and_then(|h| self.cache.as_ref().and_then(|c| c.get(&h, len))) {
             return Ok(Arc::new(p));
         }
@@ -296,6 +326,11 @@ impl Frames {
             None => match self.fetch(hash, len, ahead).await {
                 Ok((p, keep)) => {
                     let p = Arc::new(p);
+                    if let Some(kept_as) = keep.filter(|_| ahead) {
+                        // Installed from memory when the prefetch gets to it, not read back
+                        // from the cache.
+                        self.stage.put(&kept_as, &p);
+                    }
                     let keep = self.cache.clone().zip(keep).map(|(cache, kept_as)| Keep {
                         cache,
                         kept_as,
@@ -515,6 +550,27 @@ impl Frames {
                 me.counters.ahead.fetch_add(1, Ordering::Relaxed);
                 let _ = me.lead(hash, len, tx, true).await;
             });
+        }
+    }
+}
+
+impl Frames {
+    /// Reads `frames` (hash, plain length) that the cache holds into memory, checked, on
+    /// the stage's thread, in their order, for the fills that install them next
+    /// (`stage.rs`). Returns at once.
+    pub(crate) fn stage(&self, frames: &[(blake3::Hash, usize)]) {
+        let Some(cache) = &self.cache else {
+            return;
+        };
+        for (asked, len) in frames {
+            let hash = match self.later_of(asked) {
+                None | Some(Later::Pending) => *asked,
+                Some(Later::Zero) => continue,
+                Some(Later::Served(h) | Later::Named(h)) => h,
+            };
+            if cache.contains(&hash) {
+                self.stage.ask(cache, &hash, *len);
+            }
         }
     }
 }

@@ -253,6 +253,30 @@ fn blocks_at(regions: &[ManifestRegion], offset: u64, len: u64, block_bytes: u64
     out
 }
 
+impl StoreMemory {
+    /// The pieces (hash, plain length) of the frames `ranges` fall in, in order, each frame
+    /// once.
+    fn pieces(&self, ranges: &[(u64, u64)]) -> Vec<(blake3::Hash, usize)> {
+        let fb = self.snapshot.manifest.frame_bytes;
+        let mut want = Vec::new();
+        let mut last = u64::MAX;
+        for &(off, len) in ranges {
+            let end = (off + len).min(self.snapshot.memory_bytes());
+            for i in off / fb..end.div_ceil(fb) {
+                if i == last {
+                    continue;
+                }
+                last = i;
+                let flen = self.snapshot.frame_len(i);
+                for p in &self.snapshot.frames[i as usize] {
+                    want.push((p.hash, p.plain_len(flen) as usize));
+                }
+            }
+        }
+        want
+    }
+}
+
 impl RemoteMemory for StoreMemory {
     fn read(
         &self,
@@ -303,6 +327,22 @@ impl RemoteMemory for StoreMemory {
         Ok(())
     }
 
+    fn take_ready(&self, offset: u64, len: u64) -> Option<Arc<Vec<u8>>> {
+        let fb = self.snapshot.manifest.frame_bytes;
+        let i = offset / fb;
+        if !offset.is_multiple_of(fb) || len != self.snapshot.frame_len(i) {
+            return None;
+        }
+        match self.snapshot.frames.get(i as usize)?.as_slice() {
+            [Piece { hash, pages: None }] => self.frames.take_staged(hash, len as usize),
+            _ => None,
+        }
+    }
+
+    fn give_back(&self, bytes: Arc<Vec<u8>>) {
+        self.frames.give_back(bytes);
+    }
+
     fn held(&self, offset: u64, len: u64) -> bool {
         let fb = self.snapshot.manifest.frame_bytes;
         let end = (offset + len).min(self.snapshot.memory_bytes());
@@ -310,23 +350,11 @@ impl RemoteMemory for StoreMemory {
     }
 
     fn ahead(&self, ranges: &[(u64, u64)]) {
-        let fb = self.snapshot.manifest.frame_bytes;
-        let mut want = Vec::new();
-        let mut last = u64::MAX;
-        for &(off, len) in ranges {
-            let end = (off + len).min(self.snapshot.memory_bytes());
-            for i in off / fb..end.div_ceil(fb) {
-                if i == last {
-                    continue;
-                }
-                last = i;
-                let flen = self.snapshot.frame_len(i);
-                for p in &self.snapshot.frames[i as usize] {
-                    want.push((p.hash, p.plain_len(flen) as usize));
-                }
-            }
-        }
-        self.frames.ahead(&want);
+        self.frames.ahead(&self.pieces(ranges));
+    }
+
+    fn stage(&self, ranges: &[(u64, u64)]) {
+        self.frames.stage(&self.pieces(ranges));
     }
 
     fn name(&self) -> String {

@@ -178,6 +178,25 @@ impl Lazy {
                 return Ok(());
             }
         }
+        if !self.any_removed(lr, off, n) {
+            if let Some(src) = self.image.ready_block(block) {
+                // Read ahead and checked by the image's source (a frame from object storage,
+                // staged in memory): installed straight from there.
+                let placed = match self.resumed {
+                    true => self.copy_missing(lr, off, Some(&src), n).map(|()| n),
+                    false => self
+                        .uffd
+                        .copy(lr.target(), off, &src[..n], &|| self.drain()),
+                };
+                self.image.give_back(src);
+                let placed = placed.map_err(at.mem_err("UFFDIO_COPY"))?;
+                if placed < n {
+                    return Err(at.present_before(placed));
+                }
+                self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                return Ok(());
+            }
+        }
         if !self.resumed && self.movable(lr, off, n) {
             let err = |op, e| at.mem_err(op)(e);
             if let Some(placed) = self.fill_moved(block, lr, off, n, err)? {

@@ -231,6 +231,9 @@ struct Readahead {
     /// to be fetched (`Image::ahead`), so that a stream asks for each block once, not a
     /// window's worth of lookups per block.
     asked: AtomicU64,
+    /// The same for the shorter window of blocks asked to be read into memory ahead of
+    /// their fills (`Image::stage`).
+    staged: AtomicU64,
     /// For a restore whose faults a pool serves: the order its prefetch goes in, a step at a
     /// time on the pool's threads (see `Lazy::prefetch_step`), and how far it has got.
     order: OnceLock<Vec<u64>>,

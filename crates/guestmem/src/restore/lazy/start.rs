@@ -169,6 +169,7 @@ impl LazyRestore {
                 fault_next: AtomicU64::new(u64::MAX),
                 ahead: AtomicU64::new(u64::MAX),
                 asked: AtomicU64::new(0),
+                staged: AtomicU64::new(0),
                 order: OnceLock::new(),
                 cursor: AtomicU64::new(0),
                 first: AtomicU64::new(0),

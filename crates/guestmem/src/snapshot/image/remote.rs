@@ -24,6 +24,14 @@ pub(crate) trait RemoteMemory: Send + Sync + std::fmt::Debug {
     fn held(&self, offset: u64, len: u64) -> bool;
     /// `ranges` will be read soon, in this order: fetch them ahead, in the background.
     fn ahead(&self, ranges: &[(u64, u64)]);
+    /// `ranges` will be installed next, in this order: read what is at hand (a frame the
+    /// host's cache holds) into memory, checked, on another thread.
+    fn stage(&self, ranges: &[(u64, u64)]);
+    /// `len` bytes at `offset` if they were read ahead into memory, checked (a whole frame
+    /// read-ahead staged): taken, so that they are installed straight from there. No read.
+    fn take_ready(&self, offset: u64, len: u64) -> Option<Arc<Vec<u8>>>;
+    /// Bytes `take_ready` gave, installed: their buffer may be read into again.
+    fn give_back(&self, bytes: Arc<Vec<u8>>);
     /// Where it is read from, for messages.
     fn name(&self) -> String;
 }
@@ -119,21 +127,55 @@ impl Image {
         self.inner.remote.is_some()
     }
 
+    /// The bytes of `block` if its remote source has them in memory already, read and
+    /// checked (see [`RemoteMemory::take_ready`]); `None` for a local image.
+    pub(crate) fn ready_block(&self, block: u64) -> Option<Arc<Vec<u8>>> {
+        let remote = self.inner.remote.as_ref()?;
+        if !self.held_from(block, 0) {
+            return None;
+        }
+        let (ri, offset, len) = self.block_span(block);
+        let bytes = remote.take_ready(self.inner.regions[ri].file_offset + offset, len)?;
+        (bytes.len() as u64 == len).then_some(bytes)
+    }
+
+    /// Gives back what [`Image::ready_block`] gave, once installed.
+    pub(crate) fn give_back(&self, bytes: Arc<Vec<u8>>) {
+        if let Some(remote) = &self.inner.remote {
+            remote.give_back(bytes);
+        }
+    }
+
     /// Tells a remote image's source that `blocks` will be read soon, in this order (a
     /// local image ignores it).
     pub(crate) fn ahead(&self, blocks: impl Iterator<Item = u64>) {
-        let Some(remote) = &self.inner.remote else {
-            return;
-        };
-        let ranges: Vec<(u64, u64)> = blocks
+        if let Some(remote) = &self.inner.remote {
+            let ranges = self.ranges_of(blocks);
+            if !ranges.is_empty() {
+                remote.ahead(&ranges);
+            }
+        }
+    }
+
+    /// Tells a remote image's source that `blocks` will be installed next, in this order
+    /// (see [`RemoteMemory::stage`]; a local image ignores it).
+    pub(crate) fn stage(&self, blocks: impl Iterator<Item = u64>) {
+        if let Some(remote) = &self.inner.remote {
+            let ranges = self.ranges_of(blocks);
+            if !ranges.is_empty() {
+                remote.stage(&ranges);
+            }
+        }
+    }
+
+    /// Where those of `blocks` that hold data lie in the image's memory.
+    fn ranges_of(&self, blocks: impl Iterator<Item = u64>) -> Vec<(u64, u64)> {
+        blocks
             .filter(|&b| b < self.inner.total_blocks && self.held_from(b, 0))
             .map(|b| {
                 let (ri, offset, len) = self.block_span(b);
                 (self.inner.regions[ri].file_offset + offset, len)
             })
-            .collect();
-        if !ranges.is_empty() {
-            remote.ahead(&ranges);
-        }
+            .collect()
     }
 }
