@@ -150,6 +150,11 @@ impl Collector for Scrape {
                     st.fetched_ahead,
                 ),
                 (
+                    "guestmem_store_staged",
+                    "frames installed from memory, read ahead for their fill",
+                    st.staged,
+                ),
+                (
                     "guestmem_cache_hits",
                     "frames read from the node-local cache",
                     st.cache_hits,

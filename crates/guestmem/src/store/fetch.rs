@@ -76,6 +76,8 @@ pub struct FetchCounters {
     pub joined: AtomicU64,
     /// Frames fetched by read-ahead.
     pub ahead: AtomicU64,
+    /// Frames a fill took from memory, read ahead for it (`fetch/stage.rs`).
+    pub staged: AtomicU64,
     /// GET latency (to the whole object).
     pub(crate) latency: Histogram,
     /// GETs sent to a move's source host (in `gets` too).
@@ -236,6 +238,7 @@ impl Frames {
             Some(Later::Served(h) | Later::Named(h)) => h,
         };
         if let Some(b) = self.stage.take(&key, dst.len()) {
+            self.counters.staged.fetch_add(1, Ordering::Relaxed);
             dst.copy_from_slice(&b);
             self.stage.give_back(b);
             return true;
@@ -253,7 +256,9 @@ impl Frames {
             Some(Later::Zero) => return None,
             Some(Later::Served(h) | Later::Named(h)) => h,
         };
-        self.stage.take(&key, len)
+        let b = self.stage.take(&key, len)?;
+        self.counters.staged.fetch_add(1, Ordering::Relaxed);
+        Some(b)
     }
 
     /// Gives back the bytes [`Frames::take_staged`] gave, once installed.

@@ -22,6 +22,9 @@ pub struct StoreStatus {
     pub joined: u64,
     /// Frames fetched ahead of the VMs (read-ahead, working sets).
     pub fetched_ahead: u64,
+    /// Frames installed from memory, read ahead for their fill (from the cache, counted in
+    /// `cache_hits` too, or as read-ahead fetched them) instead of read by it.
+    pub staged: u64,
     /// Frames read from the node-local cache.
     pub cache_hits: u64,
     /// Frames looked for in the cache and not there.
@@ -54,6 +57,7 @@ impl StoreStatus {
             s.hash_mismatches += get(&c.mismatches);
             s.joined += get(&c.joined);
             s.fetched_ahead += get(&c.ahead);
+            s.staged += get(&c.staged);
             let l = c.latency();
             latency = Some(match latency {
                 None => l,
