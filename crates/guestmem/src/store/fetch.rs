@@ -282,6 +282,7 @@ impl Frames {
             Some(Later::Pending) => (hash, None),
         };
         if let Some(p) = cached.and_then(|h| self.stage.take(&h, len)) {
+            self.counters.staged.fetch_add(1, Ordering::Relaxed);
             return Ok(p);
         }
         if let Some(p) = cached.and_then(|h| self.cache.as_ref().and_then(|c| c.get(&h, len))) {

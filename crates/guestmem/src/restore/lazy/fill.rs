@@ -178,7 +178,10 @@ impl Lazy {
                 return Ok(());
             }
         }
-        if !self.any_removed(lr, off, n) {
+        // A block moved into a huge page (below) keeps it: it reads its frame (a staged one
+        // too) into the huge staging buffer itself.
+        let moves = !self.resumed && self.movable(lr, off, n);
+        if !moves && !self.any_removed(lr, off, n) {
             if let Some(src) = self.image.ready_block(block) {
                 // Read ahead and checked by the image's source (a frame from object storage,
                 // staged in memory): installed straight from there.
@@ -197,7 +200,7 @@ impl Lazy {
                 return Ok(());
             }
         }
-        if !self.resumed && self.movable(lr, off, n) {
+        if moves {
             let err = |op, e| at.mem_err(op)(e);
             if let Some(placed) = self.fill_moved(block, lr, off, n, err)? {
                 if placed < n {

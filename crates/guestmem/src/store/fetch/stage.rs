@@ -6,11 +6,13 @@
 //! file's, whose blocks are copied straight from the page cache. A frame read-ahead fetched
 //! from the store is staged as it lands too, so that it is not read back from the cache.
 //!
-//! Bounded: staged frames and those being read hold at most [`STAGED_BYTES`] between them,
-//! every VM of a server together, and spare buffers [`SPARE_BYTES`] more. Room for a new one is made by dropping the
-//! oldest staged frame nobody has taken (the guest went elsewhere); a frame asked for with
-//! no room is not staged, and its fill reads it from the cache as before. A staged frame is
-//! taken once: whoever reads it first (a fill, a fault's fetch) removes it.
+//! Bounded: the buffers of staged frames and of the one being read hold at most
+//! [`STAGED_BYTES`] between them (give or take the one being read), every VM a server serves
+//! from one bucket together (a `Frames`), and spare buffers [`SPARE_BYTES`] more. Room for a
+//! new one is made by dropping the oldest staged frame nobody has taken (the guest went
+//! elsewhere). A staged frame is taken once: whoever reads it first (a fill, a fault's
+//! fetch) removes it. A fault never waits for the reader (it runs below the vCPUs): it
+//! reads a frame being read itself.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -18,8 +20,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use super::super::frame::ByHash;
 use super::FrameCache;
 
-/// Staged frames and frames waiting to be read, bytes at most (32 MiB: read-ahead's window
-/// of 64 frames of 256 KiB twice over).
+/// Buffers of staged frames and of the one being read, bytes at most (32 MiB: read-ahead's
+/// window of 64 frames of 256 KiB twice over).
 pub(super) const STAGED_BYTES: usize = 32 << 20;
 
 /// Spare buffers, bytes at most (beside [`STAGED_BYTES`]). A buffer of a frame taken and
@@ -51,16 +53,14 @@ enum State {
 struct Entry {
     state: State,
     len: usize,
+    /// The bytes of buffer it holds (its capacity; none while queued).
+    held: usize,
 }
 
-impl Entry {
-    /// The bytes of buffer it holds.
-    fn held(&self) -> usize {
-        match self.state {
-            State::Queued => 0,
-            State::Reading | State::Ready(_) => self.len,
-        }
-    }
+/// Whether a buffer of capacity `cap` may hold a frame of `len` bytes: not one far larger
+/// (frames of 64 KiB to 16 MiB may share a `Frames`), which would hold more than it counts.
+fn fits(cap: usize, len: usize) -> bool {
+    (len..=2 * len).contains(&cap)
 }
 
 #[derive(Debug, Default)]
@@ -82,17 +82,20 @@ struct Inner {
 
 impl Inner {
     fn insert(&mut self, h: [u8; 32], state: State, len: usize) {
-        if matches!(state, State::Ready(_)) {
-            self.ready.push_back(h);
-        }
-        let e = Entry { state, len };
-        self.bytes += e.held();
-        self.entries.insert(h, e);
+        let held = match &state {
+            State::Ready(b) => {
+                self.ready.push_back(h);
+                b.capacity()
+            }
+            State::Queued | State::Reading => 0,
+        };
+        self.bytes += held;
+        self.entries.insert(h, Entry { state, len, held });
     }
 
     fn remove(&mut self, h: &[u8; 32]) -> Option<Entry> {
         let e = self.entries.remove(h)?;
-        self.bytes -= e.held();
+        self.bytes -= e.held;
         // Keys of entries gone are swept before they outnumber the live ones.
         let live = self.entries.len();
         for list in [&mut self.ready, &mut self.queue] {
@@ -134,16 +137,18 @@ impl Inner {
     /// frame's, or a new one (empty: the caller sizes it, outside the lock) while the bound
     /// allows. The caller counts it as the entry's.
     fn buffer(&mut self, len: usize) -> Option<Vec<u8>> {
-        if let Some(b) = self.take_spare() {
-            return Some(b);
+        while let Some(b) = self.take_spare() {
+            if fits(b.capacity(), len) {
+                return Some(b);
+            }
         }
         loop {
             if self.bytes + len <= STAGED_BYTES {
                 return Some(Vec::new());
             }
             match self.evict_oldest()? {
-                Some(b) => return Some(b),
-                None => continue,
+                Some(b) if fits(b.capacity(), len) => return Some(b),
+                _ => continue,
             }
         }
     }
@@ -214,23 +219,26 @@ impl Stage {
     pub(super) fn put(&self, hash: &blake3::Hash, bytes: &Arc<Vec<u8>>) {
         let h = *hash.as_bytes();
         let mut s = self.lock();
-        if s.stop || s.entries.contains_key(&h) || !s.room_for(bytes.len()) {
+        if s.stop || s.entries.contains_key(&h) || !s.room_for(bytes.capacity()) {
             return;
         }
         s.insert(h, State::Ready(Arc::clone(bytes)), bytes.len());
     }
 
-    /// Takes the frame of `hash` if it is staged (`len` bytes), waiting for a read that is
-    /// under way; one only asked for is dropped from the queue (the caller reads it itself).
+    /// Takes the frame of `hash` if it is staged (`len` bytes); one only asked for is dropped
+    /// from the queue (the caller reads it itself). A prefetch waits for a read under way;
+    /// a fault does not wait for a thread below the vCPUs' priority: it reads it itself.
     pub(super) fn take(&self, hash: &blake3::Hash, len: usize) -> Option<Arc<Vec<u8>>> {
         let h = *hash.as_bytes();
+        let wait = crate::restore::is_prefetcher();
         let mut s = self.lock();
         loop {
             match s.entries.get(&h).map(|e| &e.state) {
                 None => return None,
-                Some(State::Reading) => {
+                Some(State::Reading) if wait && !s.stop => {
                     s = self.shared.1.wait(s).unwrap_or_else(|e| e.into_inner());
                 }
+                Some(State::Reading) => return None,
                 Some(State::Queued) => {
                     s.remove(&h);
                     return None;
@@ -298,12 +306,35 @@ impl Stage {
 }
 
 impl Drop for Stage {
+    /// Stops the reader, without waiting for it (a read on a hung disk must not hold up a
+    /// server's stop): it holds only what it shares with nothing else, and exits after its
+    /// read.
     fn drop(&mut self) {
         self.lock().stop = true;
         self.shared.1.notify_all();
-        let t = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(t) = t {
-            let _ = t.join();
+    }
+}
+
+/// Stops a `Stage` whose reader thread unwinds: no fill ever waits for a read that will
+/// not finish.
+struct Unwinding<'a>(&'a (Mutex<Inner>, Condvar));
+
+impl Drop for Unwinding<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let mut s = self.0 .0.lock().unwrap_or_else(|e| e.into_inner());
+            s.stop = true;
+            let pending: Vec<[u8; 32]> = s
+                .entries
+                .iter()
+                .filter(|(_, e)| matches!(e.state, State::Queued | State::Reading))
+                .map(|(h, _)| *h)
+                .collect();
+            for h in pending {
+                s.remove(&h);
+            }
+            drop(s);
+            self.0 .1.notify_all();
         }
     }
 }
@@ -311,7 +342,13 @@ impl Drop for Stage {
 /// The reader thread: reads and checks the frames asked for, in their order, until its
 /// `Stage` goes.
 fn read_frames(shared: &(Mutex<Inner>, Condvar), cache: &FrameCache) {
+    let _unwinding = Unwinding(shared);
     crate::sys::set_thread_nice(STAGE_NICE);
+    // Any CPU the process may use (best effort): it was started on the first thread that
+    // asked, which may be pinned to one node (a populate job's worker).
+    let _ = crate::sys::sched_setaffinity(&crate::sys::CpuSet::from_cpus(
+        0..libc::CPU_SETSIZE as usize,
+    ));
     let (lock, cv) = shared;
     loop {
         let (h, len, mut buf) = {
@@ -342,8 +379,10 @@ fn read_frames(shared: &(Mutex<Inner>, Condvar), cache: &FrameCache) {
                             s.remove(&h);
                             continue;
                         };
+                        // Counted at its length until its capacity is known (within 2x).
                         if let Some(e) = s.entries.get_mut(&h) {
                             e.state = State::Reading;
+                            e.held = len;
                         }
                         s.bytes += len;
                         break (h, len, buf);
@@ -357,7 +396,10 @@ fn read_frames(shared: &(Mutex<Inner>, Condvar), cache: &FrameCache) {
         let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
         match s.entries.get_mut(&h) {
             Some(e) if read => {
+                let (was, now) = (e.held, buf.capacity());
+                e.held = now;
                 e.state = State::Ready(Arc::new(buf));
+                s.bytes = s.bytes + now - was;
                 s.ready.push_back(h);
             }
             _ => {
