@@ -243,23 +243,34 @@ impl FrameCache {
             return None;
         }
         let mut buf = vec![0u8; len];
-        self.read_checked(h, &mut buf, true).then_some(buf)
+        self.read_checked(h, &mut buf, true, true).then_some(buf)
     }
 
     /// Reads the frame of `hash` into `dst` (its length), checked; false when it is not
     /// held or its file no longer holds it (then it is removed). A frame it cannot give is
     /// not counted as a miss: the caller fetches it next, and that look counts it.
     pub(crate) fn read_into(&self, hash: &blake3::Hash, dst: &mut [u8]) -> bool {
+        self.read_into_counted(hash, dst, true)
+    }
+
+    /// [`FrameCache::read_into`], counted as a hit only if `hit` (a frame read ahead is
+    /// counted when a reader takes it: [`FrameCache::hit`]).
+    pub(crate) fn read_into_counted(&self, hash: &blake3::Hash, dst: &mut [u8], hit: bool) -> bool {
         let h = hash.as_bytes();
         if !self.lock().touch(h) {
             return false;
         }
-        self.read_checked(h, dst, false)
+        self.read_checked(h, dst, false, hit)
+    }
+
+    /// Counts a hit: a frame read ahead from the cache, taken by its reader.
+    pub(crate) fn hit(&self) {
+        self.counters.hits.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Reads a frame the index holds into `dst`, checking its length and checksum; `miss`:
     /// count it as a miss if it cannot be given.
-    fn read_checked(&self, h: &[u8; 32], dst: &mut [u8], miss: bool) -> bool {
+    fn read_checked(&self, h: &[u8; 32], dst: &mut [u8], miss: bool, hit: bool) -> bool {
         let count_miss = || {
             if miss {
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
@@ -297,7 +308,9 @@ impl FrameCache {
         };
         match read() {
             Ok(true) => {
-                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                if hit {
+                    self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                }
                 true
             }
             Ok(false) => {

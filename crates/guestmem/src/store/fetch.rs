@@ -237,8 +237,7 @@ impl Frames {
             }
             Some(Later::Served(h) | Later::Named(h)) => h,
         };
-        if let Some(b) = self.stage.take(&key, dst.len()) {
-            self.counters.staged.fetch_add(1, Ordering::Relaxed);
+        if let Some(b) = self.take_from_stage(&key, dst.len()) {
             dst.copy_from_slice(&b);
             self.stage.give_back(b);
             return true;
@@ -256,8 +255,17 @@ impl Frames {
             Some(Later::Zero) => return None,
             Some(Later::Served(h) | Later::Named(h)) => h,
         };
-        let b = self.stage.take(&key, len)?;
+        self.take_from_stage(&key, len)
+    }
+
+    /// The staged frame kept as `key`, taken and counted (as a cache hit too if it was read
+    /// from the cache).
+    fn take_from_stage(&self, key: &blake3::Hash, len: usize) -> Option<Arc<Vec<u8>>> {
+        let (b, cached) = self.stage.take(key, len)?;
         self.counters.staged.fetch_add(1, Ordering::Relaxed);
+        if let (true, Some(c)) = (cached, &self.cache) {
+            c.hit();
+        }
         Some(b)
     }
 
@@ -281,8 +289,7 @@ impl Frames {
             Some(Later::Served(h)) => (hash, Some(h)),
             Some(Later::Pending) => (hash, None),
         };
-        if let Some(p) = cached.and_then(|h| self.stage.take(&h, len)) {
-            self.counters.staged.fetch_add(1, Ordering::Relaxed);
+        if let Some(p) = cached.and_then(|h| self.take_from_stage(&h, len)) {
             return Ok(p);
         }
         if let Some(p) = cached.and_then(|h| self.cache.as_ref().and_then(|c| c.get(&h, len))) {

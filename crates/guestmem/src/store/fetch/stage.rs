@@ -46,7 +46,8 @@ enum State {
     Queued,
     /// A thread reads and checks it now, into a buffer of its length.
     Reading,
-    Ready(Arc<Vec<u8>>),
+    /// Read, checked; whether from the cache (counted as a cache hit when taken).
+    Ready(Arc<Vec<u8>>, bool),
 }
 
 #[derive(Debug)]
@@ -83,7 +84,7 @@ struct Inner {
 impl Inner {
     fn insert(&mut self, h: [u8; 32], state: State, len: usize) {
         let held = match &state {
-            State::Ready(b) => {
+            State::Ready(b, _) => {
                 self.ready.push_back(h);
                 b.capacity()
             }
@@ -112,11 +113,11 @@ impl Inner {
     fn evict_oldest(&mut self) -> Option<Option<Vec<u8>>> {
         loop {
             let h = self.ready.pop_front()?;
-            if !matches!(self.entries.get(&h), Some(e) if matches!(e.state, State::Ready(_))) {
+            if !matches!(self.entries.get(&h), Some(e) if matches!(e.state, State::Ready(..))) {
                 continue;
             }
             return match self.remove(&h).map(|e| e.state) {
-                Some(State::Ready(b)) => Some(Arc::try_unwrap(b).ok()),
+                Some(State::Ready(b, _)) => Some(Arc::try_unwrap(b).ok()),
                 _ => Some(None),
             };
         }
@@ -222,13 +223,14 @@ impl Stage {
         if s.stop || s.entries.contains_key(&h) || !s.room_for(bytes.capacity()) {
             return;
         }
-        s.insert(h, State::Ready(Arc::clone(bytes)), bytes.len());
+        s.insert(h, State::Ready(Arc::clone(bytes), false), bytes.len());
     }
 
-    /// Takes the frame of `hash` if it is staged (`len` bytes); one only asked for is dropped
-    /// from the queue (the caller reads it itself). A prefetch waits for a read under way;
-    /// a fault does not wait for a thread below the vCPUs' priority: it reads it itself.
-    pub(super) fn take(&self, hash: &blake3::Hash, len: usize) -> Option<Arc<Vec<u8>>> {
+    /// Takes the frame of `hash` if it is staged (`len` bytes), and whether it was read from
+    /// the cache; one only asked for is dropped from the queue (the caller reads it itself).
+    /// A prefetch waits for a read under way; a fault does not wait for a thread below the
+    /// vCPUs' priority: it reads it itself.
+    pub(super) fn take(&self, hash: &blake3::Hash, len: usize) -> Option<(Arc<Vec<u8>>, bool)> {
         let h = *hash.as_bytes();
         let wait = crate::restore::is_prefetcher();
         let mut s = self.lock();
@@ -243,10 +245,10 @@ impl Stage {
                     s.remove(&h);
                     return None;
                 }
-                Some(State::Ready(_)) => {
+                Some(State::Ready(..)) => {
                     let e = s.remove(&h).expect("looked up");
                     return match e.state {
-                        State::Ready(b) if b.len() == len => Some(b),
+                        State::Ready(b, cached) if b.len() == len => Some((b, cached)),
                         _ => None,
                     };
                 }
@@ -392,13 +394,13 @@ fn read_frames(shared: &(Mutex<Inner>, Condvar), cache: &FrameCache) {
         };
         // Every byte of it is overwritten by the read (or the frame is not staged).
         buf.resize(len, 0);
-        let read = cache.read_into(&blake3::Hash::from_bytes(h), &mut buf);
+        let read = cache.read_into_counted(&blake3::Hash::from_bytes(h), &mut buf, false);
         let mut s = lock.lock().unwrap_or_else(|e| e.into_inner());
         match s.entries.get_mut(&h) {
             Some(e) if read => {
                 let (was, now) = (e.held, buf.capacity());
                 e.held = now;
-                e.state = State::Ready(Arc::new(buf));
+                e.state = State::Ready(Arc::new(buf), true);
                 s.bytes = s.bytes + now - was;
                 s.ready.push_back(h);
             }
@@ -431,23 +433,22 @@ mod tests {
         let len = 256 << 10;
         let (h, bytes) = frame(len, 3);
         cache.put(&h, &bytes);
-        let hits = cache
-            .counters
-            .hits
-            .load(std::sync::atomic::Ordering::Relaxed);
-
-        // Asked for: read by the stage's thread (a cache hit), the same bytes, taken once.
-        stage.ask(&cache, &h, len);
-        stage.read(&h);
-        let got = stage.take(&h, len).expect("staged");
-        assert_eq!(&got[..], &bytes[..]);
-        assert!(
+        let hits = || {
             cache
                 .counters
                 .hits
                 .load(std::sync::atomic::Ordering::Relaxed)
-                > hits
-        );
+        };
+        let before = hits();
+
+        // Asked for: read by the stage's thread, the same bytes, taken once, and said to be
+        // from the cache (its reader counts the hit; the read ahead alone does not).
+        stage.ask(&cache, &h, len);
+        stage.read(&h);
+        let (got, cached) = stage.take(&h, len).expect("staged");
+        assert_eq!(&got[..], &bytes[..]);
+        assert!(cached);
+        assert_eq!(hits(), before, "a read ahead is not a hit until taken");
         assert!(stage.take(&h, len).is_none(), "taken once");
         assert_eq!(stage.bytes(), 0);
 
@@ -481,7 +482,9 @@ mod tests {
             "the oldest made room"
         );
         let last = landed.last().unwrap();
-        assert_eq!(stage.take(&last.0, len).as_deref(), Some(&*last.1));
+        let (b, cached) = stage.take(&last.0, len).expect("staged as it landed");
+        assert_eq!(&b[..], &last.1[..]);
+        assert!(!cached, "fetched, not read from the cache");
         // A frame of another length than asked is not given.
         let mid = &landed[n / 2];
         assert!(stage.take(&mid.0, len / 2).is_none());
