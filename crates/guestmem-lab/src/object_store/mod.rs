@@ -17,6 +17,12 @@
 //! - `vms N L`: N VMs of the snapshot at once, cold, each reading its working set (faults
 //!   alone): GETs per frame read.
 //!
+//! Before each round's timed part, the memory its VMs will take is touched once
+//! (`run::rebacked`: this host takes freed memory back a second or two after it is freed,
+//! and the warm variant's fill of its cache, seconds long, otherwise handed its timed part
+//! the host's first touches), and the warm variant's cache is synced to disk (else the
+//! kernel writes 1 GiB back during the timed part, on the same two CPUs).
+//!
 //! Reported per variant: seconds until the working set is read and until all memory is;
 //! the demand-miss latency the engine saw (faults that had to bring their block in: p50,
 //! p99); GETs and bytes fetched when the working set was read, and in all. Once per run:
