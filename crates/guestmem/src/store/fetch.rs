@@ -246,34 +246,6 @@ impl Frames {
         self.cache.as_ref().is_some_and(|c| c.read_into(&key, dst))
     }
 
-    /// The frame of `hash` (`len` plain bytes) if it was read ahead into memory (from the
-    /// cache, or fetched by read-ahead), checked: taken, so that a fill installs it straight
-    /// from there. No read, no fetch.
-    pub(crate) fn take_staged(&self, hash: &blake3::Hash, len: usize) -> Option<Arc<Vec<u8>>> {
-        let key = match self.later_of(hash) {
-            None | Some(Later::Pending) => *hash,
-            Some(Later::Zero) => return None,
-            Some(Later::Served(h) | Later::Named(h)) => h,
-        };
-        self.take_from_stage(&key, len)
-    }
-
-    /// The staged frame kept as `key`, taken and counted (as a cache hit too if it was read
-    /// from the cache).
-    fn take_from_stage(&self, key: &blake3::Hash, len: usize) -> Option<Arc<Vec<u8>>> {
-        let (b, cached) = self.stage.take(key, len)?;
-        self.counters.staged.fetch_add(1, Ordering::Relaxed);
-        if let (true, Some(c)) = (cached, &self.cache) {
-            c.hit();
-        }
-        Some(b)
-    }
-
-    /// Gives back the bytes [`Frames::take_staged`] gave, once installed.
-    pub(crate) fn give_back(&self, bytes: Arc<Vec<u8>>) {
-        self.stage.give_back(bytes);
-    }
-
     /// The frame of `hash` (`len` plain bytes), from a thread outside the runtime.
     pub(crate) fn get(self: &Arc<Self>, hash: &blake3::Hash, len: usize) -> Outcome {
         self.client.block_on(self.get_async(*hash, len))
@@ -563,27 +535,6 @@ impl Frames {
                 me.counters.ahead.fetch_add(1, Ordering::Relaxed);
                 let _ = me.lead(hash, len, tx, true).await;
             });
-        }
-    }
-}
-
-impl Frames {
-    /// Reads `frames` (hash, plain length) that the cache holds into memory, checked, on
-    /// the stage's thread, in their order, for the fills that install them next
-    /// (`stage.rs`). Returns at once.
-    pub(crate) fn stage(&self, frames: &[(blake3::Hash, usize)]) {
-        let Some(cache) = &self.cache else {
-            return;
-        };
-        for (asked, len) in frames {
-            let hash = match self.later_of(asked) {
-                None | Some(Later::Pending) => *asked,
-                Some(Later::Zero) => continue,
-                Some(Later::Served(h) | Later::Named(h)) => h,
-            };
-            if cache.contains(&hash) {
-                self.stage.ask(cache, &hash, *len);
-            }
         }
     }
 }

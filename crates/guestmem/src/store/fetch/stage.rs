@@ -12,13 +12,16 @@
 //! new one is made by dropping the oldest staged frame nobody has taken (the guest went
 //! elsewhere). A staged frame is taken once: whoever reads it first (a fill, a fault's
 //! fetch) removes it. A fault never waits for the reader (it runs below the vCPUs): it
-//! reads a frame being read itself.
+//! reads a frame being read itself. The `Frames` side (`stage`, `take_staged`,
+//! `give_back`) is here too.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+use std::sync::atomic::Ordering;
+
 use super::super::frame::ByHash;
-use super::FrameCache;
+use super::{FrameCache, Frames, Later};
 
 /// Buffers of staged frames and of the one being read, bytes at most (32 MiB: read-ahead's
 /// window of 64 frames of 256 KiB twice over).
@@ -412,6 +415,55 @@ fn read_frames(shared: &(Mutex<Inner>, Condvar), cache: &FrameCache) {
         }
         drop(s);
         cv.notify_all();
+    }
+}
+
+impl Frames {
+    /// The frame of `hash` (`len` plain bytes) if it was read ahead into memory (from the
+    /// cache, or fetched by read-ahead), checked: taken, so that a fill installs it straight
+    /// from there. No read, no fetch.
+    pub(crate) fn take_staged(&self, hash: &blake3::Hash, len: usize) -> Option<Arc<Vec<u8>>> {
+        let key = match self.later_of(hash) {
+            None | Some(Later::Pending) => *hash,
+            Some(Later::Zero) => return None,
+            Some(Later::Served(h) | Later::Named(h)) => h,
+        };
+        self.take_from_stage(&key, len)
+    }
+
+    /// The staged frame kept as `key`, taken and counted (as a cache hit too if it was read
+    /// from the cache).
+    pub(super) fn take_from_stage(&self, key: &blake3::Hash, len: usize) -> Option<Arc<Vec<u8>>> {
+        let (b, cached) = self.stage.take(key, len)?;
+        self.counters.staged.fetch_add(1, Ordering::Relaxed);
+        if let (true, Some(c)) = (cached, &self.cache) {
+            c.hit();
+        }
+        Some(b)
+    }
+
+    /// Gives back the bytes [`Frames::take_staged`] gave, once installed.
+    pub(crate) fn give_back(&self, bytes: Arc<Vec<u8>>) {
+        self.stage.give_back(bytes);
+    }
+
+    /// Reads `frames` (hash, plain length) that the cache holds into memory, checked, on
+    /// the stage's thread, in their order, for the fills that install them next
+    /// (`stage.rs`). Returns at once.
+    pub(crate) fn stage(&self, frames: &[(blake3::Hash, usize)]) {
+        let Some(cache) = &self.cache else {
+            return;
+        };
+        for (asked, len) in frames {
+            let hash = match self.later_of(asked) {
+                None | Some(Later::Pending) => *asked,
+                Some(Later::Zero) => continue,
+                Some(Later::Served(h) | Later::Named(h)) => h,
+            };
+            if cache.contains(&hash) {
+                self.stage.ask(cache, &hash, *len);
+            }
+        }
     }
 }
 
