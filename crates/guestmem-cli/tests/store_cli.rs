@@ -292,6 +292,8 @@ fn a_vm_is_served_from_the_store_and_then_from_the_cache_alone() {
         n("cache_misses") + n("cache_hits") + n("staged") >= 15,
         "{out}"
     );
+    // Read-ahead's limit on GETs in flight, between its floor and its ceiling.
+    assert!((4..=64).contains(&n("ahead_limit")), "{out}");
 
     // The manifest is read at start; then the store stops answering.
     let control = d.join("control.sock");
@@ -310,6 +312,7 @@ fn a_vm_is_served_from_the_store_and_then_from_the_cache_alone() {
         "{metrics}"
     );
     assert!(metrics.contains("guestmem_store_gets_total 0"), "{metrics}");
+    assert!(metrics.contains("guestmem_store_ahead_limit "), "{metrics}");
     assert!(
         metrics.contains("guestmem_store_fetch_latency_seconds"),
         "{metrics}"

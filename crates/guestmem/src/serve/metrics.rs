@@ -179,6 +179,12 @@ impl Collector for Scrape {
             }
             gauge(
                 &mut enc,
+                "guestmem_store_ahead_limit",
+                "read-ahead GETs that may be in flight now (cut while the store queues)",
+                st.ahead_limit as i64,
+            )?;
+            gauge(
+                &mut enc,
                 "guestmem_cache_bytes",
                 "bytes the frame cache holds",
                 st.cache_bytes as i64,

@@ -102,8 +102,7 @@ impl AheadGate {
     }
 
     /// The limit now.
-    #[cfg(test)]
-    fn limit(&self) -> usize {
+    pub(super) fn limit(&self) -> usize {
         self.lock().limit
     }
 
