@@ -369,8 +369,13 @@ impl Lab<'_> {
         };
         // The memory its VMs are about to take, backed by this machine's host again: a
         // variant with a long set-up (the warm cache's fill) would otherwise pay its host's
-        // first touches in its timed part (`run::rebacked`).
-        crate::run::rebacked(n * cfg.size as usize + (256 << 20));
+        // first touches in its timed part (`run::rebacked`). The many VMs read their working
+        // sets alone: that much each, not 20 GiB of a 24 GiB host.
+        let taken = match kind {
+            Kind::Many => self.runs.len() as u64 * cfg.ws_run,
+            _ => cfg.size,
+        };
+        crate::run::rebacked(n * taken as usize + (256 << 20));
         let t0 = Instant::now();
         for vm in &mut vms {
             vm.connect(&socket).map_err(err)?;
