@@ -672,6 +672,59 @@ fn every_vm_is_prefetched_from_its_handshake_on_by_shared_threads() {
     assert_eq!(st.sockets[0].ended.peer_closed, 4);
 }
 
+/// A server's prefetch held (as a move holds it until the VM runs): nothing comes in but
+/// what is faulted, and faults are served, until the hold is dropped; then every page
+/// comes in.
+#[test]
+fn a_held_prefetch_brings_in_only_what_is_faulted_until_let_go() {
+    need_uffd!();
+    const SIZE: usize = 8 * MIB;
+    let d = dir("prefetch-held");
+    let mem = memory_file(&d, SIZE, Some(3 * MIB));
+    let socket = d.join("uffd.sock");
+    let server = Server::new(
+        vec![Socket {
+            listener: Listener::bind(&socket).unwrap(),
+            memory: MemoryFile::open(&mem).unwrap(),
+            working_set: Vec::new(),
+        }],
+        ServerConfig {
+            handler_threads: 1,
+            prefetch_threads: 2,
+            ..leave()
+        },
+    )
+    .unwrap();
+    let hold = server.hold_prefetch();
+    let drainer = server.drainer();
+    let run = std::thread::spawn(move || server.run());
+    let mut vm = Standin::new(&[SIZE], false).unwrap();
+    vm.connect(&socket).unwrap();
+    let at = 5 * MIB + 3 * PAGE;
+    assert_eq!(vm.word(at), word(at as u64));
+    // Held: a while later, still only the faulted block is in.
+    std::thread::sleep(Duration::from_millis(300));
+    let held = vm.resident().unwrap();
+    assert!(
+        held <= MIB as u64,
+        "{held} bytes in while prefetch was held"
+    );
+    drop(hold);
+    let t = Instant::now();
+    while vm.resident().unwrap() < (SIZE - MIB) as u64 {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "not prefetched once let go"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
+    vm.disconnect();
+    drainer.drain();
+    let st = run.join().unwrap().unwrap().status;
+    assert_eq!(st.sockets[0].faults, 1, "the one word read");
+}
+
 /// A working set learnt from one clone (the blocks it faulted, first fault first) is kept
 /// beside the memory file and prefetched first for the next clone, by a later server too.
 #[test]

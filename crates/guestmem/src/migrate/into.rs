@@ -29,7 +29,9 @@ pub struct MoveIn {
     /// Where the vmstate and the page server's socket go (the vmstate is removed when the
     /// move ends).
     pub dir: PathBuf,
-    /// How the VM is served (one VM: `Vms::One`).
+    /// How the VM is served (one VM: `Vms::One`). With `prefetch_threads` 0 nothing is
+    /// fetched ahead, the source's frames included: each comes to the VM through a fault
+    /// (what a remote fault costs shows alone; the source is owed for longer).
     pub server: ServerConfig,
     /// How long to wait for the source: its connection, and each message.
     pub wait: Duration,
@@ -58,8 +60,11 @@ pub struct MoveInReport {
     pub peer_bytes: u64,
     /// Latency of those GETs.
     pub peer_latency: LatencySummary,
-    /// Latency of those a fault sent itself (not read-ahead).
+    /// Latency of those a fault sent itself (not read-ahead, nor a prefetch thread).
     pub peer_fault_latency: LatencySummary,
+    /// How long faults waited for frames the source owed and this host did not hold yet
+    /// (their own GET, or one in flight they joined): remote faults, but for the install.
+    pub peer_fault_wait: LatencySummary,
     /// The page server's report, when the VM ended.
     #[serde(skip)]
     pub server: Option<ServerReport>,
@@ -259,7 +264,7 @@ pub fn move_in(
                 // With a cache, the owed frames are read ahead into it once the VM runs:
                 // until then only faults ask the source, so that Firecracker's load (which
                 // touches a few pages) and the resume never wait behind read-ahead. Without
-                // one, the server prefetches them into the VM from its start.
+                // one, the server prefetches them into the VM once it runs.
                 let working_set: Vec<u64> = match frames.cache() {
                     Some(_) => Vec::new(),
                     None => owed.iter().map(|&(i, _)| i * fb).collect(),
@@ -286,6 +291,9 @@ pub fn move_in(
                     m.server.clone(),
                 )?;
                 let drainer = server.drainer();
+                // Firecracker's load and the resume, the move's pause, do not share this
+                // host's CPUs with the VM's prefetch: it starts once the VM runs.
+                let hold = server.hold_prefetch();
                 let run = std::thread::Builder::new()
                     .name("guestmem-move-in".into())
                     .spawn(move || server.run())
@@ -294,7 +302,15 @@ pub fn move_in(
                         path: sock.clone(),
                         source,
                     })?;
-                Ok((chain, owed.len() as u64, ahead, drainer, run, placeholders))
+                Ok((
+                    chain,
+                    owed.len() as u64,
+                    ahead,
+                    drainer,
+                    run,
+                    placeholders,
+                    hold,
+                ))
             });
         let open_ms = t_open.elapsed().as_secs_f64() * 1e3;
         if opened.is_err() {
@@ -314,7 +330,7 @@ pub fn move_in(
         });
         (opened, loaded, load_ms, open_ms)
     });
-    let (chain, owed_frames, ahead, drainer, run, placeholders) = match opened {
+    let (chain, owed_frames, ahead, drainer, run, placeholders, hold) = match opened {
         Ok(v) => v,
         Err(e) => return Err(wire.refuse(e)),
     };
@@ -361,7 +377,8 @@ pub fn move_in(
         // The VM runs here: it is served on whatever the source does now.
         tracing::error!("the VM runs here, but telling the source failed: {e}");
     }
-    if frames.cache().is_some() {
+    drop(hold);
+    if frames.cache().is_some() && m.server.prefetch_threads > 0 {
         frames.ahead(&ahead);
     }
     let t_run = Instant::now();
@@ -416,6 +433,7 @@ pub fn move_in(
         peer_bytes: c.peer_bytes.load(std::sync::atomic::Ordering::Relaxed),
         peer_latency: c.peer_latency(),
         peer_fault_latency: c.peer_fault_latency(),
+        peer_fault_wait: c.peer_fault_wait(),
         server: Some(server),
     })
 }

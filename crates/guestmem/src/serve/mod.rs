@@ -95,6 +95,7 @@ pub use handoff::{take_over, TakeOver};
 pub use handshake::{Handshake, HandshakeError, MAX_HANDSHAKE_BYTES};
 pub use listener::{Listener, SocketRefusal};
 pub use peer::PeerProcess;
+pub use pool::PrefetchHold;
 pub use regions::{parse_regions, UffdRegion, HUGE_PAGE_BYTES, PAGE_SIZES, SMALL_PAGE_BYTES};
 pub use report::{SessionEnd, SessionReport};
 pub use server::{Drainer, Server, ServerReport, Socket};

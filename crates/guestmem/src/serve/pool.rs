@@ -34,6 +34,8 @@ const EVENTS_PER_WAIT: usize = 8;
 struct PrefetchQueue {
     ids: VecDeque<u64>,
     stopping: bool,
+    /// Holds taken ([`PrefetchHold`]): while any is, no prefetch thread starts a step.
+    held: usize,
 }
 
 /// The shared state of the pool's threads.
@@ -118,6 +120,15 @@ impl Pool {
         Ok(pool)
     }
 
+    /// Holds every prefetch thread back (after the step each is on) until the hold is
+    /// dropped; faults are served as ever.
+    pub(super) fn hold(&self) -> PrefetchHold {
+        self.shared.queue().held += 1;
+        PrefetchHold {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+
     /// Threads serving faults, and prefetching.
     pub(super) fn threads(&self) -> (usize, usize) {
         self.counts
@@ -171,6 +182,29 @@ impl Pool {
     }
 }
 
+/// Prefetching held back on a server: no prefetch thread starts a step until this is
+/// dropped (see [`super::Server::hold_prefetch`]).
+#[must_use = "prefetching resumes when the hold is dropped"]
+pub struct PrefetchHold {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for PrefetchHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefetchHold").finish_non_exhaustive()
+    }
+}
+
+impl Drop for PrefetchHold {
+    fn drop(&mut self) {
+        let mut q = self.shared.queue();
+        q.held -= 1;
+        if q.held == 0 {
+            self.shared.prefetch_cv.notify_all();
+        }
+    }
+}
+
 impl Drop for Pool {
     fn drop(&mut self) {
         let _ = crate::sys::eventfd_signal(self.shared.stop.as_fd());
@@ -209,7 +243,7 @@ fn ctl(
 /// A prefetch thread: at a lower priority, one block of the session at the head of the
 /// queue, which goes to the back at once (so that other prefetch threads may work on it
 /// meanwhile) and leaves the queue once it has nothing more to bring in; waits while the
-/// queue is empty.
+/// queue is empty or prefetching is held.
 fn prefetch_loop(s: &Shared) {
     crate::restore::as_prefetcher();
     loop {
@@ -219,7 +253,9 @@ fn prefetch_loop(s: &Shared) {
                 if q.stopping {
                     return;
                 }
-                if let Some(id) = q.ids.pop_front() {
+                if q.held > 0 {
+                    // Released by the hold's drop.
+                } else if let Some(id) = q.ids.pop_front() {
                     q.ids.push_back(id);
                     break id;
                 }

@@ -18,7 +18,7 @@ use super::intake::{Arrival, Closed, Intake, MAX_PENDING_HANDSHAKES};
 use super::learn::Learnt;
 use super::listener::Listener;
 use super::peer::{Ending, PeerProcess};
-use super::pool::Pool;
+use super::pool::{Pool, PrefetchHold};
 use super::report::{SessionEnd, SessionReport};
 use super::restart::{record_of, take_back};
 use super::session::{Concluded, Over, Plan, Session};
@@ -287,6 +287,14 @@ impl Server {
             drain: self.drain.clone(),
             handoff: self.handoff.clone(),
         }
+    }
+
+    /// Holds back every VM's prefetch until the hold is dropped (the step a prefetch thread
+    /// is on finishes; faults are served as ever). For a VM that must not share the CPUs
+    /// with its prefetch yet: one loaded but not yet running, whose load and resume are a
+    /// move's pause.
+    pub fn hold_prefetch(&self) -> PrefetchHold {
+        self.pool.hold()
     }
 
     /// A handle that reads the server's status from any thread (and serves it on a control

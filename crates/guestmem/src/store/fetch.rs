@@ -86,8 +86,12 @@ pub struct FetchCounters {
     pub peer_bytes: AtomicU64,
     /// Its GET latency.
     pub(crate) peer_latency: Histogram,
-    /// The latency of its GETs a fault sent itself (not read-ahead).
+    /// The latency of its GETs a fault sent itself (not read-ahead, nor a prefetch thread).
     pub(crate) peer_fault_latency: Histogram,
+    /// How long a fault waited for a frame of which the source owed a piece this host did
+    /// not hold: its own GET, or one in flight it joined, and the frame's other pieces (a
+    /// remote fault, but for the install).
+    pub(crate) peer_fault_wait: Histogram,
 }
 
 impl FetchCounters {
@@ -105,6 +109,14 @@ impl FetchCounters {
     /// The latency of the GETs from a move's source host that a fault sent itself.
     pub fn peer_fault_latency(&self) -> LatencySummary {
         let h = &self.peer_fault_latency;
+        LatencySummary::of(h.counts(), h.sum_ns() as f64 / 1000.0)
+    }
+
+    /// How long faults waited for frames of which a move's source host owed a piece this
+    /// host did not hold yet (their own GET, or one in flight they joined, and the rest of
+    /// the frame).
+    pub fn peer_fault_wait(&self) -> LatencySummary {
+        let h = &self.peer_fault_wait;
         LatencySummary::of(h.counts(), h.sum_ns() as f64 / 1000.0)
     }
 }
@@ -214,6 +226,21 @@ impl Frames {
         f.as_ref()
             .filter(|f| f.owed.contains(hash.as_bytes()))
             .map(|f| Arc::clone(&f.peer))
+    }
+
+    /// Whether a move's source host owes the piece of `hash` and this host does not hold it
+    /// yet: a fault on it waits on the source.
+    pub(crate) fn owed_here(&self, hash: &blake3::Hash) -> bool {
+        let at = match self.later_of(hash) {
+            Some(Later::Zero) => return false,
+            Some(Later::Named(h)) => h,
+            _ => *hash,
+        };
+        self.holder(&at).is_some()
+            && !self
+                .cache
+                .as_ref()
+                .is_some_and(|c| c.contains(&self.kept_as(hash)))
     }
 
     /// Waits until no fetched frame waits to be written to the cache (each kept, or given up:
@@ -419,7 +446,7 @@ impl Frames {
                     self.counters.bytes.fetch_add(obj.len() as u64, Ordering::Relaxed);
                     if peer.is_some() {
                         self.counters.peer_latency.record(sent.elapsed());
-                        if !ahead {
+                        if !ahead && !crate::restore::is_prefetcher() {
                             self.counters.peer_fault_latency.record(sent.elapsed());
                         }
                         self.counters

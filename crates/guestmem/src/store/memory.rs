@@ -187,28 +187,49 @@ impl StoreMemory {
         self.frames.client.block_on(self.frame_async(i))
     }
 
-    /// Frame `i`, put together from its pieces, fetched side by side.
+    /// Frame `i`, put together from its pieces, fetched side by side. A fault's wait for a
+    /// frame of which a move's source owed a piece is counted (`peer_fault_wait`).
     async fn frame_async(&self, i: u64) -> Result<Arc<Vec<u8>>, Arc<StoreError>> {
+        let t0 = std::time::Instant::now();
         let len = self.snapshot.frame_len(i) as usize;
         let pieces = &self.snapshot.frames[i as usize];
-        match pieces.as_slice() {
+        let frames = &self.frames;
+        let remote = frames.following()
+            && !crate::restore::is_prefetcher()
+            && pieces.iter().any(|p| frames.owed_here(&p.hash));
+        let out = match pieces.as_slice() {
             [] => Ok(Arc::new(vec![0u8; len])),
-            [Piece { hash, pages: None }] => self.frames.get_async(*hash, len).await,
+            [Piece { hash, pages: None }] => frames.get_async(*hash, len).await,
             _ => {
-                let frames = &self.frames;
-                let got = futures::future::join_all(
+                // The newest piece first: a diff's is the likeliest to be fetched, and its
+                // GET is then in flight while the older pieces are read from the cache
+                // (a read there holds the polling thread).
+                let mut got = futures::future::join_all(
                     pieces
                         .iter()
+                        .rev()
                         .map(|p| frames.get_async(p.hash, p.plain_len(len as u64) as usize)),
                 )
                 .await;
+                got.reverse();
                 let mut out = vec![0u8; len];
+                let mut failed = None;
                 for (p, bytes) in pieces.iter().zip(got) {
-                    overlay(&mut out, p, &bytes?);
+                    match bytes {
+                        Ok(b) => overlay(&mut out, p, &b),
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
                 }
-                Ok(Arc::new(out))
+                failed.map_or(Ok(Arc::new(out)), Err)
             }
+        };
+        if remote {
+            frames.counters.peer_fault_wait.record(t0.elapsed());
         }
+        out
     }
 }
 
