@@ -17,7 +17,9 @@
 //!    behind another such proxy.
 //! 3. [`guestmem::migrate::move_out`]: offer, pause, Diff snapshot, frames, hand-over, load,
 //!    the source Firecracker ended, the diff pushed to the store, the destination released.
-//! 4. The guest, now on the destination, checks every qword of its region (`g`).
+//! 4. The guest, now on the destination, touches every page of its region as it resumes
+//!    (`t`, sent before the move: two qwords a page, checked), while the source still owes
+//!    the diff; then checks every qword (`g`).
 //!
 //! Reported: the pause (from `PATCH /vm Paused` on the source to the destination's word
 //! that the VM runs) and its steps; the latency of the destination's GETs to the source
@@ -59,12 +61,24 @@ pub struct MoveLabConfig {
     pub dirty_mib: Vec<u64>,
     /// Round trips added between the hosts, milliseconds, one variant each.
     pub rtt_ms: Vec<f64>,
+    /// Whether the destination fetches the source's frames ahead of the guest, one variant
+    /// each. Without, it prefetches nothing and every frame the source owes comes through a
+    /// fault: what a remote fault costs shows alone (with read-ahead, the guest's check
+    /// seldom reaches a frame before it does).
+    #[serde(default = "both")]
+    pub read_ahead: Vec<bool>,
     /// The Firecracker binary (default: the shared build).
     pub firecracker: Option<PathBuf>,
     /// Where the source's Firecracker writes the diff (`guestmem move --work-dir`): a
     /// tmpfs by default, as `/run/guestmem/move` is on a systemd host (on this host's ext4
     /// the Diff snapshot of 64 MiB took 160-190 ms, on tmpfs 43-49 ms).
     pub diff_dir: PathBuf,
+    /// Where the store (s3s-fs, in this process) keeps its objects: a tmpfs by default,
+    /// as the store stands for one on other machines (on this host's ext4 its inode
+    /// allocations took half of both CPUs while the diff was pushed, beside the faults
+    /// measured).
+    #[serde(default = "shm")]
+    pub store_dir: PathBuf,
     /// Scratch folder (removed afterwards).
     pub work_dir: PathBuf,
     /// Warm-up, rounds, order.
@@ -77,6 +91,14 @@ pub struct MoveLabConfig {
     pub thp_mode: String,
 }
 
+fn shm() -> PathBuf {
+    PathBuf::from("/dev/shm")
+}
+
+fn both() -> Vec<bool> {
+    vec![true, false]
+}
+
 impl Default for MoveLabConfig {
     fn default() -> Self {
         MoveLabConfig {
@@ -84,8 +106,10 @@ impl Default for MoveLabConfig {
             region_mib: 512,
             dirty_mib: vec![64, 256],
             rtt_ms: vec![0.0, 0.5, 20.0],
+            read_ahead: both(),
             firecracker: None,
             diff_dir: PathBuf::from(format!("/dev/shm/guestmem-lab-move-{}", std::process::id())),
+            store_dir: shm(),
             work_dir: std::env::temp_dir()
                 .join(format!("guestmem-lab-move-{}", std::process::id())),
             protocol: Protocol {
@@ -141,6 +165,17 @@ pub struct MoveSample {
     pub fault_get_p50_us: f64,
     /// See `fault_gets`.
     pub fault_get_p99_us: f64,
+    /// The destination's faults on frames the source owed and it did not hold yet: how
+    /// many, and how long each waited for its frame (its own GET, or one in flight it
+    /// joined), microseconds.
+    #[serde(default)]
+    pub remote_faults: u64,
+    /// See `remote_faults`.
+    #[serde(default)]
+    pub remote_fault_p50_us: f64,
+    /// See `remote_faults`.
+    #[serde(default)]
+    pub remote_fault_p99_us: f64,
     /// The destination's demand faults that brought their block in (engine), microseconds.
     pub miss_p50_us: f64,
     /// See `miss_p50_us`.
@@ -164,6 +199,9 @@ pub struct MoveVariant {
     pub rtt_ms: f64,
     /// What the guest wrote, MiB.
     pub dirty_mib: u64,
+    /// Whether the destination fetched the source's frames ahead of the guest.
+    #[serde(default)]
+    pub read_ahead: bool,
     /// The pause, ms.
     pub pause_ms: Summary,
     /// Every round.
@@ -199,16 +237,22 @@ fn free_port() -> Result<SocketAddr, LabError> {
     l.local_addr().map_err(err)
 }
 
-/// `from`'s files hard-linked into `to` (a frame cache as a host that served it before).
-fn link_cache(from: &Path, to: &Path) -> Result<(), LabError> {
+/// `from`'s files hard-linked into `to`, its folders made again (a frame cache, whose
+/// frames lie in fan-out folders, as a host that served it before). How many files.
+fn link_cache(from: &Path, to: &Path) -> Result<u64, LabError> {
     std::fs::create_dir_all(to).map_err(err)?;
+    let mut n = 0;
     for e in std::fs::read_dir(from).map_err(err)? {
         let e = e.map_err(err)?;
-        if e.file_type().map_err(err)?.is_file() {
+        let t = e.file_type().map_err(err)?;
+        if t.is_dir() {
+            n += link_cache(&e.path(), &to.join(e.file_name()))?;
+        } else if t.is_file() {
             std::fs::hard_link(e.path(), to.join(e.file_name())).map_err(err)?;
+            n += 1;
         }
     }
-    Ok(())
+    Ok(n)
 }
 
 /// A base in the store: its vmstate here, its URL, its frames' cache folder.
@@ -266,7 +310,7 @@ pub fn run_move(cfg: &MoveLabConfig) -> Result<MoveResult, LabError> {
 
 fn run_in(cfg: &MoveLabConfig, fc: PathBuf) -> Result<MoveResult, LabError> {
     let run = RunInfo::collect(cfg.command.clone());
-    let s3 = S3Server::start("lab-move", &[BUCKET]);
+    let s3 = S3Server::start_in(&cfg.store_dir, "lab-move", &[BUCKET]);
     let store = client(&s3)?;
     // Every guest booted at once (their fills overlap), snapshotted, pushed, cached.
     let mut booted = Vec::new();
@@ -324,20 +368,24 @@ fn run_in(cfg: &MoveLabConfig, fc: PathBuf) -> Result<MoveResult, LabError> {
     let mut variants = Vec::new();
     for &d in &cfg.dirty_mib {
         for &r in &cfg.rtt_ms {
-            variants.push((format!("rtt {r} ms, {d} MiB"), r, d));
+            for &a in &cfg.read_ahead {
+                let how = if a { "" } else { ", faults only" };
+                variants.push((format!("rtt {r} ms, {d} MiB{how}"), r, d, a));
+            }
         }
     }
     let samples = cfg.protocol.run(variants.len(), |i| {
-        let (_, r, d) = &variants[i];
-        lab.round(*r, *d)
+        let (_, r, d, a) = &variants[i];
+        lab.round(*r, *d, *a)
     })?;
     let body = variants
         .iter()
         .zip(samples)
-        .map(|((n, r, d), samples)| MoveVariant {
+        .map(|((n, r, d, a), samples)| MoveVariant {
             name: n.clone(),
             rtt_ms: *r,
             dirty_mib: *d,
+            read_ahead: *a,
             pause_ms: summarise(&samples, |s| s.pause_ms),
             samples,
         })
@@ -358,7 +406,7 @@ fn run_in(cfg: &MoveLabConfig, fc: PathBuf) -> Result<MoveResult, LabError> {
 }
 
 impl Lab<'_> {
-    fn round(&self, rtt_ms: f64, dirty: u64) -> Result<MoveSample, LabError> {
+    fn round(&self, rtt_ms: f64, dirty: u64, read_ahead: bool) -> Result<MoveSample, LabError> {
         let cfg = self.cfg;
         let base = &self
             .bases
@@ -372,7 +420,9 @@ impl Lab<'_> {
         std::fs::create_dir_all(&dir).map_err(err)?;
         let frames_at = |name: &str| -> Result<Arc<Frames>, LabError> {
             let c = dir.join(name);
-            link_cache(&base.cache, &c)?;
+            if link_cache(&base.cache, &c)? == 0 {
+                return Err(err(format!("no frame in {}", base.cache.display())));
+            }
             Ok(Frames::new(
                 Arc::clone(&self.store),
                 Some(Arc::new(
@@ -412,6 +462,10 @@ impl Lab<'_> {
 
         // The destination, behind the latency; the source's frames too.
         let mut dst = Vmm::start(&self.fc, &dir, "dst").map_err(err)?;
+        // Waiting in its stdin, read by the destination's console once the VM is loaded
+        // there: the guest's touch pass (two qwords of every page) starts as it resumes,
+        // while the source still owes the diff, as a VM's own work would.
+        dst.send(b't').map_err(err)?;
         let listener = TcpListener::bind("127.0.0.1:0").map_err(err)?;
         let delay = Duration::from_secs_f64(rtt_ms / 1000.0);
         let ctl = Proxy::start(listener.local_addr().map_err(err)?, delay, 0).map_err(err)?;
@@ -420,7 +474,14 @@ impl Lab<'_> {
         let into = MoveIn {
             api: dst.api().to_path_buf(),
             dir: dir.join("in"),
-            server: server_cfg,
+            server: ServerConfig {
+                prefetch_threads: if read_ahead {
+                    server_cfg.prefetch_threads
+                } else {
+                    0
+                },
+                ..server_cfg
+            },
             wait: Duration::from_secs(300),
         };
         std::fs::create_dir_all(&into.dir).map_err(err)?;
@@ -450,15 +511,18 @@ impl Lab<'_> {
                 return Err(err(format!("move: {e}")));
             }
         };
+        let bad_of = |line: &str| -> u64 {
+            line.rsplit(' ')
+                .next()
+                .and_then(|b| b.parse().ok())
+                .unwrap_or(u64::MAX)
+        };
+        let touch = dst.line("TOUCH", Duration::from_secs(900)).map_err(err)?;
         let t = Instant::now();
         dst.send(b'g').map_err(err)?;
         let pass = dst.line("PASS", Duration::from_secs(900)).map_err(err)?;
         let check_secs = t.elapsed().as_secs_f64();
-        let bad: u64 = pass
-            .rsplit(' ')
-            .next()
-            .and_then(|b| b.parse().ok())
-            .unwrap_or(u64::MAX);
+        let bad = bad_of(&touch).saturating_add(bad_of(&pass));
         drop(dst);
         drop(src);
         let arrived = incoming
@@ -477,7 +541,7 @@ impl Lab<'_> {
         let _ = std::fs::remove_dir_all(&cfg.diff_dir);
         if bad != 0 {
             return Err(err(format!(
-                "after the move (rtt {rtt_ms} ms, {dirty} MiB) the guest said {pass:?}"
+                "after the move (rtt {rtt_ms} ms, {dirty} MiB) the guest said {touch:?}, {pass:?}"
             )));
         }
         let p = &r.pause;
@@ -499,6 +563,9 @@ impl Lab<'_> {
             fault_gets: arrived.peer_fault_latency.count,
             fault_get_p50_us: arrived.peer_fault_latency.p50_us,
             fault_get_p99_us: arrived.peer_fault_latency.p99_us,
+            remote_faults: arrived.peer_fault_wait.count,
+            remote_fault_p50_us: arrived.peer_fault_wait.p50_us,
+            remote_fault_p99_us: arrived.peer_fault_wait.p99_us,
             miss_p50_us: miss.p50_us,
             miss_p99_us: miss.p99_us,
             risk_ms: r.risk_ms,

@@ -14,15 +14,17 @@ impl LabReport for MoveResult {
             &s.thp_mode,
             &s.protocol,
             &format!(
-                "Real Firecracker, {} MiB VM restored from a base in the store (s3s-fs on this \
-                 host) with track_dirty_pages; the guest writes {:?} MiB spread over its {} MiB \
+                "Real Firecracker, {} MiB VM restored from a base in the store (s3s-fs in this \
+                 process, its objects in {}) with track_dirty_pages; the guest writes {:?} MiB spread over its {} MiB \
                  region (runs of 64 KiB), then moves; two page servers on this host stand for the \
                  two hosts, both starting from a cache holding the base; a proxy adds {:?} ms of \
                  round trip to the control connection and to the source's frames; the source's \
-                 Firecracker writes the diff into {}. After the move \
-                 the guest checks every qword of its region. Timed: {}. Medians over the \
+                 Firecracker writes the diff into {}. As it resumes on the \
+                 destination the guest touches every page of its region (two qwords each, checked), \
+                 then checks every qword. Timed: {}. Medians over the \
                  measured rounds (min-max in brackets).\n",
                 s.mem_mib,
+                s.store_dir.display(),
                 s.dirty_mib,
                 s.region_mib,
                 s.rtt_ms,
@@ -32,15 +34,15 @@ impl LabReport for MoveResult {
         );
         md.push_str(
             "| variant | pause ms | pause | Diff snapshot | send | frames | wait | (load) | (open) | commit | diff MiB \
-             | sent / diff | remote GET p50 ms | p99 ms | a fault's own: GETs | p50 ms | p99 ms | miss p50 ms | p99 ms | risk window ms \
-             | check s | BAD |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+             | sent / diff | remote GET p50 ms | p99 ms | a fault's own: GETs | p50 ms | p99 ms | remote faults | wait p50 ms | p99 ms \
+             | miss p50 ms | p99 ms | risk window ms | check s | BAD |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         );
         for v in &self.body.variants {
             let m = |f: fn(&MoveSample) -> f64| summarise(&v.samples, f).median;
             md.push_str(&format!(
                 "| {} | {:.1} ({:.1}-{:.1}) | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} \
-                 | {:.3} | {:.2} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} | {:.1} | {:.0} |\n",
+                 | {:.3} | {:.2} | {:.2} | {:.0} | {:.2} | {:.2} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0} | {:.1} | {:.0} |\n",
                 v.name,
                 v.pause_ms.median,
                 v.pause_ms.min,
@@ -60,6 +62,9 @@ impl LabReport for MoveResult {
                 m(|s| s.fault_gets as f64),
                 m(|s| s.fault_get_p50_us) / 1000.0,
                 m(|s| s.fault_get_p99_us) / 1000.0,
+                m(|s| s.remote_faults as f64),
+                m(|s| s.remote_fault_p50_us) / 1000.0,
+                m(|s| s.remote_fault_p99_us) / 1000.0,
                 m(|s| s.miss_p50_us) / 1000.0,
                 m(|s| s.miss_p99_us) / 1000.0,
                 m(|s| s.risk_ms),
@@ -80,10 +85,15 @@ impl LabReport for MoveResult {
              of frames the source served against the diff's bytes (the destination stops asking \
              the source once the store holds the diff, so this can be below 1). `remote GET`: \
              the destination's GETs to the source (frame objects of 256 KiB of memory, the diff's \
-             pages packed), 16 in flight while it fetches the whole diff ahead of the guest; `a fault's own`: \
+             pages packed), many in flight while it fetches the whole diff ahead of the guest; `a fault's own`: \
              those a fault sent itself, not read-ahead (a fault on a frame read-ahead is already \
-             fetching waits on that GET instead, and shows only in `miss`). \
-             `miss`: the destination's faults that brought their block in. `risk window`: from \
+             fetching waits on that GET instead). `remote faults`: the destination's faults on \
+             frames the source owed and it did not hold yet, and how long each waited for its frame \
+             (its own GET, or one in flight it joined): a remote fault but for the install, which \
+             `miss` holds. \
+             `miss`: the destination's faults that brought their block (a frame) in, from the \
+             cache or the source. `faults only`: the destination prefetches nothing, so every frame \
+             the source owes comes through a fault. `risk window`: from \
              the pause until the store held the diff and the destination released the source.\n",
         );
         md

@@ -130,6 +130,10 @@ pub struct MoveArgs {
     /// Round trips added between the hosts, milliseconds, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "0,0.5,20")]
     rtt_ms: Vec<f64>,
+    /// Whether the destination fetches the source's frames ahead of the guest,
+    /// comma-separated (`false`: every one through a fault, nothing prefetched).
+    #[arg(long, value_delimiter = ',', default_value = "true,false")]
+    read_ahead: Vec<bool>,
     /// The guest's region, MiB (it starts at 64 MiB; filled at boot, checked after).
     #[arg(long, default_value_t = 512)]
     region_mib: u64,
@@ -465,6 +469,7 @@ pub fn run(scenario: Scenario) -> Result<()> {
             let cfg = MoveLabConfig {
                 dirty_mib: a.dirty_mib.clone(),
                 rtt_ms: a.rtt_ms.clone(),
+                read_ahead: a.read_ahead.clone(),
                 region_mib: a.region_mib,
                 mem_mib: a.mem_mib,
                 firecracker: a.firecracker.clone(),
