@@ -95,6 +95,10 @@ fn shm() -> PathBuf {
     PathBuf::from("/dev/shm")
 }
 
+fn yes() -> bool {
+    true
+}
+
 fn both() -> Vec<bool> {
     vec![true, false]
 }
@@ -199,8 +203,9 @@ pub struct MoveVariant {
     pub rtt_ms: f64,
     /// What the guest wrote, MiB.
     pub dirty_mib: u64,
-    /// Whether the destination fetched the source's frames ahead of the guest.
-    #[serde(default)]
+    /// Whether the destination fetched the source's frames ahead of the guest (runs
+    /// before the variant without had it always).
+    #[serde(default = "yes")]
     pub read_ahead: bool,
     /// The pause, ms.
     pub pause_ms: Summary,

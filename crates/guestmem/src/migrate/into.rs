@@ -31,7 +31,8 @@ pub struct MoveIn {
     pub dir: PathBuf,
     /// How the VM is served (one VM: `Vms::One`). With `prefetch_threads` 0 nothing is
     /// fetched ahead, the source's frames included: each comes to the VM through a fault
-    /// (what a remote fault costs shows alone; the source is owed for longer).
+    /// (what a remote fault costs shows alone; until the store holds the diff, more of it
+    /// is on the source alone).
     pub server: ServerConfig,
     /// How long to wait for the source: its connection, and each message.
     pub wait: Duration,
@@ -264,7 +265,9 @@ pub fn move_in(
                 // With a cache, the owed frames are read ahead into it once the VM runs:
                 // until then only faults ask the source, so that Firecracker's load (which
                 // touches a few pages) and the resume never wait behind read-ahead. Without
-                // one, the server prefetches them into the VM once it runs.
+                // one, they are the VM's working set: asked for at once when the VM connects
+                // (during the load: not held back), and installed by the prefetch once it
+                // runs.
                 let working_set: Vec<u64> = match frames.cache() {
                     Some(_) => Vec::new(),
                     None => owed.iter().map(|&(i, _)| i * fb).collect(),

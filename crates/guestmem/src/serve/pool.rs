@@ -43,9 +43,17 @@ struct Shared {
     epoll: OwnedFd,
     stop: OwnedFd,
     sessions: Mutex<HashMap<u64, Pooled>>,
-    prefetch: Mutex<PrefetchQueue>,
-    /// Signalled when a session joins the prefetch queue, and when the pool stops.
-    prefetch_cv: Condvar,
+    turns: Arc<Turns>,
+}
+
+/// The prefetch queue and its signal (shared with the holds, which keep nothing else of
+/// the pool alive).
+#[derive(Default)]
+struct Turns {
+    queue: Mutex<PrefetchQueue>,
+    /// Signalled when a session joins the prefetch queue, when the last hold goes, and
+    /// when the pool stops.
+    cv: Condvar,
 }
 
 impl Shared {
@@ -59,7 +67,7 @@ impl Shared {
     }
 
     fn queue(&self) -> std::sync::MutexGuard<'_, PrefetchQueue> {
-        self.prefetch.lock().unwrap_or_else(|e| e.into_inner())
+        self.turns.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -94,8 +102,7 @@ impl Pool {
             epoll,
             stop,
             sessions: Mutex::new(HashMap::new()),
-            prefetch: Mutex::default(),
-            prefetch_cv: Condvar::new(),
+            turns: Arc::default(),
         });
         let fault_threads = fault_threads.max(1);
         let mut pool = Pool {
@@ -125,7 +132,7 @@ impl Pool {
     pub(super) fn hold(&self) -> PrefetchHold {
         self.shared.queue().held += 1;
         PrefetchHold {
-            shared: Arc::clone(&self.shared),
+            turns: Arc::clone(&self.shared.turns),
         }
     }
 
@@ -155,7 +162,7 @@ impl Pool {
             self.remove(id);
         } else if p.wants_prefetch() && self.counts.1 > 0 {
             self.shared.queue().ids.push_back(id);
-            self.shared.prefetch_cv.notify_one();
+            self.shared.turns.cv.notify_one();
         }
         r
     }
@@ -186,7 +193,7 @@ impl Pool {
 /// dropped (see [`super::Server::hold_prefetch`]).
 #[must_use = "prefetching resumes when the hold is dropped"]
 pub struct PrefetchHold {
-    shared: Arc<Shared>,
+    turns: Arc<Turns>,
 }
 
 impl std::fmt::Debug for PrefetchHold {
@@ -197,10 +204,10 @@ impl std::fmt::Debug for PrefetchHold {
 
 impl Drop for PrefetchHold {
     fn drop(&mut self) {
-        let mut q = self.shared.queue();
+        let mut q = self.turns.queue.lock().unwrap_or_else(|e| e.into_inner());
         q.held -= 1;
         if q.held == 0 {
-            self.shared.prefetch_cv.notify_all();
+            self.turns.cv.notify_all();
         }
     }
 }
@@ -209,7 +216,7 @@ impl Drop for Pool {
     fn drop(&mut self) {
         let _ = crate::sys::eventfd_signal(self.shared.stop.as_fd());
         self.shared.queue().stopping = true;
-        self.shared.prefetch_cv.notify_all();
+        self.shared.turns.cv.notify_all();
         for h in self.threads.drain(..) {
             let _ = h.join();
         }
@@ -259,10 +266,10 @@ fn prefetch_loop(s: &Shared) {
                     q.ids.push_back(id);
                     break id;
                 }
-                q = s.prefetch_cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                q = s.turns.cv.wait(q).unwrap_or_else(|e| e.into_inner());
             }
         };
-        s.prefetch_cv.notify_one();
+        s.turns.cv.notify_one();
         // A session removed meanwhile drops out of the queue too.
         if !s.session(id).is_some_and(|p| p.prefetch_step()) {
             s.queue().ids.retain(|&i| i != id);

@@ -289,10 +289,12 @@ impl Server {
         }
     }
 
-    /// Holds back every VM's prefetch until the hold is dropped (the step a prefetch thread
-    /// is on finishes; faults are served as ever). For a VM that must not share the CPUs
-    /// with its prefetch yet: one loaded but not yet running, whose load and resume are a
-    /// move's pause.
+    /// Holds back every VM's prefetch on the pool's prefetch threads until the hold is
+    /// dropped (the step a prefetch thread is on finishes; faults are served as ever). For
+    /// a VM that must not share the CPUs with its prefetch yet: one loaded but not yet
+    /// running, whose load and resume are a move's pause. Not held: a VM's graduation
+    /// when the server drains (its own threads bring the rest in, so a drain never waits
+    /// on a hold), and the first read-ahead a working set asks for when a VM connects.
     pub fn hold_prefetch(&self) -> PrefetchHold {
         self.pool.hold()
     }

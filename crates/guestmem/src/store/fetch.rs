@@ -88,9 +88,11 @@ pub struct FetchCounters {
     pub(crate) peer_latency: Histogram,
     /// The latency of its GETs a fault sent itself (not read-ahead, nor a prefetch thread).
     pub(crate) peer_fault_latency: Histogram,
-    /// How long a fault waited for a frame of which the source owed a piece this host did
-    /// not hold: its own GET, or one in flight it joined, and the frame's other pieces (a
-    /// remote fault, but for the install).
+    /// How long a fault waited for a frame of which the source owed a piece this host's
+    /// cache did not hold as it looked: its own GET, or one in flight it joined, and the
+    /// frame's other pieces (a remote fault, but for the install; a store's frame is a
+    /// fault's block). One read ahead and still in memory, or landed and not yet written,
+    /// counts too, with a short wait. Frames it could not get are not counted.
     pub(crate) peer_fault_wait: Histogram,
 }
 

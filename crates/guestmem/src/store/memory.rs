@@ -226,7 +226,7 @@ impl StoreMemory {
                 failed.map_or(Ok(Arc::new(out)), Err)
             }
         };
-        if remote {
+        if remote && out.is_ok() {
             frames.counters.peer_fault_wait.record(t0.elapsed());
         }
         out
