@@ -49,6 +49,15 @@ impl Running {
     /// Starts a server of `sockets` (socket path, memory file, working set) set by `cfg`
     /// (its log captured).
     fn start(sockets: &[(&Path, &Path)], cfg: ServerConfig) -> Running {
+        Running::start_with(sockets, cfg, |_| ()).0
+    }
+
+    /// [`Running::start`], with what `before` takes from the server before it runs.
+    fn start_with<T>(
+        sockets: &[(&Path, &Path)],
+        cfg: ServerConfig,
+        before: impl FnOnce(&Server) -> T,
+    ) -> (Running, T) {
         let log = Arc::new(Mutex::new(Vec::new()));
         let lines = log.clone();
         let cfg = ServerConfig {
@@ -65,12 +74,14 @@ impl Running {
             .collect();
         let server = Server::new(sockets, cfg).unwrap();
         let (drainer, status) = (server.drainer(), server.status());
-        Running {
+        let taken = before(&server);
+        let running = Running {
             thread: std::thread::spawn(move || server.run()),
             drainer,
             status,
             log,
-        }
+        };
+        (running, taken)
     }
 
     /// Waits (at most 20 s) for the server to return; what it returned and logged.
@@ -682,22 +693,15 @@ fn a_held_prefetch_brings_in_only_what_is_faulted_until_let_go() {
     let d = dir("prefetch-held");
     let mem = memory_file(&d, SIZE, Some(3 * MIB));
     let socket = d.join("uffd.sock");
-    let server = Server::new(
-        vec![Socket {
-            listener: Listener::bind(&socket).unwrap(),
-            memory: MemoryFile::open(&mem).unwrap(),
-            working_set: Vec::new(),
-        }],
+    let (srv, hold) = Running::start_with(
+        &[(&socket, &mem)],
         ServerConfig {
             handler_threads: 1,
             prefetch_threads: 2,
             ..leave()
         },
-    )
-    .unwrap();
-    let hold = server.hold_prefetch();
-    let drainer = server.drainer();
-    let run = std::thread::spawn(move || server.run());
+        Server::hold_prefetch,
+    );
     let mut vm = Standin::new(&[SIZE], false).unwrap();
     vm.connect(&socket).unwrap();
     let at = 5 * MIB + 3 * PAGE;
@@ -720,8 +724,7 @@ fn a_held_prefetch_brings_in_only_what_is_faulted_until_let_go() {
     }
     assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
     vm.disconnect();
-    drainer.drain();
-    let st = run.join().unwrap().unwrap().status;
+    let st = srv.drain().0.unwrap().status;
     assert_eq!(st.sockets[0].faults, 1, "the one word read");
 }
 

@@ -191,19 +191,31 @@ impl StoreMemory {
     /// frame of which a move's source owed a piece is counted (`peer_fault_wait`).
     async fn frame_async(&self, i: u64) -> Result<Arc<Vec<u8>>, Arc<StoreError>> {
         let t0 = std::time::Instant::now();
-        let len = self.snapshot.frame_len(i) as usize;
-        let pieces = &self.snapshot.frames[i as usize];
         let frames = &self.frames;
         let remote = frames.following()
             && !crate::restore::is_prefetcher()
-            && pieces.iter().any(|p| frames.owed_here(&p.hash));
-        let out = match pieces.as_slice() {
+            && self.snapshot.frames[i as usize]
+                .iter()
+                .any(|p| frames.owed_here(&p.hash));
+        let out = self.assemble(i).await;
+        if remote && out.is_ok() {
+            frames.counters.peer_fault_wait.record(t0.elapsed());
+        }
+        out
+    }
+
+    /// Frame `i` from its pieces: each fetched (side by side), then laid over the last.
+    async fn assemble(&self, i: u64) -> Result<Arc<Vec<u8>>, Arc<StoreError>> {
+        let len = self.snapshot.frame_len(i) as usize;
+        let pieces = &self.snapshot.frames[i as usize];
+        match pieces.as_slice() {
             [] => Ok(Arc::new(vec![0u8; len])),
-            [Piece { hash, pages: None }] => frames.get_async(*hash, len).await,
+            [Piece { hash, pages: None }] => self.frames.get_async(*hash, len).await,
             _ => {
                 // The newest piece first: a diff's is the likeliest to be fetched, and its
                 // GET is then in flight while the older pieces are read from the cache
                 // (a read there holds the polling thread).
+                let frames = &self.frames;
                 let mut got = futures::future::join_all(
                     pieces
                         .iter()
@@ -213,23 +225,12 @@ impl StoreMemory {
                 .await;
                 got.reverse();
                 let mut out = vec![0u8; len];
-                let mut failed = None;
                 for (p, bytes) in pieces.iter().zip(got) {
-                    match bytes {
-                        Ok(b) => overlay(&mut out, p, &b),
-                        Err(e) => {
-                            failed = Some(e);
-                            break;
-                        }
-                    }
+                    overlay(&mut out, p, &bytes?);
                 }
-                failed.map_or(Ok(Arc::new(out)), Err)
+                Ok(Arc::new(out))
             }
-        };
-        if remote && out.is_ok() {
-            frames.counters.peer_fault_wait.record(t0.elapsed());
         }
-        out
     }
 }
 
