@@ -37,6 +37,8 @@ pub struct Client {
     endpoint: String,
     /// Strings never to let out: the secret key, the session token, the key id.
     secrets: Vec<String>,
+    /// A move's source, read by a faulting thread itself ([`super::direct`]).
+    direct: Option<super::direct::Direct>,
 }
 
 impl std::fmt::Debug for Client {
@@ -156,6 +158,7 @@ impl Client {
             shown_root: format!("s3://{bucket}"),
             endpoint: shown,
             secrets,
+            direct: None,
         })
     }
 
@@ -193,6 +196,7 @@ impl Client {
             shown_root: base.trim_end_matches('/').into(),
             endpoint: base.into(),
             secrets: Vec::new(),
+            direct: super::direct::Direct::new(base),
         })
     }
 
@@ -206,6 +210,7 @@ impl Client {
             shown_root: format!("mem://{name}"),
             endpoint: format!("mem://{name}"),
             secrets: Vec::new(),
+            direct: None,
         })
     }
 
@@ -232,6 +237,11 @@ impl Client {
     /// Runs `f` to its end on the client's runtime, from a thread outside it.
     pub(crate) fn block_on<F: Future>(&self, f: F) -> F::Output {
         self.rt.get().block_on(f)
+    }
+
+    /// A move's source, to read from the calling thread; `None` for a store.
+    pub(crate) fn direct(&self) -> Option<&super::direct::Direct> {
+        self.direct.as_ref()
     }
 
     /// The runtime, to spawn background requests on.

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use super::cache::FrameCache;
 use super::client::Client;
+use super::direct::DirectError;
 use super::url::frame_key;
 use super::StoreError;
 use crate::restore::latency::{Histogram, LatencySummary};
@@ -60,6 +61,26 @@ impl Default for FetchPolicy {
 /// First wait between attempts; doubled after each, up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(20);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
+
+thread_local!(static READ_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+
+/// While it lives, a GET that this thread's own fetch sends to a move's source is written
+/// and read on this thread ([`super::direct`]) instead of through the client's runtime.
+/// Taken by a fault's frame read, on a thread outside the runtime that waits for the frame
+/// anyway; never on a runtime thread, where a blocking read would stall other requests.
+#[must_use]
+pub(crate) struct ReadHere(bool);
+
+/// [`ReadHere`], for this thread.
+pub(crate) fn read_here() -> ReadHere {
+    ReadHere(READ_HERE.replace(true))
+}
+
+impl Drop for ReadHere {
+    fn drop(&mut self) {
+        READ_HERE.set(self.0);
+    }
+}
 
 /// What fetching did, counted since it started.
 #[derive(Debug, Default)]
@@ -431,14 +452,38 @@ impl Frames {
                 self.counters.peer_gets.fetch_add(1, Ordering::Relaxed);
             }
             let sent = Instant::now();
-            let got = tokio::time::timeout(
-                left.min(self.policy.attempt),
-                client.get_capped(
-                    &key,
-                    (len + super::frame::HEADER_BYTES + super::frame::NAMED_PREFIX_BYTES) as u64,
-                ),
-            )
-            .await;
+            let max = (len + super::frame::HEADER_BYTES + super::frame::NAMED_PREFIX_BYTES) as u64;
+            let limit = left.min(self.policy.attempt);
+            let direct = peer
+                .as_ref()
+                .and_then(|p| p.direct())
+                .filter(|_| !ahead && READ_HERE.get());
+            let got = match direct {
+                // A fault's own GET to a move's source, on the fault's thread: it has nothing
+                // else to do until the frame is in.
+                Some(d) => match async {
+                    let sent = d.send(&key, max, limit)?;
+                    // The frame's other pieces are read from the cache while it travels.
+                    tokio::task::yield_now().await;
+                    d.receive(sent)
+                }
+                .await
+                {
+                    Ok(g) => Ok(Ok(g)),
+                    Err(DirectError::TimedOut) => Err(()),
+                    Err(DirectError::Failed { reason, permanent }) => {
+                        Ok(Err(StoreError::Request {
+                            op: "GET",
+                            url: client.url(&key),
+                            reason,
+                            permanent,
+                        }))
+                    }
+                },
+                None => tokio::time::timeout(limit, client.get_capped(&key, max))
+                    .await
+                    .map_err(|_| ()),
+            };
             let last = match got {
                 Ok(Ok(Some((obj, first_byte)))) => {
                     self.counters.latency.record(sent.elapsed());

@@ -184,6 +184,9 @@ impl StoreMemory {
 
     /// Frame `i`, put together from its pieces.
     pub(crate) fn frame(&self, i: u64) -> Result<Arc<Vec<u8>>, Arc<StoreError>> {
+        // A fault's frame: a piece its source owes is read on this thread, which waits for
+        // it anyway (a prefetch thread's goes through the runtime, many at once).
+        let _here = (!crate::restore::is_prefetcher()).then(super::fetch::read_here);
         self.frames.client.block_on(self.frame_async(i))
     }
 

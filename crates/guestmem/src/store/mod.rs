@@ -26,6 +26,7 @@
 mod cache;
 mod client;
 mod cut;
+mod direct;
 mod error;
 mod fetch;
 mod frame;

@@ -269,24 +269,28 @@ mod tests {
             .unwrap()
             .local_addr()
             .unwrap();
-        let frames = Frames::new(store, None, policy(600));
-        let hash = blake3::hash(&plain(1));
-        frames.follow(
-            Arc::new(Client::peer(&format!("http://{gone}")).unwrap()),
-            [hash],
-        );
-        let t = Instant::now();
-        let e = frames.get(&hash, 64 << 10).unwrap_err().to_string();
-        assert!(
-            t.elapsed() >= Duration::from_millis(600),
-            "{:?}",
-            t.elapsed()
-        );
-        assert!(e.contains(&format!("http://{gone}/frames/")), "{e}");
-        assert!(
-            frames.counters.errors.load(Ordering::Relaxed) >= 2,
-            "retried: {e}"
-        );
+        // Through the runtime, and as a fault reads it, on its own thread.
+        for here in [false, true] {
+            let frames = Frames::new(Arc::clone(&store), None, policy(600));
+            let hash = blake3::hash(&plain(1));
+            frames.follow(
+                Arc::new(Client::peer(&format!("http://{gone}")).unwrap()),
+                [hash],
+            );
+            let _here = here.then(crate::store::fetch::read_here);
+            let t = Instant::now();
+            let e = frames.get(&hash, 64 << 10).unwrap_err().to_string();
+            assert!(
+                t.elapsed() >= Duration::from_millis(600),
+                "{:?}",
+                t.elapsed()
+            );
+            assert!(e.contains(&format!("http://{gone}/frames/")), "{e}");
+            assert!(
+                frames.counters.errors.load(Ordering::Relaxed) >= 2,
+                "retried: {e}"
+            );
+        }
     }
 
     #[test]
