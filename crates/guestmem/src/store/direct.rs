@@ -12,7 +12,7 @@
 //! many GETs at once.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpStream};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -20,6 +20,12 @@ use bytes::Bytes;
 
 /// Connections kept open for the next GET (a destination's fault threads: a few).
 const KEEP_IDLE: usize = 16;
+/// A kept connection idle this long is closed here, before the source closes it (after
+/// 30 s without a request, [`super::peer`]).
+const IDLE_FOR: Duration = Duration::from_secs(20);
+/// The shortest wait for an answer: one that came while this thread was busy elsewhere
+/// past its time is still read, not dropped as late.
+const LAST_LOOK: Duration = Duration::from_millis(1);
 /// The most bytes an answer's head may take.
 const HEAD_LIMIT: usize = 16 << 10;
 /// Headers an answer may carry.
@@ -34,27 +40,25 @@ pub(crate) enum DirectError {
     Failed { reason: String, permanent: bool },
 }
 
-/// One move's source, `http://HOST:PORT`, read from the calling thread.
+/// One move's source, `http://IP:PORT`, read from the calling thread.
 #[derive(Debug)]
 pub(crate) struct Direct {
-    /// `HOST:PORT`, as the `Host` header and for resolving.
+    addr: SocketAddr,
+    /// `IP:PORT`, as the `Host` header.
     authority: String,
-    /// Resolved once, on the first GET.
-    addrs: Mutex<Vec<SocketAddr>>,
-    /// Connections whose last answer was read whole.
-    idle: Mutex<Vec<TcpStream>>,
+    /// Connections whose last answer was read whole, and since when idle.
+    idle: Mutex<Vec<(TcpStream, Instant)>>,
 }
 
 impl Direct {
-    /// For `base` (`http://HOST:PORT`, with no path); `None` for anything else.
+    /// For `base`, `http://IP:PORT` (no path); `None` for anything else (a host name, no
+    /// port), which the runtime's client reads: no name is looked up on a fault's thread.
     pub(crate) fn new(base: &str) -> Option<Direct> {
         let authority = base.strip_prefix("http://")?.trim_end_matches('/');
-        if authority.is_empty() || authority.contains(['/', '?', '#', '@', ' ']) {
-            return None;
-        }
+        let addr: SocketAddr = authority.parse().ok()?;
         Some(Direct {
-            authority: authority.into(),
-            addrs: Mutex::new(Vec::new()),
+            addr,
+            authority: addr.to_string(),
             idle: Mutex::new(Vec::new()),
         })
     }
@@ -72,7 +76,10 @@ impl Direct {
                 permanent: true,
             });
         }
-        let until = Instant::now() + limit;
+        let now = Instant::now();
+        let until = now
+            .checked_add(limit)
+            .unwrap_or(now + Duration::from_secs(86400 * 365));
         let request = format!("GET /{key} HTTP/1.1\r\nhost: {}\r\n\r\n", self.authority);
         // A kept connection the source has closed since (it closes idle ones) fails before
         // any byte of the answer: then the request goes once more, on a new one.
@@ -132,45 +139,38 @@ impl Direct {
         Ok(again)
     }
 
+    /// A kept connection that is still open and has nothing unread (a look that does not
+    /// wait); those idle too long, closed or holding bytes nobody asked for are dropped.
     fn take_idle(&self) -> Option<TcpStream> {
-        self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop()
+        loop {
+            let (conn, since) = self.idle.lock().unwrap_or_else(|e| e.into_inner()).pop()?;
+            if since.elapsed() >= IDLE_FOR || conn.set_nonblocking(true).is_err() {
+                continue;
+            }
+            let quiet = matches!(conn.peek(&mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+            if quiet && conn.set_nonblocking(false).is_ok() {
+                return Some(conn);
+            }
+        }
     }
 
     fn give_back(&self, conn: TcpStream) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        idle.retain(|(_, since)| since.elapsed() < IDLE_FOR);
         if idle.len() < KEEP_IDLE {
-            idle.push(conn);
+            idle.push((conn, Instant::now()));
         }
     }
 
     /// A new connection, within `until`.
     fn connect(&self, until: Instant) -> Result<TcpStream, DirectError> {
-        let addrs = {
-            let mut a = self.addrs.lock().unwrap_or_else(|e| e.into_inner());
-            if a.is_empty() {
-                *a = self
-                    .authority
-                    .to_socket_addrs()
-                    .map_err(|e| transient(format!("resolve {}: {e}", self.authority)))?
-                    .collect();
+        match TcpStream::connect_timeout(&self.addr, left(until)?) {
+            Ok(s) => {
+                let _ = s.set_nodelay(true);
+                Ok(s)
             }
-            a.clone()
-        };
-        let mut last = format!("{} resolves to no address", self.authority);
-        for addr in addrs {
-            let left = left(until)?;
-            match TcpStream::connect_timeout(&addr, left) {
-                Ok(s) => {
-                    let _ = s.set_nodelay(true);
-                    return Ok(s);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
-                    return Err(DirectError::TimedOut)
-                }
-                Err(e) => last = format!("connect to {addr}: {e}"),
-            }
+            Err(e) => Err(io_error(&format!("connect to {}", self.addr), e)),
         }
-        Err(transient(last))
     }
 }
 
@@ -238,25 +238,34 @@ fn exchange(sent: &mut Sent) -> Result<(Option<(Bytes, Duration)>, bool), Exchan
             Ok(httparse::Status::Complete(head_len)) => {
                 let mut len = None;
                 let mut keep = r.version == Some(1);
+                let bad = |why: &str| Err(Exchange::Failed(transient(why.into())));
                 for h in r.headers.iter() {
                     if h.name.eq_ignore_ascii_case("content-length") {
-                        len = std::str::from_utf8(h.value)
+                        let v = std::str::from_utf8(h.value)
                             .ok()
                             .and_then(|v| v.trim().parse::<u64>().ok());
+                        if v.is_none() || len.is_some_and(|l| Some(l) != v) {
+                            return bad("an answer with a Content-Length it cannot read");
+                        }
+                        len = v;
                     } else if h.name.eq_ignore_ascii_case("connection") {
-                        keep &= !h.value.eq_ignore_ascii_case(b"close");
+                        keep &= !h
+                            .value
+                            .split(|&b| b == b',')
+                            .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
                     } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
-                        return Err(Exchange::Failed(transient(
-                            "an answer without a Content-Length".into(),
-                        )));
+                        return bad("an answer without a Content-Length");
                     }
                 }
+                let code = r.code.unwrap_or(0);
+                if code < 200 {
+                    // The source never sends 1xx (its requests carry no Expect).
+                    return bad(&format!("an interim answer (HTTP status {code})"));
+                }
                 let Some(len) = len else {
-                    return Err(Exchange::Failed(transient(
-                        "an answer without a Content-Length".into(),
-                    )));
+                    return bad("an answer without a Content-Length");
                 };
-                break (head_len, r.code.unwrap_or(0), len, keep);
+                break (head_len, code, len, keep);
             }
             Err(e) => {
                 return Err(Exchange::Failed(transient(format!(
@@ -268,9 +277,10 @@ fn exchange(sent: &mut Sent) -> Result<(Option<(Bytes, Duration)>, bool), Exchan
     let failed = |status: u16| {
         Exchange::Failed(DirectError::Failed {
             reason: format!("HTTP status {status}"),
-            // A source answers 5xx while it cannot read its diff: asked again until
-            // the deadline, as a store's 5xx is.
-            permanent: !(500..600).contains(&status),
+            // As the runtime's client takes a store's answers: refused (401, 403) is
+            // final; the rest (a source that cannot read its diff answers 500) is asked
+            // again until the deadline.
+            permanent: matches!(status, 401 | 403),
         })
     };
     if status == 200 && len > max {
@@ -349,9 +359,12 @@ fn io_error(op: &str, e: std::io::Error) -> DirectError {
     }
 }
 
-/// One read, waiting at most until `until`.
+/// One read, waiting at most until `until` (or [`LAST_LOOK`], when that is sooner or past).
 fn read(conn: &mut TcpStream, buf: &mut [u8], until: Instant) -> Result<usize, DirectError> {
-    conn.set_read_timeout(Some(left(until)?))
+    let wait = until
+        .saturating_duration_since(Instant::now())
+        .max(LAST_LOOK);
+    conn.set_read_timeout(Some(wait))
         .map_err(|e| transient(format!("set a timeout: {e}")))?;
     loop {
         match conn.read(buf) {
@@ -444,7 +457,7 @@ mod tests {
 
     #[test]
     fn what_a_source_must_not_send_fails_and_says_why() {
-        let cases: [(&[u8], &str, bool); 5] = [
+        let cases: [(&[u8], &str, bool); 8] = [
             (
                 b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n",
                 "past the 64",
@@ -464,6 +477,17 @@ mod tests {
                 b"HTTP/1.1 403 No\r\ncontent-length: 0\r\n\r\n",
                 "status 403",
                 true,
+            ),
+            (
+                b"HTTP/1.1 408 Timeout\r\ncontent-length: 0\r\n\r\n",
+                "status 408",
+                false,
+            ),
+            (b"HTTP/1.1 103 Early\r\n\r\n", "interim", false),
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabc",
+                "cannot read",
+                false,
             ),
             (b"SSH-2.0-OpenSSH\r\n\r\n", "not HTTP/1.1", false),
         ];
@@ -508,9 +532,19 @@ mod tests {
                 ..
             })
         ));
-        for bad in ["https://h:1", "http://", "http://h:1/path", "http://u@h:1"] {
+        // Nor does it look names up, or take anything but IP:PORT (those go through the
+        // runtime's client).
+        for bad in [
+            "https://10.0.0.1:1",
+            "http://",
+            "http://10.0.0.1:1/path",
+            "http://u@10.0.0.1:1",
+            "http://10.0.0.1",
+            "http://localhost:1",
+        ] {
             assert!(Direct::new(bad).is_none(), "{bad}");
         }
+        assert!(Direct::new("http://[::1]:80/").is_some());
     }
 
     #[test]
@@ -552,6 +586,101 @@ mod tests {
                 .gets
                 .load(std::sync::atomic::Ordering::Relaxed),
             2
+        );
+    }
+
+    #[test]
+    fn a_fault_reads_on_its_thread_only_when_the_rest_of_its_frame_is_here() {
+        use crate::store::fetch::{FetchPolicy, Frames};
+        use crate::store::peer::held_tests::{base_in_store, diff_config, diff_on, FB, MEM, PAGE};
+        use crate::store::{
+            push_held, read_snapshot, FrameCache, PushSource, Snapshot, StoreMemory, StoreUrl,
+        };
+
+        let scratch = guestmem_testkit::Scratch::new("direct-here");
+        let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x3c).collect();
+        let (store, base) = base_in_store(&scratch, &base_bytes);
+        let diff_path = scratch.join("diff");
+        let want = diff_on(&base_bytes, &diff_path);
+        let snap = read_snapshot(
+            &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
+            &base,
+        )
+        .unwrap();
+        let in_base: std::collections::HashSet<_> =
+            snap.frames.iter().flatten().map(|p| p.hash).collect();
+        let diff = StoreUrl::parse("s3://bkt/diff", false).unwrap();
+        let src = PushSource::RawDiff {
+            path: diff_path,
+            base,
+        };
+        let held = Arc::new(Client::in_memory("held").unwrap());
+        let held_frames = Arc::new(HeldFrames::new());
+        push_held(&held, &src, &diff, &diff_config(&store, snap), &held_frames).unwrap();
+        let chain =
+            Snapshot::parse(&diff, &held.get(&diff.manifest_key()).unwrap().unwrap()).unwrap();
+        let owed: Vec<_> = chain
+            .frames
+            .iter()
+            .flatten()
+            .map(|p| p.hash)
+            .filter(|h| !in_base.contains(h))
+            .collect();
+        let server = PeerServer::start("127.0.0.1:0".parse().unwrap(), held_frames, held).unwrap();
+        let peer = Arc::new(Client::peer(&format!("http://{}", server.addr())).unwrap());
+        let cache = Arc::new(FrameCache::open(&scratch.join("cache"), 16 << 20).unwrap());
+        // Frame 2: the base's piece and three pages of the diff's.
+        assert_eq!(chain.frames[2].len(), 2);
+        let frame2 = |frames: &Arc<Frames>| {
+            frames.follow(Arc::clone(&peer), owed.iter().copied());
+            let memory = StoreMemory::from_snapshot(Arc::clone(frames), chain.clone());
+            let got = memory.frame(2).unwrap();
+            assert_eq!(got.as_slice(), &want[2 * FB as usize..3 * FB as usize]);
+            frames.settle();
+        };
+        // The base's piece is fetched too: the whole frame through the runtime.
+        let cold = Arc::new(Frames::new(
+            Arc::clone(&store),
+            Some(Arc::clone(&cache)),
+            FetchPolicy::default(),
+        ));
+        frame2(&cold);
+        let direct = peer.direct().unwrap();
+        assert!(
+            direct.idle.lock().unwrap().is_empty(),
+            "through the runtime"
+        );
+        // The base's piece in the cache (kept by the read above), the diff's asked for
+        // again by another host's fetcher: on the fault's thread.
+        let warm = Arc::new(Frames::new(
+            Arc::new(Client::in_memory("s2").unwrap()),
+            Some(Arc::new(
+                FrameCache::open(&scratch.join("cache2"), 16 << 20).unwrap(),
+            )),
+            FetchPolicy::default(),
+        ));
+        let base_piece = chain.frames[2][0].hash;
+        warm.cache()
+            .unwrap()
+            .put(&base_piece, &base_bytes[2 * FB as usize..3 * FB as usize]);
+        frame2(&warm);
+        assert_eq!(
+            direct.idle.lock().unwrap().len(),
+            1,
+            "on the fault's thread"
+        );
+        assert_eq!(
+            warm.counters
+                .peer_gets
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+        assert_eq!(
+            warm.counters
+                .gets
+                .load(std::sync::atomic::Ordering::Relaxed),
+            1,
+            "the base's piece from the cache"
         );
     }
 }

@@ -69,11 +69,11 @@ thread_local!(static READ_HERE: std::cell::Cell<bool> = const { std::cell::Cell:
 /// Taken by a fault's frame read, on a thread outside the runtime that waits for the frame
 /// anyway; never on a runtime thread, where a blocking read would stall other requests.
 #[must_use]
-pub(crate) struct ReadHere(bool);
+pub(crate) struct ReadHere(bool, std::marker::PhantomData<*const ()>);
 
-/// [`ReadHere`], for this thread.
+/// [`ReadHere`], for this thread (and only it: not `Send`).
 pub(crate) fn read_here() -> ReadHere {
-    ReadHere(READ_HERE.replace(true))
+    ReadHere(READ_HERE.replace(true), std::marker::PhantomData)
 }
 
 impl Drop for ReadHere {
@@ -261,6 +261,16 @@ impl Frames {
         };
         self.holder(&at).is_some()
             && !self
+                .cache
+                .as_ref()
+                .is_some_and(|c| c.contains(&self.kept_as(hash)))
+    }
+
+    /// Whether the piece of `hash` is read on this host without a request: zeros, or
+    /// in the cache.
+    pub(crate) fn held_here(&self, hash: &blake3::Hash) -> bool {
+        matches!(self.later_of(hash), Some(Later::Zero))
+            || self
                 .cache
                 .as_ref()
                 .is_some_and(|c| c.contains(&self.kept_as(hash)))

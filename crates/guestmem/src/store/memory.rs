@@ -184,9 +184,16 @@ impl StoreMemory {
 
     /// Frame `i`, put together from its pieces.
     pub(crate) fn frame(&self, i: u64) -> Result<Arc<Vec<u8>>, Arc<StoreError>> {
-        // A fault's frame: a piece its source owes is read on this thread, which waits for
-        // it anyway (a prefetch thread's goes through the runtime, many at once).
-        let _here = (!crate::restore::is_prefetcher()).then(super::fetch::read_here);
+        // A fault's frame whose other pieces are on this host: the piece its source owes
+        // is read on this thread, which waits for it anyway. Not when another piece is
+        // fetched too (its flight, which other VMs' faults may join, would wait behind the
+        // blocking read), nor for a prefetch thread (through the runtime, many at once).
+        let frames = &self.frames;
+        let here = !crate::restore::is_prefetcher()
+            && self.snapshot.frames[i as usize]
+                .iter()
+                .all(|p| frames.owed_here(&p.hash) || frames.held_here(&p.hash));
+        let _here = here.then(super::fetch::read_here);
         self.frames.client.block_on(self.frame_async(i))
     }
 
