@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use super::StoreError;
+
 /// Connections kept open for the next GET (a destination's fault threads: a few).
 const KEEP_IDLE: usize = 16;
 /// A kept connection idle this long is closed here, before the source closes it (after
@@ -30,6 +32,31 @@ const LAST_LOOK: Duration = Duration::from_millis(1);
 const HEAD_LIMIT: usize = 16 << 10;
 /// Headers an answer may carry.
 const HEADERS: usize = 32;
+
+thread_local!(static READ_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+
+/// While it lives, a GET that this thread's own fetch sends to a move's source is written
+/// and read on this thread  instead of through the client's runtime.
+/// Taken by a fault's frame read, on a thread outside the runtime that waits for the frame
+/// anyway; never on a runtime thread, where a blocking read would stall other requests.
+#[must_use]
+pub(crate) struct ReadHere(bool, std::marker::PhantomData<*const ()>);
+
+/// [`ReadHere`], for this thread (and only it: not `Send`).
+pub(crate) fn read_here() -> ReadHere {
+    ReadHere(READ_HERE.replace(true), std::marker::PhantomData)
+}
+
+impl Drop for ReadHere {
+    fn drop(&mut self) {
+        READ_HERE.set(self.0);
+    }
+}
+
+/// Whether this thread reads its own GETs to a move's source ([`ReadHere`]).
+pub(crate) fn reads_here() -> bool {
+    READ_HERE.get()
+}
 
 /// Why a GET on this thread failed.
 #[derive(Debug)]
@@ -124,6 +151,37 @@ impl Direct {
                 Err(Exchange::Unanswered(_)) if sent.kept => sent = self.resend(sent)?,
                 Err(Exchange::Unanswered(e) | Exchange::Failed(e)) => return Err(e),
             }
+        }
+    }
+
+    /// A GET of `key` on this thread (a fault's own, which has nothing else to do until its
+    /// frame is in), answered as the fetch path takes a client's: `Err(())` when no answer
+    /// came within `limit`, a failure as the [`StoreError`] of a GET of `url()`. The
+    /// request goes first; the frame's other pieces are read from the cache while it
+    /// travels.
+    pub(crate) async fn get_here(
+        &self,
+        key: &str,
+        max: u64,
+        limit: Duration,
+        url: impl FnOnce() -> String,
+    ) -> Result<Result<Option<(Bytes, Duration)>, StoreError>, ()> {
+        let got = match self.send(key, max, limit) {
+            Ok(sent) => {
+                tokio::task::yield_now().await;
+                self.receive(sent)
+            }
+            Err(e) => Err(e),
+        };
+        match got {
+            Ok(g) => Ok(Ok(g)),
+            Err(DirectError::TimedOut) => Err(()),
+            Err(DirectError::Failed { reason, permanent }) => Ok(Err(StoreError::Request {
+                op: "GET",
+                url: url(),
+                reason,
+                permanent,
+            })),
         }
     }
 
@@ -577,7 +635,7 @@ mod tests {
             crate::store::fetch::FetchPolicy::default(),
         );
         frames2.follow(Arc::clone(&peer), [hash]);
-        let _here = crate::store::fetch::read_here();
+        let _here = crate::store::direct::read_here();
         assert_eq!(*frames2.get(&hash, p.len()).unwrap(), p);
         assert_eq!(direct.idle.lock().unwrap().len(), 1);
         assert_eq!(
@@ -592,40 +650,25 @@ mod tests {
     #[test]
     fn a_fault_reads_on_its_thread_only_when_the_rest_of_its_frame_is_here() {
         use crate::store::fetch::{FetchPolicy, Frames};
-        use crate::store::peer::held_tests::{base_in_store, diff_config, diff_on, FB, MEM, PAGE};
-        use crate::store::{
-            push_held, read_snapshot, FrameCache, PushSource, Snapshot, StoreMemory, StoreUrl,
-        };
+        use crate::store::peer::held_tests::{diff_config, BaseAndDiff, FB, MEM, PAGE};
+        use crate::store::{push_held, FrameCache, PushSource, Snapshot, StoreMemory, StoreUrl};
 
         let scratch = guestmem_testkit::Scratch::new("direct-here");
         let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x3c).collect();
-        let (store, base) = base_in_store(&scratch, &base_bytes);
-        let diff_path = scratch.join("diff");
-        let want = diff_on(&base_bytes, &diff_path);
-        let snap = read_snapshot(
-            &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
-            &base,
-        )
-        .unwrap();
-        let in_base: std::collections::HashSet<_> =
-            snap.frames.iter().flatten().map(|p| p.hash).collect();
+        let bd = BaseAndDiff::new(&scratch, &base_bytes);
+        let (store, want) = (Arc::clone(&bd.store), &bd.want);
         let diff = StoreUrl::parse("s3://bkt/diff", false).unwrap();
         let src = PushSource::RawDiff {
-            path: diff_path,
-            base,
+            path: bd.diff_path.clone(),
+            base: bd.base.clone(),
         };
         let held = Arc::new(Client::in_memory("held").unwrap());
         let held_frames = Arc::new(HeldFrames::new());
-        push_held(&held, &src, &diff, &diff_config(&store, snap), &held_frames).unwrap();
+        let cfg = diff_config(&store, bd.snap.clone());
+        push_held(&held, &src, &diff, &cfg, &held_frames).unwrap();
         let chain =
             Snapshot::parse(&diff, &held.get(&diff.manifest_key()).unwrap().unwrap()).unwrap();
-        let owed: Vec<_> = chain
-            .frames
-            .iter()
-            .flatten()
-            .map(|p| p.hash)
-            .filter(|h| !in_base.contains(h))
-            .collect();
+        let owed = bd.owed(&chain);
         let server = PeerServer::start("127.0.0.1:0".parse().unwrap(), held_frames, held).unwrap();
         let peer = Arc::new(Client::peer(&format!("http://{}", server.addr())).unwrap());
         let cache = Arc::new(FrameCache::open(&scratch.join("cache"), 16 << 20).unwrap());

@@ -17,7 +17,6 @@ use std::time::{Duration, Instant};
 
 use super::cache::FrameCache;
 use super::client::Client;
-use super::direct::DirectError;
 use super::url::frame_key;
 use super::StoreError;
 use crate::restore::latency::{Histogram, LatencySummary};
@@ -61,26 +60,6 @@ impl Default for FetchPolicy {
 /// First wait between attempts; doubled after each, up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(20);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
-
-thread_local!(static READ_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
-
-/// While it lives, a GET that this thread's own fetch sends to a move's source is written
-/// and read on this thread ([`super::direct`]) instead of through the client's runtime.
-/// Taken by a fault's frame read, on a thread outside the runtime that waits for the frame
-/// anyway; never on a runtime thread, where a blocking read would stall other requests.
-#[must_use]
-pub(crate) struct ReadHere(bool, std::marker::PhantomData<*const ()>);
-
-/// [`ReadHere`], for this thread (and only it: not `Send`).
-pub(crate) fn read_here() -> ReadHere {
-    ReadHere(READ_HERE.replace(true), std::marker::PhantomData)
-}
-
-impl Drop for ReadHere {
-    fn drop(&mut self) {
-        READ_HERE.set(self.0);
-    }
-}
 
 /// What fetching did, counted since it started.
 #[derive(Debug, Default)]
@@ -249,31 +228,6 @@ impl Frames {
         f.as_ref()
             .filter(|f| f.owed.contains(hash.as_bytes()))
             .map(|f| Arc::clone(&f.peer))
-    }
-
-    /// Whether a move's source host owes the piece of `hash` and this host does not hold it
-    /// yet: a fault on it waits on the source.
-    pub(crate) fn owed_here(&self, hash: &blake3::Hash) -> bool {
-        let at = match self.later_of(hash) {
-            Some(Later::Zero) => return false,
-            Some(Later::Named(h)) => h,
-            _ => *hash,
-        };
-        self.holder(&at).is_some()
-            && !self
-                .cache
-                .as_ref()
-                .is_some_and(|c| c.contains(&self.kept_as(hash)))
-    }
-
-    /// Whether the piece of `hash` is read on this host without a request: zeros, or
-    /// in the cache.
-    pub(crate) fn held_here(&self, hash: &blake3::Hash) -> bool {
-        matches!(self.later_of(hash), Some(Later::Zero))
-            || self
-                .cache
-                .as_ref()
-                .is_some_and(|c| c.contains(&self.kept_as(hash)))
     }
 
     /// Waits until no fetched frame waits to be written to the cache (each kept, or given up:
@@ -467,29 +421,9 @@ impl Frames {
             let direct = peer
                 .as_ref()
                 .and_then(|p| p.direct())
-                .filter(|_| !ahead && READ_HERE.get());
+                .filter(|_| !ahead && super::direct::reads_here());
             let got = match direct {
-                // A fault's own GET to a move's source, on the fault's thread: it has nothing
-                // else to do until the frame is in.
-                Some(d) => match async {
-                    let sent = d.send(&key, max, limit)?;
-                    // The frame's other pieces are read from the cache while it travels.
-                    tokio::task::yield_now().await;
-                    d.receive(sent)
-                }
-                .await
-                {
-                    Ok(g) => Ok(Ok(g)),
-                    Err(DirectError::TimedOut) => Err(()),
-                    Err(DirectError::Failed { reason, permanent }) => {
-                        Ok(Err(StoreError::Request {
-                            op: "GET",
-                            url: client.url(&key),
-                            reason,
-                            permanent,
-                        }))
-                    }
-                },
+                Some(d) => d.get_here(&key, max, limit, || client.url(&key)).await,
                 None => tokio::time::timeout(limit, client.get_capped(&key, max))
                     .await
                     .map_err(|_| ()),

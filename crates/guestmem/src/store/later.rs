@@ -205,7 +205,9 @@ mod tests {
     use super::{later_names, name_later};
     use crate::snapshot::RemoteMemory;
     use crate::store::fetch::{FetchPolicy, Frames};
-    use crate::store::peer::held_tests::{base_in_store, diff_config, diff_on, FB, MEM, PAGE};
+    use crate::store::peer::held_tests::{
+        base_in_store, diff_config, diff_on, BaseAndDiff, FB, MEM, PAGE,
+    };
     use crate::store::{
         push, read_snapshot, Client, FrameCache, HeldFrames, PeerServer, PushSource, Snapshot,
         StoreMemory, StoreUrl,
@@ -412,15 +414,13 @@ mod tests {
     #[test]
     fn a_piece_served_again_with_other_bytes_fails_closed() {
         let scratch = guestmem_testkit::Scratch::new("later-changed");
-        let base_bytes = vec![3u8; MEM as usize];
-        let (store, base) = base_in_store(&scratch, &base_bytes);
-        let diff_path = scratch.join("diff");
-        let want = diff_on(&base_bytes, &diff_path);
-        let snap = read_snapshot(
-            &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
-            &base,
-        )
-        .unwrap();
+        let BaseAndDiff {
+            store,
+            snap,
+            diff_path,
+            want,
+            ..
+        } = BaseAndDiff::new(&scratch, &vec![3u8; MEM as usize]);
         let diff = StoreUrl::parse("s3://bkt/diff", false).unwrap();
         let held_frames = Arc::new(HeldFrames::new());
         let named = name_later(&diff_path, &snap, &diff, &held_frames)

@@ -193,7 +193,7 @@ impl StoreMemory {
             && self.snapshot.frames[i as usize]
                 .iter()
                 .all(|p| frames.owed_here(&p.hash) || frames.held_here(&p.hash));
-        let _here = here.then(super::fetch::read_here);
+        let _here = here.then(super::direct::read_here);
         self.frames.client.block_on(self.frame_async(i))
     }
 

@@ -277,7 +277,7 @@ mod tests {
                 Arc::new(Client::peer(&format!("http://{gone}")).unwrap()),
                 [hash],
             );
-            let _here = here.then(crate::store::fetch::read_here);
+            let _here = here.then(crate::store::direct::read_here);
             let t = Instant::now();
             let e = frames.get(&hash, 64 << 10).unwrap_err().to_string();
             assert!(
@@ -414,27 +414,65 @@ pub(super) mod held_tests {
         want
     }
 
+    /// A base of given bytes in an in-memory store ([`base_in_store`]) and a diff on it
+    /// ([`diff_on`]) at `scratch/diff`, the base's manifest read back.
+    pub(in crate::store) struct BaseAndDiff {
+        pub store: Arc<Client>,
+        pub base: StoreUrl,
+        pub snap: Snapshot,
+        pub diff_path: std::path::PathBuf,
+        /// The memory the diff stands for.
+        pub want: Vec<u8>,
+    }
+
+    impl BaseAndDiff {
+        pub fn new(scratch: &std::path::Path, base_bytes: &[u8]) -> BaseAndDiff {
+            let (store, base) = base_in_store(scratch, base_bytes);
+            let diff_path = scratch.join("diff");
+            let want = diff_on(base_bytes, &diff_path);
+            let snap = read_snapshot(
+                &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
+                &base,
+            )
+            .unwrap();
+            BaseAndDiff {
+                store,
+                base,
+                snap,
+                diff_path,
+                want,
+            }
+        }
+
+        /// The hashes of the base's pieces.
+        pub fn in_base(&self) -> std::collections::HashSet<blake3::Hash> {
+            self.snap.frames.iter().flatten().map(|p| p.hash).collect()
+        }
+
+        /// The pieces of `chain` the base does not hold: what the source owes.
+        pub fn owed(&self, chain: &Snapshot) -> Vec<blake3::Hash> {
+            let in_base = self.in_base();
+            chain
+                .frames
+                .iter()
+                .flatten()
+                .map(|p| p.hash)
+                .filter(|h| !in_base.contains(h))
+                .collect()
+        }
+    }
+
     #[test]
     fn a_diff_held_in_place_makes_the_manifest_a_push_makes_and_is_served_checked() {
         let scratch = guestmem_testkit::Scratch::new("held");
         let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x5a).collect();
-        let (store, base) = base_in_store(&scratch, &base_bytes);
-
-        let diff_path = scratch.join("diff");
-        let want = diff_on(&base_bytes, &diff_path);
-
-        let snap = read_snapshot(
-            &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
-            &base,
-        )
-        .unwrap();
-        let in_base: std::collections::HashSet<_> =
-            snap.frames.iter().flatten().map(|p| p.hash).collect();
+        let bd = BaseAndDiff::new(&scratch, &base_bytes);
+        let (store, want) = (Arc::clone(&bd.store), &bd.want);
         let diff = StoreUrl::parse("s3://bkt/diff", false).unwrap();
-        let dcfg = diff_config(&store, snap);
+        let dcfg = diff_config(&store, bd.snap.clone());
         let src = PushSource::RawDiff {
-            path: diff_path,
-            base: base.clone(),
+            path: bd.diff_path.clone(),
+            base: bd.base.clone(),
         };
         let held = Arc::new(Client::in_memory("held").unwrap());
         let held_frames = Arc::new(HeldFrames::new());
@@ -460,13 +498,7 @@ pub(super) mod held_tests {
         .unwrap();
         let chain =
             Snapshot::parse(&diff, &held.get(&diff.manifest_key()).unwrap().unwrap()).unwrap();
-        let owed: Vec<_> = chain
-            .frames
-            .iter()
-            .flatten()
-            .map(|p| p.hash)
-            .filter(|h| !in_base.contains(h))
-            .collect();
+        let owed = bd.owed(&chain);
         assert_eq!(owed.len(), 3);
         let frames = Frames::new(Arc::clone(&store), None, FetchPolicy::default());
         let peer = Arc::new(Client::peer(&format!("http://{}", server.addr())).unwrap());

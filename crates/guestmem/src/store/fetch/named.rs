@@ -87,6 +87,31 @@ impl Frames {
         l.get(hash.as_bytes()).copied()
     }
 
+    /// Whether a move's source host owes the piece of `hash` and this host does not hold it
+    /// yet: a fault on it waits on the source.
+    pub(crate) fn owed_here(&self, hash: &blake3::Hash) -> bool {
+        let at = match self.later_of(hash) {
+            Some(Later::Zero) => return false,
+            Some(Later::Named(h)) => h,
+            _ => *hash,
+        };
+        self.holder(&at).is_some()
+            && !self
+                .cache
+                .as_ref()
+                .is_some_and(|c| c.contains(&self.kept_as(hash)))
+    }
+
+    /// Whether the piece of `hash` is read on this host without a request: zeros, or
+    /// in the cache.
+    pub(crate) fn held_here(&self, hash: &blake3::Hash) -> bool {
+        matches!(self.later_of(hash), Some(Later::Zero))
+            || self
+                .cache
+                .as_ref()
+                .is_some_and(|c| c.contains(&self.kept_as(hash)))
+    }
+
     /// The hash the frame asked for as `hash` is kept under in the cache: its own, or for a
     /// piece named later, the hash it was served or named as (while none is known, its
     /// placeholder, which nothing is kept under).
