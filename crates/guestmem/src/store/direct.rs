@@ -650,24 +650,19 @@ mod tests {
     #[test]
     fn a_fault_reads_on_its_thread_only_when_the_rest_of_its_frame_is_here() {
         use crate::store::fetch::{FetchPolicy, Frames};
-        use crate::store::peer::held_tests::{diff_config, BaseAndDiff, FB, MEM, PAGE};
-        use crate::store::{push_held, FrameCache, PushSource, Snapshot, StoreMemory, StoreUrl};
+        use crate::store::peer::held_tests::{BaseAndDiff, HeldDiff, FB, MEM, PAGE};
+        use crate::store::{FrameCache, StoreMemory};
 
         let scratch = guestmem_testkit::Scratch::new("direct-here");
         let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x3c).collect();
         let bd = BaseAndDiff::new(&scratch, &base_bytes);
         let (store, want) = (Arc::clone(&bd.store), &bd.want);
-        let diff = StoreUrl::parse("s3://bkt/diff", false).unwrap();
-        let src = PushSource::RawDiff {
-            path: bd.diff_path.clone(),
-            base: bd.base.clone(),
-        };
-        let held = Arc::new(Client::in_memory("held").unwrap());
-        let held_frames = Arc::new(HeldFrames::new());
-        let cfg = diff_config(&store, bd.snap.clone());
-        push_held(&held, &src, &diff, &cfg, &held_frames).unwrap();
-        let chain =
-            Snapshot::parse(&diff, &held.get(&diff.manifest_key()).unwrap().unwrap()).unwrap();
+        let HeldDiff {
+            objects: held,
+            frames: held_frames,
+            chain,
+            ..
+        } = bd.held();
         let owed = bd.owed(&chain);
         let server = PeerServer::start("127.0.0.1:0".parse().unwrap(), held_frames, held).unwrap();
         let peer = Arc::new(Client::peer(&format!("http://{}", server.addr())).unwrap());

@@ -449,6 +449,30 @@ pub(super) mod held_tests {
             self.snap.frames.iter().flatten().map(|p| p.hash).collect()
         }
 
+        /// The diff cut as a move's source holds it ([`push_held`], as `s3://bkt/diff`).
+        pub fn held(&self) -> HeldDiff {
+            let diff = StoreUrl::parse("s3://bkt/diff", false).unwrap();
+            let cfg = diff_config(&self.store, self.snap.clone());
+            let src = PushSource::RawDiff {
+                path: self.diff_path.clone(),
+                base: self.base.clone(),
+            };
+            let objects = Arc::new(Client::in_memory("held").unwrap());
+            let frames = Arc::new(HeldFrames::new());
+            push_held(&objects, &src, &diff, &cfg, &frames).unwrap();
+            let chain =
+                Snapshot::parse(&diff, &objects.get(&diff.manifest_key()).unwrap().unwrap())
+                    .unwrap();
+            HeldDiff {
+                diff,
+                src,
+                cfg,
+                objects,
+                frames,
+                chain,
+            }
+        }
+
         /// The pieces of `chain` the base does not hold: what the source owes.
         pub fn owed(&self, chain: &Snapshot) -> Vec<blake3::Hash> {
             let in_base = self.in_base();
@@ -462,21 +486,31 @@ pub(super) mod held_tests {
         }
     }
 
+    /// A diff held by a move's source ([`BaseAndDiff::held`]): the push that cut it (its
+    /// source and configuration), the objects and frames it holds, the chain's manifest.
+    pub(in crate::store) struct HeldDiff {
+        pub diff: StoreUrl,
+        pub src: PushSource,
+        pub cfg: PushConfig,
+        pub objects: Arc<Client>,
+        pub frames: Arc<HeldFrames>,
+        pub chain: Snapshot,
+    }
+
     #[test]
     fn a_diff_held_in_place_makes_the_manifest_a_push_makes_and_is_served_checked() {
         let scratch = guestmem_testkit::Scratch::new("held");
         let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x5a).collect();
         let bd = BaseAndDiff::new(&scratch, &base_bytes);
         let (store, want) = (Arc::clone(&bd.store), &bd.want);
-        let diff = StoreUrl::parse("s3://bkt/diff", false).unwrap();
-        let dcfg = diff_config(&store, bd.snap.clone());
-        let src = PushSource::RawDiff {
-            path: bd.diff_path.clone(),
-            base: bd.base.clone(),
-        };
-        let held = Arc::new(Client::in_memory("held").unwrap());
-        let held_frames = Arc::new(HeldFrames::new());
-        push_held(&held, &src, &diff, &dcfg, &held_frames).unwrap();
+        let HeldDiff {
+            diff,
+            src,
+            cfg: dcfg,
+            objects: held,
+            frames: held_frames,
+            chain,
+        } = bd.held();
         // Frame 0, the piece of frame 2, the last page: frame 5 is zero (stored nowhere).
         assert_eq!(held_frames.len(), 3);
         let plain = Arc::new(Client::in_memory("plain").unwrap());
@@ -496,8 +530,6 @@ pub(super) mod held_tests {
             Arc::clone(&held),
         )
         .unwrap();
-        let chain =
-            Snapshot::parse(&diff, &held.get(&diff.manifest_key()).unwrap().unwrap()).unwrap();
         let owed = bd.owed(&chain);
         assert_eq!(owed.len(), 3);
         let frames = Frames::new(Arc::clone(&store), None, FetchPolicy::default());
