@@ -95,21 +95,20 @@ impl Frames {
             Some(Later::Named(h)) => h,
             _ => *hash,
         };
-        self.holder(&at).is_some()
-            && !self
-                .cache
-                .as_ref()
-                .is_some_and(|c| c.contains(&self.kept_as(hash)))
+        self.holder(&at).is_some() && !self.cached(hash)
     }
 
     /// Whether the piece of `hash` is read on this host without a request: zeros, or
     /// in the cache.
     pub(crate) fn held_here(&self, hash: &blake3::Hash) -> bool {
-        matches!(self.later_of(hash), Some(Later::Zero))
-            || self
-                .cache
-                .as_ref()
-                .is_some_and(|c| c.contains(&self.kept_as(hash)))
+        matches!(self.later_of(hash), Some(Later::Zero)) || self.cached(hash)
+    }
+
+    /// Whether the cache holds the piece of `hash` (under the hash it is kept as).
+    fn cached(&self, hash: &blake3::Hash) -> bool {
+        self.cache
+            .as_ref()
+            .is_some_and(|c| c.contains(&self.kept_as(hash)))
     }
 
     /// The hash the frame asked for as `hash` is kept under in the cache: its own, or for a
