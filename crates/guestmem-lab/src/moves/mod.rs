@@ -171,7 +171,8 @@ pub struct MoveSample {
     pub fault_get_p99_us: f64,
     /// The destination's faults on frames the source owed and it did not hold yet: how
     /// many, and how long each waited for its frame (its own GET, or one in flight it
-    /// joined), microseconds.
+    /// joined), microseconds: quantiles of the waits as measured (nearest rank); in runs
+    /// before 2026-11-27 18:00, a histogram bucket's upper bound (up to 19% above).
     #[serde(default)]
     pub remote_faults: u64,
     /// See `remote_faults`.
@@ -569,8 +570,8 @@ impl Lab<'_> {
             fault_get_p50_us: arrived.peer_fault_latency.p50_us,
             fault_get_p99_us: arrived.peer_fault_latency.p99_us,
             remote_faults: arrived.peer_fault_wait.count,
-            remote_fault_p50_us: arrived.peer_fault_wait.p50_us,
-            remote_fault_p99_us: arrived.peer_fault_wait.p99_us,
+            remote_fault_p50_us: arrived.peer_fault_wait_exact.p50_us,
+            remote_fault_p99_us: arrived.peer_fault_wait_exact.p99_us,
             miss_p50_us: miss.p50_us,
             miss_p99_us: miss.p99_us,
             risk_ms: r.risk_ms,

@@ -90,7 +90,8 @@ impl LabReport for MoveResult {
              fetching waits on that GET instead). `remote faults`: the destination's faults on \
              frames the source owed and it did not hold yet, and how long each waited for its frame \
              (its own GET, or one in flight it joined): a remote fault but for the install, which \
-             `miss` holds. \
+             `miss` holds; its quantiles are of the waits as measured (nearest rank), the \
+             others' a histogram bucket's upper bound (up to 19% above). \
              `miss`: the destination's faults that brought their block (a frame) in, from the \
              cache or the source. `faults only`: the destination prefetches nothing, so every frame \
              the source owes comes through a fault. `risk window`: from \

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use super::firecracker::{json_path, Api};
 use super::wire::{Msg, Wire, WIRE_VERSION};
 use super::{MoveError, OnPanic};
-use crate::restore::latency::LatencySummary;
+use crate::restore::latency::{ExactLatency, LatencySummary};
 use crate::serve::{Listener, MemoryFile, Server, ServerConfig, ServerReport, Socket};
 use crate::store::{read_snapshot, Client, Frames, Snapshot, StoreError, StoreMemory, StoreUrl};
 
@@ -66,6 +66,8 @@ pub struct MoveInReport {
     /// How long faults waited for frames the source owed and this host did not hold yet
     /// (their own GET, or one in flight they joined): remote faults, but for the install.
     pub peer_fault_wait: LatencySummary,
+    /// The same waits' quantiles as measured (the histogram's bucket is up to 19% wide).
+    pub peer_fault_wait_exact: ExactLatency,
     /// The page server's report, when the VM ended.
     #[serde(skip)]
     pub server: Option<ServerReport>,
@@ -437,6 +439,7 @@ pub fn move_in(
         peer_latency: c.peer_latency(),
         peer_fault_latency: c.peer_fault_latency(),
         peer_fault_wait: c.peer_fault_wait(),
+        peer_fault_wait_exact: c.peer_fault_wait_exact(),
         server: Some(server),
     })
 }

@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub use crate::lifecycle::RestoreState;
-pub use latency::{FaultClass, FaultLatency, LatencySummary};
+pub use latency::{ExactLatency, FaultClass, FaultLatency, LatencySummary};
 pub use lazy::{LazyReport, LazyRestore};
 // The engine as the page server reaches it (`crate::serve`): nothing else of `lazy`.
 pub(crate) use lazy::{as_prefetcher, is_prefetcher, PeerRange, Pooled, RemoteRestore, Start};

@@ -209,7 +209,9 @@ impl StoreMemory {
                 .any(|p| frames.owed_here(&p.hash));
         let out = self.assemble(i).await;
         if remote && out.is_ok() {
-            frames.counters.peer_fault_wait.record(t0.elapsed());
+            let waited = t0.elapsed();
+            frames.counters.peer_fault_wait.record(waited);
+            frames.counters.peer_fault_wait_recent.record(waited);
         }
         out
     }
