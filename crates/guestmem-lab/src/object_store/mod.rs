@@ -21,7 +21,8 @@
 //! (`run::rebacked`: this host takes freed memory back a second or two after it is freed,
 //! and the warm variant's fill of its cache, seconds long, otherwise handed its timed part
 //! the host's first touches), and the warm variant's cache is synced to disk (else the
-//! kernel writes 1 GiB back during the timed part, on the same two CPUs).
+//! kernel writes 1 GiB back during the timed part, on the same two CPUs). Each round's
+//! cache is kept until the run ends, where the disk has room (see `Lab::round`).
 //!
 //! Reported per variant: seconds until the working set is read and until all memory is;
 //! the demand-miss latency the engine saw (faults that had to bring their block in: p50,
