@@ -171,8 +171,9 @@ pub struct MoveSample {
     pub fault_get_p99_us: f64,
     /// The destination's faults on frames the source owed and it did not hold yet: how
     /// many, and how long each waited for its frame (its own GET, or one in flight it
-    /// joined), microseconds: quantiles of the waits as measured (nearest rank); in runs
-    /// before 2026-11-27 18:00, a histogram bucket's upper bound (up to 19% above).
+    /// joined), microseconds: quantiles of the waits as measured (nearest rank, over the
+    /// latest 4096 of a move); in runs before 2026-11-27 18:00, a histogram bucket's upper
+    /// bound (up to 19% above).
     #[serde(default)]
     pub remote_faults: u64,
     /// See `remote_faults`.

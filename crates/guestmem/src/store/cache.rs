@@ -2,14 +2,15 @@
 //! every VM and snapshot a server serves, bounded in bytes (least recently used out first),
 //! and checked every time a frame is read from it. A frame is kept only after its BLAKE3
 //! hash was checked against its name (what came from the store is untrusted); the file
-//! carries, after the frame, guestmem's block checksum of it, which every read checks: the cache is this host's
-//! own, so the re-check is against corruption (a torn write, bit rot, a file changed behind
-//! the server's back), at memory speed, where a BLAKE3 pass would cost a warm cache its level
-//! with a local file. It outlives the server:
-//! a file appears only whole (written beside, then renamed), so a restart, `kill -9` or a
-//! hand-over finds every frame it left, and a half-written one is never read (its temporary
-//! file is removed at the next start). A full disk is not an error: frames are evicted to
-//! make room, and past that served without being kept.
+//! carries, after the frame, guestmem's block checksum of it sealed with that name, which
+//! every read checks: the cache is this host's own, so the re-check is against corruption
+//! (a torn write, bit rot, a file changed or moved behind the server's back), at memory
+//! speed, where a BLAKE3 pass would cost a warm cache its level with a local file. It
+//! outlives the server: a file appears only whole (written beside, then renamed), so a
+//! restart, `kill -9` or a hand-over finds every frame it left, and a half-written one is
+//! never read (its temporary file is removed at the next start). A full cache writes each
+//! new frame over the file of the one it evicts. A full disk is not an error: frames are
+//! evicted to make room, and past that served without being kept.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -104,21 +105,32 @@ pub struct FrameCache {
     index: Mutex<Index>,
     /// What it did.
     pub counters: CacheCounters,
-    serial: AtomicU64,
 }
 
 /// Bytes read and checked at a time (half a typical L2 cache).
 const CHECK_PIECE: usize = 256 << 10;
 
-/// The trailer after a frame in its file: `GMC1`, 4 zero bytes, the frame's checksum.
+/// The trailer after a frame in its file: `GMC2`, 4 zero bytes, the frame's checksum sealed
+/// with its name ([`sealed`]). (`GMC1` files, whose checksum was not sealed, are fetched
+/// again once.)
 const TRAILER: usize = 16;
-const TRAILER_MAGIC: [u8; 4] = *b"GMC1";
+const TRAILER_MAGIC: [u8; 4] = *b"GMC2";
 
-fn trailer(plain: &[u8]) -> [u8; TRAILER] {
+fn trailer(h: &[u8; 32], plain: &[u8]) -> [u8; TRAILER] {
     let mut t = [0u8; TRAILER];
     t[..4].copy_from_slice(&TRAILER_MAGIC);
-    t[8..].copy_from_slice(&checksum(plain).to_le_bytes());
+    t[8..].copy_from_slice(&sealed(h, checksum(plain)).to_le_bytes());
     t
+}
+
+/// A frame's checksum folded with the first 8 bytes of its hash, so that a file passes the
+/// check only under the name of the frame it was written for: a file holding another
+/// frame's bytes, whole, with their own trailer, fails. That happens when a file is taken
+/// for another frame while a reader has it open (the reader then reads the other frame,
+/// whole), or after a power cut in which a taken file's rename reached the disk and its
+/// overwrite did not.
+fn sealed(h: &[u8; 32], sum: u64) -> u64 {
+    sum ^ u64::from_le_bytes(h[..8].try_into().expect("8 bytes"))
 }
 
 /// The checksum a frame's file carries: guestmem's block checksum (`snapshot/hash.rs`, the
@@ -192,7 +204,6 @@ impl FrameCache {
             cap,
             index: Mutex::new(Index::default()),
             counters: CacheCounters::default(),
-            serial: AtomicU64::new(0),
         };
         let evicted = index.evict_for(0, cap);
         *cache.index.lock().unwrap_or_else(|e| e.into_inner()) = index;
@@ -299,12 +310,12 @@ impl FrameCache {
             f.read_exact_at(&mut t, dst.len() as u64)?;
             // Read and checked a piece at a time: the check reads what the read just left in
             // the CPU's cache, not the whole frame again from memory.
-            let mut h = crate::snapshot::BlockHasher::default();
+            let mut sum = crate::snapshot::BlockHasher::default();
             for (k, piece) in dst.chunks_mut(CHECK_PIECE).enumerate() {
                 f.read_exact_at(piece, (k * CHECK_PIECE) as u64)?;
-                h.update(piece);
+                sum.update(piece);
             }
-            Ok(t[..4] == TRAILER_MAGIC && t[8..] == h.finish().to_le_bytes())
+            Ok(t[..4] == TRAILER_MAGIC && t[8..] == sealed(h, sum.finish()).to_le_bytes())
         };
         match read() {
             Ok(true) => {
@@ -389,39 +400,49 @@ impl FrameCache {
     }
 
     /// Writes the frame of `h` beside its name, then renames it into place. `reuse`: the
-    /// file of a frame just evicted, taken for this one (renamed to the temporary name
-    /// first, so that its frame is gone before a byte changes) and overwritten in place: no
-    /// file made and none removed. A full cache keeps one frame for each it evicts, and on
-    /// ext4 without a journal, making a file after many were removed costs 0.4-1 ms (its
-    /// inode allocator looks up each inode freed in the last minutes, to skip it),
+    /// file of a frame just evicted, taken for this one ([`take`]) and overwritten in place:
+    /// no file made and none removed. A full cache keeps one frame for each it evicts, and
+    /// on ext4 without a journal, making a file after many were removed costs 0.4-1.2 ms
+    /// (its inode allocator looks up each inode freed in the last minutes, to skip it),
     /// where overwriting one costs what its bytes do. A reader that opened the evicted
-    /// frame's file just before reads a mix, which fails its checksum: a miss, fetched
-    /// again (the least recently used frame is seldom being read).
+    /// frame's file just before reads this frame, or a mix, and neither passes the check
+    /// under the evicted frame's name ([`sealed`]): a miss, fetched again.
     fn write(&self, h: &[u8; 32], plain: &[u8], reuse: Option<PathBuf>) -> std::io::Result<()> {
         let path = self.path_of(h);
         let parent = path.parent().expect("in a fan-out folder");
         // Only the fan-out folder is made: a cache whose folder was removed (a write that
         // finished after its owner went) is never made again.
         match std::fs::create_dir(parent) {
-            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                if let Some(old) = reuse {
+                    let _ = std::fs::remove_file(old);
+                }
+                return Err(e);
+            }
             _ => {}
         }
+        // Unique in this process, whatever the caches open in it.
+        static SERIAL: AtomicU64 = AtomicU64::new(0);
         let tmp = parent.join(format!(
             "{}.{}.{}.tmp",
             &path.file_name().expect("named").to_string_lossy()[..16],
             std::process::id(),
-            self.serial.fetch_add(1, Ordering::Relaxed)
+            SERIAL.fetch_add(1, Ordering::Relaxed)
         ));
         let r = (|| {
-            let taken = reuse.is_some_and(|old| std::fs::rename(old, &tmp).is_ok());
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(!taken)
-                .custom_flags(libc::O_NOFOLLOW)
-                .mode(0o600)
-                .open(&tmp)?;
+            let (mut f, taken) = match reuse.and_then(|old| take(&old, &tmp)) {
+                Some(f) => (f, true),
+                None => (
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .mode(0o600)
+                        .open(&tmp)?,
+                    false,
+                ),
+            };
             f.write_all(plain)?;
-            f.write_all(&trailer(plain))?;
+            f.write_all(&trailer(h, plain))?;
             if taken {
                 // A larger frame's file is cut to this one's length.
                 f.set_len((plain.len() + TRAILER) as u64)?;
@@ -440,6 +461,32 @@ impl FrameCache {
         for h in hashes {
             let _ = std::fs::remove_file(self.path_of(h));
             self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The file of an evicted frame at `old`, renamed to `tmp` and opened to be written over;
+/// `None`, with no file left under either name, when it is not a plain file with one name:
+/// a hard link's other names (a cache copied with `cp -al`) would see the overwrite, and a
+/// FIFO or a folder put there from outside must not hold up or break a write.
+fn take(old: &Path, tmp: &Path) -> Option<std::fs::File> {
+    use std::os::unix::fs::MetadataExt;
+    let plain = |m: &std::fs::Metadata| m.file_type().is_file() && m.nlink() == 1;
+    if !std::fs::symlink_metadata(old).is_ok_and(|m| plain(&m))
+        || std::fs::rename(old, tmp).is_err()
+    {
+        let _ = std::fs::remove_file(old);
+        return None;
+    }
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(tmp);
+    match f {
+        Ok(f) if f.metadata().is_ok_and(|m| plain(&m)) => Some(f),
+        _ => {
+            let _ = std::fs::remove_file(tmp);
+            None
         }
     }
 }
@@ -504,24 +551,35 @@ mod tests {
         let c = FrameCache::open(&dir, 2 * 8192).unwrap();
         c.put(&ha, &a);
         c.put(&hb, &b);
-        let inode = |h: &blake3::Hash| std::fs::metadata(c.path_of(h.as_bytes())).map(|m| m.ino());
-        let a_inode = inode(&ha).unwrap();
-        // Full: `a`, the least recently used, goes, and its file (the same inode) now holds
-        // `small`, cut to its length.
+        // Held open across the eviction: what the file it names holds afterwards.
+        let a_file = std::fs::File::open(c.path_of(ha.as_bytes())).unwrap();
+        // Full: `a`, the least recently used, goes, and its file now holds `small`, cut to
+        // its length, under `small`'s name.
         c.put(&hs, &small);
-        assert_eq!(inode(&hs).unwrap(), a_inode);
-        assert!(inode(&ha).is_err(), "the evicted frame's name is gone");
+        let m = a_file.metadata().unwrap();
         assert_eq!(
-            std::fs::metadata(c.path_of(hs.as_bytes())).unwrap().len(),
-            (4096 + TRAILER) as u64
+            m.nlink(),
+            1,
+            "the evicted frame's file was removed, not taken"
+        );
+        let mut held = Vec::new();
+        std::io::Read::read_to_end(&mut &a_file, &mut held).unwrap();
+        let mut want = small.clone();
+        want.extend_from_slice(&trailer(hs.as_bytes(), &small));
+        assert_eq!(held, want);
+        let small_path = c.path_of(hs.as_bytes());
+        assert_eq!(std::fs::metadata(&small_path).unwrap().ino(), m.ino());
+        assert!(
+            !c.path_of(ha.as_bytes()).exists(),
+            "the evicted frame's name is gone"
         );
         assert_eq!(c.get(&hs, 4096).as_ref(), Some(&small));
         assert!(c.get(&ha, 8192).is_none());
         assert_eq!(c.get(&hb, 8192).as_ref(), Some(&b));
         assert_eq!(c.counters.evictions.load(Ordering::Relaxed), 1);
         assert_eq!(c.counters.corrupt.load(Ordering::Relaxed), 0);
-        // A file taken while it was being overwritten (a kill -9) was renamed away first: the
-        // next start finds the frames whole, and removes the half-written one.
+        // A file taken while it was being written over (a kill -9) was renamed away first:
+        // the next start finds the frames whole, and removes the half-written one.
         let half = c.path_of(hb.as_bytes()).with_extension("1.2.tmp");
         std::fs::rename(c.path_of(hb.as_bytes()), &half).unwrap();
         drop(c);
@@ -529,5 +587,53 @@ mod tests {
         assert_eq!(c.frames(), 1);
         assert_eq!(c.get(&hs, 4096).as_ref(), Some(&small));
         assert!(!half.exists());
+    }
+
+    #[test]
+    fn a_frame_whole_under_another_frames_name_is_not_served() {
+        // What a reader of a file taken for another frame reads, or a power cut can leave:
+        // one frame's whole file, trailer and all, under another's name.
+        let scratch = guestmem_testkit::Scratch::new("cache-sealed");
+        let (a, b) = (vec![5u8; 8192], vec![6u8; 8192]);
+        let (ha, hb) = (blake3::hash(&a), blake3::hash(&b));
+        let c = FrameCache::open(&scratch, 4 * 8192).unwrap();
+        c.put(&ha, &a);
+        c.put(&hb, &b);
+        std::fs::copy(c.path_of(ha.as_bytes()), c.path_of(hb.as_bytes())).unwrap();
+        let mut out = vec![0u8; 8192];
+        assert!(!c.read_into(&hb, &mut out));
+        assert_eq!(c.counters.corrupt.load(Ordering::Relaxed), 1);
+        assert!(
+            !c.path_of(hb.as_bytes()).exists(),
+            "removed once found wrong"
+        );
+        assert_eq!(c.get(&ha, 8192).as_ref(), Some(&a));
+    }
+
+    #[test]
+    fn an_evicted_frame_with_another_name_is_removed_not_written_over() {
+        use std::os::unix::fs::MetadataExt;
+        // A cache copied with hard links (`cp -al`): writing over the evicted frame's file
+        // would change it under every other name.
+        let scratch = guestmem_testkit::Scratch::new("cache-linked");
+        let (a, b, d) = (vec![7u8; 8192], vec![8u8; 8192], vec![9u8; 8192]);
+        let (ha, hb, hd) = (blake3::hash(&a), blake3::hash(&b), blake3::hash(&d));
+        let c = FrameCache::open(&scratch.join("cache"), 2 * 8192).unwrap();
+        c.put(&ha, &a);
+        c.put(&hb, &b);
+        let elsewhere = scratch.join("a-linked");
+        std::fs::hard_link(c.path_of(ha.as_bytes()), &elsewhere).unwrap();
+        let linked = std::fs::metadata(&elsewhere).unwrap().ino();
+        c.put(&hd, &d);
+        let mut want = a.clone();
+        want.extend_from_slice(&trailer(ha.as_bytes(), &a));
+        assert_eq!(std::fs::read(&elsewhere).unwrap(), want);
+        assert_eq!(std::fs::metadata(&elsewhere).unwrap().nlink(), 1);
+        assert_ne!(
+            std::fs::metadata(c.path_of(hd.as_bytes())).unwrap().ino(),
+            linked
+        );
+        assert_eq!(c.get(&hd, 8192).as_ref(), Some(&d));
+        assert_eq!(c.counters.evictions.load(Ordering::Relaxed), 1);
     }
 }
