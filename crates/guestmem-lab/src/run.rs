@@ -346,6 +346,20 @@ pub fn in_work_dir<T>(
     r
 }
 
+/// Bytes free to an unprivileged user on the filesystem of `dir`.
+pub fn free_bytes(dir: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a NUL-terminated path and `st` room for the one struct statvfs fills.
+    if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it filled `st`.
+    let st = unsafe { st.assume_init() };
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
 /// Touches `bytes` of fresh memory, a byte a page, and frees it: the memory a timed part
 /// is about to take is then backed by this machine's host again. The host takes back memory
 /// a second or two after it is freed (free page reporting), and a first touch after that

@@ -43,7 +43,7 @@ use guestmem::serve::{Listener, MemoryFile, Server, ServerConfig, Socket};
 use guestmem::store::{
     Client, FetchPolicy, FrameCache, Frames, PushConfig, PushSource, StoreMemory, StoreUrl,
 };
-use guestmem_testkit::firecracker::{word, Standin, PAGE};
+use guestmem_testkit::firecracker::{Standin, PAGE};
 use guestmem_testkit::s3::S3Server;
 
 use crate::error::LabError;
@@ -51,7 +51,7 @@ use crate::report::LabResult;
 use crate::run::{available_cpus, summarise, thp_mode, Protocol, RunInfo, Sampled, Summary};
 
 pub use proxy::Proxy;
-use workload::{diff_file, working_set};
+use workload::{diff_file, read_vm, working_set, VmRead};
 
 /// The scenario's name.
 pub const SCENARIO: &str = "object-store";
@@ -212,52 +212,6 @@ fn client(s3: &S3Server, endpoint: &str) -> Result<Arc<Client>, LabError> {
         env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone())
     };
     Ok(Arc::new(Client::connect_with(BUCKET, &get).map_err(err)?))
-}
-
-/// What one VM read.
-struct VmRead {
-    ws: Duration,
-    all: Duration,
-    at_ws: (u64, u64),
-}
-
-/// Reads one word of each page of `runs` (each `run` bytes), then of all memory if `all`,
-/// checking each against the file; `at_ws` is called once the working set is read.
-fn read_vm(
-    vm: &Standin,
-    runs: &[u64],
-    run: u64,
-    all: bool,
-    t0: Instant,
-    at_ws: &(dyn Fn() -> (u64, u64) + Sync),
-) -> Result<VmRead, String> {
-    let check = |at: usize| {
-        let got = vm.word(at);
-        if got != word(at as u64) {
-            return Err(format!(
-                "word at {at:#x}: {got:#x}, the file holds {:#x}",
-                word(at as u64)
-            ));
-        }
-        Ok(())
-    };
-    for &r in runs {
-        for p in (r..r + run).step_by(PAGE) {
-            check(p as usize)?;
-        }
-    }
-    let ws = t0.elapsed();
-    let counts = at_ws();
-    if all {
-        for p in (0..vm.size()).step_by(PAGE) {
-            check(p)?;
-        }
-    }
-    Ok(VmRead {
-        ws,
-        all: t0.elapsed(),
-        at_ws: counts,
-    })
 }
 
 /// Everything a round needs.
@@ -572,7 +526,7 @@ fn run_in(cfg: &ObjectStoreLabConfig) -> Result<ObjectStoreResult, LabError> {
         url,
         runs: working_set(cfg),
         proxies,
-        keep_rounds: free_bytes(&cfg.work_dir).is_some_and(|f| f >= need),
+        keep_rounds: crate::run::free_bytes(&cfg.work_dir).is_some_and(|f| f >= need),
         rounds: std::cell::Cell::new(0),
     };
     let samples = cfg.protocol.run(variants.len(), |i| {
@@ -607,18 +561,4 @@ fn run_in(cfg: &ObjectStoreLabConfig) -> Result<ObjectStoreResult, LabError> {
             rounds_kept: lab.keep_rounds,
         },
     })
-}
-
-/// Bytes free to an unprivileged user on the filesystem of `dir`.
-fn free_bytes(dir: &std::path::Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
-    // SAFETY: `c` is a NUL-terminated path and `st` room for the one struct statvfs fills.
-    if unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) } != 0 {
-        return None;
-    }
-    // SAFETY: statvfs returned 0, so it filled `st`.
-    let st = unsafe { st.assume_init() };
-    Some(st.f_bavail.saturating_mul(st.f_frsize))
 }

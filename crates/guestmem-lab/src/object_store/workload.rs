@@ -1,11 +1,13 @@
 //! What the VM reads and what the diff rewrites: a deterministic generator, the working set
-//! (runs at random places, in a random order), and a diff file of scattered pages.
+//! (runs at random places, in a random order), the VM's reads, each word checked, and a
+//! diff file of scattered pages.
 
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use super::{err, ObjectStoreLabConfig};
 use crate::error::LabError;
-use guestmem_testkit::firecracker::PAGE;
+use guestmem_testkit::firecracker::{word, Standin, PAGE};
 
 /// A small deterministic generator (xorshift64*).
 struct Rng(u64);
@@ -55,4 +57,50 @@ pub(super) fn diff_file(path: &Path, size: u64, fraction: f64) -> Result<u64, La
         f.write_all_at(&buf, p * PAGE as u64).map_err(err)?;
     }
     Ok(all.len() as u64 * PAGE as u64)
+}
+
+/// What one VM read.
+pub(super) struct VmRead {
+    pub(super) ws: Duration,
+    pub(super) all: Duration,
+    pub(super) at_ws: (u64, u64),
+}
+
+/// Reads one word of each page of `runs` (each `run` bytes), then of all memory if `all`,
+/// checking each against the file; `at_ws` is called once the working set is read.
+pub(super) fn read_vm(
+    vm: &Standin,
+    runs: &[u64],
+    run: u64,
+    all: bool,
+    t0: Instant,
+    at_ws: &(dyn Fn() -> (u64, u64) + Sync),
+) -> Result<VmRead, String> {
+    let check = |at: usize| {
+        let got = vm.word(at);
+        if got != word(at as u64) {
+            return Err(format!(
+                "word at {at:#x}: {got:#x}, the file holds {:#x}",
+                word(at as u64)
+            ));
+        }
+        Ok(())
+    };
+    for &r in runs {
+        for p in (r..r + run).step_by(PAGE) {
+            check(p as usize)?;
+        }
+    }
+    let ws = t0.elapsed();
+    let counts = at_ws();
+    if all {
+        for p in (0..vm.size()).step_by(PAGE) {
+            check(p)?;
+        }
+    }
+    Ok(VmRead {
+        ws,
+        all: t0.elapsed(),
+        at_ws: counts,
+    })
 }
