@@ -723,6 +723,15 @@ fn a_held_prefetch_brings_in_only_what_is_faulted_until_let_go() {
         std::thread::sleep(Duration::from_millis(10));
     }
     assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
+    // The one fault read its block: kept as measured too, within its histogram bucket.
+    let engine = srv.status.snapshot().sessions[0].engine.clone();
+    let (exact, file) = (&engine.file_fault_exact, &engine.fault_latency.file);
+    assert_eq!((exact.count, file.count), (1, 1), "{engine:?}");
+    assert!(exact.p50_us > 0.0 && exact.p99_us == exact.p50_us && exact.max_us == exact.p50_us);
+    assert!(
+        exact.p50_us <= file.p50_us && exact.p50_us * 1.2 >= file.p50_us,
+        "{engine:?}"
+    );
     vm.disconnect();
     let st = srv.drain().0.unwrap().status;
     assert_eq!(st.sockets[0].faults, 1, "the one word read");

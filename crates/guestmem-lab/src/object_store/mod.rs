@@ -134,6 +134,11 @@ pub struct StoreSample {
     pub miss_p50_us: f64,
     /// 99th percentile.
     pub miss_p99_us: f64,
+    /// Whether the two are as measured (one VM: nearest rank over its latest 4,096
+    /// misses), not a histogram bucket's upper bound (many VMs, and runs before this
+    /// field).
+    #[serde(default)]
+    pub miss_exact: bool,
     /// Demand misses counted.
     pub misses: u64,
     /// GETs when the working set had been read.
@@ -378,6 +383,13 @@ impl Lab<'_> {
             .first()
             .map(|k| k.fault_latency.class(FaultClass::File).clone())
             .unwrap_or_default();
+        // One VM: its misses' quantiles as measured (the histogram's bucket holding a p99
+        // near 30 ms spans 29.8 to 33.6 ms, and the goal is 30); many: the histogram's,
+        // which adds up across VMs.
+        let exact = match end.sessions.as_slice() {
+            [one] if kind != Kind::Many => Some(one.engine.file_fault_exact.clone()),
+            _ => None,
+        };
         let _ = report;
         let (gets, bytes) = end
             .store
@@ -423,8 +435,9 @@ impl Lab<'_> {
             } else {
                 slowest(|r| r.all)
             },
-            miss_p50_us: miss.p50_us,
-            miss_p99_us: miss.p99_us,
+            miss_p50_us: exact.as_ref().map_or(miss.p50_us, |e| e.p50_us),
+            miss_p99_us: exact.as_ref().map_or(miss.p99_us, |e| e.p99_us),
+            miss_exact: exact.is_some(),
             misses: miss.count,
             gets_at_ws: reads.iter().map(|r| r.at_ws.0).max().unwrap_or(0),
             bytes_at_ws: reads.iter().map(|r| r.at_ws.1).max().unwrap_or(0),
