@@ -94,6 +94,8 @@ pub fn data_ranges(fd: BorrowedFd<'_>, start: u64, end: u64) -> io::Result<Vec<(
 /// 2 MiB at a 4 KiB write, and reports all of it as data. A tmpfs this process cannot see
 /// the mount of is taken as one that may. A sparse file read there as "pages written, holes
 /// not" (a Firecracker Diff on its base) would take the zeros around each write for data.
+/// (Diffs are read so only by pushes and moves.)
+#[cfg(feature = "store")]
 pub fn coarse_data_ranges(fd: BorrowedFd<'_>) -> io::Result<Option<String>> {
     Ok(huge_tmpfs(fd)?.map(|why| {
         format!(
@@ -103,6 +105,7 @@ pub fn coarse_data_ranges(fd: BorrowedFd<'_>) -> io::Result<Option<String>> {
 }
 
 /// Why `fd`'s filesystem is a tmpfs that may take huge pages at a `write(2)`, or `None`.
+#[cfg(feature = "store")]
 fn huge_tmpfs(fd: BorrowedFd<'_>) -> io::Result<Option<String>> {
     const TMPFS_MAGIC: libc::c_long = 0x0102_1994;
     // SAFETY: statfs is plain data, for which all zeros is a valid value.
@@ -143,7 +146,8 @@ fn huge_tmpfs(fd: BorrowedFd<'_>) -> io::Result<Option<String>> {
 /// For the mount of device `dev` (`major:minor`) in `mountinfo` (`/proc/self/mountinfo`'s
 /// text): `Some(Some(huge))` where it is mounted with a `huge=` that gives a `write(2)` huge
 /// pages, `Some(None)` where it is not (`never`, `deny`, `advise`: a write has no mapping to
-/// advise), `None` where no mount has that device.
+/// advise), `None` where no mount has that device. (Tested without the `store` feature too.)
+#[cfg_attr(not(feature = "store"), allow(dead_code))]
 fn huge_tmpfs_option(mountinfo: &str, dev: &str) -> Option<Option<String>> {
     mountinfo.lines().find_map(|line| {
         // Field 3 comes before the optional fields; paths have their spaces escaped.

@@ -36,7 +36,10 @@ pub use crate::lifecycle::RestoreState;
 pub use latency::{ExactLatency, FaultClass, FaultLatency, LatencySummary};
 pub use lazy::{LazyReport, LazyRestore};
 // The engine as the page server reaches it (`crate::serve`): nothing else of `lazy`.
-pub(crate) use lazy::{as_prefetcher, is_prefetcher, PeerRange, Pooled, RemoteRestore, Start};
+pub(crate) use lazy::{as_prefetcher, PeerRange, Pooled, RemoteRestore, Start};
+// Whether a read is a prefetch's, not a fault's: what the store's fetches ask.
+#[cfg(feature = "store")]
+pub(crate) use lazy::is_prefetcher;
 pub use regain::{RegainHuge, RegainReport, Regaining, REGAIN_SETTLE};
 
 use crate::jobs::{Job, JobRange};

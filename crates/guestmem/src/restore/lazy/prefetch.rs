@@ -16,6 +16,7 @@ const PREFETCH_NICE: libc::c_int = 5;
 thread_local!(static PREFETCHER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
 
 /// Whether this thread prefetches (it lowered its priority): its reads are not faults.
+#[cfg(feature = "store")]
 pub(crate) fn is_prefetcher() -> bool {
     PREFETCHER.with(|d| d.get())
 }

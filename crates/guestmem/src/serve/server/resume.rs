@@ -1,0 +1,213 @@
+//! The VMs a server did not admit itself, and those it lets go whole: taken back from the
+//! state directory's records after a restart or from a server that handed them over, and,
+//! at the end, graduated (a drain) or handed to the next server.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+
+use super::{RecordKey, Server};
+use crate::serve::files::MemoryFile;
+use crate::serve::handoff::Outgoing;
+use crate::serve::peer::PeerProcess;
+use crate::serve::report::SessionEnd;
+use crate::serve::restart::{record_of, take_back};
+use crate::serve::session::{Concluded, Over, Session};
+use crate::serve::state::SessionRecord;
+use crate::serve::ServeError;
+
+impl Server {
+    /// Serves the VMs another server handed over, as after a restart; their records' keys
+    /// (the state directory's copies are not taken back a second time).
+    pub(super) fn resume_handed(&mut self) -> Vec<RecordKey> {
+        let mut keys = Vec::new();
+        for h in std::mem::take(&mut self.handed) {
+            let r = &h.record;
+            keys.push(RecordKey::of(r));
+            let process = match PeerProcess::reopen(r.pid, r.start_time) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.ending
+                        .log
+                        .say(&format!("handed-over VM {}: gone ({e})", r.pid));
+                    continue;
+                }
+            };
+            if self.resume(r, process, Some(h.uffd)) {
+                self.ending.log.say(&format!(
+                    "took over peer {} (socket {} before) from the old server",
+                    r.pid, h.index
+                ));
+            }
+        }
+        keys
+    }
+
+    /// Takes back every VM the state directory records (see [`Server::run`]), but those
+    /// `handed` over already.
+    pub(super) fn resume_recorded(&mut self, handed: &[RecordKey]) {
+        let Some(state) = &self.state else { return };
+        let records = state.records();
+        for (path, read) in records {
+            let r = match read {
+                Ok(r) => r,
+                Err(e) => {
+                    self.ending.log.say(&format!(
+                        "session record {}: unreadable, left as it is: {e}",
+                        path.display()
+                    ));
+                    continue;
+                }
+            };
+            if handed.contains(&RecordKey::of(&r)) {
+                // Handed over by the old server and served already.
+                continue;
+            }
+            let process = match PeerProcess::reopen(r.pid, r.start_time) {
+                Ok(p) => p,
+                Err(e)
+                    if matches!(e.raw_os_error(), Some(libc::ESRCH))
+                        || e.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    self.ending.log.say(&format!(
+                        "session record {}: the VM has gone ({e}); record removed",
+                        path.display()
+                    ));
+                    self.forget_path(&path);
+                    continue;
+                }
+                Err(e) => {
+                    // Not known to be gone: the record stays for a later server.
+                    self.ending.log.say(&format!(
+                        "session record {}: cannot reach the VM now ({e}); record kept",
+                        path.display()
+                    ));
+                    continue;
+                }
+            };
+            if self.resume(&r, process, None) {
+                self.ending.log.say(&format!(
+                    "took back peer {} (its userfaultfd {}) from a server that died",
+                    r.pid, r.uffd_fd
+                ));
+            } else {
+                self.forget_path(&path);
+            }
+        }
+    }
+
+    pub(super) fn forget_path(&self, path: &std::path::Path) {
+        if let Some(state) = &self.state {
+            state.forget(path);
+        }
+    }
+
+    /// Serves the VM of record `r` again (its record written again, whole); whether it
+    /// is. One that cannot be is ended as the policy says.
+    pub(super) fn resume(
+        &mut self,
+        r: &SessionRecord,
+        process: PeerProcess,
+        handed: Option<OwnedFd>,
+    ) -> bool {
+        let mems: Vec<&MemoryFile> = self.sockets.iter().map(|s| &s.memory).collect();
+        let started = take_back(r, process, handed, &mems).and_then(|t| {
+            let ws = self.sockets[t.socket].working_set();
+            let plan = self.plan(t.socket, &ws);
+            Session::resume(t.regions, t.uffd, t.process, &plan)
+        });
+        match started {
+            Ok(s) => self.start_session(s).is_ok(),
+            Err((e, p)) => {
+                let _ = self.refuse(p, 0, e);
+                false
+            }
+        }
+    }
+
+    /// Graduates every VM still served, side by side; the pool serves their faults
+    /// meanwhile. A VM that cannot graduate (a failure) is ended as the policy says.
+    pub(super) fn graduate_all(&mut self) {
+        let sessions = std::mem::take(&mut self.sessions);
+        self.served_bytes = 0;
+        let (pool, state) = (&self.pool, &self.state);
+        let done: Vec<Concluded> = std::thread::scope(|sc| {
+            let hs: Vec<_> = sessions
+                .into_iter()
+                .map(|(id, mut s)| {
+                    sc.spawn(move || {
+                        let graduated = s.graduate();
+                        pool.remove(id);
+                        if let (Some(state), Some(p)) = (state, &s.record) {
+                            state.forget(p);
+                        }
+                        let end = match graduated {
+                            Ok(()) => SessionEnd::Graduated,
+                            Err(_) if s.over() == Some(Over::PeerExited) => SessionEnd::PeerExited,
+                            Err(e) => SessionEnd::Failed(Arc::new(ServeError::Serve(Box::new(e)))),
+                        };
+                        s.conclude(id, end)
+                    })
+                })
+                .collect();
+            hs.into_iter().filter_map(|h| h.join().ok()).collect()
+        });
+        for c in done {
+            self.ended(c, "graduated");
+        }
+    }
+
+    /// Hands every socket and VM to the server on `to` and stops serving them: none is
+    /// ended, none graduates (see `handoff.rs`). Records stay on disk.
+    pub(super) fn hand_off(&mut self, to: &UnixStream) {
+        let out = Outgoing { to };
+        let mut sent = (0, 0);
+        let mut failed = None;
+        for (i, s) in self.sockets.iter_mut().enumerate() {
+            if let Some(l) = &mut s.listener {
+                match out.listener(i, l.path(), l.socket().as_raw_fd()) {
+                    Ok(()) => {
+                        l.keep_path();
+                        sent.0 += 1;
+                    }
+                    Err(e) => failed = failed.or(Some(e)),
+                }
+            }
+            // No socket is served here from now on: connections wait in the backlog the
+            // new server took.
+            s.listener = None;
+        }
+        for (id, s) in std::mem::take(&mut self.sessions) {
+            // Stop serving it first: the new server may start as soon as the end is sent.
+            self.pool.remove(id);
+            let handed = record_of(&s, &self.sockets[s.socket].memory)
+                .map_err(std::io::Error::other)
+                .and_then(|r| out.session(s.socket, r, s.uffd_fd().as_raw_fd()));
+            // A VM that could not be handed is not left hung: it is ended.
+            let end = match handed {
+                Ok(()) => {
+                    sent.1 += 1;
+                    SessionEnd::HandedOff
+                }
+                Err(e) => {
+                    let e = ServeError::HandOff(e);
+                    let text = e.to_string();
+                    failed = failed.or(Some(std::io::Error::other(text)));
+                    SessionEnd::Failed(Arc::new(e))
+                }
+            };
+            let c = s.conclude(id, end);
+            self.ended(c, "handed-off");
+        }
+        self.served_bytes = 0;
+        if let Err(e) = out.end() {
+            failed = failed.or(Some(e));
+        }
+        self.ending.log.say(&format!(
+            "handed {} sockets and {} VMs to the new server{}",
+            sent.0,
+            sent.1,
+            failed.map_or(String::new(), |e| format!(" (with an error: {e})"))
+        ));
+    }
+}
