@@ -19,7 +19,10 @@
 //!
 //! [`vmm`] drives a real Firecracker process instead (`../shared/firecracker`).
 
+mod child;
 pub mod vmm;
+
+pub use child::{child_main, vm_child, ChildDoes, CHILD_REFUSED};
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -534,108 +537,6 @@ pub fn memory_file(dir: &Path, size: usize, hole: Option<usize>) -> std::path::P
     }
     f.set_len(size as u64).expect("size");
     p
-}
-
-/// What a stand-in VM in a child process does ([`vm_child`]).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum ChildDoes {
-    /// Sends Firecracker's handshake, then waits for the parent's go file and reads every
-    /// page, comparing each with [`word`].
-    Handshake,
-    /// Sends garbage with its userfaultfd.
-    Garbage,
-}
-
-/// Environment variables that make a test binary a stand-in VM.
-const CHILD_SOCKET: &str = "GM_TEST_STANDIN_SOCKET";
-const CHILD_SIZE: &str = "GM_TEST_STANDIN_SIZE";
-const CHILD_FEATURES: &str = "GM_TEST_STANDIN_FEATURES";
-const CHILD_DOES: &str = "GM_TEST_STANDIN_DOES";
-const CHILD_GO: &str = "GM_TEST_STANDIN_GO";
-/// A stand-in child's exit code when the server refused its connection.
-pub const CHILD_REFUSED: i32 = 3;
-
-/// Defines the test `standin_child` that [`vm_child`] runs in a child process of the test
-/// binary (a test of its own does nothing): put it once in every test file that uses
-/// [`vm_child`].
-#[macro_export]
-macro_rules! standin_child_test {
-    () => {
-        /// Not a test of its own: run by `vm_child` as a separate process, so that a server
-        /// that kills its peer kills the child, not the test.
-        #[test]
-        fn standin_child() {
-            $crate::firecracker::child_main();
-        }
-    };
-}
-
-/// The body of the `standin_child` test ([`standin_child_test!`]): a stand-in VM, when the
-/// environment says so.
-pub fn child_main() {
-    let Ok(socket) = std::env::var(CHILD_SOCKET) else {
-        return;
-    };
-    let size: usize = std::env::var(CHILD_SIZE)
-        .expect("size")
-        .parse()
-        .expect("a size");
-    let features: u64 = std::env::var(CHILD_FEATURES)
-        .expect("features")
-        .parse()
-        .expect("features");
-    let mut vm = Standin::with_features(&[size], features).expect("a stand-in");
-    let sent = match std::env::var(CHILD_DOES).expect("does").as_str() {
-        "Garbage" => vm.send(Path::new(&socket), b"[{not json", true),
-        _ => vm.connect(Path::new(&socket)),
-    };
-    if sent.is_err() {
-        // Refused at connect: exit with a code of its own.
-        std::process::exit(CHILD_REFUSED);
-    }
-    println!("SENT");
-    let go = std::path::PathBuf::from(std::env::var(CHILD_GO).expect("go"));
-    let t = Instant::now();
-    while !go.exists() && t.elapsed() < std::time::Duration::from_secs(60) {
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    for p in 0..size / PAGE {
-        assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64), "page {p}");
-    }
-    println!("READ");
-    std::thread::sleep(std::time::Duration::from_secs(60));
-}
-
-/// A stand-in VM in a child process of this test binary (which must define
-/// [`standin_child_test!`]): `does` to `socket`, with `size` bytes of memory and the
-/// userfaultfd `features`; it reads its memory once `go` exists. Killed and reaped when the
-/// guard drops.
-pub fn vm_child(
-    socket: &Path,
-    size: usize,
-    features: u64,
-    does: ChildDoes,
-    go: &Path,
-) -> crate::ChildGuard {
-    crate::ChildGuard::new(
-        std::process::Command::new(std::env::current_exe().expect("the test binary"))
-            .args([
-                "--exact",
-                "standin_child",
-                "--nocapture",
-                "--test-threads",
-                "1",
-            ])
-            .env(CHILD_SOCKET, socket)
-            .env(CHILD_SIZE, size.to_string())
-            .env(CHILD_FEATURES, features.to_string())
-            .env(CHILD_DOES, format!("{does:?}"))
-            .env(CHILD_GO, go)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("spawn the stand-in VM"),
-    )
 }
 
 /// Why this machine cannot run a page server's tests, if it cannot (no userfaultfd).
