@@ -277,3 +277,55 @@ impl Drop for HugePool2M {
         }
     }
 }
+
+/// A tmpfs mounted at a fresh directory for one test (a small disk that fills, a tmpfs with
+/// huge pages); unmounted, and the directory removed, on drop.
+pub struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    /// Mounts one at `at` (made here) with `opts` (`size=1m`, `huge=always`); `Err(why)`
+    /// where this host cannot (not root, no tmpfs): skip the test with it.
+    pub fn mount(at: PathBuf, opts: &str) -> Result<Tmpfs, String> {
+        std::fs::create_dir(&at).map_err(|e| format!("mkdir {}: {e}", at.display()))?;
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", opts, "guestmem-test"])
+            .arg(&at)
+            .output();
+        match out {
+            Ok(o) if o.status.success() => Ok(Tmpfs(at)),
+            Ok(o) => {
+                let _ = std::fs::remove_dir(&at);
+                Err(format!(
+                    "mount -t tmpfs -o {opts} failed (needs root): {}",
+                    String::from_utf8_lossy(&o.stderr).trim()
+                ))
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir(&at);
+                Err(format!("no mount command: {e}"))
+            }
+        }
+    }
+}
+
+impl std::ops::Deref for Tmpfs {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        // Lazily: a file still open under it does not keep it mounted.
+        let ok = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("could not unmount the test's tmpfs at {}", self.0.display());
+        }
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}

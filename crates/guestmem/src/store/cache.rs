@@ -541,6 +541,59 @@ mod tests {
         assert!(!tmp_left);
     }
 
+    /// Every `.tmp` file under a cache's folder.
+    fn tmp_files(dir: &Path) -> Vec<PathBuf> {
+        std::fs::read_dir(dir.join("frames"))
+            .unwrap()
+            .flatten()
+            .flat_map(|d| std::fs::read_dir(d.path()).unwrap().flatten())
+            .map(|f| f.path())
+            .filter(|p| p.to_string_lossy().ends_with(".tmp"))
+            .collect()
+    }
+
+    /// A disk fuller than the cache's bound says (a 1 MiB tmpfs under a 64 MiB bound): a
+    /// frame that finds no room makes some by evicting and is kept; one larger than the
+    /// disk is left uncached. Nothing fails, every frame read back is whole or not given,
+    /// and no half-written file is left.
+    #[test]
+    fn a_full_disk_makes_room_by_evicting_or_leaves_the_frame_uncached() {
+        let scratch = guestmem_testkit::Scratch::new("cache-full-disk");
+        let disk = match guestmem_testkit::Tmpfs::mount(scratch.join("disk"), "size=1m") {
+            Ok(t) => t,
+            Err(why) => return guestmem_testkit::skip(why),
+        };
+        let dir = disk.join("cache");
+        let c = FrameCache::open(&dir, 64 << 20).unwrap();
+        let frames: Vec<Vec<u8>> = (1..=8u8).map(|i| vec![i; 256 << 10]).collect();
+        for (i, f) in frames.iter().enumerate() {
+            let h = blake3::hash(f);
+            c.put(&h, f);
+            assert_eq!(c.get(&h, f.len()).as_ref(), Some(f), "frame {i} just kept");
+        }
+        // The disk holds three such files, not the 64 MiB the bound allows.
+        assert!(c.bytes() < 1 << 20, "{} bytes held", c.bytes());
+        assert!(c.counters.evictions.load(Ordering::Relaxed) >= 5);
+        assert_eq!(c.counters.uncached.load(Ordering::Relaxed), 0);
+        for (i, f) in frames.iter().enumerate() {
+            if let Some(got) = c.get(&blake3::hash(f), f.len()) {
+                assert!(got == *f, "frame {i}: other bytes");
+            }
+        }
+        // Larger than the whole disk: counted as uncached, not kept, no file left behind.
+        let big = vec![9u8; 2 << 20];
+        let hb = blake3::hash(&big);
+        c.put(&hb, &big);
+        assert_eq!(c.counters.uncached.load(Ordering::Relaxed), 1);
+        assert!(c.get(&hb, big.len()).is_none());
+        assert_eq!(tmp_files(&dir), Vec::<PathBuf>::new());
+        // And the disk takes frames again.
+        let h = blake3::hash(&frames[0]);
+        c.put(&h, &frames[0]);
+        assert_eq!(c.get(&h, frames[0].len()).as_ref(), Some(&frames[0]));
+        drop(c);
+    }
+
     #[test]
     fn a_full_cache_writes_a_new_frame_over_the_file_of_the_one_it_evicts() {
         use std::os::unix::fs::MetadataExt;

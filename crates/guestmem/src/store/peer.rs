@@ -585,59 +585,17 @@ pub(super) mod held_tests {
         }
     }
 
-    /// A tmpfs mounted at a fresh directory, unmounted (and the directory removed) on drop.
-    struct Tmpfs(std::path::PathBuf);
-
-    impl Tmpfs {
-        /// `Err(why)` where this host cannot mount one (not root, no tmpfs).
-        fn mount(at: std::path::PathBuf, opts: &str) -> Result<Tmpfs, String> {
-            std::fs::create_dir(&at).map_err(|e| format!("mkdir {}: {e}", at.display()))?;
-            let out = std::process::Command::new("mount")
-                .args(["-t", "tmpfs", "-o", opts, "guestmem-test"])
-                .arg(&at)
-                .output();
-            match out {
-                Ok(o) if o.status.success() => Ok(Tmpfs(at)),
-                Ok(o) => {
-                    let _ = std::fs::remove_dir(&at);
-                    Err(format!(
-                        "mount -t tmpfs -o {opts} failed (needs root): {}",
-                        String::from_utf8_lossy(&o.stderr).trim()
-                    ))
-                }
-                Err(e) => {
-                    let _ = std::fs::remove_dir(&at);
-                    Err(format!("no mount command: {e}"))
-                }
-            }
-        }
-    }
-
-    impl Drop for Tmpfs {
-        fn drop(&mut self) {
-            // Lazily: a file still open under it does not keep it mounted.
-            let ok = std::process::Command::new("umount")
-                .arg("-l")
-                .arg(&self.0)
-                .status()
-                .is_ok_and(|s| s.success());
-            if !ok {
-                eprintln!("could not unmount the test's tmpfs at {}", self.0.display());
-            }
-            let _ = std::fs::remove_dir(&self.0);
-        }
-    }
-
     #[test]
     fn a_diff_on_a_tmpfs_with_huge_pages_is_refused_not_read_as_zeros() {
         let scratch = guestmem_testkit::Scratch::new("held-huge-tmpfs");
         let (store, base) = base_in_store(&scratch, &vec![0x77u8; MEM as usize]);
-        let huge = match Tmpfs::mount(scratch.join("huge"), "huge=always,size=16m") {
-            Ok(t) => t,
-            Err(why) => return guestmem_testkit::skip(why),
-        };
+        let huge =
+            match guestmem_testkit::Tmpfs::mount(scratch.join("huge"), "huge=always,size=16m") {
+                Ok(t) => t,
+                Err(why) => return guestmem_testkit::skip(why),
+            };
         // One page written: SEEK_DATA there says 2 MiB (a whole frame and more) is data.
-        let diff_path = huge.0.join("diff");
+        let diff_path = huge.join("diff");
         let f = std::fs::File::create(&diff_path).unwrap();
         f.set_len(MEM).unwrap();
         f.write_all_at(&[1u8; PAGE as usize], PAGE).unwrap();
