@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
-use guestmem::migrate::{self, MoveIn, MoveOut};
+use guestmem::migrate::{self, MoveIn, MoveKey, MoveOut};
 use guestmem::serve::{ServeLog, ServerConfig, Vms};
 use guestmem::store::{Client, StoreUrl};
 
@@ -46,6 +46,13 @@ pub struct Out {
     /// Threads hashing and pushing the diff.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=64))]
     threads: u32,
+    /// The move key both hosts hold: a file of 32 to 4096 secret bytes that only its owner
+    /// may read (`head -c 32 /dev/urandom > FILE; chmod 600 FILE`), the same on both hosts.
+    /// With it, the control connection is authenticated message by message and the diff's
+    /// frames are served only to the other host; without it (on both hosts), neither is
+    /// (docs/move.md, Security).
+    #[arg(long)]
+    key_file: Option<PathBuf>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -79,6 +86,13 @@ pub struct In {
     /// Fault-handling threads (default: one per CPU).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
+    /// The move key both hosts hold: a file of 32 to 4096 secret bytes that only its owner
+    /// may read (`head -c 32 /dev/urandom > FILE; chmod 600 FILE`), the same on both hosts.
+    /// With it, the control connection is authenticated message by message and the diff's
+    /// frames are served only to the other host; without it (on both hosts), neither is
+    /// (docs/move.md, Security).
+    #[arg(long)]
+    key_file: Option<PathBuf>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -110,6 +124,7 @@ pub fn run_out(a: Out) -> Result<()> {
         advertise: a.advertise,
         work_dir: a.work_dir,
         threads: a.threads as usize,
+        key: a.key_file.as_deref().map(MoveKey::from_file).transpose()?,
     };
     let r = migrate::move_out(&m, &store)?;
     if a.json {
@@ -164,6 +179,7 @@ pub fn run_in(a: In) -> Result<()> {
             ..ServerConfig::default()
         },
         wait,
+        key: a.key_file.as_deref().map(MoveKey::from_file).transpose()?,
     };
     eprintln!("waiting for a move on {}", listener.local_addr()?);
     let r = migrate::move_in(&listener, &m, &mut |u| {

@@ -8,7 +8,7 @@
 //! The guest is guestmem's copy of the shared one (its `w` writes DIRTY_MB MiB). Skipped,
 //! with the reason, where Firecracker, `/dev/kvm`, userfaultfd or gcc and ld are missing.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -73,13 +73,29 @@ fn serve_from_store(s3: &S3Server, socket: &Path, url: &str, cache: &Path) -> Gu
     g
 }
 
-/// `guestmem move-in` for the Firecracker at `api`, on a free port of 127.0.0.1; the
-/// process and the address it listens on.
-fn move_in(env: &[(&'static str, String)], api: &Path, dir: &Path) -> (Guard, String) {
+/// A move key file in `dir` named `name`, only its owner may read it, of `secret`.
+fn key_file(dir: &Path, name: &str, secret: u8) -> std::path::PathBuf {
+    use std::os::unix::fs::OpenOptionsExt;
+    let p = dir.join(name);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&p)
+        .unwrap();
+    f.write_all(&[secret; 32]).unwrap();
+    p
+}
+
+/// `guestmem move-in` for the Firecracker at `api`, on a free port of 127.0.0.1, with the
+/// move key in `key`; the process and the address it listens on.
+fn move_in(env: &[(&'static str, String)], api: &Path, dir: &Path, key: &Path) -> (Guard, String) {
     let mut g = Guard::new(
         guestmem()
             .args(["move-in", "--listen", "127.0.0.1:0", "--api"])
             .arg(api)
+            .arg("--key-file")
+            .arg(key)
             .arg("--dir")
             .arg(dir.join("in"))
             .arg("--cache-dir")
@@ -163,10 +179,13 @@ fn a_running_firecracker_vm_moves_between_page_servers_and_reads_every_qword_rig
     let (_src_srv, _src) = source_vm(&dir, &s3, &vmstate, "src");
 
     let mut dst = Vmm::start(&firecracker(), &dir, "dst").unwrap();
-    let (mut mi, addr) = move_in(&s3.env(), dst.api(), &dir);
+    let key = key_file(&dir, "move.key", 7);
+    let (mut mi, addr) = move_in(&s3.env(), dst.api(), &dir, &key);
     let out = guestmem()
         .args(["move", "--api"])
         .arg(dir.join("src.api.sock"))
+        .arg("--key-file")
+        .arg(&key)
         .args(["--base", "s3://snaps/base", "--as", "moved", "--to", &addr])
         .args(["--listen", "127.0.0.1:0", "--work-dir"])
         .arg(dir.join("work"))
@@ -231,6 +250,25 @@ fn a_move_the_destination_refuses_leaves_the_vm_running_on_the_source() {
     let vmstate = base_in_store(&dir, &s3);
     let (_src_srv, mut src) = source_vm(&dir, &s3, &vmstate, "src");
     let dst = Vmm::start(&firecracker(), &dir, "dst").unwrap();
+    let key = key_file(&dir, "move.key", 7);
+    // The destination holds another move key: refused before the offer is read.
+    let other = key_file(&dir, "other.key", 8);
+    let (mut mi, addr) = move_in(&s3.env(), dst.api(), &dir, &other);
+    let out = guestmem()
+        .args(["move", "--api"])
+        .arg(dir.join("src.api.sock"))
+        .arg("--key-file")
+        .arg(&key)
+        .args(["--base", "s3://snaps/base", "--as", "moved", "--to", &addr])
+        .args(["--listen", "127.0.0.1:0", "--work-dir"])
+        .arg(dir.join("work"))
+        .envs(s3.env())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success());
+    assert!(err.contains("move's key"), "{err}");
+    assert!(!mi.wait_exit(20).success());
     // The destination's credentials are wrong: it cannot read the base.
     let env: Vec<(&'static str, String)> = s3
         .env()
@@ -240,10 +278,12 @@ fn a_move_the_destination_refuses_leaves_the_vm_running_on_the_source() {
             _ => (k, v),
         })
         .collect();
-    let (mut mi, addr) = move_in(&env, dst.api(), &dir);
+    let (mut mi, addr) = move_in(&env, dst.api(), &dir, &key);
     let out = guestmem()
         .args(["move", "--api"])
         .arg(dir.join("src.api.sock"))
+        .arg("--key-file")
+        .arg(&key)
         .args(["--base", "s3://snaps/base", "--as", "moved", "--to", &addr])
         .args(["--listen", "127.0.0.1:0", "--work-dir"])
         .arg(dir.join("work"))

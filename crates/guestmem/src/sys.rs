@@ -320,6 +320,34 @@ pub fn punch_hole(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
     })
 }
 
+/// 32 bytes no one else draws (`getrandom`): a move's placeholders' key, its nonces.
+#[cfg(feature = "store")]
+pub(crate) fn random_32() -> io::Result<[u8; 32]> {
+    let mut key = [0u8; 32];
+    let mut got = 0;
+    while got < key.len() {
+        // SAFETY: getrandom writes at most the given length into the buffer, which is ours
+        // and that long from `got`.
+        let n = unsafe {
+            libc::getrandom(
+                key[got..].as_mut_ptr() as *mut libc::c_void,
+                key.len() - got,
+                0,
+            )
+        };
+        match n {
+            n if n > 0 => got += n as usize,
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(key)
+}
+
 /// Sets the calling thread's nice value: background work (prefetch, cache writes) below the
 /// vCPUs and the fault handlers. Best effort: a failure leaves the thread as it was.
 pub fn set_thread_nice(nice: libc::c_int) {

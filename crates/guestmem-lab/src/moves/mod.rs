@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use guestmem::migrate::{move_in, move_out, MoveIn, MoveOut};
+use guestmem::migrate::{move_in, move_out, MoveIn, MoveKey, MoveOut};
 use guestmem::restore::FaultClass;
 use guestmem::serve::{Listener, MemoryFile, Server, ServerConfig, Socket, Vms};
 use guestmem::store::{Client, FetchPolicy, FrameCache, Frames, StoreMemory, StoreUrl};
@@ -478,6 +478,16 @@ impl Lab<'_> {
         let ctl = Proxy::start(listener.local_addr().map_err(err)?, delay, 0).map_err(err)?;
         let peer_at = free_port()?;
         let peer = Proxy::start(peer_at, delay, 0).map_err(err)?;
+        // Authenticated, as an operator's move across a network would be: one key for
+        // both sides (drawn from the clock and the move: a lab's, not a secret).
+        let key = MoveKey::from_secret(
+            format!(
+                "guestmem-lab move {n} at {:?}",
+                std::time::SystemTime::now()
+            )
+            .as_bytes(),
+        )
+        .map_err(err)?;
         let into = MoveIn {
             api: dst.api().to_path_buf(),
             dir: dir.join("in"),
@@ -490,6 +500,7 @@ impl Lab<'_> {
                 ..server_cfg
             },
             wait: Duration::from_secs(300),
+            key: Some(key.clone()),
         };
         std::fs::create_dir_all(&into.dir).map_err(err)?;
         let dst_frames = frames_at("cache-dst")?;
@@ -505,6 +516,7 @@ impl Lab<'_> {
             advertise: Some(peer.endpoint()),
             work_dir: cfg.diff_dir.clone(),
             threads: 16,
+            key: Some(key),
         };
         let moved = move_out(&out, &self.store);
         let r = match moved {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::firecracker::{json_path, Api};
-use super::wire::{Msg, Wire, WIRE_VERSION};
+use super::wire::{Msg, Side, Wire, WIRE_VERSION};
 use super::{MoveError, OnPanic};
 use crate::restore::latency::{ExactLatency, LatencySummary};
 use crate::serve::{Listener, MemoryFile, Server, ServerConfig, ServerReport, Socket};
@@ -36,6 +36,9 @@ pub struct MoveIn {
     pub server: ServerConfig,
     /// How long to wait for the source: its connection, and each message.
     pub wait: Duration,
+    /// The move key both hosts hold (`None`: the move is not authenticated; the source
+    /// must have none either). See [`super::MoveKey`].
+    pub key: Option<super::MoveKey>,
 }
 
 /// What a move into this host did.
@@ -104,7 +107,18 @@ pub fn move_in(
     };
     let _ = s.set_nonblocking(false);
     let mut wire = Wire::new(s)?;
-    let (base_url, peer_url, name) = match wire.recv(m.wait)? {
+    let token = match wire.hello(Side::Destination, m.key.as_ref(), m.wait)? {
+        Some(session) => Some((session.read_token(), session.piece_key())),
+        None => {
+            tracing::warn!(
+                "a move from {} without a move key: the source is not authenticated (docs/move.md, Security)",
+                wire.peer()
+            );
+            None
+        }
+    };
+    let offer = wire.recv(m.wait).map_err(|e| wire.refuse(e))?;
+    let (base_url, peer_url, name) = match offer {
         Msg::Offer {
             version,
             base,
@@ -133,7 +147,10 @@ pub fn move_in(
         let name_url = StoreUrl::parse(&format!("s3://{}/{name}", base_url.bucket), false)?;
         let frames = frames_for(&base_url)?;
         let base = read_snapshot(&frames, &base_url)?;
-        let peer = Arc::new(Client::peer(&peer_url)?);
+        let peer = Arc::new(match &token {
+            Some((t, seal)) => Client::peer_locked(&peer_url, t, *seal)?,
+            None => Client::peer(&peer_url)?,
+        });
         // The source's frames answer here (nothing is there yet: a 404 is an answer).
         peer.get(&name_url.manifest_key())
             .map_err(|e| MoveError::Refused {

@@ -23,10 +23,12 @@
 
 mod firecracker;
 mod into;
+mod key;
 mod out;
 mod wire;
 
 pub use into::{move_in, MoveIn, MoveInReport};
+pub use key::{MoveKey, MAX_KEY_BYTES, MIN_KEY_BYTES};
 pub use out::{move_out, MoveOut, MoveReport, PauseSteps};
 
 /// What can go wrong with a move; each names the side, request or limit at fault.
@@ -68,6 +70,15 @@ pub enum MoveError {
         resumed: bool,
         /// Why it could not be resumed, if it could not.
         resume: String,
+    },
+    /// A move key that cannot be used (its file: unreadable, open to others, the wrong
+    /// size).
+    #[error("move key {path}: {reason}")]
+    Key {
+        /// Its file.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        reason: String,
     },
     /// The store.
     #[error(transparent)]

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::firecracker::{json_path, Api};
-use super::wire::{Msg, Wire, WIRE_VERSION};
-use super::{MoveError, OnPanic};
+use super::wire::{Msg, Side, Wire, WIRE_VERSION};
+use super::{MoveError, MoveKey, OnPanic};
 use crate::store::{
     check_push, name_later, push, push_held, read_snapshot, Client, FetchPolicy, Frames,
     HeldFrames, PeerServer, PushConfig, PushReport, PushSource, StoreUrl,
@@ -48,6 +48,9 @@ pub struct MoveOut {
     pub work_dir: PathBuf,
     /// Threads hashing the diff.
     pub threads: usize,
+    /// The move key both hosts hold (`None`: the move is not authenticated; the
+    /// destination must have none either). See [`MoveKey`].
+    pub key: Option<MoveKey>,
 }
 
 /// The pause, step by step (milliseconds).
@@ -151,7 +154,11 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
     let mut files = Removed(vec![vmstate.clone(), memfile.clone()]);
     let held = Arc::new(Client::in_memory(&m.push_as.name)?);
     let held_frames = Arc::new(HeldFrames::new());
-    let peer = PeerServer::start(m.listen, Arc::clone(&held_frames), Arc::clone(&held))?;
+    // With a key, the frames are served only to the side that proved it holds it.
+    let peer = match m.key {
+        Some(_) => PeerServer::start_locked(m.listen, Arc::clone(&held_frames), Arc::clone(&held))?,
+        None => PeerServer::start(m.listen, Arc::clone(&held_frames), Arc::clone(&held))?,
+    };
     let ctl = TcpStream::connect_timeout(&m.to, Duration::from_secs(10)).map_err(|e| {
         MoveError::Wire {
             peer: m.to.to_string(),
@@ -175,6 +182,15 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         }
     };
     let mut wire = Wire::new(ctl)?;
+    match wire.hello(Side::Source, m.key.as_ref(), ANSWER_LIMIT)? {
+        Some(session) => peer.unlock(session.read_token(), session.piece_key()),
+        None => tracing::warn!(
+            "moving {} without a move key: anyone who can reach {} can read the VM's diff while the move runs, and anyone who can reach {} can take the move's place (docs/move.md, Security)",
+            m.api.display(),
+            advertise,
+            m.to
+        ),
+    }
     wire.send(
         &Msg::Offer {
             version: WIRE_VERSION,

@@ -2,6 +2,12 @@
 //! `guestmem move` to the destination's `guestmem move-in`, one JSON message a line, the
 //! vmstate's bytes right after the message that announces them. Every read has a limit of
 //! time and of size: nothing the other side sends is trusted unchecked.
+//!
+//! Each side first sends a [`Msg::Hello`]: the version it speaks, a nonce, and whether it
+//! holds a move key. With a key on both sides, every message after the hellos is followed
+//! by a line holding its MAC (and a payload by its MAC's 32 bytes), over the way it goes,
+//! its place in the stream and its bytes ([`super::key::SessionKey`]); a message whose MAC
+//! does not match ends the move. A key on one side only is refused by both.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -9,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::key::{MoveKey, SessionKey, Way};
 use super::MoveError;
 
 /// The longest message line (a manifest of 16 TiB of memory is far longer; a move's is the
@@ -22,12 +29,19 @@ pub(crate) const MAX_PAYLOAD_BYTES: u64 = 64 << 20;
 
 /// The version of these messages: both sides must speak the same one, which is known
 /// before anything is paused (an Offer or a Ready without it, or with another, is refused).
-pub(crate) const WIRE_VERSION: u32 = 3;
+pub(crate) const WIRE_VERSION: u32 = 4;
 
 /// One message.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "m", rename_all = "snake_case")]
 pub(crate) enum Msg {
+    /// Either side, first: the version it speaks, a nonce (64 hex digits, drawn for this
+    /// connection), and whether it holds a move key.
+    Hello {
+        version: u32,
+        nonce: String,
+        keyed: bool,
+    },
     /// Source: a VM restored from `base` wants to move; its diff's frames will be served at
     /// `peer`.
     Offer {
@@ -69,6 +83,20 @@ pub(crate) struct Wire {
     reader: BufReader<TcpStream>,
     writer: TcpStream,
     peer: String,
+    /// Once both hellos said so: this connection's key, and the way this side sends.
+    mac: Option<(SessionKey, Way)>,
+    /// Messages and payloads sent, and received, since the hellos.
+    sent: u64,
+    received: u64,
+}
+
+/// Which end of the connection a side is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// The source (it connected, and says hello first).
+    Source,
+    /// The destination.
+    Destination,
 }
 
 impl Wire {
@@ -90,7 +118,110 @@ impl Wire {
             reader: BufReader::new(s),
             writer,
             peer,
+            mac: None,
+            sent: 0,
+            received: 0,
         })
+    }
+
+    /// The hellos, as `side`, waiting at most `limit` for the other's; with `key`, every
+    /// message after them is MACed, and the returned session key gives the token for the
+    /// source's frames. A version or a key on one side only is refused (and said to the
+    /// other side) before anything else is sent.
+    pub(crate) fn hello(
+        &mut self,
+        side: Side,
+        key: Option<&MoveKey>,
+        limit: Duration,
+    ) -> Result<Option<SessionKey>, MoveError> {
+        let ours = crate::sys::random_32().map_err(|e| self.err(format!("draw a nonce: {e}")))?;
+        let hello = Msg::Hello {
+            version: WIRE_VERSION,
+            nonce: blake3::Hash::from_bytes(ours).to_hex().to_string(),
+            keyed: key.is_some(),
+        };
+        if side == Side::Source {
+            self.send(&hello, &[])?;
+        }
+        let theirs = match self.recv(limit)? {
+            Msg::Hello {
+                version,
+                nonce,
+                keyed,
+            } => {
+                let nonce = blake3::Hash::from_hex(nonce.as_bytes()).ok();
+                let why = match (version == WIRE_VERSION, nonce, keyed, key.is_some()) {
+                    (false, ..) => Err(format!(
+                        "the other side speaks move messages v{version}, this host v{WIRE_VERSION}; nothing paused"
+                    )),
+                    (true, None, ..) => Err("a hello without a nonce".into()),
+                    (true, Some(_), true, false) => Err(
+                        "the other side holds a move key and this one has none (--key-file on both hosts, or on neither); nothing paused".into(),
+                    ),
+                    (true, Some(_), false, true) => Err(
+                        "this side holds a move key and the other has none (--key-file on both hosts, or on neither); nothing paused".into(),
+                    ),
+                    (true, Some(n), ..) => Ok(*n.as_bytes()),
+                };
+                match why {
+                    Ok(n) => n,
+                    Err(reason) => return Err(self.refuse(self.err(reason))),
+                }
+            }
+            Msg::Refused { reason } => {
+                return Err(MoveError::Refused {
+                    side: match side {
+                        Side::Source => "destination",
+                        Side::Destination => "source",
+                    },
+                    reason,
+                })
+            }
+            Msg::Offer { version, .. } => {
+                let e = self.err(format!(
+                    "the other side speaks move messages v{version} (no hello), this host v{WIRE_VERSION}; nothing paused"
+                ));
+                return Err(self.refuse(e));
+            }
+            other => return Err(self.err(format!("expected a hello, got {other:?}"))),
+        };
+        if side == Side::Destination {
+            self.send(&hello, &[])?;
+        }
+        let Some(key) = key else { return Ok(None) };
+        let (session, way) = match side {
+            Side::Source => (key.session(&ours, &theirs), Way::ToDestination),
+            Side::Destination => (key.session(&theirs, &ours), Way::ToSource),
+        };
+        self.mac = Some((session.clone(), way));
+        Ok(Some(session))
+    }
+
+    /// The MAC of the next message or payload this side sends.
+    fn next_mac(&mut self, bytes: &[u8]) -> Option<[u8; 32]> {
+        let (k, way) = self.mac.as_ref()?;
+        let m = k.mac(*way, self.sent, bytes);
+        self.sent += 1;
+        Some(m)
+    }
+
+    /// Checks the MAC `got` of the next message or payload received, of `bytes`.
+    fn check_mac(&mut self, what: &str, bytes: &[u8], got: &[u8]) -> Result<(), MoveError> {
+        let Some((k, way)) = self.mac.as_ref() else {
+            return Ok(());
+        };
+        let theirs = match way {
+            Way::ToDestination => Way::ToSource,
+            Way::ToSource => Way::ToDestination,
+        };
+        let want = k.mac(theirs, self.received, bytes);
+        self.received += 1;
+        match crate::store::same_bytes(&want, got) {
+            true => Ok(()),
+            false => Err(self.err(format!(
+                "the {what} does not carry this move's MAC: the other side does not hold this move's key, or the message was changed on the way"
+            ))),
+        }
     }
 
     /// The other side's address.
@@ -109,9 +240,21 @@ impl Wire {
     pub(crate) fn send(&mut self, m: &Msg, payload: &[u8]) -> Result<(), MoveError> {
         let mut line = serde_json::to_vec(m).expect("a message serialises");
         line.push(b'\n');
+        if let Some(mac) = self.next_mac(&line) {
+            line.extend_from_slice(blake3::Hash::from_bytes(mac).to_hex().as_bytes());
+            line.push(b'\n');
+        }
+        let payload_mac = match payload.is_empty() {
+            true => None,
+            false => self.next_mac(payload),
+        };
         self.writer
             .write_all(&line)
             .and_then(|_| self.writer.write_all(payload))
+            .and_then(|_| {
+                self.writer
+                    .write_all(payload_mac.as_ref().map_or(&[][..], |m| m))
+            })
             .and_then(|_| self.writer.flush())
             .map_err(|e| self.err(format!("send: {e}")))
     }
@@ -141,6 +284,19 @@ impl Wire {
     /// message out a byte at a time does not stretch the wait.
     pub(crate) fn recv(&mut self, limit: Duration) -> Result<Msg, MoveError> {
         let deadline = Instant::now() + limit;
+        let line = self.line(deadline, limit)?;
+        if self.mac.is_some() {
+            let mac = self.line(deadline, limit)?;
+            let mac = blake3::Hash::from_hex(mac.trim_ascii_end()).map_err(|_| {
+                self.err("a message without its MAC (the other side holds no move key?)".into())
+            })?;
+            self.check_mac("message", &line, mac.as_bytes())?;
+        }
+        serde_json::from_slice(&line).map_err(|e| self.err(format!("not a move message: {e}")))
+    }
+
+    /// One line, whole, by `deadline`.
+    fn line(&mut self, deadline: Instant, limit: Duration) -> Result<Vec<u8>, MoveError> {
         let mut line = Vec::new();
         let read = loop {
             if let Err(e) = self.until(deadline) {
@@ -178,7 +334,7 @@ impl Wire {
                 "a message longer than {MAX_LINE_BYTES} bytes, or cut short"
             )));
         }
-        serde_json::from_slice(&line).map_err(|e| self.err(format!("not a move message: {e}")))
+        Ok(line)
     }
 
     /// `len` raw bytes (of `what`) that follow a message, all of them within `limit`.
@@ -194,7 +350,8 @@ impl Wire {
             )));
         }
         let deadline = Instant::now() + limit;
-        let mut b = vec![0u8; len as usize];
+        let tag = if self.mac.is_some() && len > 0 { 32 } else { 0 };
+        let mut b = vec![0u8; len as usize + tag];
         let mut got = 0;
         while got < b.len() {
             let r = self
@@ -202,7 +359,10 @@ impl Wire {
                 .and_then(|_| self.reader.read(&mut b[got..]));
             match r {
                 Ok(0) => {
-                    return Err(self.err(format!("the {what}'s {len} bytes: cut short at {got}")))
+                    return Err(self.err(format!(
+                        "the {what}'s {len} bytes: cut short at {}",
+                        got.min(len as usize)
+                    )))
                 }
                 Ok(n) => got += n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -212,6 +372,10 @@ impl Wire {
                     )
                 }
             }
+        }
+        if tag > 0 {
+            let mac = b.split_off(len as usize);
+            self.check_mac(what, &b, &mac)?;
         }
         Ok(b)
     }
@@ -281,5 +445,146 @@ mod tests {
         // The other side gone: said so.
         let e = wire.recv(limit).unwrap_err().to_string();
         assert!(e.contains("closed"), "{e}");
+    }
+
+    /// Two `Wire`s connected to each other: (source, destination).
+    fn wires() -> (Wire, Wire) {
+        let (dst, src) = pair();
+        (Wire::new(src).unwrap(), dst)
+    }
+
+    /// The hellos on both sides at once: each side's result.
+    fn hellos(
+        src: &mut Wire,
+        dst: &mut Wire,
+        ks: Option<&MoveKey>,
+        kd: Option<&MoveKey>,
+    ) -> (Result<bool, String>, Result<bool, String>) {
+        let limit = Duration::from_secs(10);
+        std::thread::scope(|sc| {
+            let d = sc.spawn(|| dst.hello(Side::Destination, kd, limit));
+            let s = src.hello(Side::Source, ks, limit);
+            let d = d.join().unwrap();
+            let r = |x: Result<Option<SessionKey>, MoveError>| {
+                x.map(|k| k.is_some()).map_err(|e| e.to_string())
+            };
+            (r(s), r(d))
+        })
+    }
+
+    fn key(b: u8) -> MoveKey {
+        MoveKey::from_secret(&[b; 32]).unwrap()
+    }
+
+    #[test]
+    fn with_one_key_messages_and_payloads_go_both_ways_macd() {
+        let (mut src, mut dst) = wires();
+        let k = key(1);
+        assert_eq!(
+            hellos(&mut src, &mut dst, Some(&k), Some(&k)),
+            (Ok(true), Ok(true))
+        );
+        let limit = Duration::from_secs(10);
+        src.send(&Msg::State { vmstate_bytes: 5 }, b"hello")
+            .unwrap();
+        src.send(&Msg::Commit, &[]).unwrap();
+        assert!(matches!(
+            dst.recv(limit).unwrap(),
+            Msg::State { vmstate_bytes: 5 }
+        ));
+        assert_eq!(dst.payload("vmstate", 5, limit).unwrap(), b"hello");
+        assert!(matches!(dst.recv(limit).unwrap(), Msg::Commit));
+        dst.send(&Msg::Running, &[]).unwrap();
+        assert!(matches!(src.recv(limit).unwrap(), Msg::Running));
+    }
+
+    #[test]
+    fn another_key_or_a_key_on_one_side_only_is_refused_before_any_offer() {
+        // Other keys: the hellos pass, the first message does not.
+        let (mut src, mut dst) = wires();
+        assert_eq!(
+            hellos(&mut src, &mut dst, Some(&key(1)), Some(&key(2))),
+            (Ok(true), Ok(true))
+        );
+        src.send(&Msg::Commit, &[]).unwrap();
+        let e = dst.recv(Duration::from_secs(10)).unwrap_err().to_string();
+        assert!(e.contains("does not carry this move's MAC"), "{e}");
+        // A key on one side only: both say so.
+        for (ks, kd) in [(Some(key(1)), None), (None, Some(key(1)))] {
+            let (mut src, mut dst) = wires();
+            let (s, d) = hellos(&mut src, &mut dst, ks.as_ref(), kd.as_ref());
+            for e in [s.unwrap_err(), d.unwrap_err()] {
+                assert!(e.contains("move key") && e.contains("--key-file"), "{e}");
+            }
+        }
+        // Neither: the move goes on unauthenticated.
+        let (mut src, mut dst) = wires();
+        assert_eq!(
+            hellos(&mut src, &mut dst, None, None),
+            (Ok(false), Ok(false))
+        );
+    }
+
+    #[test]
+    fn a_message_changed_replayed_or_sent_back_is_refused() {
+        let limit = Duration::from_secs(10);
+        let k = key(3);
+        // Changed on the way: a byte of the line, then of a payload.
+        for payload in [false, true] {
+            let (mut src, mut dst) = wires();
+            assert_eq!(
+                hellos(&mut src, &mut dst, Some(&k), Some(&k)),
+                (Ok(true), Ok(true))
+            );
+            let (line, mac) = {
+                let mut l = serde_json::to_vec(&Msg::State { vmstate_bytes: 3 }).unwrap();
+                l.push(b'\n');
+                let m = src.next_mac(&l).unwrap();
+                (l, m)
+            };
+            let pm = src.next_mac(b"abc").unwrap();
+            let mut raw = line.clone();
+            if !payload {
+                raw[10] ^= 1;
+            }
+            raw.extend_from_slice(blake3::Hash::from_bytes(mac).to_hex().as_bytes());
+            raw.push(b'\n');
+            raw.extend_from_slice(if payload { b"abd" } else { b"abc" });
+            raw.extend_from_slice(&pm);
+            src.writer.write_all(&raw).unwrap();
+            let got = dst
+                .recv(limit)
+                .and_then(|_| dst.payload("vmstate", 3, limit));
+            let e = got.unwrap_err().to_string();
+            assert!(e.contains("MAC"), "{payload}: {e}");
+        }
+        // Replayed: the same message, whole, twice.
+        let (mut src, mut dst) = wires();
+        assert_eq!(
+            hellos(&mut src, &mut dst, Some(&k), Some(&k)),
+            (Ok(true), Ok(true))
+        );
+        let mut l = serde_json::to_vec(&Msg::Commit).unwrap();
+        l.push(b'\n');
+        let m = src.next_mac(&l).unwrap();
+        l.extend_from_slice(blake3::Hash::from_bytes(m).to_hex().as_bytes());
+        l.push(b'\n');
+        src.writer.write_all(&l).unwrap();
+        src.writer.write_all(&l).unwrap();
+        assert!(matches!(dst.recv(limit).unwrap(), Msg::Commit));
+        assert!(dst.recv(limit).unwrap_err().to_string().contains("MAC"));
+        // Sent back: a MAC made for the other way.
+        let (mut src, mut dst) = wires();
+        assert_eq!(
+            hellos(&mut src, &mut dst, Some(&k), Some(&k)),
+            (Ok(true), Ok(true))
+        );
+        let mut l = serde_json::to_vec(&Msg::Running).unwrap();
+        l.push(b'\n');
+        let m = src.next_mac(&l).unwrap();
+        l.extend_from_slice(blake3::Hash::from_bytes(m).to_hex().as_bytes());
+        l.push(b'\n');
+        dst.writer.write_all(&l).unwrap();
+        assert!(src.recv(limit).unwrap_err().to_string().contains("MAC"));
     }
 }

@@ -39,6 +39,8 @@ pub struct Client {
     secrets: Vec<String>,
     /// A move's source, read by a faulting thread itself ([`super::direct`]).
     direct: Option<super::direct::Direct>,
+    /// A locked move source's key for the seals of pieces named later.
+    seal: Option<[u8; 32]>,
 }
 
 impl std::fmt::Debug for Client {
@@ -159,6 +161,7 @@ impl Client {
             endpoint: shown,
             secrets,
             direct: None,
+            seal: None,
         })
     }
 
@@ -166,6 +169,28 @@ impl Client {
     /// in the store's layout. No credential: the move's network is the operator's to trust
     /// (docs/move.md).
     pub fn peer(base: &str) -> Result<Client, StoreError> {
+        Client::peer_with(base, None)
+    }
+
+    /// [`Client::peer`] for a source whose page server is locked: every request carries
+    /// `token` (`authorization: Guestmem TOKEN`), which no error shows.
+    /// Its pieces named later come sealed with `seal` ([`super::frame::seal`]).
+    pub(crate) fn peer_locked(
+        base: &str,
+        token: &str,
+        seal: [u8; 32],
+    ) -> Result<Client, StoreError> {
+        let mut c = Client::peer_with(base, Some(token))?;
+        c.seal = Some(seal);
+        Ok(c)
+    }
+
+    /// The key a move source seals its pieces named later with (a locked source).
+    pub(crate) fn seal(&self) -> Option<&[u8; 32]> {
+        self.seal.as_ref()
+    }
+
+    fn peer_with(base: &str, token: Option<&str>) -> Result<Client, StoreError> {
         let bad = |reason: String| StoreError::Config {
             bucket: base.into(),
             reason,
@@ -173,7 +198,15 @@ impl Client {
         if !base.starts_with("http://") {
             return Err(bad("a move's source is http://HOST:PORT".into()));
         }
+        let mut headers = hyper::header::HeaderMap::new();
+        if let Some(t) = token {
+            let mut v = hyper::header::HeaderValue::from_str(&format!("Guestmem {t}"))
+                .map_err(|_| bad("a token that is not a header's value".into()))?;
+            v.set_sensitive(true);
+            headers.insert(hyper::header::AUTHORIZATION, v);
+        }
         let options = ClientOptions::new()
+            .with_default_headers(headers)
             .with_allow_http(true)
             .with_connect_timeout(Duration::from_secs(5))
             .with_timeout(Duration::from_secs(60))
@@ -195,8 +228,9 @@ impl Client {
             bucket: base.into(),
             shown_root: base.trim_end_matches('/').into(),
             endpoint: base.into(),
-            secrets: Vec::new(),
-            direct: super::direct::Direct::new(base),
+            secrets: token.map(String::from).into_iter().collect(),
+            direct: super::direct::Direct::new(base, token),
+            seal: None,
         })
     }
 
@@ -211,6 +245,7 @@ impl Client {
             endpoint: format!("mem://{name}"),
             secrets: Vec::new(),
             direct: None,
+            seal: None,
         })
     }
 

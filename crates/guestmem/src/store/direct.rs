@@ -73,6 +73,9 @@ pub(crate) struct Direct {
     addr: SocketAddr,
     /// `IP:PORT`, as the `Host` header.
     authority: String,
+    /// Headers every request carries after `Host` (a locked source's token), each line
+    /// ending in CRLF.
+    extra: String,
     /// Connections whose last answer was read whole, and since when idle.
     idle: Mutex<Vec<(TcpStream, Instant)>>,
 }
@@ -80,12 +83,19 @@ pub(crate) struct Direct {
 impl Direct {
     /// For `base`, `http://IP:PORT` (no path); `None` for anything else (a host name, no
     /// port), which the runtime's client reads: no name is looked up on a fault's thread.
-    pub(crate) fn new(base: &str) -> Option<Direct> {
+    pub(crate) fn new(base: &str, token: Option<&str>) -> Option<Direct> {
         let authority = base.strip_prefix("http://")?.trim_end_matches('/');
         let addr: SocketAddr = authority.parse().ok()?;
+        // A token is hex; anything else is not sent (the runtime's client refuses it too).
+        if token.is_some_and(|t| !t.bytes().all(|b| b.is_ascii_alphanumeric())) {
+            return None;
+        }
         Some(Direct {
             addr,
             authority: addr.to_string(),
+            extra: token.map_or(String::new(), |t| {
+                format!("authorization: Guestmem {t}\r\n")
+            }),
             idle: Mutex::new(Vec::new()),
         })
     }
@@ -107,7 +117,10 @@ impl Direct {
         let until = now
             .checked_add(limit)
             .unwrap_or(now + Duration::from_secs(86400 * 365));
-        let request = format!("GET /{key} HTTP/1.1\r\nhost: {}\r\n\r\n", self.authority);
+        let request = format!(
+            "GET /{key} HTTP/1.1\r\nhost: {}\r\n{}\r\n",
+            self.authority, self.extra
+        );
         // A kept connection the source has closed since (it closes idle ones) fails before
         // any byte of the answer: then the request goes once more, on a new one.
         if let Some(conn) = self.take_idle() {
@@ -494,7 +507,7 @@ mod tests {
             ],
             vec![ok(&vec![7u8; 300 << 10])],
         ]);
-        let d = Direct::new(&format!("http://{addr}/")).unwrap();
+        let d = Direct::new(&format!("http://{addr}/"), None).unwrap();
         assert_eq!(get(&d, "frames/a1", 1 << 20).unwrap().unwrap(), &b"one"[..]);
         assert!(
             get(&d, "frames/b2", 1 << 20).unwrap().is_none(),
@@ -551,7 +564,7 @@ mod tests {
         ];
         for (answer, says, permanent) in cases {
             let (addr, server) = scripted(vec![vec![answer.to_vec()]]);
-            let d = Direct::new(&format!("http://{addr}")).unwrap();
+            let d = Direct::new(&format!("http://{addr}"), None).unwrap();
             match get(&d, "frames/x", 64) {
                 Err(DirectError::Failed {
                     reason,
@@ -569,7 +582,7 @@ mod tests {
         let (addr, server) = scripted(vec![vec![
             b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nabc".to_vec(),
         ]]);
-        let d = Direct::new(&format!("http://{addr}")).unwrap();
+        let d = Direct::new(&format!("http://{addr}"), None).unwrap();
         let e = get(&d, "frames/x", 64).unwrap_err();
         assert!(
             matches!(&e, DirectError::Failed { reason, .. } if reason.contains("3 bytes into a 9-byte")),
@@ -577,7 +590,7 @@ mod tests {
         );
         server.join().unwrap();
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let d = Direct::new(&format!("http://{}", l.local_addr().unwrap())).unwrap();
+        let d = Direct::new(&format!("http://{}", l.local_addr().unwrap()), None).unwrap();
         let t = Instant::now();
         let sent = d.send("frames/x", 64, Duration::from_millis(200)).unwrap();
         assert!(matches!(d.receive(sent), Err(DirectError::TimedOut)));
@@ -600,9 +613,9 @@ mod tests {
             "http://10.0.0.1",
             "http://localhost:1",
         ] {
-            assert!(Direct::new(bad).is_none(), "{bad}");
+            assert!(Direct::new(bad, None).is_none(), "{bad}");
         }
-        assert!(Direct::new("http://[::1]:80/").is_some());
+        assert!(Direct::new("http://[::1]:80/", None).is_some());
     }
 
     #[test]

@@ -424,7 +424,10 @@ impl Frames {
                 self.counters.peer_gets.fetch_add(1, Ordering::Relaxed);
             }
             let sent = Instant::now();
-            let max = (len + super::frame::HEADER_BYTES + super::frame::NAMED_PREFIX_BYTES) as u64;
+            let max = (len
+                + super::frame::HEADER_BYTES
+                + super::frame::NAMED_PREFIX_BYTES
+                + super::frame::SEAL_BYTES) as u64;
             let limit = left.min(self.policy.attempt);
             let direct = peer
                 .as_ref()
@@ -454,7 +457,11 @@ impl Frames {
                     }
                     let decoded = match named_later {
                         false => super::frame::decode(&obj, len, &hash).map(|p| (p, hash)),
-                        true => super::frame::decode_named(&obj, len),
+                        true => super::frame::decode_named(
+                            &obj,
+                            len,
+                            client.seal().map(|k| (k, &asked)),
+                        ),
                     };
                     match decoded {
                         Ok((p, h)) if named_later => {

@@ -168,20 +168,54 @@ pub(crate) fn decode(object: &[u8], want: usize, hash: &blake3::Hash) -> Result<
 /// piece's plain bytes.
 pub(crate) const NAMED_PREFIX_BYTES: usize = 32;
 
+/// Bytes a move with a key adds after that hash: its seal ([`seal`]).
+pub(crate) const SEAL_BYTES: usize = 32;
+
+/// The seal of a piece named later, served for `placeholder` as `hash`, under a move's
+/// `key` (from the move key both hosts hold): a keyed BLAKE3 of the two, so that no one
+/// without the key can serve other bytes for a placeholder, or one piece for another.
+pub(crate) fn seal(key: &[u8; 32], placeholder: &blake3::Hash, hash: &blake3::Hash) -> [u8; 32] {
+    let mut h = blake3::Hasher::new_keyed(key);
+    h.update(b"piece");
+    h.update(placeholder.as_bytes());
+    h.update(hash.as_bytes());
+    *h.finalize().as_bytes()
+}
+
+/// Whether `a` and `b` are equal, in a time that does not depend on where they differ (a
+/// token or a MAC compared with what a request or a message carried).
+pub(crate) fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
 /// The object of a piece named later as the source serves it: the hash of its plain bytes,
-/// then its object. Its plain bytes and their hash, once both are checked (the object's
-/// header and length, its bytes against the hash).
-pub(crate) fn decode_named(obj: &[u8], len: usize) -> Result<(Vec<u8>, blake3::Hash), String> {
-    if obj.len() < NAMED_PREFIX_BYTES {
+/// with a move key its seal, then its object. Its plain bytes and their hash, once all
+/// are checked (the seal, the object's header and length, its bytes against the hash).
+/// `sealed`: the move's key and the placeholder the piece was asked for.
+pub(crate) fn decode_named(
+    obj: &[u8],
+    len: usize,
+    sealed: Option<(&[u8; 32], &blake3::Hash)>,
+) -> Result<(Vec<u8>, blake3::Hash), String> {
+    let prefix = NAMED_PREFIX_BYTES + sealed.map_or(0, |_| SEAL_BYTES);
+    if obj.len() < prefix {
         return Err(format!(
-            "{} bytes: shorter than the hash a piece named later starts with",
+            "{} bytes: shorter than the {prefix} a piece named later starts with",
             obj.len()
         ));
     }
     let mut h = [0u8; 32];
     h.copy_from_slice(&obj[..NAMED_PREFIX_BYTES]);
     let hash = blake3::Hash::from_bytes(h);
-    let plain = decode(&obj[NAMED_PREFIX_BYTES..], len, &hash)?;
+    if let Some((key, placeholder)) = sealed {
+        let want = seal(key, placeholder, &hash);
+        if !same_bytes(&want, &obj[NAMED_PREFIX_BYTES..prefix]) {
+            return Err(
+                "its seal is not this move's: served by a host without the move key, or changed on the way".into(),
+            );
+        }
+    }
+    let plain = decode(&obj[prefix..], len, &hash)?;
     Ok((plain, hash))
 }
 
@@ -214,5 +248,42 @@ mod tests {
             assert!(decode(&bad, plain.len(), &h).is_err());
             assert!(decode(&obj, plain.len(), &blake3::hash(b"other")).is_err());
         }
+    }
+
+    #[test]
+    fn a_sealed_piece_is_taken_only_with_the_moves_key_and_its_placeholder() {
+        let plain = vec![5u8; 8192];
+        let hash = blake3::hash(&plain);
+        let obj = encode_raw_for_test(&plain);
+        let (key, placeholder) = ([9u8; 32], blake3::hash(b"placeholder"));
+        let sealed = |k: &[u8; 32], p: &blake3::Hash| {
+            let mut o = hash.as_bytes().to_vec();
+            o.extend_from_slice(&seal(k, p, &hash));
+            o.extend_from_slice(&obj);
+            o
+        };
+        let good = sealed(&key, &placeholder);
+        let (got, h) = decode_named(&good, plain.len(), Some((&key, &placeholder))).unwrap();
+        assert_eq!((got, h), (plain.clone(), hash));
+        // Another key, another placeholder, no seal at all: refused.
+        for (o, why) in [
+            (sealed(&[8u8; 32], &placeholder), "key"),
+            (sealed(&key, &blake3::hash(b"another")), "placeholder"),
+        ] {
+            let e = decode_named(&o, plain.len(), Some((&key, &placeholder))).unwrap_err();
+            assert!(e.contains("seal"), "{why}: {e}");
+        }
+        let mut unsealed = hash.as_bytes().to_vec();
+        unsealed.extend_from_slice(&obj);
+        assert!(decode_named(&unsealed, plain.len(), Some((&key, &placeholder))).is_err());
+        // Without a key the seal is not looked for.
+        assert!(decode_named(&unsealed, plain.len(), None).is_ok());
+    }
+
+    /// A raw frame object of `plain`, as a push stores one uncompressed.
+    fn encode_raw_for_test(plain: &[u8]) -> Vec<u8> {
+        let mut o = raw_for(plain.len());
+        o.extend_from_slice(plain);
+        o
     }
 }

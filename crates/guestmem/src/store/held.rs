@@ -91,22 +91,32 @@ impl HeldFrames {
             .insert(*hash.as_bytes(), Held::Object(object));
     }
 
-    /// The length of the object of the frame under `hex` (its hash), without reading it.
-    pub(super) fn object_len(&self, hex: &str) -> Option<u64> {
+    /// The length of the object of the frame under `hex` (its hash), without reading it;
+    /// `sealed`: a piece named later is served with its seal.
+    pub(super) fn object_len(&self, hex: &str, sealed: bool) -> Option<u64> {
         let hash = blake3::Hash::from_hex(hex).ok()?;
         let frames = self.frames.read().unwrap_or_else(|e| e.into_inner());
         match frames.get(hash.as_bytes())? {
             Held::Object(b) => Some(b.len() as u64),
             Held::Runs { plain_len, .. } => Some(plain_len + super::frame::HEADER_BYTES as u64),
             Held::Later { plain_len, .. } => Some(
-                plain_len + (super::frame::HEADER_BYTES + super::frame::NAMED_PREFIX_BYTES) as u64,
+                plain_len
+                    + (super::frame::HEADER_BYTES
+                        + super::frame::NAMED_PREFIX_BYTES
+                        + if sealed { super::frame::SEAL_BYTES } else { 0 })
+                        as u64,
             ),
         }
     }
 
     /// The object of the frame under `hex` (its hash), raw, read from the file now; for a
     /// piece named later (`hex` its placeholder), the hash of its bytes first.
-    pub(super) fn object(&self, hex: &str) -> Result<Option<Bytes>, StoreError> {
+    /// `seal`: a move's key, with which a piece named later is sealed ([`super::frame::seal`]).
+    pub(super) fn object(
+        &self,
+        hex: &str,
+        seal: Option<&[u8; 32]>,
+    ) -> Result<Option<Bytes>, StoreError> {
         let Ok(hash) = blake3::Hash::from_hex(hex) else {
             return Ok(None);
         };
@@ -125,7 +135,7 @@ impl HeldFrames {
         let obj = super::frame::raw_for(plain_len as usize);
         let at = match named {
             false => 0,
-            true => super::frame::NAMED_PREFIX_BYTES,
+            true => super::frame::NAMED_PREFIX_BYTES + seal.map_or(0, |_| super::frame::SEAL_BYTES),
         };
         let mut out = Vec::with_capacity(at + obj.capacity());
         out.resize(at, 0);
@@ -133,7 +143,11 @@ impl HeldFrames {
         read_runs(file, *len, &runs, &mut out)?;
         if named {
             let h = blake3::hash(&out[at + super::frame::HEADER_BYTES..]);
-            out[..at].copy_from_slice(h.as_bytes());
+            out[..super::frame::NAMED_PREFIX_BYTES].copy_from_slice(h.as_bytes());
+            if let Some(key) = seal {
+                out[super::frame::NAMED_PREFIX_BYTES..at]
+                    .copy_from_slice(&super::frame::seal(key, &hash, &h));
+            }
         }
         Ok(Some(Bytes::from(out)))
     }

@@ -48,7 +48,7 @@ pub fn name_later(
 ) -> Result<Option<NamedLater>, StoreError> {
     let (file, len, data) = open_raw_diff(path, &base.url, base)?;
     let (fb, mb) = (base.frame_bytes(), base.memory_bytes());
-    let key = move_key().map_err(|source| StoreError::Io {
+    let key = crate::sys::random_32().map_err(|source| StoreError::Io {
         op: "draw a key (getrandom) for the placeholders of",
         path: path.to_path_buf(),
         source,
@@ -110,33 +110,6 @@ pub fn name_later(
 /// The placeholder of frame `i` under a move's `key`.
 fn placeholder(key: &[u8; 32], i: u64) -> blake3::Hash {
     blake3::keyed_hash(key, &i.to_le_bytes())
-}
-
-/// A key no other move draws.
-fn move_key() -> std::io::Result<[u8; 32]> {
-    let mut key = [0u8; 32];
-    let mut got = 0;
-    while got < key.len() {
-        // SAFETY: getrandom writes at most the given length into the buffer, which is ours
-        // and that long from `got`.
-        let n = unsafe {
-            libc::getrandom(
-                key[got..].as_mut_ptr() as *mut libc::c_void,
-                key.len() - got,
-                0,
-            )
-        };
-        match n {
-            n if n > 0 => got += n as usize,
-            _ => {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
-        }
-    }
-    Ok(key)
 }
 
 /// The store's names of the pieces `chain` names by `placeholders`, from `pushed` (the

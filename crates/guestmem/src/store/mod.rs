@@ -47,6 +47,7 @@ pub use cache::{CacheCounters, FrameCache, MAX_CACHE_BYTES};
 pub use client::{Client, Listed};
 pub use error::StoreError;
 pub use fetch::{FetchCounters, FetchPolicy, Frames, StoreStatus};
+pub(crate) use frame::same_bytes;
 pub use gc::{gc, list, GcReport, Listing};
 pub use held::HeldFrames;
 pub(crate) use later::later_names;

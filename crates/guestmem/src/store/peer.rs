@@ -33,7 +33,13 @@ pub struct PeerCounters {
     pub bytes: AtomicU64,
     /// Requests for what it does not hold.
     pub not_found: AtomicU64,
+    /// Requests refused for not carrying the move's token (a locked server).
+    pub refused: AtomicU64,
 }
+
+/// What a locked server asks every request for ([`PeerServer::start_locked`]), and the key
+/// it seals the pieces named later with: none answered before they are set.
+type Lock = Arc<std::sync::OnceLock<(String, [u8; 32])>>;
 
 /// Serves the objects of `objects` on a TCP address until dropped.
 #[derive(Debug)]
@@ -45,6 +51,7 @@ pub struct PeerServer {
     _objects: Arc<Client>,
     /// What it served.
     pub counters: Arc<PeerCounters>,
+    lock: Option<Lock>,
 }
 
 impl PeerServer {
@@ -54,6 +61,34 @@ impl PeerServer {
         listen: SocketAddr,
         frames: Arc<HeldFrames>,
         objects: Arc<Client>,
+    ) -> Result<PeerServer, StoreError> {
+        PeerServer::serve(listen, frames, objects, None)
+    }
+
+    /// [`PeerServer::start`], answering no request until [`PeerServer::unlock`], and then
+    /// only those that carry its token (`authorization: Guestmem TOKEN`): a move between
+    /// hosts that hold a move key.
+    pub(crate) fn start_locked(
+        listen: SocketAddr,
+        frames: Arc<HeldFrames>,
+        objects: Arc<Client>,
+    ) -> Result<PeerServer, StoreError> {
+        PeerServer::serve(listen, frames, objects, Some(Lock::default()))
+    }
+
+    /// Answers, from now on, the requests that carry `token`, its pieces named later sealed
+    /// with `seal` (a locked server; once).
+    pub(crate) fn unlock(&self, token: String, seal: [u8; 32]) {
+        if let Some(l) = &self.lock {
+            let _ = l.set((token, seal));
+        }
+    }
+
+    fn serve(
+        listen: SocketAddr,
+        frames: Arc<HeldFrames>,
+        objects: Arc<Client>,
+        lock: Option<Lock>,
     ) -> Result<PeerServer, StoreError> {
         let io = |op| {
             move |source| StoreError::Io {
@@ -74,6 +109,7 @@ impl PeerServer {
         let addr = listener.local_addr().map_err(io("read the address of"))?;
         let counters = Arc::new(PeerCounters::default());
         let c = Arc::clone(&counters);
+        let lock_kept = lock.clone();
         let held = Arc::clone(&objects);
         // At most this many connections at once; more wait in the listen backlog.
         let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
@@ -91,13 +127,29 @@ impl PeerServer {
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let (frames, objects, c) =
-                    (Arc::clone(&frames), Arc::clone(&objects), Arc::clone(&c));
+                let (frames, objects, c, lock) = (
+                    Arc::clone(&frames),
+                    Arc::clone(&objects),
+                    Arc::clone(&c),
+                    lock.clone(),
+                );
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(move |req| {
                         let (frames, objects, c) =
                             (Arc::clone(&frames), Arc::clone(&objects), Arc::clone(&c));
-                        async move { Ok::<_, Infallible>(answer(&frames, &objects, &c, req).await) }
+                        let allowed = lock.as_ref().is_none_or(|l| carries(&req, l));
+                        let seal = lock.as_ref().and_then(|l| l.get()).map(|(_, k)| *k);
+                        async move {
+                            Ok::<_, Infallible>(match allowed {
+                                true => answer(&frames, &objects, &c, seal.as_ref(), req).await,
+                                false => {
+                                    c.refused.fetch_add(1, Ordering::Relaxed);
+                                    let mut r = Response::new(Full::new(Bytes::new()));
+                                    *r.status_mut() = StatusCode::FORBIDDEN;
+                                    r
+                                }
+                            })
+                        }
                     });
                     // A connection that sends no request for this long is closed, so an
                     // idle or half-open one does not hold its place for ever.
@@ -115,6 +167,7 @@ impl PeerServer {
             rt: Some(rt),
             _objects: held,
             counters,
+            lock: lock_kept,
         })
     }
 
@@ -138,12 +191,28 @@ impl Drop for PeerServer {
     }
 }
 
+/// Whether `req` carries the token `lock` holds (none set yet: no request does).
+fn carries<B>(req: &Request<B>, lock: &Lock) -> bool {
+    let Some((token, _)) = lock.get() else {
+        return false;
+    };
+    let Some(got) = req
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Guestmem "))
+    else {
+        return false;
+    };
+    super::frame::same_bytes(got, token.as_bytes())
+}
+
 /// One request: GET or HEAD of a frame or a manifest this host holds; anything else is
 /// refused.
 async fn answer<B>(
     frames: &HeldFrames,
     objects: &Client,
     c: &PeerCounters,
+    seal: Option<&[u8; 32]>,
     req: Request<B>,
 ) -> Response<Full<Bytes>> {
     let status = |s: StatusCode| {
@@ -168,7 +237,7 @@ async fn answer<B>(
     if let (true, Some(len)) = (
         head,
         key.strip_prefix(super::url::FRAMES)
-            .and_then(|hex| frames.object_len(hex)),
+            .and_then(|hex| frames.object_len(hex, seal.is_some())),
     ) {
         let mut r = status(StatusCode::OK);
         r.headers_mut()
@@ -177,7 +246,7 @@ async fn answer<B>(
     }
     // A held frame is read from the diff file here (a read of tmpfs pages, microseconds).
     let held = match key.strip_prefix(super::url::FRAMES) {
-        Some(hex) => frames.object(hex),
+        Some(hex) => frames.object(hex, seal),
         None => Ok(None),
     };
     let got = match held {
@@ -345,6 +414,42 @@ mod tests {
             up.starts_with("HTTP/1.1 404") || up.starts_with("HTTP/1.1 400"),
             "{up}"
         );
+    }
+
+    /// A locked source (a move with a key) answers nothing before it learns the token,
+    /// then only requests that carry it: through the runtime's client and the fault's own.
+    #[test]
+    fn a_locked_source_answers_only_requests_with_its_token() {
+        let held = Arc::new(Client::in_memory("source").unwrap());
+        held.put("snapshots/m/manifest.json", Bytes::from_static(b"{}"))
+            .unwrap();
+        let server = PeerServer::start_locked(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::new(HeldFrames::new()),
+            held,
+        )
+        .unwrap();
+        let base = format!("http://{}", server.addr());
+        let key = "snapshots/m/manifest.json";
+        let token = "0123abcd".repeat(8);
+        let open = Client::peer(&base).unwrap();
+        let with = Client::peer_locked(&base, &token, [1; 32]).unwrap();
+        let wrong = Client::peer_locked(&base, &"f".repeat(64), [1; 32]).unwrap();
+        // Before the token is known: no one.
+        assert!(with.get(key).is_err());
+        server.unlock(token.clone(), [1; 32]);
+        let e = open.get(key).unwrap_err().to_string();
+        assert!(e.contains("403") || e.contains("orbidden"), "{e}");
+        // Refused, and the token it sent is in no error.
+        let w = wrong.get(key).unwrap_err().to_string();
+        assert!(!w.contains(&"f".repeat(64)), "{w}");
+        assert_eq!(with.get(key).unwrap().as_deref(), Some(&b"{}"[..]));
+        // The fault's own path sends it too.
+        let d = super::super::direct::Direct::new(&base, Some(&token)).unwrap();
+        let sent = d.send(key, 1 << 20, Duration::from_secs(5)).unwrap();
+        let got = d.receive(sent).unwrap().map(|(b, _)| b);
+        assert_eq!(got.as_deref(), Some(&b"{}"[..]));
+        assert!(server.counters.refused.load(Ordering::Relaxed) >= 3);
     }
 }
 
