@@ -49,8 +49,8 @@ pub struct Out {
     /// The move key both hosts hold: a file of 32 to 4096 secret bytes that only its owner
     /// may read (`head -c 32 /dev/urandom > FILE; chmod 600 FILE`), the same on both hosts.
     /// With it, the control connection is authenticated message by message and the diff's
-    /// frames are served only to the other host; without it (on both hosts), neither is
-    /// (docs/move.md, Security).
+    /// frames are served only to requests with this move's token; nothing is encrypted
+    /// (docs/move.md, Security). Without it (on both hosts), nothing is authenticated.
     #[arg(long)]
     key_file: Option<PathBuf>,
     /// Print the report as JSON.
@@ -89,8 +89,8 @@ pub struct In {
     /// The move key both hosts hold: a file of 32 to 4096 secret bytes that only its owner
     /// may read (`head -c 32 /dev/urandom > FILE; chmod 600 FILE`), the same on both hosts.
     /// With it, the control connection is authenticated message by message and the diff's
-    /// frames are served only to the other host; without it (on both hosts), neither is
-    /// (docs/move.md, Security).
+    /// frames are served only to requests with this move's token; nothing is encrypted
+    /// (docs/move.md, Security). Without it (on both hosts), nothing is authenticated.
     #[arg(long)]
     key_file: Option<PathBuf>,
     /// Print the report as JSON.

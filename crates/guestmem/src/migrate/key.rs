@@ -6,10 +6,12 @@
 //! direction, its place in the stream and its bytes, so that no message can be forged,
 //! changed, reordered, replayed from another move, or reflected back; and the destination's
 //! requests for the diff's frames carry a token drawn from it, without which the source's
-//! page server answers none. What it does not give: secrecy. The frames and the vmstate
-//! cross the network as they are, and someone on the path between the hosts can read them,
-//! and change a frame's bytes in flight; a tunnel (WireGuard, `ssh -L`) or a private
-//! network gives that (docs/move.md, "Security").
+//! page server answers none; the pieces it serves under placeholders carry a seal. What it
+//! does not give: secrecy. The frames, the vmstate and the token cross the network as they
+//! are, and someone on the path between the hosts can read them (and stop the move, which
+//! then fails closed); a tunnel (WireGuard, `ssh -L`) or a private network gives that
+//! (docs/move.md, "Security"). The key proves that a side holds it, not which host it is:
+//! one key for every host lets any of them stand in for another.
 
 use std::io::Read;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -66,6 +68,14 @@ impl MoveKey {
         let meta = f.metadata().map_err(|e| bad(format!("stat: {e}")))?;
         if !meta.is_file() {
             return Err(bad("not a regular file".into()));
+        }
+        // SAFETY: geteuid takes nothing and cannot fail.
+        let euid = unsafe { libc::geteuid() };
+        if meta.uid() != euid {
+            return Err(bad(format!(
+                "owned by uid {}, not by this process's ({euid})",
+                meta.uid()
+            )));
         }
         if meta.mode() & 0o077 != 0 {
             return Err(bad(format!(

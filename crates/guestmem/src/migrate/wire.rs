@@ -99,6 +99,22 @@ pub(crate) enum Side {
     Destination,
 }
 
+impl Side {
+    fn name(self) -> &'static str {
+        match self {
+            Side::Source => "source",
+            Side::Destination => "destination",
+        }
+    }
+
+    fn other(self) -> &'static str {
+        match self {
+            Side::Source => "destination",
+            Side::Destination => "source",
+        }
+    }
+}
+
 impl Wire {
     pub(crate) fn new(s: TcpStream) -> Result<Wire, MoveError> {
         let peer = s.peer_addr().map_or("?".into(), |a| a.to_string());
@@ -155,12 +171,14 @@ impl Wire {
                         "the other side speaks move messages v{version}, this host v{WIRE_VERSION}; nothing paused"
                     )),
                     (true, None, ..) => Err("a hello without a nonce".into()),
-                    (true, Some(_), true, false) => Err(
-                        "the other side holds a move key and this one has none (--key-file on both hosts, or on neither); nothing paused".into(),
-                    ),
-                    (true, Some(_), false, true) => Err(
-                        "this side holds a move key and the other has none (--key-file on both hosts, or on neither); nothing paused".into(),
-                    ),
+                    (true, Some(_), true, false) => Err(format!(
+                        "the {} holds a move key and this {} has none (--key-file on both hosts, or on neither); nothing paused",
+                        side.other(), side.name()
+                    )),
+                    (true, Some(_), false, true) => Err(format!(
+                        "this {} holds a move key and the {} has none (--key-file on both hosts, or on neither); nothing paused",
+                        side.name(), side.other()
+                    )),
                     (true, Some(n), ..) => Ok(*n.as_bytes()),
                 };
                 match why {
@@ -170,10 +188,7 @@ impl Wire {
             }
             Msg::Refused { reason } => {
                 return Err(MoveError::Refused {
-                    side: match side {
-                        Side::Source => "destination",
-                        Side::Destination => "source",
-                    },
+                    side: side.other(),
                     reason,
                 })
             }
@@ -284,9 +299,10 @@ impl Wire {
     /// message out a byte at a time does not stretch the wait.
     pub(crate) fn recv(&mut self, limit: Duration) -> Result<Msg, MoveError> {
         let deadline = Instant::now() + limit;
-        let line = self.line(deadline, limit)?;
+        let line = self.line(deadline, limit, MAX_LINE_BYTES)?;
         if self.mac.is_some() {
-            let mac = self.line(deadline, limit)?;
+            // 64 hex digits and a newline: nothing longer is read before the check.
+            let mac = self.line(deadline, limit, 65)?;
             let mac = blake3::Hash::from_hex(mac.trim_ascii_end()).map_err(|_| {
                 self.err("a message without its MAC (the other side holds no move key?)".into())
             })?;
@@ -295,8 +311,8 @@ impl Wire {
         serde_json::from_slice(&line).map_err(|e| self.err(format!("not a move message: {e}")))
     }
 
-    /// One line, whole, by `deadline`.
-    fn line(&mut self, deadline: Instant, limit: Duration) -> Result<Vec<u8>, MoveError> {
+    /// One line, whole, by `deadline`, of at most `max` bytes.
+    fn line(&mut self, deadline: Instant, limit: Duration, max: u64) -> Result<Vec<u8>, MoveError> {
         let mut line = Vec::new();
         let read = loop {
             if let Err(e) = self.until(deadline) {
@@ -316,7 +332,7 @@ impl Wire {
             };
             line.extend_from_slice(&buf[..n]);
             self.reader.consume(n);
-            if done || line.len() as u64 > MAX_LINE_BYTES {
+            if done || line.len() as u64 > max {
                 break Ok(());
             }
         };
@@ -329,10 +345,8 @@ impl Wire {
         if line.is_empty() {
             return Err(self.err("closed the connection".into()));
         }
-        if line.last() != Some(&b'\n') || line.len() as u64 > MAX_LINE_BYTES {
-            return Err(self.err(format!(
-                "a message longer than {MAX_LINE_BYTES} bytes, or cut short"
-            )));
+        if line.last() != Some(&b'\n') || line.len() as u64 > max {
+            return Err(self.err(format!("a line longer than {max} bytes, or cut short")));
         }
         Ok(line)
     }
@@ -499,7 +513,7 @@ mod tests {
     }
 
     #[test]
-    fn another_key_or_a_key_on_one_side_only_is_refused_before_any_offer() {
+    fn another_key_is_caught_at_the_first_message_and_a_key_on_one_side_only_at_the_hello() {
         // Other keys: the hellos pass, the first message does not.
         let (mut src, mut dst) = wires();
         assert_eq!(
@@ -573,6 +587,17 @@ mod tests {
         src.writer.write_all(&l).unwrap();
         assert!(matches!(dst.recv(limit).unwrap(), Msg::Commit));
         assert!(dst.recv(limit).unwrap_err().to_string().contains("MAC"));
+        // No MAC at all, to a side that holds a key.
+        let (mut src, mut dst) = wires();
+        assert_eq!(
+            hellos(&mut src, &mut dst, Some(&k), Some(&k)),
+            (Ok(true), Ok(true))
+        );
+        src.writer
+            .write_all(b"{\"m\":\"commit\"}\n{\"m\":\"running\"}\n")
+            .unwrap();
+        let e = dst.recv(limit).unwrap_err().to_string();
+        assert!(e.contains("without its MAC"), "{e}");
         // Sent back: a MAC made for the other way.
         let (mut src, mut dst) = wires();
         assert_eq!(

@@ -75,7 +75,7 @@ pub(crate) struct Direct {
     authority: String,
     /// Headers every request carries after `Host` (a locked source's token), each line
     /// ending in CRLF.
-    extra: String,
+    extra: Hidden,
     /// Connections whose last answer was read whole, and since when idle.
     idle: Mutex<Vec<(TcpStream, Instant)>>,
 }
@@ -93,9 +93,9 @@ impl Direct {
         Some(Direct {
             addr,
             authority: addr.to_string(),
-            extra: token.map_or(String::new(), |t| {
+            extra: Hidden(token.map_or(String::new(), |t| {
                 format!("authorization: Guestmem {t}\r\n")
-            }),
+            })),
             idle: Mutex::new(Vec::new()),
         })
     }
@@ -117,10 +117,10 @@ impl Direct {
         let until = now
             .checked_add(limit)
             .unwrap_or(now + Duration::from_secs(86400 * 365));
-        let request = format!(
+        let request = Hidden(format!(
             "GET /{key} HTTP/1.1\r\nhost: {}\r\n{}\r\n",
-            self.authority, self.extra
-        );
+            self.authority, self.extra.0
+        ));
         // A kept connection the source has closed since (it closes idle ones) fails before
         // any byte of the answer: then the request goes once more, on a new one.
         if let Some(conn) = self.take_idle() {
@@ -245,13 +245,22 @@ impl Direct {
     }
 }
 
+/// Text that may hold a source's token: its `Debug` shows none of it.
+struct Hidden(String);
+
+impl std::fmt::Debug for Hidden {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "({} bytes)", self.0.len())
+    }
+}
+
 /// A request sent, its answer not read yet.
 #[derive(Debug)]
 pub(crate) struct Sent {
     conn: TcpStream,
     /// Whether `conn` carried an answer before (and may have been closed since).
     kept: bool,
-    request: String,
+    request: Hidden,
     max: u64,
     until: Instant,
     /// When the request went.
@@ -264,7 +273,7 @@ fn write(sent: &mut Sent) -> Result<(), DirectError> {
         .set_write_timeout(Some(left(sent.until)?))
         .map_err(|e| transient(format!("set a timeout: {e}")))?;
     sent.conn
-        .write_all(sent.request.as_bytes())
+        .write_all(sent.request.0.as_bytes())
         .map_err(|e| io_error("send", e))
 }
 

@@ -287,6 +287,38 @@ mod tests {
             assert!(cache.contains(&h.unwrap()), "kept under its hash");
         }
 
+        // Locked (a move with a key): served with their seals to the token's holder, and
+        // taken with the move's seal key only.
+        let locked = PeerServer::start_locked(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::clone(&held_frames),
+            Arc::new(Client::in_memory("held").unwrap()),
+        )
+        .unwrap();
+        let token = "ab".repeat(32);
+        locked.unlock(token.clone(), [5; 32]);
+        let base = format!("http://{}", locked.addr());
+        for (seal, right) in [([5; 32], true), ([6; 32], false)] {
+            let peer = Arc::new(Client::peer_locked(&base, &token, seal).unwrap());
+            let frames = Frames::new(Arc::clone(&store), None, FetchPolicy::default());
+            frames.name_later(owed.iter().copied());
+            frames.follow(Arc::clone(&peer), owed.iter().copied());
+            let memory = StoreMemory::from_snapshot(Arc::clone(&frames), chain.clone());
+            for i in 0..MEM / FB {
+                let owes = chain.frames[i as usize]
+                    .iter()
+                    .any(|p| owed.contains(&p.hash));
+                match (memory.frame(i), right || !owes) {
+                    (Ok(got), true) => {
+                        let at = (i * FB) as usize;
+                        assert_eq!(got.as_slice(), &want[at..at + FB as usize], "frame {i}");
+                    }
+                    (Err(e), false) => assert!(e.to_string().contains("seal"), "frame {i}: {e}"),
+                    (got, _) => panic!("frame {i}, seal {right}: {:?}", got.map(|_| ())),
+                }
+            }
+        }
+
         // A name other than the hash a piece was served as is refused; so is a placeholder
         // named twice.
         let mut wrong = names.clone();

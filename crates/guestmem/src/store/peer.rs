@@ -38,8 +38,25 @@ pub struct PeerCounters {
 }
 
 /// What a locked server asks every request for ([`PeerServer::start_locked`]), and the key
-/// it seals the pieces named later with: none answered before they are set.
-type Lock = Arc<std::sync::OnceLock<(String, [u8; 32])>>;
+/// it seals the pieces named later with: none answered before they are set. Its `Debug`
+/// shows whether they are, never them.
+#[derive(Clone, Default)]
+struct Lock(Arc<std::sync::OnceLock<(String, [u8; 32])>>);
+
+impl Lock {
+    fn get(&self) -> Option<&(String, [u8; 32])> {
+        self.0.get()
+    }
+}
+
+impl std::fmt::Debug for Lock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.get() {
+            Some(_) => "Lock(set)",
+            None => "Lock(not yet)",
+        })
+    }
+}
 
 /// Serves the objects of `objects` on a TCP address until dropped.
 #[derive(Debug)]
@@ -80,7 +97,7 @@ impl PeerServer {
     /// with `seal` (a locked server; once).
     pub(crate) fn unlock(&self, token: String, seal: [u8; 32]) {
         if let Some(l) = &self.lock {
-            let _ = l.set((token, seal));
+            let _ = l.0.set((token, seal));
         }
     }
 
@@ -144,8 +161,14 @@ impl PeerServer {
                                 true => answer(&frames, &objects, &c, seal.as_ref(), req).await,
                                 false => {
                                     c.refused.fetch_add(1, Ordering::Relaxed);
+                                    // And closed: a connection without the token
+                                    // holds none of the server's places.
                                     let mut r = Response::new(Full::new(Bytes::new()));
                                     *r.status_mut() = StatusCode::FORBIDDEN;
+                                    r.headers_mut().insert(
+                                        hyper::header::CONNECTION,
+                                        hyper::header::HeaderValue::from_static("close"),
+                                    );
                                     r
                                 }
                             })
@@ -435,16 +458,34 @@ mod tests {
         let open = Client::peer(&base).unwrap();
         let with = Client::peer_locked(&base, &token, [1; 32]).unwrap();
         let wrong = Client::peer_locked(&base, &"f".repeat(64), [1; 32]).unwrap();
-        // Before the token is known: no one.
+        // Before the token is known: no one, not even a HEAD.
         assert!(with.get(key).is_err());
+        assert!(with.block_on(with.exists_async(key)).is_err(), "a HEAD");
         server.unlock(token.clone(), [1; 32]);
+        // Nothing of the token or the seal in its Debug.
+        let shown = format!("{server:?}");
+        assert!(
+            !shown.contains(&token) && shown.contains("Lock(set)"),
+            "{shown}"
+        );
         let e = open.get(key).unwrap_err().to_string();
         assert!(e.contains("403") || e.contains("orbidden"), "{e}");
         // Refused, and the token it sent is in no error.
         let w = wrong.get(key).unwrap_err().to_string();
         assert!(!w.contains(&"f".repeat(64)), "{w}");
         assert_eq!(with.get(key).unwrap().as_deref(), Some(&b"{}"[..]));
-        // The fault's own path sends it too.
+        // The fault's own path sends it too; with another token it is refused for good.
+        let other = "e".repeat(64);
+        let d = super::super::direct::Direct::new(&base, Some(&other)).unwrap();
+        assert!(!format!("{d:?}").contains(&other));
+        let sent = d.send(key, 1 << 20, Duration::from_secs(5)).unwrap();
+        assert!(!format!("{sent:?}").contains(&other));
+        match d.receive(sent) {
+            Err(super::super::direct::DirectError::Failed { reason, permanent }) => {
+                assert!(permanent && reason.contains("403"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
         let d = super::super::direct::Direct::new(&base, Some(&token)).unwrap();
         let sent = d.send(key, 1 << 20, Duration::from_secs(5)).unwrap();
         let got = d.receive(sent).unwrap().map(|(b, _)| b);
