@@ -73,6 +73,29 @@ fn serve_from_store(s3: &S3Server, socket: &Path, url: &str, cache: &Path) -> Gu
     g
 }
 
+/// `guestmem move` of the VM at `dir`'s `src.api.sock` to `addr` with the move key in
+/// `key`, as `moved`: what it did, and its stderr.
+fn move_out(
+    dir: &Path,
+    key: &Path,
+    addr: &str,
+    env: &[(&'static str, String)],
+) -> (std::process::Output, String) {
+    let out = guestmem()
+        .args(["move", "--api"])
+        .arg(dir.join("src.api.sock"))
+        .arg("--key-file")
+        .arg(key)
+        .args(["--base", "s3://snaps/base", "--as", "moved", "--to", addr])
+        .args(["--listen", "127.0.0.1:0", "--work-dir"])
+        .arg(dir.join("work"))
+        .envs(env.iter().cloned())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, err)
+}
+
 /// A move key file in `dir` named `name`, only its owner may read it, of `secret`.
 fn key_file(dir: &Path, name: &str, secret: u8) -> std::path::PathBuf {
     use std::os::unix::fs::OpenOptionsExt;
@@ -254,18 +277,7 @@ fn a_move_the_destination_refuses_leaves_the_vm_running_on_the_source() {
     // The destination holds another move key: refused before the offer is read.
     let other = key_file(&dir, "other.key", 8);
     let (mut mi, addr) = move_in(&s3.env(), dst.api(), &dir, &other);
-    let out = guestmem()
-        .args(["move", "--api"])
-        .arg(dir.join("src.api.sock"))
-        .arg("--key-file")
-        .arg(&key)
-        .args(["--base", "s3://snaps/base", "--as", "moved", "--to", &addr])
-        .args(["--listen", "127.0.0.1:0", "--work-dir"])
-        .arg(dir.join("work"))
-        .envs(s3.env())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let (out, err) = move_out(&dir, &key, &addr, &s3.env());
     assert!(!out.status.success());
     assert!(err.contains("move's key"), "{err}");
     assert!(!mi.wait_exit(20).success());
@@ -279,18 +291,7 @@ fn a_move_the_destination_refuses_leaves_the_vm_running_on_the_source() {
         })
         .collect();
     let (mut mi, addr) = move_in(&env, dst.api(), &dir, &key);
-    let out = guestmem()
-        .args(["move", "--api"])
-        .arg(dir.join("src.api.sock"))
-        .arg("--key-file")
-        .arg(&key)
-        .args(["--base", "s3://snaps/base", "--as", "moved", "--to", &addr])
-        .args(["--listen", "127.0.0.1:0", "--work-dir"])
-        .arg(dir.join("work"))
-        .envs(s3.env())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let (out, err) = move_out(&dir, &key, &addr, &s3.env());
     assert!(!out.status.success());
     assert!(err.contains("destination refused the move"), "{err}");
     assert!(err.contains("s3://snaps/"), "names the URL: {err}");

@@ -490,6 +490,26 @@ mod tests {
         MoveKey::from_secret(&[b; 32]).unwrap()
     }
 
+    /// Two `Wire`s whose hellos passed with `k`: (source, destination).
+    fn keyed(k: &MoveKey) -> (Wire, Wire) {
+        let (mut src, mut dst) = wires();
+        assert_eq!(
+            hellos(&mut src, &mut dst, Some(k), Some(k)),
+            (Ok(true), Ok(true))
+        );
+        (src, dst)
+    }
+
+    /// `m`'s line and its MAC line, as `w` would send them next (its counter moved on).
+    fn macd(w: &mut Wire, m: &Msg) -> Vec<u8> {
+        let mut l = serde_json::to_vec(m).unwrap();
+        l.push(b'\n');
+        let mac = w.next_mac(&l).unwrap();
+        l.extend_from_slice(blake3::Hash::from_bytes(mac).to_hex().as_bytes());
+        l.push(b'\n');
+        l
+    }
+
     #[test]
     fn with_one_key_messages_and_payloads_go_both_ways_macd() {
         let (mut src, mut dst) = wires();
@@ -573,42 +593,22 @@ mod tests {
             assert!(e.contains("MAC"), "{payload}: {e}");
         }
         // Replayed: the same message, whole, twice.
-        let (mut src, mut dst) = wires();
-        assert_eq!(
-            hellos(&mut src, &mut dst, Some(&k), Some(&k)),
-            (Ok(true), Ok(true))
-        );
-        let mut l = serde_json::to_vec(&Msg::Commit).unwrap();
-        l.push(b'\n');
-        let m = src.next_mac(&l).unwrap();
-        l.extend_from_slice(blake3::Hash::from_bytes(m).to_hex().as_bytes());
-        l.push(b'\n');
+        let (mut src, mut dst) = keyed(&k);
+        let l = macd(&mut src, &Msg::Commit);
         src.writer.write_all(&l).unwrap();
         src.writer.write_all(&l).unwrap();
         assert!(matches!(dst.recv(limit).unwrap(), Msg::Commit));
         assert!(dst.recv(limit).unwrap_err().to_string().contains("MAC"));
         // No MAC at all, to a side that holds a key.
-        let (mut src, mut dst) = wires();
-        assert_eq!(
-            hellos(&mut src, &mut dst, Some(&k), Some(&k)),
-            (Ok(true), Ok(true))
-        );
+        let (mut src, mut dst) = keyed(&k);
         src.writer
             .write_all(b"{\"m\":\"commit\"}\n{\"m\":\"running\"}\n")
             .unwrap();
         let e = dst.recv(limit).unwrap_err().to_string();
         assert!(e.contains("without its MAC"), "{e}");
         // Sent back: a MAC made for the other way.
-        let (mut src, mut dst) = wires();
-        assert_eq!(
-            hellos(&mut src, &mut dst, Some(&k), Some(&k)),
-            (Ok(true), Ok(true))
-        );
-        let mut l = serde_json::to_vec(&Msg::Running).unwrap();
-        l.push(b'\n');
-        let m = src.next_mac(&l).unwrap();
-        l.extend_from_slice(blake3::Hash::from_bytes(m).to_hex().as_bytes());
-        l.push(b'\n');
+        let (mut src, mut dst) = keyed(&k);
+        let l = macd(&mut src, &Msg::Running);
         dst.writer.write_all(&l).unwrap();
         assert!(src.recv(limit).unwrap_err().to_string().contains("MAC"));
     }
