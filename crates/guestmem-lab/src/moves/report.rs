@@ -17,7 +17,9 @@ impl LabReport for MoveResult {
                 "Real Firecracker, {} MiB VM restored from a base in the store (s3s-fs in this \
                  process, its objects in {}) with track_dirty_pages; the guest writes {:?} MiB spread over its {} MiB \
                  region (runs of 64 KiB), then moves; two page servers on this host stand for the \
-                 two hosts, both starting from a cache holding the base; a proxy adds {:?} ms of \
+                 two hosts, both starting from a cache holding the base, the move authenticated \
+                 with a move key (its messages MACed, the frames behind a token, the pieces \
+                 sealed); a proxy adds {:?} ms of \
                  round trip to the control connection and to the source's frames; the source's \
                  Firecracker writes the diff into {}. As it resumes on the \
                  destination the guest touches every page of its region (two qwords each, checked), \
