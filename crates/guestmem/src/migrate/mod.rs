@@ -20,6 +20,11 @@
 //! The window of risk is from the pause to that release: losing the source inside it ends
 //! the VM (after the fetch deadline, with the reason logged; never a zero page). A failure
 //! before the destination runs resumes the VM on the source.
+//!
+//! With a [`MoveKey`] on both hosts, the two prove they hold it at connect time, every
+//! control message is MACed, the source's frames are served only to requests with the
+//! connection's token, and the pieces it serves under placeholders are sealed (the `key`
+//! module). Nothing is encrypted.
 
 mod firecracker;
 mod into;
