@@ -64,39 +64,30 @@ impl LabReport for ObjectStoreResult {
                 ratio(m(|s| s.gets as f64), m(|s| s.frames_read as f64)),
             ));
         }
-        let exact = |v: &super::StoreVariant| v.samples.iter().all(|s| s.sample.miss_exact);
-        let (one, many): (Vec<_>, Vec<_>) = b.variants.iter().partition(|v| exact(v));
-        let names = |vs: &[&super::StoreVariant]| {
-            vs.iter()
-                .map(|v| v.name.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
+        let (one, many): (Vec<_>, Vec<_>) = b
+            .variants
+            .iter()
+            .partition(|v| v.samples.iter().all(|s| s.sample.miss_exact));
+        // "HOW for NAMES", for the variants whose quantiles are so (none: left out).
+        let kind = |vs: &[&super::StoreVariant], how: &str| {
+            let names: Vec<&str> = vs.iter().map(|v| v.name.as_str()).collect();
+            (!names.is_empty()).then(|| format!("{how} for {}", names.join(", ")))
         };
+        let kinds: Vec<String> = [
+            kind(
+                &one,
+                "as measured (nearest rank over the round's latest 4,096)",
+            ),
+            kind(&many, "a histogram bucket's upper bound (up to 19% above)"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         md.push_str(&format!(
             "\nDemand misses: the faults that brought their block in (from the store or the \
              cache; not those that waited on a block another thread was bringing). Their \
-             quantiles are {}{}{}.\n",
-            if one.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    "as measured (nearest rank over the round's latest 4,096) for {}",
-                    names(&one)
-                )
-            },
-            if one.is_empty() || many.is_empty() {
-                ""
-            } else {
-                "; "
-            },
-            if many.is_empty() {
-                String::new()
-            } else {
-                format!(
-                    "a histogram bucket's upper bound (up to 19% above) for {}",
-                    names(&many)
-                )
-            },
+             quantiles are {}.\n",
+            kinds.join("; ")
         ));
         let p = &b.push;
         md.push_str(&format!(

@@ -533,12 +533,7 @@ mod tests {
         drop(c);
         let c = FrameCache::open(&dir, 4096).unwrap();
         assert_eq!(c.frames(), 1);
-        let tmp_left = std::fs::read_dir(dir.join("frames"))
-            .unwrap()
-            .flatten()
-            .flat_map(|d| std::fs::read_dir(d.path()).unwrap().flatten())
-            .any(|f| f.file_name().to_string_lossy().ends_with(".tmp"));
-        assert!(!tmp_left);
+        assert_eq!(tmp_files(&dir), Vec::<PathBuf>::new());
     }
 
     /// Every `.tmp` file under a cache's folder.

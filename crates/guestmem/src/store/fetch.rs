@@ -424,10 +424,7 @@ impl Frames {
                 self.counters.peer_gets.fetch_add(1, Ordering::Relaxed);
             }
             let sent = Instant::now();
-            let max = (len
-                + super::frame::HEADER_BYTES
-                + super::frame::NAMED_PREFIX_BYTES
-                + super::frame::SEAL_BYTES) as u64;
+            let max = (len + super::frame::HEADER_BYTES + super::frame::named_prefix(true)) as u64;
             let limit = left.min(self.policy.attempt);
             let direct = peer
                 .as_ref()

@@ -169,7 +169,12 @@ pub(crate) fn decode(object: &[u8], want: usize, hash: &blake3::Hash) -> Result<
 pub(crate) const NAMED_PREFIX_BYTES: usize = 32;
 
 /// Bytes a move with a key adds after that hash: its seal ([`seal`]).
-pub(crate) const SEAL_BYTES: usize = 32;
+const SEAL_BYTES: usize = 32;
+
+/// Bytes before a placeholder's object: its hash, and its seal if `sealed`.
+pub(crate) fn named_prefix(sealed: bool) -> usize {
+    NAMED_PREFIX_BYTES + if sealed { SEAL_BYTES } else { 0 }
+}
 
 /// The seal of a piece named later, served for `placeholder` as `hash`, under a move's
 /// `key` (from the move key both hosts hold): a keyed BLAKE3 of the two, so that no one
@@ -199,7 +204,7 @@ pub(crate) fn decode_named(
     len: usize,
     sealed: Option<(&[u8; 32], &blake3::Hash)>,
 ) -> Result<(Vec<u8>, blake3::Hash), String> {
-    let prefix = NAMED_PREFIX_BYTES + sealed.map_or(0, |_| SEAL_BYTES);
+    let prefix = named_prefix(sealed.is_some());
     if obj.len() < prefix {
         return Err(format!(
             "{} bytes: shorter than the {prefix} a piece named later starts with",

@@ -101,10 +101,7 @@ impl HeldFrames {
             Held::Runs { plain_len, .. } => Some(plain_len + super::frame::HEADER_BYTES as u64),
             Held::Later { plain_len, .. } => Some(
                 plain_len
-                    + (super::frame::HEADER_BYTES
-                        + super::frame::NAMED_PREFIX_BYTES
-                        + if sealed { super::frame::SEAL_BYTES } else { 0 })
-                        as u64,
+                    + (super::frame::HEADER_BYTES + super::frame::named_prefix(sealed)) as u64,
             ),
         }
     }
@@ -135,7 +132,7 @@ impl HeldFrames {
         let obj = super::frame::raw_for(plain_len as usize);
         let at = match named {
             false => 0,
-            true => super::frame::NAMED_PREFIX_BYTES + seal.map_or(0, |_| super::frame::SEAL_BYTES),
+            true => super::frame::named_prefix(seal.is_some()),
         };
         let mut out = Vec::with_capacity(at + obj.capacity());
         out.resize(at, 0);
