@@ -152,6 +152,7 @@
 #[cfg(not(target_os = "linux"))]
 compile_error!("guestmem supports Linux only");
 
+mod batch;
 pub mod bringup;
 pub mod dirty;
 mod files;

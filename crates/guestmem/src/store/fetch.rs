@@ -153,7 +153,7 @@ pub struct Frames {
     /// Read-ahead's turns: at most `ahead_gets`, fewer while the store's answers show a queue.
     ahead: Arc<AheadGate>,
     /// Faults waiting on a GET of their own (read-ahead holds back while any does).
-    faults: Faults,
+    faults: Arc<Faults>,
     /// Writes fetched frames to the cache, after their readers have them.
     keeper: Keeper,
     /// Frames read ahead into memory, checked, for the fills that install them.
@@ -183,7 +183,7 @@ impl Frames {
             ahead: AheadGate::new(policy.ahead_gets),
             policy,
             flights,
-            faults: Faults::default(),
+            faults: Arc::default(),
             follow: Mutex::new(None),
             later: Mutex::new(HashMap::new()),
             any_later: std::sync::atomic::AtomicBool::new(false),

@@ -38,6 +38,9 @@ impl Lazy {
 
     /// Serves what one read brought: faults, removes; then the faults queued meanwhile.
     pub(super) fn dispatch(&self, events: &[Event]) {
+        // What a fault's read puts off (a fetched frame handed to the cache's writers)
+        // waits until every fault here is installed.
+        let _batch = crate::batch::batch();
         for ev in events {
             match *ev {
                 Event::Fault { addr, .. } => {

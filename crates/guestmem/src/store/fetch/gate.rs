@@ -171,14 +171,16 @@ pub(super) struct Faults {
     clear: tokio::sync::Notify,
 }
 
-/// A fault fetching a frame itself, counted while it waits.
-pub(super) struct FaultFirst<'a>(&'a Faults);
+/// A fault fetching a frame itself, counted until the faults read with it are installed
+/// (`crate::batch`): read-ahead, woken then, neither goes ahead of their install nor costs
+/// it the wake-up.
+pub(super) struct FaultFirst(Arc<Faults>);
 
 impl Faults {
-    /// Counts a fault's own GET until the guard drops.
-    pub(super) fn first(&self) -> FaultFirst<'_> {
+    /// Counts a fault's own GET until the guard drops (and its batch ends).
+    pub(super) fn first(self: &Arc<Self>) -> FaultFirst {
         self.fetching.fetch_add(1, Ordering::AcqRel);
-        FaultFirst(self)
+        FaultFirst(Arc::clone(self))
     }
 
     /// Returns once no fault waits on a GET of its own.
@@ -195,11 +197,14 @@ impl Faults {
     }
 }
 
-impl Drop for FaultFirst<'_> {
+impl Drop for FaultFirst {
     fn drop(&mut self) {
-        if self.0.fetching.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.clear.notify_waiters();
-        }
+        let faults = Arc::clone(&self.0);
+        crate::batch::later(move || {
+            if faults.fetching.fetch_sub(1, Ordering::AcqRel) == 1 {
+                faults.clear.notify_waiters();
+            }
+        });
     }
 }
 
@@ -271,5 +276,27 @@ mod tests {
         let before = g.limit();
         g.answered_at(ms(50), t0 + EPOCH * 3 + ms(1));
         assert_eq!(g.limit(), before + 1, "50 ms is its own latency now");
+    }
+
+    #[test]
+    fn read_ahead_waits_for_a_faults_batch_to_end_not_only_its_get() {
+        let faults = Arc::new(Faults::default());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let clear = |f: &Arc<Faults>| {
+            rt.block_on(async { tokio::time::timeout(ms(20), f.after()).await })
+                .is_ok()
+        };
+        assert!(clear(&faults));
+        let batch = crate::batch::batch();
+        drop(faults.first());
+        assert!(!clear(&faults), "the fault's frame is not installed yet");
+        drop(batch);
+        assert!(clear(&faults));
+        // Outside a batch (a reader that is not a fault handler): at once.
+        drop(faults.first());
+        assert!(clear(&faults));
     }
 }

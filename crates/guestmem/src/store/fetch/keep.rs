@@ -96,10 +96,20 @@ impl Keeper {
             keep,
             _room: room,
         };
-        if let Err(job) = self.sender().send(job) {
-            // No writer thread could be started: served, not kept.
-            job.0.keep.cache.skipped();
-            self.landed(&job.0.keep.flights);
+        let (tx, flights) = (self.sender(), Arc::clone(&self.flights));
+        let hand_over = move || {
+            if let Err(job) = tx.send(job) {
+                // No writer thread could be started: served, not kept.
+                job.0.keep.cache.skipped();
+                landed(&flights, &job.0.keep.flights);
+            }
+        };
+        match wait {
+            true => hand_over(),
+            // A fault's frame: handed over once the faults read with it are installed,
+            // for the send wakes a writer (`crate::batch`). Its flight stays open until
+            // then, so a look meanwhile joins it and finds its bytes.
+            false => crate::batch::later(hand_over),
         }
     }
 
@@ -287,5 +297,36 @@ mod tests {
         rt.block_on(waiting).unwrap();
         keeper.wait(None);
         assert!(cache.contains(&hd));
+    }
+
+    #[test]
+    fn a_faults_frame_goes_to_the_writers_when_its_batch_ends() {
+        let scratch = guestmem_testkit::Scratch::new("keeper-batch");
+        let cache = Arc::new(FrameCache::open(&scratch.join("cache"), 16 << 20).unwrap());
+        let flights: Arc<Flights> = Arc::new(Mutex::new(HashMap::new()));
+        let keeper = Keeper::new(Arc::clone(&flights));
+
+        let batch = crate::batch::batch();
+        let (f, b) = (
+            keep(&cache, &flights, 64 << 10, 3),
+            keep(&cache, &flights, 64 << 10, 5),
+        );
+        let (hf, hb) = (f.kept_as, b.kept_as);
+        run(keeper.keep(f, false));
+        run(keeper.keep(b, true));
+        // The background frame is written; the fault's waits for the batch (counted, its
+        // flight open, so a look joins it rather than fetching it again).
+        let until = std::time::Instant::now() + Duration::from_secs(30);
+        while !cache.contains(&hb) && std::time::Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(cache.contains(&hb));
+        assert!(!cache.contains(&hf), "handed over before its batch ended");
+        assert!(flights.lock().unwrap().contains_key(hf.as_bytes()));
+        assert_eq!(*keeper.unkept.count.0.lock().unwrap(), 1);
+        drop(batch);
+        keeper.wait(None);
+        assert!(cache.contains(&hf));
+        assert!(flights.lock().unwrap().is_empty(), "flights ended");
     }
 }
