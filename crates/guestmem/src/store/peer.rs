@@ -23,6 +23,11 @@ use super::StoreError;
 const MAX_CONNECTIONS: usize = 256;
 /// How long a connection may go without a request's headers (idle, or sending them).
 const IDLE_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a connection to a locked server may go before a request carrying its token:
+/// one that sends nothing (or only a trickle of headers) holds one of the
+/// [`MAX_CONNECTIONS`] places for this long, not for [`IDLE_LIMIT`]. The destination sends
+/// its first request as soon as it connects.
+const FIRST_REQUEST_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// What the source host served.
 #[derive(Debug, Default)]
@@ -151,10 +156,17 @@ impl PeerServer {
                     lock.clone(),
                 );
                 tokio::spawn(async move {
+                    let locked = lock.is_some();
+                    // Whether a request carrying the token came on this connection.
+                    let proved = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                    let proved_in = Arc::clone(&proved);
                     let svc = hyper::service::service_fn(move |req| {
                         let (frames, objects, c) =
                             (Arc::clone(&frames), Arc::clone(&objects), Arc::clone(&c));
                         let allowed = lock.as_ref().is_none_or(|l| carries(&req, l));
+                        if allowed {
+                            proved_in.store(true, Ordering::Relaxed);
+                        }
                         let seal = lock.as_ref().and_then(|l| l.get()).map(|(_, k)| *k);
                         async move {
                             Ok::<_, Infallible>(match allowed {
@@ -176,11 +188,21 @@ impl PeerServer {
                     });
                     // A connection that sends no request for this long is closed, so an
                     // idle or half-open one does not hold its place for ever.
-                    let _ = hyper::server::conn::http1::Builder::new()
+                    let conn = hyper::server::conn::http1::Builder::new()
                         .timer(hyper_util::rt::TokioTimer::new())
                         .header_read_timeout(IDLE_LIMIT)
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                        .await;
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc);
+                    tokio::pin!(conn);
+                    let first = tokio::time::sleep(FIRST_REQUEST_LIMIT);
+                    tokio::select! {
+                        _ = &mut conn => {}
+                        _ = first, if locked => {
+                            // Dropped unproved: its socket is closed.
+                            if proved.load(Ordering::Relaxed) {
+                                let _ = conn.await;
+                            }
+                        }
+                    }
                     drop(permit);
                 });
             }
@@ -491,6 +513,70 @@ mod tests {
         let got = d.receive(sent).unwrap().map(|(b, _)| b);
         assert_eq!(got.as_deref(), Some(&b"{}"[..]));
         assert!(server.counters.refused.load(Ordering::Relaxed) >= 3);
+    }
+
+    #[test]
+    fn a_locked_source_closes_a_connection_that_sends_no_request_with_its_token() {
+        use std::io::{Read, Write};
+        let held = Arc::new(Client::in_memory("source").unwrap());
+        held.put("snapshots/m/manifest.json", Bytes::from_static(b"{}"))
+            .unwrap();
+        let server = PeerServer::start_locked(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::new(HeldFrames::new()),
+            held,
+        )
+        .unwrap();
+        let token = "0123abcd".repeat(8);
+        server.unlock(token.clone(), [1; 32]);
+        // Whether the server has closed `s`, looked at for `for_`.
+        let closed = |s: &mut std::net::TcpStream, for_: Duration| -> bool {
+            s.set_read_timeout(Some(for_)).unwrap();
+            let mut b = [0u8; 1];
+            !matches!(s.read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
+                || e.kind() == std::io::ErrorKind::TimedOut)
+        };
+        let t = std::time::Instant::now();
+        let mut silent = std::net::TcpStream::connect(server.addr()).unwrap();
+        // A trickle of a request, never finished.
+        let mut trickle = std::net::TcpStream::connect(server.addr()).unwrap();
+        trickle
+            .write_all(b"GET /snapshots/m/manifest.json HTTP/1.1\r\nhost: x\r\n")
+            .unwrap();
+        let mut proved = std::net::TcpStream::connect(server.addr()).unwrap();
+        write!(
+            proved,
+            "GET /snapshots/m/manifest.json HTTP/1.1\r\nhost: x\r\nauthorization: Guestmem {token}\r\n\r\n"
+        )
+        .unwrap();
+        // Its whole answer: the head, then the manifest's two bytes.
+        let mut answer = Vec::new();
+        while !answer.ends_with(b"\r\n\r\n{}") {
+            let mut b = [0u8; 512];
+            let n = proved.read(&mut b).unwrap();
+            assert!(n > 0, "closed after {answer:?}");
+            answer.extend_from_slice(&b[..n]);
+        }
+        assert!(answer.starts_with(b"HTTP/1.1 200"));
+        assert!(
+            closed(&mut silent, Duration::from_secs(20)),
+            "a silent connection kept"
+        );
+        assert!(
+            closed(&mut trickle, Duration::from_secs(20)),
+            "a trickling one kept"
+        );
+        assert!(t.elapsed() >= FIRST_REQUEST_LIMIT);
+        assert!(
+            t.elapsed() < IDLE_LIMIT,
+            "closed only at the idle limit: {:?}",
+            t.elapsed()
+        );
+        // The one that proved itself stays open, idle, past the first request's limit.
+        assert!(
+            !closed(&mut proved, Duration::from_millis(500)),
+            "a proved connection closed"
+        );
     }
 }
 
