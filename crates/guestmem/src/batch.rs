@@ -63,10 +63,18 @@ impl Drop for Batch {
             return;
         }
         // Each runs outside the borrow, and with the batch closed: work that queues more
-        // runs it at once.
+        // runs it at once. One that panics does not stop the rest (each may be what lets
+        // others go on: a count read-ahead waits on, a frame's flight); its panic goes on
+        // once all have run, unless this thread is unwinding already.
         let queued = LATER.with(|l| l.borrow_mut().take()).unwrap_or_default();
+        let mut first_panic = None;
         for f in queued {
-            f();
+            if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                first_panic.get_or_insert(p);
+            }
+        }
+        if let Some(p) = first_panic.filter(|_| !std::thread::panicking()) {
+            std::panic::resume_unwind(p);
         }
     }
 }
@@ -99,6 +107,20 @@ mod tests {
         });
         drop(outer);
         assert_eq!(ran.get(), 1111);
+    }
+
+    #[test]
+    fn work_that_panics_does_not_stop_the_rest() {
+        let ran = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let r = std::sync::Arc::clone(&ran);
+        let joined = std::thread::spawn(move || {
+            let _b = batch();
+            later(|| panic!("a hand-over that panics"));
+            later(move || r.store(true, std::sync::atomic::Ordering::SeqCst));
+        })
+        .join();
+        assert!(joined.is_err(), "its panic goes on");
+        assert!(ran.load(std::sync::atomic::Ordering::SeqCst));
     }
 
     #[test]

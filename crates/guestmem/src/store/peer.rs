@@ -25,8 +25,10 @@ const MAX_CONNECTIONS: usize = 256;
 const IDLE_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 /// How long a connection to a locked server may go before a request carrying its token:
 /// one that sends nothing (or only a trickle of headers) holds one of the
-/// [`MAX_CONNECTIONS`] places for this long, not for [`IDLE_LIMIT`]. The destination sends
-/// its first request as soon as it connects.
+/// [`MAX_CONNECTIONS`] places for this long, not for [`IDLE_LIMIT`]. The destination's
+/// fault threads send their first request as soon as they connect; its runtime's pool may
+/// keep a connection it opened and did not need, which is then closed here unused (a
+/// request written to it as it closes fails before its answer and is sent again).
 const FIRST_REQUEST_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// What the source host served.
@@ -195,6 +197,9 @@ impl PeerServer {
                     tokio::pin!(conn);
                     let first = tokio::time::sleep(FIRST_REQUEST_LIMIT);
                     tokio::select! {
+                        // The connection first: a request's head that came with the
+                        // timer is read (and proves it) before the timer is looked at.
+                        biased;
                         _ = &mut conn => {}
                         _ = first, if locked => {
                             // Dropped unproved: its socket is closed.
