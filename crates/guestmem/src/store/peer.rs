@@ -466,19 +466,25 @@ mod tests {
         );
     }
 
-    /// A locked source (a move with a key) answers nothing before it learns the token,
-    /// then only requests that carry it: through the runtime's client and the fault's own.
-    #[test]
-    fn a_locked_source_answers_only_requests_with_its_token() {
+    /// A locked source holding one manifest, `snapshots/m/manifest.json` (`{}`), not
+    /// unlocked yet.
+    fn locked_source() -> PeerServer {
         let held = Arc::new(Client::in_memory("source").unwrap());
         held.put("snapshots/m/manifest.json", Bytes::from_static(b"{}"))
             .unwrap();
-        let server = PeerServer::start_locked(
+        PeerServer::start_locked(
             "127.0.0.1:0".parse().unwrap(),
             Arc::new(HeldFrames::new()),
             held,
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    /// A locked source (a move with a key) answers nothing before it learns the token,
+    /// then only requests that carry it: through the runtime's client and the fault's own.
+    #[test]
+    fn a_locked_source_answers_only_requests_with_its_token() {
+        let server = locked_source();
         let base = format!("http://{}", server.addr());
         let key = "snapshots/m/manifest.json";
         let token = "0123abcd".repeat(8);
@@ -523,15 +529,7 @@ mod tests {
     #[test]
     fn a_locked_source_closes_a_connection_that_sends_no_request_with_its_token() {
         use std::io::{Read, Write};
-        let held = Arc::new(Client::in_memory("source").unwrap());
-        held.put("snapshots/m/manifest.json", Bytes::from_static(b"{}"))
-            .unwrap();
-        let server = PeerServer::start_locked(
-            "127.0.0.1:0".parse().unwrap(),
-            Arc::new(HeldFrames::new()),
-            held,
-        )
-        .unwrap();
+        let server = locked_source();
         let token = "0123abcd".repeat(8);
         server.unlock(token.clone(), [1; 32]);
         // Whether the server has closed `s`, looked at for `for_`.
