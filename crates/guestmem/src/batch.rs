@@ -84,6 +84,8 @@ mod tests {
     use super::*;
     use std::cell::Cell;
     use std::rc::Rc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
 
     #[test]
     fn work_waits_for_the_outermost_batch_and_runs_at_once_without_one() {
@@ -109,30 +111,33 @@ mod tests {
         assert_eq!(ran.get(), 1111);
     }
 
+    /// Runs `body` on a thread of its own, handing it a flag to set from its work; whether
+    /// the thread panicked, and whether the flag was set.
+    fn on_a_thread(body: impl FnOnce(Arc<AtomicBool>) + Send + 'static) -> (bool, bool) {
+        let ran = Arc::new(AtomicBool::new(false));
+        let r = Arc::clone(&ran);
+        let panicked = std::thread::spawn(move || body(r)).join().is_err();
+        (panicked, ran.load(Ordering::SeqCst))
+    }
+
     #[test]
     fn work_that_panics_does_not_stop_the_rest() {
-        let ran = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let r = std::sync::Arc::clone(&ran);
-        let joined = std::thread::spawn(move || {
+        let (panicked, ran) = on_a_thread(|r| {
             let _b = batch();
             later(|| panic!("a hand-over that panics"));
-            later(move || r.store(true, std::sync::atomic::Ordering::SeqCst));
-        })
-        .join();
-        assert!(joined.is_err(), "its panic goes on");
-        assert!(ran.load(std::sync::atomic::Ordering::SeqCst));
+            later(move || r.store(true, Ordering::SeqCst));
+        });
+        assert!(panicked, "its panic goes on");
+        assert!(ran);
     }
 
     #[test]
     fn a_panic_in_the_batch_still_runs_its_work() {
-        let ran = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let r = std::sync::Arc::clone(&ran);
-        let _ = std::thread::spawn(move || {
+        let (_, ran) = on_a_thread(|r| {
             let _b = batch();
-            later(move || r.store(true, std::sync::atomic::Ordering::SeqCst));
+            later(move || r.store(true, Ordering::SeqCst));
             panic!("a fault handler that panics");
-        })
-        .join();
-        assert!(ran.load(std::sync::atomic::Ordering::SeqCst));
+        });
+        assert!(ran);
     }
 }

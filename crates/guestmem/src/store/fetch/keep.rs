@@ -237,12 +237,25 @@ mod tests {
         }
     }
 
-    #[test]
-    fn frames_are_written_by_the_keeper_and_a_faults_frame_without_room_is_served_uncached() {
-        let scratch = guestmem_testkit::Scratch::new("keeper");
+    /// A keeper over a fresh 16 MiB cache in a scratch folder named for `name`.
+    fn keeper_in(
+        name: &str,
+    ) -> (
+        guestmem_testkit::Scratch,
+        Arc<FrameCache>,
+        Arc<Flights>,
+        Keeper,
+    ) {
+        let scratch = guestmem_testkit::Scratch::new(name);
         let cache = Arc::new(FrameCache::open(&scratch.join("cache"), 16 << 20).unwrap());
         let flights: Arc<Flights> = Arc::new(Mutex::new(HashMap::new()));
         let keeper = Keeper::new(Arc::clone(&flights));
+        (scratch, cache, flights, keeper)
+    }
+
+    #[test]
+    fn frames_are_written_by_the_keeper_and_a_faults_frame_without_room_is_served_uncached() {
+        let (_scratch, cache, flights, keeper) = keeper_in("keeper");
 
         // Background and fault frames with room: written, their flights ended once kept.
         let a = keep(&cache, &flights, 256 << 10, 3);
@@ -301,10 +314,7 @@ mod tests {
 
     #[test]
     fn a_faults_frame_goes_to_the_writers_when_its_batch_ends() {
-        let scratch = guestmem_testkit::Scratch::new("keeper-batch");
-        let cache = Arc::new(FrameCache::open(&scratch.join("cache"), 16 << 20).unwrap());
-        let flights: Arc<Flights> = Arc::new(Mutex::new(HashMap::new()));
-        let keeper = Keeper::new(Arc::clone(&flights));
+        let (_scratch, cache, flights, keeper) = keeper_in("keeper-batch");
 
         let batch = crate::batch::batch();
         let (f, b) = (
