@@ -246,11 +246,10 @@ impl Lab<'_> {
     fn round(&self, kind: Kind, latency_ms: u64) -> Result<StoreSample, LabError> {
         let cfg = self.cfg;
         // A round's folder, with the frame cache its server filled, stays until the run
-        // ends where the disk has room: on this project's ext4 (no journal), making a file
-        // in the minutes after many were removed costs 0.4-1.2 ms instead of 0.06 ms (the
-        // inode allocator looks up each inode freed lately, to skip it), so removing a
-        // GiB of frame files before each round handed the next one's cache that cost,
-        // which a host whose cache no one empties does not pay.
+        // ends where the disk has room: its disk's work does not fall on the next round.
+        // (When the cache made a file a frame, on this project's ext4 without a journal,
+        // removing a GiB of them made each file the next round made cost 0.4-1.2 ms
+        // instead of 0.06 ms: the inode allocator looks up each inode freed lately.)
         let n = self.rounds.replace(self.rounds.get() + 1);
         let dir = cfg.work_dir.join(format!("round-{n}"));
         let _ = std::fs::remove_dir_all(&dir);

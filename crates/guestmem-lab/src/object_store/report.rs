@@ -116,14 +116,11 @@ impl LabReport for ObjectStoreResult {
         md.push_str(match b.rounds_kept {
             true => {
                 "\nEach round's frame cache was kept until the run ended (synced to disk, \
-                     untimed, after its round), not removed before the next round: on ext4 \
-                     without a journal, files made in the minutes after many were removed \
-                     cost 0.4-1.2 ms each instead of 0.06 ms.\n"
+                     untimed, after its round), not removed before the next round.\n"
             }
             false => {
                 "\nEach round's frame cache was removed before the next round (the disk \
-                      had no room to keep them all): on ext4 without a journal, the next \
-                      round's cache then paid 0.4-1.2 ms a file made instead of 0.06 ms.\n"
+                      had no room to keep them all).\n"
             }
         });
         md

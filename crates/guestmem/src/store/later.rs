@@ -394,23 +394,12 @@ mod tests {
         assert_eq!(c.hits.load(Ordering::Relaxed), frames_in);
         assert_eq!(frames.counters.gets.load(Ordering::Relaxed), frames_in);
 
-        // A frame whose cached file went bad: counted corrupt and missed once, fetched
+        // A frame whose cached bytes went bad: counted corrupt and missed once, fetched
         // again, read right.
-        let hex = memory.snapshot().frames[3][0].hash.to_hex();
-        let file = scratch
-            .join("cache")
-            .join("frames")
-            .join(&hex[..2])
-            .join(hex.as_str());
-        std::fs::File::options()
-            .write(true)
-            .open(&file)
-            .unwrap()
-            .write_all_at(b"bad", 10)
-            .unwrap();
+        cache.spoil(&memory.snapshot().frames[3][0].hash, 10, b"bad");
         let mut all = vec![0u8; MEM as usize];
         memory.read(0, &mut all).unwrap();
-        assert!(all == bytes, "after the bad file");
+        assert!(all == bytes, "after the bad record");
         assert_eq!(c.corrupt.load(Ordering::Relaxed), 1);
         assert_eq!(c.misses.load(Ordering::Relaxed), frames_in + 1);
         assert_eq!(frames.counters.gets.load(Ordering::Relaxed), frames_in + 1);

@@ -504,14 +504,10 @@ mod tests {
         assert!(stage.take(&h, len).is_none(), "taken once");
         assert_eq!(stage.bytes(), 0);
 
-        // A frame whose file no longer holds it is not staged (its fill fetches it).
+        // A frame whose record no longer holds it is not staged (its fill fetches it).
         let (h2, b2) = frame(len, 5);
         cache.put(&h2, &b2);
-        let path = dir
-            .join("frames")
-            .join(&h2.to_hex()[..2])
-            .join(h2.to_hex().as_str());
-        std::fs::write(&path, b"torn").unwrap();
+        cache.spoil(&h2, 0, b"torn");
         stage.ask(&cache, &h2, len);
         stage.read(&h2);
         assert!(stage.take(&h2, len).is_none());
