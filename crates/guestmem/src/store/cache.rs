@@ -122,18 +122,23 @@ impl Index {
         let f = Arc::new(file);
         s.file = Some(Arc::clone(&f));
         self.open += 1;
-        if self.open > MAX_OPEN {
+        self.close_over(id);
+        f
+    }
+
+    /// Closes the least recently used segments' files (but `keep`'s) while more than
+    /// [`MAX_OPEN`] are open.
+    fn close_over(&mut self, keep: u64) {
+        while self.open > MAX_OPEN {
             let lru = self
                 .order
                 .values()
                 .copied()
-                .find(|o| *o != id && self.segs[o].file.is_some());
-            if let Some(o) = lru {
-                self.segs.get_mut(&o).expect("indexed").file = None;
-                self.open -= 1;
-            }
+                .find(|o| *o != keep && self.segs[o].file.is_some());
+            let Some(o) = lru else { return };
+            self.segs.get_mut(&o).expect("indexed").file = None;
+            self.open -= 1;
         }
-        f
     }
 
     fn add_seg(&mut self, path: PathBuf, file: Option<File>) -> u64 {
@@ -151,6 +156,7 @@ impl Index {
         self.tick += 1;
         self.segs.insert(id, Segment { used: t, ..s });
         self.order.insert(t, id);
+        self.close_over(id);
         id
     }
 
@@ -291,9 +297,9 @@ pub const MAX_CACHE_BYTES: u64 = 1 << 50;
 
 /// The records of a segment whose headers are whole, in order, but those dropped: (hash,
 /// header offset, frame length). It stops at the first that is not whole (a write a crash
-/// cut short).
-fn scan(file: &File, file_len: u64) -> Vec<([u8; 32], u64, u64)> {
-    let mut out = Vec::new();
+/// cut short). With how many headers it read, dropped ones included.
+fn scan(file: &File, file_len: u64) -> (Vec<([u8; 32], u64, u64)>, usize) {
+    let (mut out, mut headers) = (Vec::new(), 0);
     let mut off = 0u64;
     let mut t = [0u8; HEADER];
     while off + HEADER as u64 <= file_len {
@@ -306,13 +312,18 @@ fn scan(file: &File, file_len: u64) -> Vec<([u8; 32], u64, u64)> {
         if off + HEADER as u64 + len > file_len {
             break;
         }
+        headers += 1;
         if !dropped {
             out.push((h, off, len));
         }
         off += record_bytes(len);
     }
-    out
+    (out, headers)
 }
+
+/// A segment without a whole record younger than this may be another process's, being
+/// written: a cache opening leaves it.
+const YOUNG: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// A segment made earlier, opened to be read (and written only to mark a record found bad).
 fn open_segment(path: &Path) -> std::io::Result<File> {
@@ -372,9 +383,19 @@ impl FrameCache {
             if !meta.is_file() {
                 continue;
             }
-            let records = scan(&file, meta.len());
+            let (records, headers) = scan(&file, meta.len());
             if records.is_empty() {
-                let _ = std::fs::remove_file(&path);
+                // No record to serve: removed, unless it has no header yet and may be
+                // another process's, just made (its first record's bytes go first).
+                let young = headers == 0
+                    && meta
+                        .modified()
+                        .ok()
+                        .and_then(|t| t.elapsed().ok())
+                        .is_none_or(|age| age < YOUNG);
+                if !young {
+                    let _ = std::fs::remove_file(&path);
+                }
                 continue;
             }
             let mtime = i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec());
@@ -474,17 +495,28 @@ impl FrameCache {
             Ok(f) => f,
             Err(path) => match open_segment(&path) {
                 Ok(f) => self.lock().opened(at.seg, f),
-                Err(_) => {
-                    // Removed behind its back (by another process over the same folder).
+                Err(e) => {
+                    // Removed behind its back (by another process over the same folder,
+                    // or by hand): out of the index. Anything else (no descriptor left, say)
+                    // is a miss this time.
                     count_miss();
-                    self.lock().remove_seg(at.seg);
+                    if e.kind() == std::io::ErrorKind::NotFound {
+                        self.lock().remove_seg(at.seg);
+                    }
                     return false;
                 }
             },
         };
         // The segment stays open while it is read: one removed meanwhile (evicted) is
         // still read whole.
-        // Whether its header still names it (else its record is left as it is).
+        if at.len != dst.len() as u64 {
+            // Asked for with another length than it was kept with (a manifest that does
+            // not match its frame's bytes): not given, and left as it is.
+            count_miss();
+            return false;
+        }
+        // Whether its header still names it: only then is a record whose bytes fail the
+        // check marked dropped.
         let mut named = false;
         let mut read = || -> std::io::Result<bool> {
             let mut t = [0u8; HEADER];
@@ -493,9 +525,6 @@ impl FrameCache {
                 return Ok(false);
             }
             named = true;
-            if at.len != dst.len() as u64 {
-                return Ok(false);
-            }
             // Read and checked a piece at a time: the check reads what the read just left in
             // the CPU's cache, not the whole frame again from memory.
             let mut sum = crate::snapshot::BlockHasher::default();
@@ -506,15 +535,17 @@ impl FrameCache {
             }
             Ok(t[48..56] == sealed(h, sum.finish()).to_le_bytes())
         };
-        if let Ok(true) = read() {
+        let checked = read();
+        if let Ok(true) = checked {
             if hit {
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
             }
             return true;
         }
-        // Bad bytes, or a segment cut short behind the server's back: dropped (and marked
-        // so, for the next start's scan), fetched again.
-        if named {
+        // Bad bytes, or a segment cut short behind the server's back (or a read error):
+        // out of the index, fetched again; a record whose bytes were read and failed the
+        // check is marked dropped, for the next start's scan.
+        if named && matches!(checked, Ok(false)) {
             let _ = file.write_all_at(&DROPPED, at.off + 56);
         }
         self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
@@ -560,7 +591,7 @@ impl FrameCache {
                     let evicted = {
                         let mut ix = self.lock();
                         let target = ix.bytes.saturating_sub(self.cap / 8);
-                        ix.evict_for(self.cap - target, self.cap)
+                        ix.evict_for(0, target)
                     };
                     self.remove_evicted(evicted);
                 }
@@ -577,8 +608,9 @@ impl FrameCache {
         let rec = record_bytes(plain.len() as u64);
         let (id, file, off) = {
             let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
+            // A segment takes records until it holds `segment_bytes` (the last may go past).
             let fits = active.as_ref().is_some_and(|a| {
-                (a.end == 0 || a.end + rec <= self.segment_bytes)
+                (a.end == 0 || a.end < self.segment_bytes)
                     && self.lock().segs.contains_key(&a.id)
                     && a.file.metadata().is_ok_and(|m| m.nlink() > 0)
             });
@@ -599,9 +631,10 @@ impl FrameCache {
         if let Err(e) = written {
             let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(a) = active.as_mut().filter(|a| a.id == id) {
-                // Cut back if it is the last record; else no more appends to this segment
-                // (a scan stops at the hole).
-                if a.end == off + rec && file.set_len(off).is_ok() {
+                // A full disk: cut back if it is the last record. Else (or another error:
+                // a bad block, a file-size limit) no more appends to this segment (a scan
+                // stops at the hole).
+                if is_io_full(&e) && a.end == off + rec && file.set_len(off).is_ok() {
                     a.end = off;
                 } else {
                     *active = None;
@@ -695,6 +728,7 @@ mod tests {
             let f = File::open(p).unwrap();
             let len = f.metadata().unwrap().len();
             let end = scan(&f, len)
+                .0
                 .last()
                 .map_or(0, |&(_, off, l)| off + record_bytes(l));
             end == len
@@ -732,12 +766,11 @@ mod tests {
             // A write a crash cut short: a header whole, its frame not.
             c.put(&hashes[4], &frames[4]);
             let (cut, off) = c.record_of(&hashes[4]);
-            File::options()
-                .write(true)
-                .open(&cut)
-                .unwrap()
-                .set_len(off + HEADER as u64 + 100)
-                .unwrap();
+            let f = File::options().write(true).open(&cut).unwrap();
+            f.set_len(off + HEADER as u64 + 100).unwrap();
+            // Another process's segment, just made, is left: this one is not young.
+            let past = std::time::SystemTime::now() - 2 * YOUNG;
+            f.set_modified(past).unwrap();
         }
         // Frame 0 went with frame 4; frame 2 was dropped, and its record marked so.
         let c = FrameCache::open(&dir, cap).unwrap();
@@ -952,6 +985,86 @@ mod tests {
         let open = c.lock().segs.values().filter(|s| s.file.is_some()).count();
         assert_eq!(open, MAX_OPEN);
         assert_eq!(c.lock().open, MAX_OPEN);
+    }
+
+    /// Threads keeping, reading and evicting frames at once: every frame read is its own
+    /// bytes, and what the cache counts is what it holds.
+    #[test]
+    fn frames_kept_read_and_evicted_at_once_are_read_right() {
+        let frame = |i: u32| {
+            let mut f = vec![(i % 251) as u8; 4096];
+            f[..4].copy_from_slice(&i.to_le_bytes());
+            (blake3::hash(&f), f)
+        };
+        // A segment a record, then four records a segment.
+        for per_seg in [0, 4] {
+            let scratch = guestmem_testkit::Scratch::new("cache-threads");
+            let cap = if per_seg == 0 {
+                32 * record_bytes(4096)
+            } else {
+                SEGMENTS * per_seg * record_bytes(4096)
+            };
+            let c = FrameCache::open(&scratch, cap).unwrap();
+            let frames = if per_seg == 0 { 64 } else { 512 };
+            let right = AtomicU64::new(0);
+            std::thread::scope(|s| {
+                for t in 0..4u32 {
+                    let (c, right) = (&c, &right);
+                    s.spawn(move || {
+                        let mut x = t.wrapping_mul(2654435761) | 1;
+                        for _ in 0..1500 {
+                            x ^= x << 13;
+                            x ^= x >> 17;
+                            x ^= x << 5;
+                            let (h, f) = frame(x % frames);
+                            if (x >> 16) & 1 == 0 {
+                                c.put(&h, &f);
+                            } else if let Some(got) = c.get(&h, 4096) {
+                                assert!(got == f, "frame {} read as another", x % frames);
+                                right.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    });
+                }
+            });
+            assert!(right.load(Ordering::Relaxed) > 0);
+            assert_eq!(c.counters.corrupt.load(Ordering::Relaxed), 0);
+            assert!(c.bytes() <= cap);
+            let held = c.frames();
+            let on_disk: u64 = segments(&scratch)
+                .iter()
+                .map(|p| {
+                    let f = File::open(p).unwrap();
+                    scan(&f, f.metadata().unwrap().len()).0.len() as u64
+                })
+                .sum();
+            assert!(held <= on_disk, "{held} held, {on_disk} on disk");
+            assert!(c.lock().open <= MAX_OPEN);
+            drop(c);
+            let c = FrameCache::open(&scratch, cap).unwrap();
+            for i in 0..frames {
+                let (h, f) = frame(i);
+                if let Some(got) = c.get(&h, 4096) {
+                    assert!(got == f, "frame {i} after a restart");
+                }
+            }
+            assert_eq!(c.counters.corrupt.load(Ordering::Relaxed), 0);
+        }
+    }
+
+    #[test]
+    fn a_young_segment_without_a_whole_record_is_left_to_its_maker() {
+        let scratch = guestmem_testkit::Scratch::new("cache-young");
+        let first = FrameCache::open(&scratch, 1 << 20).unwrap();
+        // What another process sees while the first record's bytes are being written.
+        let seg = first.new_segment().unwrap();
+        seg.file.write_all_at(&[7u8; 4096], HEADER as u64).unwrap();
+        let _second = FrameCache::open(&scratch, 1 << 20).unwrap();
+        assert_eq!(segments(&scratch).len(), 1, "left to its maker");
+        let old = std::time::SystemTime::now() - 2 * YOUNG;
+        seg.file.set_modified(old).unwrap();
+        let _third = FrameCache::open(&scratch, 1 << 20).unwrap();
+        assert_eq!(segments(&scratch).len(), 0, "an old one is removed");
     }
 
     #[test]
