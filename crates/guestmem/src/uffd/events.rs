@@ -73,19 +73,37 @@ impl Uffd {
         self.read_pending(out).map(|()| true)
     }
 
-    /// Reads the messages pending now (none is fine) into `out`.
+    /// Reads the messages pending now (none is fine) into `out`. Never waits for one,
+    /// whatever the descriptor's flags: a VM shares the open file with the server and may
+    /// clear its `O_NONBLOCK` between the server's `poll` and its read (or take the message
+    /// itself), and a read that waited would hold a fault thread every VM shares until that
+    /// VM faulted again. `preadv2(RWF_NOWAIT)` asks for that on this read alone (Linux 6.8
+    /// and later, where userfaultfd reads through `read_iter`); before that, a plain read.
     fn read_pending(&self, out: &mut Vec<Event>) -> io::Result<()> {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        /// Whether this kernel refused `RWF_NOWAIT` on a userfaultfd (EOPNOTSUPP) once.
+        static NO_NOWAIT: AtomicBool = AtomicBool::new(false);
         const BATCH: usize = 16;
         let mut msgs = [std::mem::MaybeUninit::<uapi::uffd_msg>::uninit(); BATCH];
         let size = std::mem::size_of::<uapi::uffd_msg>();
-        // SAFETY: the buffer holds BATCH messages; the kernel writes whole messages only.
-        let got = unsafe {
-            libc::read(
-                self.fd.as_raw_fd(),
-                msgs.as_mut_ptr() as *mut libc::c_void,
-                BATCH * size,
-            )
-        };
+        let buf = msgs.as_mut_ptr() as *mut libc::c_void;
+        let mut got = -1;
+        if !NO_NOWAIT.load(Ordering::Relaxed) {
+            let iov = libc::iovec {
+                iov_base: buf,
+                iov_len: BATCH * size,
+            };
+            // SAFETY: `iov` names the buffer of BATCH messages; the kernel writes whole
+            // messages only. Offset -1: the file's own position (none, for a userfaultfd).
+            got = unsafe { libc::preadv2(self.fd.as_raw_fd(), &iov, 1, -1, libc::RWF_NOWAIT) };
+            if got < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP) {
+                NO_NOWAIT.store(true, Ordering::Relaxed);
+            }
+        }
+        if NO_NOWAIT.load(Ordering::Relaxed) {
+            // SAFETY: the buffer holds BATCH messages; the kernel writes whole messages only.
+            got = unsafe { libc::read(self.fd.as_raw_fd(), buf, BATCH * size) };
+        }
         if got < 0 {
             let e = io::Error::last_os_error();
             // Another handler took the message first.
@@ -121,5 +139,56 @@ impl Uffd {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A userfaultfd whose `O_NONBLOCK` another holder cleared: reading what is pending
+    /// (nothing) returns at once instead of waiting for a fault that may never come.
+    #[test]
+    fn reading_pending_messages_never_waits_though_o_nonblock_was_cleared() {
+        let Ok(u) = Uffd::open(0) else {
+            return guestmem_testkit::skip("userfaultfd unavailable (needs root)");
+        };
+        let fd = u.fd.as_raw_fd();
+        let mut m = std::mem::MaybeUninit::<uapi::uffd_msg>::uninit();
+        let iov = libc::iovec {
+            iov_base: m.as_mut_ptr() as *mut libc::c_void,
+            iov_len: std::mem::size_of::<uapi::uffd_msg>(),
+        };
+        // SAFETY: `iov` names `m`, one message; the descriptor is still non-blocking here.
+        let probe = unsafe { libc::preadv2(fd, &iov, 1, -1, libc::RWF_NOWAIT) };
+        if probe < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP) {
+            return guestmem_testkit::skip(
+                "this kernel reads a userfaultfd without RWF_NOWAIT (before Linux 6.8)",
+            );
+        }
+        // SAFETY: fcntl on a descriptor `u` owns.
+        let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        // SAFETY: as above.
+        let set = unsafe { libc::fcntl(fd, libc::F_SETFL, fl & !libc::O_NONBLOCK) };
+        assert_eq!(set, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            let mut out = Vec::new();
+            let r = u.read_pending(&mut out).map(|()| out.len());
+            let _ = tx.send(r.map_err(|e| e.to_string()));
+            u
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(5)) {
+            Ok(r) => assert_eq!(r, Ok(0)),
+            // The read waits (the thread is left blocked; the test process ends it).
+            Err(_) => {
+                let v = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+                panic!(
+                    "a read of a blocking userfaultfd waited (kernel {})",
+                    v.trim()
+                );
+            }
+        }
+        drop(t.join());
     }
 }
