@@ -125,34 +125,54 @@ impl Server {
         }
     }
 
-    /// Graduates every VM still served, side by side; the pool serves their faults
-    /// meanwhile. A VM that cannot graduate (a failure) is ended as the policy says.
+    /// Graduates every VM still served, side by side (a thread a VM); the pool serves their
+    /// faults meanwhile. A VM that cannot graduate (a failure) is ended as the policy says.
+    /// A thread that cannot be had leaves its VMs to the threads that could and to this
+    /// one: fewer side by side, none left behind.
     pub(super) fn graduate_all(&mut self) {
         let sessions = std::mem::take(&mut self.sessions);
         self.served_bytes = 0;
         let (pool, state) = (&self.pool, &self.state);
-        let done: Vec<Concluded> = std::thread::scope(|sc| {
-            let hs: Vec<_> = sessions
-                .into_iter()
-                .map(|(id, mut s)| {
-                    sc.spawn(move || {
-                        let graduated = s.graduate();
-                        pool.remove(id);
-                        if let (Some(state), Some(p)) = (state, &s.record) {
-                            state.forget(p);
-                        }
-                        let end = match graduated {
-                            Ok(()) => SessionEnd::Graduated,
-                            Err(_) if s.over() == Some(Over::PeerExited) => SessionEnd::PeerExited,
-                            Err(e) => SessionEnd::Failed(Arc::new(ServeError::Serve(Box::new(e)))),
-                        };
-                        s.conclude(id, end)
-                    })
+        let helpers = sessions.len().saturating_sub(1);
+        let queue = std::sync::Mutex::new(sessions.into_iter().collect::<Vec<_>>());
+        let done = std::sync::Mutex::new(Vec::<Concluded>::new());
+        let work = || loop {
+            let Some((id, mut s)) = queue.lock().unwrap_or_else(|e| e.into_inner()).pop() else {
+                return;
+            };
+            // One graduation that panics does not keep the others from theirs.
+            let concluded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let graduated = s.graduate();
+                pool.remove(id);
+                if let (Some(state), Some(p)) = (state, &s.record) {
+                    state.forget(p);
+                }
+                let end = match graduated {
+                    Ok(()) => SessionEnd::Graduated,
+                    Err(_) if s.over() == Some(Over::PeerExited) => SessionEnd::PeerExited,
+                    Err(e) => SessionEnd::Failed(Arc::new(ServeError::Serve(Box::new(e)))),
+                };
+                s.conclude(id, end)
+            }));
+            if let Ok(c) = concluded {
+                done.lock().unwrap_or_else(|e| e.into_inner()).push(c);
+            }
+        };
+        std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..helpers)
+                .map_while(|_| {
+                    std::thread::Builder::new()
+                        .name("guestmem-graduate".into())
+                        .spawn_scoped(sc, work)
+                        .ok()
                 })
                 .collect();
-            hs.into_iter().filter_map(|h| h.join().ok()).collect()
+            work();
+            for h in hs {
+                let _ = h.join();
+            }
         });
-        for c in done {
+        for c in done.into_inner().unwrap_or_else(|e| e.into_inner()) {
             self.ended(c, "graduated");
         }
     }
