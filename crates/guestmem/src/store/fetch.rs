@@ -57,6 +57,12 @@ impl Default for FetchPolicy {
     }
 }
 
+/// Read-ahead GETs in flight at once toward a move's source host at most. That host serves
+/// the destination's faults too, and pushes the diff to the store meanwhile: 16 GETs of
+/// 256 KiB keep a 0.5 ms link busy (at 0.5 ms, 64 made a read-ahead GET wait 12.6 ms p50
+/// there, and a fault 12.8 ms p99, against 5.0 and 4.1 ms with 16).
+const PEER_AHEAD_GETS: usize = 16;
+
 /// First wait between attempts; doubled after each, up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(20);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
@@ -152,6 +158,9 @@ pub struct Frames {
     flights: Arc<Flights>,
     /// Read-ahead's turns: at most `ahead_gets`, fewer while the store's answers show a queue.
     ahead: Arc<AheadGate>,
+    /// Read-ahead's turns toward a move's source host: [`PEER_AHEAD_GETS`], fixed (the
+    /// source's answers do not move `ahead`, whose least latency is the store's).
+    peer_ahead: Arc<AheadGate>,
     /// Faults waiting on a GET of their own (read-ahead holds back while any does).
     faults: Arc<Faults>,
     /// Writes fetched frames to the cache, after their readers have them.
@@ -181,6 +190,7 @@ impl Frames {
             client,
             cache,
             ahead: AheadGate::new(policy.ahead_gets),
+            peer_ahead: AheadGate::new(PEER_AHEAD_GETS.min(policy.ahead_gets)),
             policy,
             flights,
             faults: Arc::default(),
@@ -537,7 +547,12 @@ impl Frames {
                 continue;
             }
             let me = Arc::clone(self);
-            let gate = Arc::clone(&self.ahead);
+            let from_source = self.holder(&asked).is_some() || self.holder(&hash).is_some();
+            let gate = Arc::clone(if from_source {
+                &self.peer_ahead
+            } else {
+                &self.ahead
+            });
             self.client.handle().spawn(async move {
                 let Some(_turn) = gate.turn().await else {
                     return;

@@ -81,14 +81,15 @@ impl Uffd {
     /// and later, where userfaultfd reads through `read_iter`); before that, a plain read.
     fn read_pending(&self, out: &mut Vec<Event>) -> io::Result<()> {
         use std::sync::atomic::{AtomicBool, Ordering};
-        /// Whether this kernel refused `RWF_NOWAIT` on a userfaultfd (EOPNOTSUPP) once.
+        /// Whether this host refused `RWF_NOWAIT` on a userfaultfd, or `preadv2`, once.
         static NO_NOWAIT: AtomicBool = AtomicBool::new(false);
         const BATCH: usize = 16;
         let mut msgs = [std::mem::MaybeUninit::<uapi::uffd_msg>::uninit(); BATCH];
         let size = std::mem::size_of::<uapi::uffd_msg>();
         let buf = msgs.as_mut_ptr() as *mut libc::c_void;
+        let mut refused = NO_NOWAIT.load(Ordering::Relaxed);
         let mut got = -1;
-        if !NO_NOWAIT.load(Ordering::Relaxed) {
+        if !refused {
             let iov = libc::iovec {
                 iov_base: buf,
                 iov_len: BATCH * size,
@@ -96,11 +97,19 @@ impl Uffd {
             // SAFETY: `iov` names the buffer of BATCH messages; the kernel writes whole
             // messages only. Offset -1: the file's own position (none, for a userfaultfd).
             got = unsafe { libc::preadv2(self.fd.as_raw_fd(), &iov, 1, -1, libc::RWF_NOWAIT) };
-            if got < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EOPNOTSUPP) {
+            // EOPNOTSUPP: no RWF_NOWAIT on this kernel's userfaultfd; ENOSYS, EPERM: no
+            // preadv2 at all (a kernel before 4.6, a seccomp filter).
+            let e = io::Error::last_os_error().raw_os_error();
+            refused = got < 0
+                && matches!(
+                    e,
+                    Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) | Some(libc::EPERM)
+                );
+            if refused {
                 NO_NOWAIT.store(true, Ordering::Relaxed);
             }
         }
-        if NO_NOWAIT.load(Ordering::Relaxed) {
+        if refused {
             // SAFETY: the buffer holds BATCH messages; the kernel writes whole messages only.
             got = unsafe { libc::read(self.fd.as_raw_fd(), buf, BATCH * size) };
         }

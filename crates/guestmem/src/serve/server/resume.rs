@@ -16,6 +16,10 @@ use crate::serve::session::{Concluded, Over, Session};
 use crate::serve::state::SessionRecord;
 use crate::serve::ServeError;
 
+/// VMs graduated side by side at most (each brings in the rest of its memory with a
+/// prefetch thread of its own).
+const GRADUATING: usize = 16;
+
 impl Server {
     /// Serves the VMs another server handed over, as after a restart; their records' keys
     /// (the state directory's copies are not taken back a second time).
@@ -125,40 +129,48 @@ impl Server {
         }
     }
 
-    /// Graduates every VM still served, side by side (a thread a VM); the pool serves their
-    /// faults meanwhile. A VM that cannot graduate (a failure) is ended as the policy says.
-    /// A thread that cannot be had leaves its VMs to the threads that could and to this
-    /// one: fewer side by side, none left behind.
+    /// Graduates every VM still served, side by side (up to [`GRADUATING`] at once); the
+    /// pool serves their faults meanwhile. A VM that cannot graduate (a failure, or a
+    /// graduation that panicked) is ended as the policy says. A thread that cannot be had
+    /// leaves its VMs to the threads that could and to this one: fewer side by side, none
+    /// left behind.
     pub(super) fn graduate_all(&mut self) {
         let sessions = std::mem::take(&mut self.sessions);
         self.served_bytes = 0;
         let (pool, state) = (&self.pool, &self.state);
-        let helpers = sessions.len().saturating_sub(1);
+        let helpers = sessions.len().min(GRADUATING).saturating_sub(1);
         let queue = std::sync::Mutex::new(sessions.into_iter().collect::<Vec<_>>());
         let done = std::sync::Mutex::new(Vec::<Concluded>::new());
         let work = || loop {
-            let Some((id, mut s)) = queue.lock().unwrap_or_else(|e| e.into_inner()).pop() else {
+            let next = queue.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            let Some((id, mut s)) = next else {
                 return;
             };
-            // One graduation that panics does not keep the others from theirs.
-            let concluded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                let graduated = s.graduate();
+            let graduated = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.graduate()));
+            // Concluded whatever the graduation did, so that its VM is ended if it did not
+            // graduate, never left with no one serving it.
+            let concluded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
                 pool.remove(id);
                 if let (Some(state), Some(p)) = (state, &s.record) {
                     state.forget(p);
                 }
                 let end = match graduated {
-                    Ok(()) => SessionEnd::Graduated,
-                    Err(_) if s.over() == Some(Over::PeerExited) => SessionEnd::PeerExited,
-                    Err(e) => SessionEnd::Failed(Arc::new(ServeError::Serve(Box::new(e)))),
+                    Ok(Ok(())) => SessionEnd::Graduated,
+                    Ok(Err(_)) if s.over() == Some(Over::PeerExited) => SessionEnd::PeerExited,
+                    Ok(Err(e)) => SessionEnd::Failed(Arc::new(ServeError::Serve(Box::new(e)))),
+                    Err(_) => SessionEnd::Failed(Arc::new(ServeError::Io {
+                        op: "graduate a VM",
+                        source: std::io::Error::other("its graduation panicked"),
+                    })),
                 };
                 s.conclude(id, end)
             }));
-            if let Ok(c) = concluded {
-                done.lock().unwrap_or_else(|e| e.into_inner()).push(c);
+            match concluded {
+                Ok(c) => done.lock().unwrap_or_else(|e| e.into_inner()).push(c),
+                Err(_) => tracing::error!(session = id, "concluding a graduation panicked"),
             }
         };
-        std::thread::scope(|sc| {
+        let started = std::thread::scope(|sc| {
             let hs: Vec<_> = (0..helpers)
                 .map_while(|_| {
                     std::thread::Builder::new()
@@ -167,11 +179,20 @@ impl Server {
                         .ok()
                 })
                 .collect();
+            let started = hs.len();
             work();
             for h in hs {
                 let _ = h.join();
             }
+            started
         });
+        if started < helpers {
+            tracing::warn!(
+                started,
+                wanted = helpers,
+                "graduating with fewer threads: no more could be created"
+            );
+        }
         for c in done.into_inner().unwrap_or_else(|e| e.into_inner()) {
             self.ended(c, "graduated");
         }
