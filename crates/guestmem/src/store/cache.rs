@@ -23,7 +23,6 @@
 //! check when read, and is dropped. A full disk is not an error: segments are removed to
 //! make room, and past that a frame is served without being kept.
 
-use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -32,6 +31,13 @@ use std::sync::{Arc, Mutex};
 
 use super::manifest::MAX_FRAME_BYTES;
 use super::StoreError;
+
+mod index;
+mod record;
+#[cfg(test)]
+use index::MAX_OPEN;
+use index::{Entry, Index, Segment};
+use record::{header, open_segment, parse_header, record_bytes, scan, sealed, DROPPED, HEADER};
 
 /// What the cache did, counted since it was opened.
 #[derive(Debug, Default)]
@@ -47,171 +53,6 @@ pub struct CacheCounters {
     pub uncached: AtomicU64,
     /// Frames whose file no longer matched its hash (removed, fetched again).
     pub corrupt: AtomicU64,
-}
-
-/// Where a frame lies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Entry {
-    seg: u64,
-    /// Its record's header.
-    off: u64,
-    len: u64,
-}
-
-/// A segment file.
-#[derive(Debug)]
-struct Segment {
-    path: PathBuf,
-    /// Open while it is read (at most [`MAX_OPEN`] segments at once, the least recently
-    /// used closed first).
-    file: Option<Arc<File>>,
-    /// Bytes of its records, headers included (what it takes on disk).
-    bytes: u64,
-    /// The frames written to it (some may have left the index: found bad, or kept again).
-    frames: Vec<[u8; 32]>,
-    /// Its last use: its key in `Index::order`.
-    used: u64,
-}
-
-#[derive(Debug, Default)]
-struct Index {
-    entries: super::frame::ByHash<Entry>,
-    segs: HashMap<u64, Segment>,
-    /// last use -> segment.
-    order: BTreeMap<u64, u64>,
-    bytes: u64,
-    tick: u64,
-    /// The last segment number given.
-    serial: u64,
-    /// Segments with their file open.
-    open: usize,
-}
-
-/// Segments kept open at most: a cache's bound keeps about 64, but every process that
-/// wrote to it left one or more of its own.
-const MAX_OPEN: usize = 128;
-
-impl Index {
-    fn use_seg(&mut self, id: u64) {
-        let t = self.tick;
-        self.tick += 1;
-        if let Some(s) = self.segs.get_mut(&id) {
-            self.order.remove(&s.used);
-            s.used = t;
-            self.order.insert(t, id);
-        }
-    }
-
-    /// Where the frame of `h` lies, and its segment's file if it is open (else its path),
-    /// marked used.
-    fn touch(&mut self, h: &[u8; 32]) -> Option<(Entry, Result<Arc<File>, PathBuf>)> {
-        let e = *self.entries.get(h)?;
-        self.use_seg(e.seg);
-        let s = self.segs.get(&e.seg)?;
-        Some((e, s.file.clone().ok_or_else(|| s.path.clone())))
-    }
-
-    /// Segment `id`'s file, just opened: kept open (another closed if too many are).
-    fn opened(&mut self, id: u64, file: File) -> Arc<File> {
-        let Some(s) = self.segs.get_mut(&id) else {
-            return Arc::new(file);
-        };
-        if let Some(f) = &s.file {
-            return Arc::clone(f);
-        }
-        let f = Arc::new(file);
-        s.file = Some(Arc::clone(&f));
-        self.open += 1;
-        self.close_over(id);
-        f
-    }
-
-    /// Closes the least recently used segments' files (but `keep`'s) while more than
-    /// [`MAX_OPEN`] are open.
-    fn close_over(&mut self, keep: u64) {
-        while self.open > MAX_OPEN {
-            let lru = self
-                .order
-                .values()
-                .copied()
-                .find(|o| *o != keep && self.segs[o].file.is_some());
-            let Some(o) = lru else { return };
-            self.segs.get_mut(&o).expect("indexed").file = None;
-            self.open -= 1;
-        }
-    }
-
-    fn add_seg(&mut self, path: PathBuf, file: Option<File>) -> u64 {
-        self.serial += 1;
-        let id = self.serial;
-        self.open += usize::from(file.is_some());
-        let s = Segment {
-            path,
-            file: file.map(Arc::new),
-            bytes: 0,
-            frames: Vec::new(),
-            used: 0,
-        };
-        let t = self.tick;
-        self.tick += 1;
-        self.segs.insert(id, Segment { used: t, ..s });
-        self.order.insert(t, id);
-        self.close_over(id);
-        id
-    }
-
-    /// Records a frame written to segment `seg`; false when the segment has left the cache
-    /// meanwhile.
-    fn add(&mut self, h: [u8; 32], e: Entry) -> bool {
-        let Some(s) = self.segs.get_mut(&e.seg) else {
-            return false;
-        };
-        let rec = record_bytes(e.len);
-        s.bytes += rec;
-        s.frames.push(h);
-        self.bytes += rec;
-        self.entries.insert(h, e);
-        self.use_seg(e.seg);
-        true
-    }
-
-    /// Drops the frame of `h` if it still lies at `at` (it may have been kept again since).
-    fn forget(&mut self, h: &[u8; 32], at: Entry) {
-        if self.entries.get(h) == Some(&at) {
-            self.entries.remove(h);
-        }
-    }
-
-    /// Takes segment `id` out of the index; how many frames it held.
-    fn remove_seg(&mut self, id: u64) -> Option<(Segment, u64)> {
-        let s = self.segs.remove(&id)?;
-        self.order.remove(&s.used);
-        self.bytes -= s.bytes;
-        self.open -= usize::from(s.file.is_some());
-        let mut frames = 0;
-        for h in &s.frames {
-            if self.entries.get(h).is_some_and(|e| e.seg == id) {
-                self.entries.remove(h);
-                frames += 1;
-            }
-        }
-        Some((s, frames))
-    }
-
-    /// Takes least recently used segments out until `need` more bytes fit under `cap`; the
-    /// segments and how many frames they held.
-    fn evict_for(&mut self, need: u64, cap: u64) -> (Vec<Segment>, u64) {
-        let (mut out, mut frames) = (Vec::new(), 0);
-        while self.bytes + need > cap {
-            let Some((_, &id)) = self.order.first_key_value() else {
-                break;
-            };
-            let (s, n) = self.remove_seg(id).expect("indexed");
-            frames += n;
-            out.push(s);
-        }
-        (out, frames)
-    }
 }
 
 /// The segment this process appends to.
@@ -238,101 +79,20 @@ pub struct FrameCache {
     pub counters: CacheCounters,
 }
 
-/// Bytes read and checked at a time (half a typical L2 cache).
-const CHECK_PIECE: usize = 256 << 10;
-
-/// A record's header: [`MAGIC`], the frame's length, its BLAKE3 hash, its checksum sealed
-/// with the hash ([`sealed`]), 8 zero bytes ([`DROPPED`] once its record was found bad).
-const HEADER: usize = 64;
-const MAGIC: [u8; 8] = *b"GMCSEG01";
-/// Written over a header's last 8 bytes when its record was found bad: skipped by later
-/// scans (the only write to a record after it was appended).
-const DROPPED: [u8; 8] = *b"dropped!";
-/// Records start at multiples of this.
-const ALIGN: u64 = 64;
 /// A cache's bound over its segments' size: a segment removed takes this share.
 const SEGMENTS: u64 = 64;
 /// Largest segment started (4 GiB: a cache up to 256 GiB holds about 64 segments).
 const MAX_SEGMENT: u64 = 4 << 30;
 
-/// What a record of a `len`-byte frame takes in its segment.
-fn record_bytes(len: u64) -> u64 {
-    (HEADER as u64 + len).next_multiple_of(ALIGN)
-}
-
-fn header(h: &[u8; 32], plain: &[u8]) -> [u8; HEADER] {
-    let mut t = [0u8; HEADER];
-    t[..8].copy_from_slice(&MAGIC);
-    t[8..16].copy_from_slice(&(plain.len() as u64).to_le_bytes());
-    t[16..48].copy_from_slice(h);
-    t[48..56].copy_from_slice(&sealed(h, checksum(plain)).to_le_bytes());
-    t
-}
-
-/// A header's frame length and hash, and whether its record was dropped, if it is one.
-fn parse_header(t: &[u8; HEADER]) -> Option<(u64, [u8; 32], bool)> {
-    let len = u64::from_le_bytes(t[8..16].try_into().expect("8 bytes"));
-    let dropped = t[56..] == DROPPED;
-    (t[..8] == MAGIC && len <= MAX_FRAME_BYTES && (dropped || t[56..] == [0u8; 8]))
-        .then(|| (len, t[16..48].try_into().expect("32 bytes"), dropped))
-}
-
-/// A frame's checksum folded with the first 8 bytes of its hash, so that a record passes
-/// the check only under the name it was written for.
-fn sealed(h: &[u8; 32], sum: u64) -> u64 {
-    sum ^ u64::from_le_bytes(h[..8].try_into().expect("8 bytes"))
-}
-
-/// The checksum a record carries: guestmem's block checksum (`snapshot/hash.rs`, the check
-/// local snapshot images carry), a pass at memory speed. (CRC-64 through crc-fast measured
-/// the same here, and overflows a 256 KiB worker stack in a debug build.)
-fn checksum(plain: &[u8]) -> u64 {
-    let mut h = crate::snapshot::BlockHasher::default();
-    h.update(plain);
-    h.finish()
-}
+/// Bytes read and checked at a time (half a typical L2 cache).
+const CHECK_PIECE: usize = 256 << 10;
 
 /// Largest cache, bytes (1 PiB: a typo's guard, not a policy).
 pub const MAX_CACHE_BYTES: u64 = 1 << 50;
 
-/// The records of a segment whose headers are whole, in order, but those dropped: (hash,
-/// header offset, frame length). It stops at the first that is not whole (a write a crash
-/// cut short). With how many headers it read, dropped ones included.
-fn scan(file: &File, file_len: u64) -> (Vec<([u8; 32], u64, u64)>, usize) {
-    let (mut out, mut headers) = (Vec::new(), 0);
-    let mut off = 0u64;
-    let mut t = [0u8; HEADER];
-    while off + HEADER as u64 <= file_len {
-        if file.read_exact_at(&mut t, off).is_err() {
-            break;
-        }
-        let Some((len, h, dropped)) = parse_header(&t) else {
-            break;
-        };
-        if off + HEADER as u64 + len > file_len {
-            break;
-        }
-        headers += 1;
-        if !dropped {
-            out.push((h, off, len));
-        }
-        off += record_bytes(len);
-    }
-    (out, headers)
-}
-
 /// A segment without a whole record younger than this may be another process's, being
 /// written: a cache opening leaves it.
 const YOUNG: std::time::Duration = std::time::Duration::from_secs(60);
-
-/// A segment made earlier, opened to be read (and written only to mark a record found bad).
-fn open_segment(path: &Path) -> std::io::Result<File> {
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-}
 
 fn is_io_full(e: &std::io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
