@@ -51,7 +51,7 @@ pub struct CacheCounters {
     /// Frames not kept: no room even after evicting (a full disk), larger than the cache, or
     /// a fault's frame with no room among the frames waiting to be written.
     pub uncached: AtomicU64,
-    /// Frames whose file no longer matched its hash (removed, fetched again).
+    /// Frames whose record no longer matched its hash or checksum (dropped, fetched again).
     pub corrupt: AtomicU64,
 }
 

@@ -1,7 +1,7 @@
 //! Keeping fetched frames in the cache, off the path to their readers. A frame goes to its
-//! readers first; then a thread of the [`Keeper`] writes it to the cache (a file made and
-//! written: 1.2 ms a frame on this project's journal-less ext4, where making a file scans
-//! for inodes not recently freed), and only then does its flight end, so that a look
+//! readers first; then a thread of the [`Keeper`] writes it to the cache (appended to a
+//! segment: 0.04 ms for 256 KiB here; when the cache made a file a frame, up to 1.2 ms on
+//! this project's journal-less ext4), and only then does its flight end, so that a look
 //! meanwhile joins the flight instead of fetching the frame again. Written on the runtime's
 //! workers, before the readers were told, a write held up the answers to every GET behind it,
 //! a fault's own among them (demand-miss p99 50-67 ms in the lab, with 64 read-ahead GETs
