@@ -401,7 +401,7 @@ pub fn move_in(
     }
     drop(hold);
     if frames.cache().is_some() && m.server.prefetch_threads > 0 {
-        frames.ahead(&ahead);
+        frames.ahead(&ahead, crate::snapshot::Ahead::Guessed);
     }
     let t_run = Instant::now();
     tracing::info!(

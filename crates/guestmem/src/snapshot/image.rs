@@ -14,7 +14,7 @@ mod read;
 mod remote;
 use crate::layout::{Backing, HugePageSize, RegionSpec};
 use crate::GuestAddress;
-pub(crate) use remote::RemoteMemory;
+pub(crate) use remote::{Ahead, RemoteMemory};
 
 /// Bytes read and hashed at a time (half a typical L2 cache).
 const HASH_PIECE: u64 = 256 << 10;

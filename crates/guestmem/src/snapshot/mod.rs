@@ -45,6 +45,7 @@ use std::collections::BTreeMap;
 use std::io;
 use std::path::PathBuf;
 
+pub(crate) use image::Ahead;
 pub(crate) use image::RawRegion;
 #[cfg(feature = "store")]
 pub(crate) use image::RemoteMemory;

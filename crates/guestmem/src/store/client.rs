@@ -23,6 +23,8 @@ use super::StoreError;
 
 /// Objects up to this size are written with one PUT; larger ones in parts of this size.
 pub(crate) const MULTIPART_BYTES: usize = 8 << 20;
+/// Connections to the store the pool keeps idle at most.
+const IDLE_PER_HOST: usize = 64;
 /// Threads of the client's runtime (its requests' I/O; the callers' threads wait).
 const RUNTIME_THREADS: usize = 2;
 
@@ -109,7 +111,7 @@ impl Client {
             )
             .with_connect_timeout(Duration::from_secs(5))
             .with_timeout(Duration::from_secs(60))
-            .with_pool_max_idle_per_host(64);
+            .with_pool_max_idle_per_host(IDLE_PER_HOST);
         let mut b = AmazonS3Builder::new()
             .with_bucket_name(bucket)
             .with_region(&region)
@@ -210,7 +212,7 @@ impl Client {
             .with_allow_http(true)
             .with_connect_timeout(Duration::from_secs(5))
             .with_timeout(Duration::from_secs(60))
-            .with_pool_max_idle_per_host(64)
+            .with_pool_max_idle_per_host(IDLE_PER_HOST)
             // Closed here before the source's server would close it (30 s without a request).
             .with_pool_idle_timeout(Duration::from_secs(20));
         let store = HttpBuilder::new()
@@ -354,6 +356,21 @@ impl Client {
             }),
             Err(e) => Err(self.error("GET", key, e)),
         }
+    }
+
+    /// Opens up to `n` connections to the store before the GETs that will want them: `n`
+    /// HEADs of `key` at once, each connection left idle in the pool once answered (for
+    /// as long as the pool keeps an idle one). A VM's first read-ahead asks for dozens of
+    /// frames at once; without this each went on a connection of its own made then (over
+    /// TLS, a round trip or two more before its request). Waits at most `within`: what is
+    /// not answered by then is dropped, and errors are left to the GETs that come later.
+    pub(crate) fn warm(&self, key: &str, n: usize, within: Duration) {
+        self.block_on(async {
+            let path = ObjectPath::from(key);
+            let n = n.min(IDLE_PER_HOST);
+            let heads = futures::future::join_all((0..n).map(|_| self.store.head(&path)));
+            let _ = tokio::time::timeout(within, heads).await;
+        })
     }
 
     /// Whether `key` is there.

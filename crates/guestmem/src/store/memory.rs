@@ -3,13 +3,14 @@
 //! its pieces (a whole frame, then the pages of each diff on top).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::fetch::Frames;
 use super::manifest::{Piece, Snapshot};
 use super::url::StoreUrl;
 use super::StoreError;
 use crate::snapshot::{
-    Image, ManifestRegion, RawRegion, RemoteMemory, SnapshotError, IMAGE_PAGE_BYTES,
+    Ahead, Image, ManifestRegion, RawRegion, RemoteMemory, SnapshotError, IMAGE_PAGE_BYTES,
 };
 
 /// Reads and checks the manifest of `url`.
@@ -35,9 +36,19 @@ impl StoreMemory {
     /// Opens the snapshot at `url`: its bucket answered and its manifest read and checked
     /// here, so that a snapshot that is not there, or not readable, is refused before any VM
     /// is served from it.
+    ///
+    /// Then connections for its read-ahead are opened ([`Frames::policy`]'s `ahead_gets`,
+    /// at most the 64 the client's pool keeps idle), waiting at most eight times what the
+    /// manifest took (between 250 ms and 2 s): a VM's first faults and its working set then
+    /// find them open.
     pub fn open(frames: Arc<Frames>, url: &StoreUrl) -> Result<StoreMemory, StoreError> {
         frames.client.check()?;
+        let t = std::time::Instant::now();
         let snapshot = Arc::new(read_snapshot(&frames, url)?);
+        let within = (t.elapsed() * 8).clamp(Duration::from_millis(250), Duration::from_secs(2));
+        frames
+            .client
+            .warm(&url.manifest_key(), frames.policy().ahead_gets, within);
         Ok(StoreMemory { frames, snapshot })
     }
 
@@ -383,8 +394,8 @@ impl RemoteMemory for StoreMemory {
         (offset / fb..end.div_ceil(fb)).any(|i| self.snapshot.held(i))
     }
 
-    fn ahead(&self, ranges: &[(u64, u64)]) {
-        self.frames.ahead(&self.pieces(ranges));
+    fn ahead(&self, ranges: &[(u64, u64)], why: Ahead) {
+        self.frames.ahead(&self.pieces(ranges), why);
     }
 
     fn stage(&self, ranges: &[(u64, u64)]) {

@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 
 use super::{Lazy, EMPTY};
 use crate::jobs::{Job, JobRange};
+use crate::snapshot::Ahead;
 
 /// Nice value of prefetch threads: below the vCPUs, the VMM and the fault handlers, so
 /// prefetch takes the CPU time they leave (a vCPU waiting on a fault leaves its CPU), and a
@@ -62,11 +63,14 @@ impl Lazy {
         let _ = job.run(|chunk| {
             lower_priority();
             let end = chunk.start + chunk.len;
-            self.image
-                .ahead(chunk.start..(chunk.start + AHEAD_BLOCKS).min(end));
+            self.image.ahead(
+                chunk.start..(chunk.start + AHEAD_BLOCKS).min(end),
+                Ahead::Guessed,
+            );
             for b in chunk.start..end {
                 if b + AHEAD_BLOCKS < end {
-                    self.image.ahead(std::iter::once(b + AHEAD_BLOCKS));
+                    self.image
+                        .ahead(std::iter::once(b + AHEAD_BLOCKS), Ahead::Guessed);
                 }
                 if self.outcome.failed.load(Ordering::Acquire)
                     || self.outcome.cancel.load(Ordering::Acquire)
@@ -138,7 +142,7 @@ impl Lazy {
                     let upto = (i + 1 + w as usize).min(end);
                     order.get(from..upto).unwrap_or(&[]).iter().copied()
                 };
-                self.image.ahead(window(AHEAD_BLOCKS));
+                self.image.ahead(window(AHEAD_BLOCKS), Ahead::Guessed);
                 self.stage(window(STAGE_BLOCKS));
             }
             if self.claim(b).is_ok() {
@@ -180,8 +184,10 @@ impl Lazy {
             });
             from..upto.max(from)
         };
-        self.image
-            .ahead(new(&self.readahead.asked, AHEAD_BLOCKS, AHEAD_BLOCKS));
+        self.image.ahead(
+            new(&self.readahead.asked, AHEAD_BLOCKS, AHEAD_BLOCKS),
+            Ahead::Guessed,
+        );
         // Staged after a jump: only the next two blocks, since a guest that faults at
         // random moves on before more are installed (a full window read 7 frames in 8 for
         // nothing while the lab's VM read its scattered working set).

@@ -17,6 +17,7 @@ use crate::layout::Backing;
 use crate::region::Region;
 use crate::restore::latency::ClassHistograms;
 use crate::restore::{Prefetch, RestoreConfig};
+use crate::snapshot::Ahead;
 use crate::snapshot::{Image, SnapshotError};
 use crate::uffd::{RegisterMode, Uffd};
 
@@ -201,7 +202,7 @@ impl LazyRestore {
                 // Memory read from elsewhere (object storage): the whole working set is asked
                 // for at once, so its fetches run in parallel from the start (bounded by the
                 // source), ahead of the prefetch that installs it block by block.
-                lazy.image.ahead(first.iter().copied());
+                lazy.image.ahead(first.iter().copied(), Ahead::Wanted);
                 if threads.handlers == Handlers::Pool {
                     // No thread of its own: the pool prefetches between faults.
                     let order = lazy.plan(&first);

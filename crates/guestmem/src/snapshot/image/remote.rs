@@ -9,6 +9,18 @@ use std::sync::Arc;
 use super::{Image, ImageRegion, Inner, Layer, Piece, Plan};
 use crate::snapshot::{Manifest, SnapshotError};
 
+/// Why blocks are asked for ahead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ahead {
+    /// A recorded working set, asked for whole as a restore starts: the VM reads these
+    /// next, in this order. Their GETs do not hold back for a fault's own (which waits on
+    /// them: the fault is the VM come to where they have not reached yet).
+    Wanted,
+    /// A guess (a window past a fault, the prefetch's order): held back while a fault
+    /// fetches a frame of its own.
+    Guessed,
+}
+
 /// Memory an image reads from somewhere other than a file of this host (a snapshot in object
 /// storage): offsets are the memory's own (as a raw memory file's).
 // Only object storage (the `store` feature) makes such images.
@@ -23,7 +35,7 @@ pub(crate) trait RemoteMemory: Send + Sync + std::fmt::Debug {
     /// Whether `offset..offset + len` holds any data (else it reads as zero).
     fn held(&self, offset: u64, len: u64) -> bool;
     /// `ranges` will be read soon, in this order: fetch them ahead, in the background.
-    fn ahead(&self, ranges: &[(u64, u64)]);
+    fn ahead(&self, ranges: &[(u64, u64)], why: Ahead);
     /// `ranges` will be installed next, in this order: read what is at hand (a frame the
     /// host's cache holds) into memory, checked, on another thread.
     fn stage(&self, ranges: &[(u64, u64)]);
@@ -148,11 +160,11 @@ impl Image {
 
     /// Tells a remote image's source that `blocks` will be read soon, in this order (a
     /// local image ignores it).
-    pub(crate) fn ahead(&self, blocks: impl Iterator<Item = u64>) {
+    pub(crate) fn ahead(&self, blocks: impl Iterator<Item = u64>, why: Ahead) {
         if let Some(remote) = &self.inner.remote {
             let ranges = self.ranges_of(blocks);
             if !ranges.is_empty() {
-                remote.ahead(&ranges);
+                remote.ahead(&ranges, why);
             }
         }
     }
