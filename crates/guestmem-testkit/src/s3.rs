@@ -37,6 +37,8 @@ struct Seen {
     connections: std::sync::atomic::AtomicU64,
     /// The key of every GET answered, in the order they came, once asked for (`log_gets`).
     gets: std::sync::Mutex<Option<Vec<String>>>,
+    /// How long every HEAD waits before it is answered, microseconds (`delay_heads`).
+    head_delay_us: std::sync::atomic::AtomicU64,
 }
 
 /// A running S3 server; stopped, joined and its folder removed on drop.
@@ -169,6 +171,15 @@ impl S3Server {
     pub fn log_gets(&self) {
         let mut g = self.seen.gets.lock().expect("the GET log");
         g.get_or_insert_with(Vec::new);
+    }
+
+    /// From now on, every HEAD is answered `delay` after it came (a store farther away than
+    /// this host: requests sent at once are all in flight together).
+    pub fn delay_heads(&self, delay: std::time::Duration) {
+        self.seen.head_delay_us.store(
+            delay.as_micros() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
     }
 
     /// The keys of the GETs since [`S3Server::log_gets`], in the order they came.
@@ -455,7 +466,8 @@ impl ReadWhole {
 }
 
 /// `impl S3 for ReadWhole`: reads and writes as above (each write forgets the ETag kept for
-/// its key), every other operation s3s-fs implements passed to it as it is.
+/// its key), HEADs delayed as a test asks, every other operation s3s-fs implements passed
+/// to it as it is.
 macro_rules! s3_passing_to_s3s_fs {
     ($($op:ident($input:ty) -> $output:ty;)*) => {
         #[async_trait::async_trait]
@@ -499,6 +511,16 @@ macro_rules! s3_passing_to_s3s_fs {
             ) -> S3Result<S3Response<DeleteObjectsOutput>> {
                 self.delete_many(req).await
             }
+            async fn head_object(
+                &self,
+                req: S3Request<HeadObjectInput>,
+            ) -> S3Result<S3Response<HeadObjectOutput>> {
+                let us = self.seen.head_delay_us.load(std::sync::atomic::Ordering::Relaxed);
+                if us > 0 {
+                    tokio::time::sleep(std::time::Duration::from_micros(us)).await;
+                }
+                self.fs.head_object(req).await
+            }
             $(
                 async fn $op(&self, req: S3Request<$input>) -> S3Result<S3Response<$output>> {
                     self.fs.$op(req).await
@@ -513,7 +535,6 @@ s3_passing_to_s3s_fs! {
     delete_bucket(DeleteBucketInput) -> DeleteBucketOutput;
     get_bucket_location(GetBucketLocationInput) -> GetBucketLocationOutput;
     head_bucket(HeadBucketInput) -> HeadBucketOutput;
-    head_object(HeadObjectInput) -> HeadObjectOutput;
     list_buckets(ListBucketsInput) -> ListBucketsOutput;
     list_objects(ListObjectsInput) -> ListObjectsOutput;
     list_objects_v2(ListObjectsV2Input) -> ListObjectsV2Output;
