@@ -4,8 +4,8 @@
 //! to a deadline. Read-ahead (`Frames::ahead`) fetches many frames at once in the
 //! background, bounded, so that a fault's own GET never waits behind it: the bound shrinks
 //! while the store's answers show a queue (`gate.rs`), and while a fault waits on a GET of
-//! its own, no new read-ahead GET starts (for at most [`AHEAD_DEFER_MAX`] each). During a
-//! move,
+//! its own, no new read-ahead GET on a guess starts (for at most [`AHEAD_DEFER_MAX`] a
+//! call; a recorded working set's GETs toward the store do not wait). During a move,
 //! the frames the move's diff brought are owed by its source host (`Frames::follow`): they
 //! are fetched from there on the same path (flights, checks, retries, the deadline) until
 //! the store holds them (`Frames::release`).
@@ -96,7 +96,8 @@ pub struct Frames {
     /// Read-ahead's turns toward a move's source host: [`PEER_AHEAD_GETS`], fixed (the
     /// source's answers do not move `ahead`, whose least latency is the store's).
     peer_ahead: Arc<AheadGate>,
-    /// Faults waiting on a GET of their own (read-ahead holds back while any does).
+    /// Faults waiting on a GET of their own (read-ahead on a guess, and any toward a move's
+    /// source, holds back while any does).
     faults: Arc<Faults>,
     /// Writes fetched frames to the cache, after their readers have them.
     keeper: Keeper,
@@ -467,8 +468,15 @@ impl Frames {
     /// task a frame, the runtime's two workers took turns out of order, the VM came to a
     /// frame no GET had started for, and its fault's own GET held all read-ahead back until
     /// it was installed (traced in the lab, a 1 GiB VM's working set cold at 20 ms: one or
-    /// two such faults a round, each leaving the store idle for 20-40 ms). `why`: a working
-    /// set ([`Ahead::Wanted`]) does not hold back for faults at all.
+    /// two such faults a round, each leaving the store idle for 20-40 ms). (GETs whose turns
+    /// come together may still go out in another order: the runtime runs what it spawned
+    /// last first.)
+    ///
+    /// `why`: a working set asked from the store ([`Ahead::Wanted`]) does not hold back for
+    /// faults' own GETs (any VM's: a fault on it is most often its VM come to where its
+    /// GETs have not reached yet). A guess does, and so does anything asked of a move's
+    /// source (whose link the moved VM's faults need: without a cache, a move's owed frames
+    /// are its working set): at most [`AHEAD_DEFER_MAX`] a call, not a frame.
     pub(crate) fn ahead(self: &Arc<Self>, frames: &[(blake3::Hash, usize)], why: Ahead) {
         let (mut store, mut source) = (Vec::new(), Vec::new());
         for &(asked, len) in frames {
@@ -495,20 +503,28 @@ impl Frames {
                 false => store.push((hash, len)),
             }
         }
-        for (list, gate) in [(store, &self.ahead), (source, &self.peer_ahead)] {
+        let yields = |source| source || why == Ahead::Guessed;
+        for (list, gate, yields) in [
+            (store, &self.ahead, yields(false)),
+            (source, &self.peer_ahead, yields(true)),
+        ] {
             if list.is_empty() {
                 continue;
             }
             let (me, gate) = (Arc::clone(self), Arc::clone(gate));
             self.client.handle().spawn(async move {
+                // Never held back for long: a fault retrying toward a store (or a move's
+                // source) that went away must not stop every VM's read-ahead. One deadline
+                // for the call, from its first wait.
+                let mut defer_until = None;
                 for (hash, len) in list {
                     let Some(turn) = gate.turn().await else {
                         return;
                     };
-                    // Never held back for long: a fault retrying toward a store (or a move's
-                    // source) that went away must not stop every VM's read-ahead.
-                    if why == Ahead::Guessed {
-                        let _ = tokio::time::timeout(AHEAD_DEFER_MAX, me.faults.after()).await;
+                    if yields {
+                        let until = *defer_until
+                            .get_or_insert_with(|| tokio::time::Instant::now() + AHEAD_DEFER_MAX);
+                        let _ = tokio::time::timeout_at(until, me.faults.after()).await;
                     }
                     // A fault may have fetched it while this waited for its turn.
                     if me
@@ -635,11 +651,13 @@ mod tests {
         let t0 = Instant::now();
         frames.ahead(&asked, Ahead::Wanted);
         let deadline = t0 + Duration::from_secs(60);
-        // Every GET answered, and come to the server (a GET is counted as it goes).
-        while (frames.counters.gets.load(Ordering::Relaxed) < FRAMES
-            || s3.gets().len() < FRAMES as usize)
-            && Instant::now() < deadline
-        {
+        // Every GET gone, come to the server and landed (its flight ended: no cache).
+        let landed = || {
+            frames.counters.gets.load(Ordering::Relaxed) >= FRAMES
+                && s3.gets().len() >= FRAMES as usize
+                && frames.flights.lock().unwrap().is_empty()
+        };
+        while !landed() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
         }
         let took = t0.elapsed();

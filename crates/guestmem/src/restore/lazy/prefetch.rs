@@ -30,9 +30,10 @@ pub(super) fn lower_priority() {
 }
 
 /// For an image read from elsewhere (object storage), how many blocks past the one it is
-/// bringing in a prefetch asks to be fetched in the background (`Image::ahead`): enough GETs
-/// in flight to hide a round trip (64 frames of 256 KiB over a 20 ms first byte: up to
-/// 800 MiB/s; 16 held the lab's working set to 110-120 MiB/s), few enough that what is
+/// bringing in a prefetch asks to be fetched in the background (`Image::ahead`): enough to
+/// keep the GETs the store's read-ahead may have in flight busy (48, `FetchPolicy`; 64
+/// frames of 256 KiB over a 20 ms first byte are up to 800 MiB/s; 16 held the lab's
+/// working set to 110-120 MiB/s), few enough that what is
 /// fetched stays close to what the prefetch order reaches. A recorded working set's window
 /// ends where the working set does, so that nothing past it is fetched before it is in.
 const AHEAD_BLOCKS: u64 = 64;

@@ -1,5 +1,6 @@
 //! Read-ahead that yields to faults. While a fault waits on a GET of its own, no new
-//! read-ahead GET starts (`Faults`, for at most [`AHEAD_DEFER_MAX`]). And how many may be
+//! read-ahead GET on a guess starts (`Faults`, for at most [`AHEAD_DEFER_MAX`]; a recorded
+//! working set's GETs toward the store do not wait: `Frames::ahead`). And how many may be
 //! in flight (`AheadGate`) is set by what the store's answers say about the
 //! queue they wait in, so that read-ahead yields to faults. The idea is LEDBAT's (RFC 6817,
 //! the congestion control of background transfers): the least latency seen lately is the
@@ -166,10 +167,11 @@ impl AheadGate {
     }
 }
 
-/// The longest a read-ahead GET defers to faults' own GETs before it goes anyway.
+/// The longest a call of read-ahead defers to faults' own GETs before its GETs go anyway.
 pub(super) const AHEAD_DEFER_MAX: Duration = Duration::from_millis(100);
 
-/// Faults fetching a frame themselves: while any does, no new read-ahead GET starts.
+/// Faults fetching a frame themselves: while any does, no new read-ahead GET on a guess
+/// starts.
 #[derive(Debug, Default)]
 pub(super) struct Faults {
     fetching: AtomicUsize,
