@@ -42,14 +42,19 @@ pub struct FetchPolicy {
     pub deadline: Duration,
     /// One attempt's limit (within the deadline).
     pub attempt: Duration,
-    /// Read-ahead GETs in flight at once at most, all VMs together (48 by default). Fewer go
-    /// while the store's answers show a queue that a fault's own GET would wait in
-    /// (`fetch/gate.rs`), down to 4. Each GET in flight shares the link with a fault's own:
-    /// in the lab (a 1 GiB VM reading scattered memory, 20 ms to the first byte, a 1 GiB/s
-    /// link), 64 read all memory in 4.8-5.2 s and put a demand miss's p99 at 33.3-35.4 ms;
-    /// 48 took 5.7-5.8 s and 30.7-31.8 ms; 32 took 7.0-7.3 s and 27.8-28.3 ms. A recorded
-    /// working set read cold came in as fast with 48 as with 64, 96 or 128.
+    /// Read-ahead GETs for a recorded working set in flight at once at most, all VMs
+    /// together (48 by default; opening a snapshot makes as many connections ready). Fewer
+    /// go while the store's answers show a queue that a fault's own GET would wait in
+    /// (`fetch/gate.rs`), down to 4. In the lab (1 GiB, 20 ms to the first byte, a 1 GiB/s
+    /// link) a working set read cold came in as fast with 48 as with 64, 96 or 128, and
+    /// about 15% slower with 40.
     pub ahead_gets: usize,
+    /// The same for read-ahead on a guess (a window past a fault, the rest of memory in
+    /// order; at most `ahead_gets`): 40 by default. Each GET in flight shares the link
+    /// with a fault's own: in the lab, a VM reading scattered memory with no working set
+    /// recorded read all of it in 3.3-3.5 s with 48 and a demand miss's p99 of 30.6-31.0 ms,
+    /// 3.1-3.4 s and 27.5-29.2 ms with 40, 3.4-3.6 s and 25.2-26.2 ms with 32.
+    pub guess_gets: usize,
 }
 
 impl Default for FetchPolicy {
@@ -58,6 +63,7 @@ impl Default for FetchPolicy {
             deadline: Duration::from_secs(30),
             attempt: Duration::from_secs(10),
             ahead_gets: 48,
+            guess_gets: 40,
         }
     }
 }
@@ -96,6 +102,8 @@ pub struct Frames {
     /// Read-ahead's turns toward a move's source host: [`PEER_AHEAD_GETS`], fixed (the
     /// source's answers do not move `ahead`, whose least latency is the store's).
     peer_ahead: Arc<AheadGate>,
+    /// Read-ahead's turns toward the store for a guess (`FetchPolicy::guess_gets`).
+    guess: Arc<AheadGate>,
     /// Faults waiting on a GET of their own (read-ahead on a guess, and any toward a move's
     /// source, holds back while any does).
     faults: Arc<Faults>,
@@ -127,6 +135,7 @@ impl Frames {
             cache,
             ahead: AheadGate::new(policy.ahead_gets),
             peer_ahead: AheadGate::new(PEER_AHEAD_GETS.min(policy.ahead_gets)),
+            guess: AheadGate::new(policy.guess_gets.min(policy.ahead_gets)),
             policy,
             flights,
             faults: Arc::default(),
@@ -387,6 +396,7 @@ impl Frames {
                     self.counters.latency.record(sent.elapsed());
                     if peer.is_none() {
                         self.ahead.answered(first_byte);
+                        self.guess.answered(first_byte);
                     }
                     self.counters.bytes.fetch_add(obj.len() as u64, Ordering::Relaxed);
                     if peer.is_some() {
@@ -444,6 +454,7 @@ impl Frames {
             };
             if peer.is_none() {
                 self.ahead.failed();
+                self.guess.failed();
             }
             self.counters.errors.fetch_add(1, Ordering::Relaxed);
             let left = self.policy.deadline.saturating_sub(t0.elapsed());
@@ -504,8 +515,12 @@ impl Frames {
             }
         }
         let yields = |source| source || why == Ahead::Guessed;
+        let store_gate = match why {
+            Ahead::Wanted => &self.ahead,
+            Ahead::Guessed => &self.guess,
+        };
         for (list, gate, yields) in [
-            (store, &self.ahead, yields(false)),
+            (store, store_gate, yields(false)),
             (source, &self.peer_ahead, yields(true)),
         ] {
             if list.is_empty() {

@@ -340,6 +340,7 @@ mod tests {
             deadline: Duration::from_millis(deadline_ms),
             attempt: Duration::from_millis(deadline_ms / 2),
             ahead_gets: 4,
+            guess_gets: 4,
         }
     }
 

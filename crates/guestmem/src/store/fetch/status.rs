@@ -22,8 +22,8 @@ pub struct StoreStatus {
     pub joined: u64,
     /// Frames fetched ahead of the VMs (read-ahead, working sets).
     pub fetched_ahead: u64,
-    /// Read-ahead GETs that may be in flight now, every VM together (`fetch/gate.rs`: cut
-    /// while the store's answers show a queue), summed over the buckets read.
+    /// Read-ahead GETs on a guess that may be in flight now, every VM together
+    /// (`fetch/gate.rs`: cut while the store's answers show a queue), summed over the buckets read.
     pub ahead_limit: u64,
     /// Frames installed from memory, read ahead for their fill (from the cache, counted in
     /// `cache_hits` too, or as read-ahead fetched them) instead of read by it.
@@ -61,7 +61,7 @@ impl StoreStatus {
             s.joined += get(&c.joined);
             s.fetched_ahead += get(&c.ahead);
             s.staged += get(&c.staged);
-            s.ahead_limit += f.ahead.limit() as u64;
+            s.ahead_limit += f.guess.limit() as u64;
             let l = c.latency();
             latency = Some(match latency {
                 None => l,
