@@ -97,7 +97,8 @@ pub struct Frames {
     cache: Option<Arc<FrameCache>>,
     policy: FetchPolicy,
     flights: Arc<Flights>,
-    /// Read-ahead's turns: at most `ahead_gets`, fewer while the store's answers show a queue.
+    /// Read-ahead's turns for a recorded working set: at most `ahead_gets`, fewer while the
+    /// store's answers show a queue.
     ahead: Arc<AheadGate>,
     /// Read-ahead's turns toward a move's source host: [`PEER_AHEAD_GETS`], fixed (the
     /// source's answers do not move `ahead`, whose least latency is the store's).
@@ -514,14 +515,13 @@ impl Frames {
                 false => store.push((hash, len)),
             }
         }
-        let yields = |source| source || why == Ahead::Guessed;
         let store_gate = match why {
             Ahead::Wanted => &self.ahead,
             Ahead::Guessed => &self.guess,
         };
         for (list, gate, yields) in [
-            (store, store_gate, yields(false)),
-            (source, &self.peer_ahead, yields(true)),
+            (store, store_gate, why == Ahead::Guessed),
+            (source, &self.peer_ahead, true),
         ] {
             if list.is_empty() {
                 continue;
