@@ -410,9 +410,9 @@ impl Frames {
                             .fetch_add(obj.len() as u64, Ordering::Relaxed);
                     }
                     let decoded = match named_later {
-                        false => super::frame::decode(&obj, len, &hash).map(|p| (p, hash)),
+                        false => super::frame::decode(obj, len, &hash).map(|p| (p, hash)),
                         true => super::frame::decode_named(
-                            &obj,
+                            obj,
                             len,
                             client.seal().map(|k| (k, &asked)),
                         ),

@@ -4,6 +4,8 @@
 //! named later (`store::later`) is served by the move's source with the hash of its plain
 //! bytes in front ([`NAMED_PREFIX_BYTES`]), checked as any frame against that hash.
 
+use bytes::{Buf, Bytes};
+
 /// A map keyed by frame hashes.
 pub(crate) type ByHash<V> = std::collections::HashMap<[u8; 32], V, HashKeyed>;
 
@@ -118,7 +120,14 @@ pub(crate) fn encode(plain: &[u8]) -> (Vec<u8>, Encoding) {
 }
 
 /// The plain bytes of `object`, checked: its header, its length (`want` bytes) and its hash.
-pub(crate) fn decode(object: &[u8], want: usize, hash: &blake3::Hash) -> Result<Vec<u8>, String> {
+/// A raw frame's bytes are moved to the front of the object's own buffer when it holds them
+/// alone (a GET's body, gathered into one buffer): no new buffer, whose fresh pages cost a
+/// fault each, and no second copy from one to the other.
+pub(crate) fn decode(
+    mut object: Bytes,
+    want: usize,
+    hash: &blake3::Hash,
+) -> Result<Vec<u8>, String> {
     if object.len() < HEADER_BYTES || object[..4] != MAGIC {
         return Err(format!(
             "{} bytes that do not start with a frame header",
@@ -137,7 +146,10 @@ pub(crate) fn decode(object: &[u8], want: usize, hash: &blake3::Hash) -> Result<
     }
     let payload = &object[HEADER_BYTES..];
     let plain = match object[5] {
-        0 if payload.len() == len => payload.to_vec(),
+        0 if payload.len() == len => {
+            object.advance(HEADER_BYTES);
+            Vec::from(object)
+        }
         0 => {
             return Err(format!(
                 "raw frame of {} bytes, its header says {len}",
@@ -200,7 +212,7 @@ pub(crate) fn same_bytes(a: &[u8], b: &[u8]) -> bool {
 /// are checked (the seal, the object's header and length, its bytes against the hash).
 /// `sealed`: the move's key and the placeholder the piece was asked for.
 pub(crate) fn decode_named(
-    obj: &[u8],
+    mut obj: Bytes,
     len: usize,
     sealed: Option<(&[u8; 32], &blake3::Hash)>,
 ) -> Result<(Vec<u8>, blake3::Hash), String> {
@@ -222,13 +234,36 @@ pub(crate) fn decode_named(
             );
         }
     }
-    let plain = decode(&obj[prefix..], len, &hash)?;
+    obj.advance(prefix);
+    let plain = decode(obj, len, &hash)?;
     Ok((plain, hash))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn b(x: &[u8]) -> Bytes {
+        Bytes::copy_from_slice(x)
+    }
+
+    #[test]
+    fn a_raw_frame_is_decoded_in_its_own_buffer() {
+        let plain: Vec<u8> = (0..256u32 << 10)
+            .map(|i| (i * 7 + i / 4096) as u8)
+            .collect();
+        let obj = raw(&plain);
+        let at = obj.as_ptr();
+        let got = decode(Bytes::from(obj), plain.len(), &blake3::hash(&plain)).unwrap();
+        assert_eq!(got, plain);
+        assert_eq!(got.as_ptr(), at, "copied to a new buffer");
+        // Shared with another holder, it is copied: the other still reads the object.
+        let obj = Bytes::from(raw(&plain));
+        let other = obj.clone();
+        let got = decode(obj, plain.len(), &blake3::hash(&plain)).unwrap();
+        assert_eq!(got, plain);
+        assert_eq!(&other[HEADER_BYTES..], &plain[..]);
+    }
 
     #[test]
     fn frames_round_trip_and_every_corruption_is_caught() {
@@ -246,14 +281,14 @@ mod tests {
             let h = blake3::hash(plain);
             let (obj, e) = encode(plain);
             assert_eq!(e, enc);
-            assert_eq!(&decode(&obj, plain.len(), &h).unwrap(), plain);
-            assert!(decode(&obj, plain.len() - 1, &h).is_err());
-            assert!(decode(&obj[..obj.len() - 1], plain.len(), &h).is_err());
+            assert_eq!(&decode(b(&obj), plain.len(), &h).unwrap(), plain);
+            assert!(decode(b(&obj), plain.len() - 1, &h).is_err());
+            assert!(decode(b(&obj[..obj.len() - 1]), plain.len(), &h).is_err());
             let mut bad = obj.clone();
             let last = bad.len() - 1;
             bad[last] ^= 1;
-            assert!(decode(&bad, plain.len(), &h).is_err());
-            assert!(decode(&obj, plain.len(), &blake3::hash(b"other")).is_err());
+            assert!(decode(b(&bad), plain.len(), &h).is_err());
+            assert!(decode(b(&obj), plain.len(), &blake3::hash(b"other")).is_err());
         }
     }
 
@@ -270,21 +305,21 @@ mod tests {
             o
         };
         let good = sealed(&key, &placeholder);
-        let (got, h) = decode_named(&good, plain.len(), Some((&key, &placeholder))).unwrap();
+        let (got, h) = decode_named(b(&good), plain.len(), Some((&key, &placeholder))).unwrap();
         assert_eq!((got, h), (plain.clone(), hash));
         // Another key, another placeholder, no seal at all: refused.
         for (o, why) in [
             (sealed(&[8u8; 32], &placeholder), "key"),
             (sealed(&key, &blake3::hash(b"another")), "placeholder"),
         ] {
-            let e = decode_named(&o, plain.len(), Some((&key, &placeholder))).unwrap_err();
+            let e = decode_named(b(&o), plain.len(), Some((&key, &placeholder))).unwrap_err();
             assert!(e.contains("seal"), "{why}: {e}");
         }
         let mut unsealed = hash.as_bytes().to_vec();
         unsealed.extend_from_slice(&obj);
-        assert!(decode_named(&unsealed, plain.len(), Some((&key, &placeholder))).is_err());
+        assert!(decode_named(b(&unsealed), plain.len(), Some((&key, &placeholder))).is_err());
         // Without a key the seal is not looked for.
-        assert!(decode_named(&unsealed, plain.len(), None).is_ok());
+        assert!(decode_named(b(&unsealed), plain.len(), None).is_ok());
     }
 
     /// A raw frame object of `plain`, as a push stores one uncompressed.
