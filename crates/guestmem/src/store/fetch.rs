@@ -50,10 +50,13 @@ pub struct FetchPolicy {
     /// about 15% slower with 40.
     pub ahead_gets: usize,
     /// The same for read-ahead on a guess (a window past a fault, the rest of memory in
-    /// order; at most `ahead_gets`): 40 by default. Each GET in flight shares the link
-    /// with a fault's own: in the lab, a VM reading scattered memory with no working set
-    /// recorded read all of it in 3.3-3.5 s with 48 and a demand miss's p99 of 30.6-31.0 ms,
-    /// 3.1-3.4 s and 27.5-29.2 ms with 40, 3.4-3.6 s and 25.2-26.2 ms with 32.
+    /// order; at most `ahead_gets`): 36 by default. Each GET in flight shares the link
+    /// with a fault's own, whose p99 the issue bounds at the first byte plus 10 ms: in the
+    /// lab (20 ms, a 1 GiB/s link), a VM reading scattered memory with no working set
+    /// recorded had a demand miss's p99 of 27.4-29.2 ms with 40 (30.5 ms in two whole
+    /// runs), 26.9-27.3 ms with 36 and 25.4-26.4 ms with 32, and read all of it in
+    /// 3.19-3.39, 3.25-3.64 and 3.49-3.52 s; the rest of memory after a working set took
+    /// 2.33-2.44, 2.55-2.64 and 2.82-2.86 s.
     pub guess_gets: usize,
 }
 
@@ -63,7 +66,7 @@ impl Default for FetchPolicy {
             deadline: Duration::from_secs(30),
             attempt: Duration::from_secs(10),
             ahead_gets: 48,
-            guess_gets: 40,
+            guess_gets: 36,
         }
     }
 }
