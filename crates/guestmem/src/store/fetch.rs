@@ -50,13 +50,13 @@ pub struct FetchPolicy {
     /// about 15% slower with 40.
     pub ahead_gets: usize,
     /// The same for read-ahead on a guess (a window past a fault, the rest of memory in
-    /// order; at most `ahead_gets`): 36 by default. Each GET in flight shares the link
-    /// with a fault's own, whose p99 the issue bounds at the first byte plus 10 ms: in the
-    /// lab (20 ms, a 1 GiB/s link), a VM reading scattered memory with no working set
-    /// recorded had a demand miss's p99 of 27.4-29.2 ms with 40 (30.5 ms in two whole
-    /// runs), 26.9-27.3 ms with 36 and 25.4-26.4 ms with 32, and read all of it in
-    /// 3.19-3.39, 3.25-3.64 and 3.49-3.52 s; the rest of memory after a working set took
-    /// 2.33-2.44, 2.55-2.64 and 2.82-2.86 s.
+    /// order; at most `ahead_gets`): 48 by default, its GETs paced over the store's round
+    /// trip (`AheadGate::paced_turn`). Each GET in flight shares the link with a fault's
+    /// own, whose p99 the issue bounds at the first byte plus 10 ms. In the lab (20 ms, a
+    /// 1 GiB/s link, no working set recorded, scattered faults) its demand-miss p99 was
+    /// 26.4-31.6 ms with 36 unpaced (30.5 ms with 40 in two whole runs), 22.6-23.0 ms with
+    /// 36 paced and 23.1-24.1 ms with 48 paced; all memory read in 3.27-3.35, 3.61-3.84
+    /// and 3.19-3.24 s.
     pub guess_gets: usize,
 }
 
@@ -66,7 +66,7 @@ impl Default for FetchPolicy {
             deadline: Duration::from_secs(30),
             attempt: Duration::from_secs(10),
             ahead_gets: 48,
-            guess_gets: 36,
+            guess_gets: 48,
         }
     }
 }
@@ -522,9 +522,12 @@ impl Frames {
             Ahead::Wanted => &self.ahead,
             Ahead::Guessed => &self.guess,
         };
-        for (list, gate, yields) in [
-            (store, store_gate, why == Ahead::Guessed),
-            (source, &self.peer_ahead, true),
+        // A guess's GETs to the store are paced too (`AheadGate::paced_turn`); a working set
+        // is wanted at once, and a move's source is near.
+        let guess = why == Ahead::Guessed;
+        for (list, gate, yields, paced) in [
+            (store, store_gate, guess, guess),
+            (source, &self.peer_ahead, true, false),
         ] {
             if list.is_empty() {
                 continue;
@@ -536,7 +539,11 @@ impl Frames {
                 // for the call, from its first wait.
                 let mut defer_until = None;
                 for (hash, len) in list {
-                    let Some(turn) = gate.turn().await else {
+                    let turn = match paced {
+                        true => gate.paced_turn().await,
+                        false => gate.turn().await,
+                    };
+                    let Some(turn) = turn else {
                         return;
                     };
                     if yields {
