@@ -116,7 +116,8 @@ impl AheadGate {
     /// the limit: as many GETs in flight as the limit, started one after the other over a
     /// round trip, not all at once. Read-ahead on a guess holds back while a fault's own
     /// GET waits, and let go it took every free turn together: answers that come back
-    /// together queue on the link ahead of the next fault's. Paced, a cold VM's demand-miss
+    /// together queue on the link ahead of the next fault's (the reasoning; the runs bear
+    /// it out). Paced, a cold VM's demand-miss
     /// p99 at 20 ms went from 26.4-27.8 to 22.6-24.1 ms, at the same limit or a higher one.
     pub(super) async fn paced_turn(self: &Arc<Self>) -> Option<Turn> {
         let turn = self.turn().await?;
