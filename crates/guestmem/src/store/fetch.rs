@@ -50,13 +50,9 @@ pub struct FetchPolicy {
     /// about 15% slower with 40.
     pub ahead_gets: usize,
     /// The same for read-ahead on a guess (a window past a fault, the rest of memory in
-    /// order; at most `ahead_gets`): 48 by default, its GETs paced over the store's round
-    /// trip (`AheadGate::paced_turn`). Each GET in flight shares the link with a fault's
-    /// own, whose p99 the issue bounds at the first byte plus 10 ms. In the lab (20 ms, a
-    /// 1 GiB/s link, no working set recorded, scattered faults) its demand-miss p99 was
-    /// 26.4-31.6 ms with 36 unpaced (30.5 ms with 40 in two whole runs), 22.6-23.0 ms with
-    /// 36 paced and 23.1-24.1 ms with 48 paced; all memory read in 3.27-3.35, 3.61-3.84
-    /// and 3.19-3.24 s.
+    /// order; at most `ahead_gets`): 48 by default, paced over the store's round trip
+    /// (`AheadGate::paced_turn`). Each GET in flight shares the link with a fault's own;
+    /// docs/object-storage.md ("How many in flight") has the lab's p99 for each limit.
     pub guess_gets: usize,
 }
 
