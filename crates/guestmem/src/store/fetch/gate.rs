@@ -117,8 +117,9 @@ impl AheadGate {
     /// round trip, not all at once. Read-ahead on a guess holds back while a fault's own
     /// GET waits, and let go it took every free turn together: answers that come back
     /// together queue on the link ahead of the next fault's (the reasoning; the runs bear
-    /// it out). Paced, a cold VM's demand-miss
-    /// p99 at 20 ms went from 26.4-27.8 to 22.6-24.1 ms, at the same limit or a higher one.
+    /// it out). Paced, a cold VM's demand-miss p99 at 20 ms went from 26.4-27.8 to
+    /// 22.6-24.1 ms, at the same limit or a higher one. A turn waits at most a round trip
+    /// for its time: no more turns than the limit wait at once.
     pub(super) async fn paced_turn(self: &Arc<Self>) -> Option<Turn> {
         let turn = self.turn().await?;
         let at = {
