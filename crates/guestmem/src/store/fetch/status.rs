@@ -23,7 +23,8 @@ pub struct StoreStatus {
     /// Frames fetched ahead of the VMs (read-ahead, working sets).
     pub fetched_ahead: u64,
     /// Read-ahead GETs on a guess that may be in flight now, every VM together
-    /// (`fetch/gate.rs`: cut while the store's answers show a queue), summed over the buckets read.
+    /// (`fetch/gate.rs`: cut while the store's answers show a queue), summed over the
+    /// buckets read. A recorded working set has a gate of its own, not counted here.
     pub ahead_limit: u64,
     /// Frames installed from memory, read ahead for their fill (from the cache, counted in
     /// `cache_hits` too, or as read-ahead fetched them) instead of read by it.
