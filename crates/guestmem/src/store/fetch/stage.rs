@@ -81,6 +81,9 @@ struct Inner {
     spare: Vec<Vec<u8>>,
     /// Their bytes.
     spare_bytes: usize,
+    /// Whether the reader thread runs: it reads into spare buffers, and frees them once
+    /// idle; without it none is kept.
+    reading: bool,
     stop: bool,
 }
 
@@ -157,9 +160,11 @@ impl Inner {
         }
     }
 
-    /// Keeps `buf` for the reader, if nothing else holds it and it fits the bound.
+    /// Keeps `buf` for the reader, if it runs (a `Frames` with no cache, or none read from
+    /// its cache yet, has no reader to read into it or to free it once idle), nothing else
+    /// holds it and it fits the bound.
     fn spare(&mut self, buf: Arc<Vec<u8>>) {
-        if self.spare_bytes + buf.capacity() <= SPARE_BYTES {
+        if self.reading && self.spare_bytes + buf.capacity() <= SPARE_BYTES {
             if let Ok(v) = Arc::try_unwrap(buf) {
                 self.spare_bytes += v.capacity();
                 self.spare.push(v);
@@ -297,7 +302,10 @@ impl Stage {
             .stack_size(crate::jobs::WORKER_STACK_BYTES)
             .spawn(move || read_frames(&shared, &cache))
         {
-            Ok(t) => *r = Some(t),
+            Ok(t) => {
+                *r = Some(t);
+                self.lock().reading = true;
+            }
             Err(_) => {
                 // No thread: nothing is staged; every fill reads its frame itself.
                 let mut s = self.lock();
@@ -536,6 +544,44 @@ mod tests {
         // A frame of another length than asked is not given.
         let mid = &landed[n / 2];
         assert!(stage.take(&mid.0, len / 2).is_none());
+        drop(stage);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn buffers_given_back_are_kept_only_for_a_reader_that_frees_them_when_idle() {
+        let len = 256 << 10;
+        let spare = |stage: &Stage| {
+            let s = stage.lock();
+            (s.spare.len(), s.spare_bytes)
+        };
+        // No cache read from yet: no reader, so a buffer given back is freed at once (else
+        // a `Frames` without a cache would hold 8 MiB of them for as long as it lives).
+        let stage = Stage::new();
+        let (h, b) = frame(len, 3);
+        stage.put(&h, &Arc::new(b));
+        let (got, _) = stage.take(&h, len).expect("staged as it landed");
+        stage.give_back(got);
+        assert_eq!(spare(&stage), (0, 0));
+
+        // With a reader: kept, then freed once it has been idle for `SPARE_IDLE`.
+        let dir = std::env::temp_dir().join(format!("guestmem-spare-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cache = Arc::new(FrameCache::open(&dir, 16 << 20).unwrap());
+        let (h, b) = frame(len, 5);
+        cache.put(&h, &b);
+        stage.ask(&cache, &h, len);
+        stage.read(&h);
+        let (got, _) = stage.take(&h, len).expect("read by the reader");
+        let cap = got.capacity();
+        stage.give_back(got);
+        assert_eq!(spare(&stage), (1, cap));
+        let t0 = std::time::Instant::now();
+        while spare(&stage).0 > 0 {
+            assert!(t0.elapsed() < SPARE_IDLE * 20, "spares kept while idle");
+            std::thread::sleep(SPARE_IDLE / 10);
+        }
+        assert_eq!(spare(&stage), (0, 0));
         drop(stage);
         let _ = std::fs::remove_dir_all(&dir);
     }
