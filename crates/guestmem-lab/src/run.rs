@@ -381,6 +381,29 @@ pub fn available_cpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// Turns a profiler's recording on (`true`) or off around a timed part, where
+/// `GUESTMEM_LAB_PERF_CTL` names the control FIFO of a `perf record -D -1 --control
+/// fifo:CTL` started beside the lab: a profile of the timed parts alone, not of the set-up
+/// (a push, a cache's fill) around them. Unset, or no profiler reading the FIFO: nothing. The
+/// object-store scenario also ends the window once the working set is read where
+/// `GUESTMEM_LAB_PERF_PHASE=ws` (docs/object-storage.md, "Profiling a timed part").
+pub fn profile_window(on: bool) {
+    let Some(ctl) = std::env::var_os("GUESTMEM_LAB_PERF_CTL") else {
+        return;
+    };
+    let cmd: &[u8] = if on { b"enable\n" } else { b"disable\n" };
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Not blocking: a FIFO no profiler reads is not opened (ENXIO), not waited on.
+    let opened = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(ctl);
+    if let Ok(mut f) = opened {
+        let _ = f.write_all(cmd);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

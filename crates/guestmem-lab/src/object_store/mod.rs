@@ -337,6 +337,10 @@ impl Lab<'_> {
             .map(|_| Standin::new(&[cfg.size as usize], false).map_err(err))
             .collect::<Result<_, _>>()?;
         let counts = || {
+            if std::env::var("GUESTMEM_LAB_PERF_PHASE").is_ok_and(|p| p == "ws") {
+                // A profile of the working set's reading alone.
+                crate::run::profile_window(false);
+            }
             let s = status.snapshot();
             s.store.map_or((0, 0), |st| (st.gets, st.bytes_fetched))
         };
@@ -358,6 +362,7 @@ impl Lab<'_> {
             Kind::Many => ws_bytes,
         };
         crate::run::rebacked((taken + cached) as usize + (256 << 20));
+        crate::run::profile_window(true);
         let t0 = Instant::now();
         for vm in &mut vms {
             vm.connect(&socket).map_err(err)?;
@@ -375,6 +380,7 @@ impl Lab<'_> {
                 .map(|h| h.join().unwrap_or_else(|_| Err("a reader panicked".into())))
                 .collect()
         });
+        crate::run::profile_window(false);
         let end = status.snapshot();
         for vm in &mut vms {
             vm.disconnect();
