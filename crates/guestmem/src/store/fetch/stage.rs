@@ -551,20 +551,26 @@ mod tests {
     #[test]
     fn buffers_given_back_are_kept_only_for_a_reader_that_frees_them_when_idle() {
         let len = 256 << 10;
-        let spare = |stage: &Stage| {
-            let s = stage.lock();
-            (s.spare.len(), s.spare_bytes)
-        };
-        // No cache read from yet: no reader, so a buffer given back is freed at once (else
-        // a `Frames` without a cache would hold 8 MiB of them for as long as it lives).
-        let stage = Stage::new();
-        let (h, b) = frame(len, 3);
-        stage.put(&h, &Arc::new(b));
-        let (got, _) = stage.take(&h, len).expect("staged as it landed");
-        stage.give_back(got);
-        assert_eq!(spare(&stage), (0, 0));
+        let unique = || Arc::new(vec![0u8; len]);
+        // No reader (a `Frames` with no cache, or none read from it yet): a buffer given
+        // back is freed at once, else it would be held for as long as the `Frames` lives.
+        let mut inner = Inner::default();
+        inner.spare(unique());
+        assert_eq!((inner.spare.len(), inner.spare_bytes), (0, 0));
+        // A reader: kept for it to read into, if nothing else holds it.
+        inner.reading = true;
+        inner.spare(unique());
+        assert_eq!((inner.spare.len(), inner.spare_bytes), (1, len));
+        let held = unique();
+        inner.spare(Arc::clone(&held));
+        assert_eq!(
+            inner.spare.len(),
+            1,
+            "a buffer still held elsewhere is not kept"
+        );
 
-        // With a reader: kept, then freed once it has been idle for `SPARE_IDLE`.
+        // The reader frees what it keeps once idle for `SPARE_IDLE`.
+        let stage = Stage::new();
         let dir = std::env::temp_dir().join(format!("guestmem-spare-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let cache = Arc::new(FrameCache::open(&dir, 16 << 20).unwrap());
@@ -573,15 +579,18 @@ mod tests {
         stage.ask(&cache, &h, len);
         stage.read(&h);
         let (got, _) = stage.take(&h, len).expect("read by the reader");
-        let cap = got.capacity();
+        assert!(
+            stage.lock().reading,
+            "its reader runs: spares are kept for it"
+        );
         stage.give_back(got);
-        assert_eq!(spare(&stage), (1, cap));
+        let spares = || stage.lock().spare.len();
         let t0 = std::time::Instant::now();
-        while spare(&stage).0 > 0 {
+        while spares() > 0 {
             assert!(t0.elapsed() < SPARE_IDLE * 20, "spares kept while idle");
             std::thread::sleep(SPARE_IDLE / 10);
         }
-        assert_eq!(spare(&stage), (0, 0));
+        assert_eq!(stage.lock().spare_bytes, 0);
         drop(stage);
         let _ = std::fs::remove_dir_all(&dir);
     }
