@@ -571,9 +571,9 @@ mod tests {
 
         // The reader frees what it keeps once idle for `SPARE_IDLE`.
         let stage = Stage::new();
-        let dir = std::env::temp_dir().join(format!("guestmem-spare-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let cache = Arc::new(FrameCache::open(&dir, 16 << 20).unwrap());
+        // Removed on drop, a failed assertion too.
+        let scratch = guestmem_testkit::Scratch::new("stage-spares");
+        let cache = Arc::new(FrameCache::open(&scratch.join("cache"), 16 << 20).unwrap());
         let (h, b) = frame(len, 5);
         cache.put(&h, &b);
         stage.ask(&cache, &h, len);
@@ -591,7 +591,5 @@ mod tests {
             std::thread::sleep(SPARE_IDLE / 10);
         }
         assert_eq!(stage.lock().spare_bytes, 0);
-        drop(stage);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
