@@ -387,9 +387,17 @@ impl Frames {
                 .filter(|_| !ahead && super::direct::reads_here());
             let got = match direct {
                 Some(d) => d.get_here(&key, max, limit, || client.url(&key)).await,
-                None => tokio::time::timeout(limit, client.get_capped(&key, max))
-                    .await
-                    .map_err(|_| ()),
+                None => {
+                    // A fault's own GET to the store goes on the client's fault lane.
+                    let fault = peer.is_none() && !ahead && !crate::restore::is_prefetcher();
+                    let get = async {
+                        match fault {
+                            true => client.get_fault(&key, max).await,
+                            false => client.get_capped(&key, max).await,
+                        }
+                    };
+                    tokio::time::timeout(limit, get).await.map_err(|_| ())
+                }
             };
             let last = match got {
                 Ok(Ok(Some((obj, first_byte)))) => {
@@ -728,5 +736,82 @@ mod tests {
             .all(|(w, b)| u64::from_le_bytes(b.try_into().unwrap()) == FB + w as u64 * 8 + 1));
         let more = settled() - before - opened;
         assert!(more <= 1, "{more} connections opened for the GETs");
+    }
+
+    /// A fault's own GET is answered while the client's runtime, where read-ahead's GETs
+    /// run, cannot run anything: it goes on the fault lane, a pool and a runtime of its own.
+    /// Both of the runtime's threads are held here; a GET sent through it meanwhile (on the
+    /// path read-ahead takes) is answered only once they are let go.
+    #[test]
+    fn a_faults_get_is_answered_while_the_clients_runtime_is_held() {
+        let (_scratch, _s3, client, url) = pushed("fault-lane");
+        let frames = Frames::new(Arc::clone(&client), None, policy(1));
+        let memory = StoreMemory::open(Arc::clone(&frames), &url).unwrap();
+        let snap = memory.snapshot().clone();
+
+        // Lets the held threads go when dropped (a failed assertion too).
+        struct Held(Vec<std::sync::mpsc::Sender<()>>);
+        impl Drop for Held {
+            fn drop(&mut self) {
+                for t in &self.0 {
+                    let _ = t.send(());
+                }
+            }
+        }
+        let (started_tx, started) = std::sync::mpsc::channel();
+        let mut held = Held(Vec::new());
+        for _ in 0..super::super::client::RUNTIME_THREADS {
+            let (go, wait) = std::sync::mpsc::channel::<()>();
+            held.0.push(go);
+            let started_tx = started_tx.clone();
+            client.handle().spawn(async move {
+                started_tx.send(()).unwrap();
+                // Blocks this runtime thread (at most a minute, whatever the test does).
+                let _ = wait.recv_timeout(Duration::from_secs(60));
+            });
+        }
+        for _ in 0..super::super::client::RUNTIME_THREADS {
+            started
+                .recv_timeout(Duration::from_secs(20))
+                .expect("every runtime thread held");
+        }
+
+        // Through the runtime: frame 1, as read-ahead fetches it.
+        let (via_rt, via_rt_got) = std::sync::mpsc::channel();
+        let key = frame_key(&snap.frames[1][0].hash);
+        let c2 = Arc::clone(&client);
+        let through_rt = std::thread::spawn(move || {
+            let got = c2.block_on(c2.get_capped(&key, FB + 1024));
+            let _ = via_rt.send(got.map(|g| g.map(|(b, _)| b.len())));
+        });
+        // A fault on frame 0, on a thread of its own (a fault waits on its own thread).
+        let (faulted, fault_got) = std::sync::mpsc::channel();
+        let m2 = memory.clone();
+        let fault = std::thread::spawn(move || {
+            let mut got = vec![0u8; FB as usize];
+            let r = crate::snapshot::RemoteMemory::read(&m2, 0, &mut got);
+            let _ = faulted.send(r.map(|()| got).map_err(|e| e.to_string()));
+        });
+        let got = fault_got
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the fault answered while the runtime is held")
+            .unwrap();
+        assert!(got
+            .chunks(8)
+            .enumerate()
+            .all(|(w, b)| u64::from_le_bytes(b.try_into().unwrap()) == w as u64 * 8 + 1));
+        assert!(
+            via_rt_got.try_recv().is_err(),
+            "a GET through the held runtime answered: it was not held"
+        );
+        drop(held);
+        let len = via_rt_got
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the GET through the runtime answered once it was let go")
+            .unwrap();
+        assert_eq!(len, Some(FB as usize + crate::store::frame::HEADER_BYTES));
+        fault.join().unwrap();
+        through_rt.join().unwrap();
+        assert_eq!(frames.counters.gets.load(Ordering::Relaxed), 1);
     }
 }
