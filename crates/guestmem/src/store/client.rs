@@ -1,6 +1,6 @@
-//! The S3 client: object_store's, driven from plain threads through a runtime of its own,
-//! configured as every AWS tool is (environment first, then the profile files), and the one
-//! place a credential is held. Every error leaves here redacted. The same client reads a
+//! The S3 client: object_store's, driven from plain threads through a runtime of its own
+//! (and a fault's own GETs through a second, [`Lane`]), configured as every AWS tool is
+//! (environment first, then the profile files), and the one place a credential is held. Every error leaves here redacted. The same client reads a
 //! move's source host (`http://HOST:PORT`, the frames it serves in the store's layout) and
 //! holds a move's frames in memory, so that there is one fetch path whatever holds a frame.
 
@@ -28,7 +28,7 @@ const IDLE_PER_HOST: usize = 64;
 /// Threads of the client's runtime (its requests' I/O; the callers' threads wait).
 pub(super) const RUNTIME_THREADS: usize = 2;
 /// Connections the fault lane opens ahead of a VM's first faults ([`Client::warm`]).
-const LANE_WARM: usize = 8;
+pub(super) const LANE_WARM: usize = 8;
 
 /// A connection to one bucket.
 pub struct Client {
@@ -45,8 +45,10 @@ pub struct Client {
     direct: Option<super::direct::Direct>,
     /// A locked move source's key for the seals of pieces named later.
     seal: Option<[u8; 32]>,
-    /// Where a fault's own GETs go (a store's client only): see [`Lane`].
-    lane: Option<Lane>,
+    /// What a store's fault lane is built from, on first use (none: not a store's client).
+    lane_from: Option<AmazonS3Builder>,
+    /// Where a fault's own GETs go, once built: see [`Lane`].
+    lane: std::sync::OnceLock<Option<Lane>>,
 }
 
 /// A fault's own GETs to the store, on a pool of connections and a runtime of their own.
@@ -56,7 +58,11 @@ pub struct Client {
 /// cache's demand-miss p99 at 0 ms first byte went from 9.7-17.4 ms to 6.5-11.0 ms, and a
 /// working set read by faults alone took 0.81-1.21 s instead of 0.93-1.53 s (BENCHMARKS.md,
 /// "Object storage"). The same endpoint and credentials, the same S3 GETs; as many threads
-/// as the client's runtime (one measured the same).
+/// as the client's runtime (one measured the same). Built when a snapshot is opened
+/// ([`Client::warm`]) or at the first fault, not for a push or a listing.
+///
+/// A fault's GET keeps its attempt's time limit, and its retry's backoff, on the lane's
+/// timer too: the client's runtime, busy with read-ahead, would fire them late.
 struct Lane {
     store: Arc<dyn ObjectStore>,
     rt: Rt,
@@ -174,13 +180,8 @@ impl Client {
                 reason: redact(e.to_string()),
             })
         };
-        // Built apart, the lane's store has a pool of its own.
-        let lane = Lane {
-            store: Arc::new(build(b.clone())?),
-            rt: Rt(Some(runtime(bucket, RUNTIME_THREADS, "guestmem-s3-fault")?)),
-        };
         Ok(Client {
-            store: Arc::new(build(b)?),
+            store: Arc::new(build(b.clone())?),
             rt: Rt(Some(runtime(bucket, RUNTIME_THREADS, "guestmem-s3")?)),
             bucket: bucket.into(),
             shown_root: format!("s3://{bucket}"),
@@ -188,7 +189,8 @@ impl Client {
             secrets,
             direct: None,
             seal: None,
-            lane: Some(lane),
+            lane_from: Some(b),
+            lane: std::sync::OnceLock::new(),
         })
     }
 
@@ -258,7 +260,8 @@ impl Client {
             secrets: token.map(String::from).into_iter().collect(),
             direct: super::direct::Direct::new(base, token),
             seal: None,
-            lane: None,
+            lane_from: None,
+            lane: std::sync::OnceLock::new(),
         })
     }
 
@@ -274,7 +277,8 @@ impl Client {
             secrets: Vec::new(),
             direct: None,
             seal: None,
-            lane: None,
+            lane_from: None,
+            lane: std::sync::OnceLock::new(),
         })
     }
 
@@ -362,31 +366,64 @@ impl Client {
         got.map_err(|e| self.capped_error(key, max, e))
     }
 
-    /// [`Client::get_capped`] for a fault's own GET: on the fault lane where the client has
-    /// one ([`Lane`]), else as any other. Dropped before its answer, the GET is dropped too.
+    /// The fault lane, built on first use (a store's client only; none if its runtime
+    /// cannot start, and a fault's GET then goes as any other).
+    fn lane(&self) -> Option<&Lane> {
+        self.lane
+            .get_or_init(|| {
+                // Built apart from the client's, the lane's store has a pool of its own.
+                let store = self.lane_from.clone()?.build().ok()?;
+                let rt = runtime(&self.bucket, RUNTIME_THREADS, "guestmem-s3-fault").ok()?;
+                Some(Lane {
+                    store: Arc::new(store),
+                    rt: Rt(Some(rt)),
+                })
+            })
+            .as_ref()
+    }
+
+    /// [`Client::get_capped`] for a fault's own GET, within `limit` (`Err(())`: no answer
+    /// by then): on the fault lane where the client has one ([`Lane`]), timed there, else
+    /// as any other. Dropped before its answer, the GET is dropped too.
     pub(crate) async fn get_fault(
         &self,
         key: &str,
         max: u64,
-    ) -> Result<Option<(Bytes, Duration)>, StoreError> {
-        let Some(lane) = &self.lane else {
-            return self.get_capped(key, max).await;
+        limit: Duration,
+    ) -> Result<Result<Option<(Bytes, Duration)>, StoreError>, ()> {
+        let Some(lane) = self.lane() else {
+            let got = tokio::time::timeout(limit, self.get_capped(key, max)).await;
+            return got.map_err(|_| ());
         };
         let (store, k) = (Arc::clone(&lane.store), key.to_owned());
         let mut task = Abort(
             lane.rt
                 .get()
-                .spawn(async move { capped(&*store, &k, max).await }),
+                .spawn(async move { tokio::time::timeout(limit, capped(&*store, &k, max)).await }),
         );
         match (&mut task.0).await {
-            Ok(got) => got.map_err(|e| self.capped_error(key, max, e)),
-            // Its runtime shut down under it (the client being dropped) or the GET panicked.
-            Err(e) => Err(StoreError::Request {
+            Ok(Ok(got)) => Ok(got.map_err(|e| self.capped_error(key, max, e))),
+            Ok(Err(_)) => Err(()),
+            // The request panicked (its runtime is dropped only with the client): not tried
+            // again.
+            Err(e) => Ok(Err(StoreError::Request {
                 op: "GET",
                 url: self.url(key),
-                reason: format!("the fault lane's request ended: {e}"),
-                permanent: false,
-            }),
+                reason: self.redact(format!("the fault lane's request ended: {e}")),
+                permanent: true,
+            })),
+        }
+    }
+
+    /// Waits `d` before a fault's GET is tried again: on the fault lane's timer where there
+    /// is one (the client's runtime, busy with read-ahead, would wake it late).
+    pub(crate) async fn fault_backoff(&self, d: Duration) {
+        match self.lane() {
+            Some(lane) => {
+                let mut t = Abort(lane.rt.get().spawn(tokio::time::sleep(d)));
+                let _ = (&mut t.0).await;
+            }
+            None => tokio::time::sleep(d).await,
         }
     }
 
@@ -412,20 +449,21 @@ impl Client {
     /// The fault lane's pool ([`Lane`]) is warmed alongside with [`LANE_WARM`] connections,
     /// for a VM's first faults.
     pub(crate) fn warm(&self, key: &str, n: usize, within: Duration) {
-        let lane = self.lane.as_ref().map(|lane| {
+        let until = tokio::time::Instant::now() + within;
+        let lane = self.lane().map(|lane| {
             let (store, path) = (Arc::clone(&lane.store), ObjectPath::from(key));
             Abort(lane.rt.get().spawn(async move {
                 let heads = (0..LANE_WARM).map(|_| store.head(&path));
-                let _ = tokio::time::timeout(within, futures::future::join_all(heads)).await;
+                let _ = tokio::time::timeout_at(until, futures::future::join_all(heads)).await;
             }))
         });
         self.block_on(async {
             let path = ObjectPath::from(key);
             let n = n.min(IDLE_PER_HOST);
             let heads = futures::future::join_all((0..n).map(|_| self.store.head(&path)));
-            let _ = tokio::time::timeout(within, heads).await;
+            let _ = tokio::time::timeout_at(until, heads).await;
             if let Some(mut lane) = lane {
-                let _ = tokio::time::timeout(within, &mut lane.0).await;
+                let _ = tokio::time::timeout_at(until, &mut lane.0).await;
             }
         })
     }

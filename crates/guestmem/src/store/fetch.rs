@@ -381,23 +381,18 @@ impl Frames {
             let sent = Instant::now();
             let max = (len + super::frame::HEADER_BYTES + super::frame::named_prefix(true)) as u64;
             let limit = left.min(self.policy.attempt);
+            let fault = peer.is_none() && !ahead && !crate::restore::is_prefetcher();
             let direct = peer
                 .as_ref()
                 .and_then(|p| p.direct())
                 .filter(|_| !ahead && super::direct::reads_here());
             let got = match direct {
                 Some(d) => d.get_here(&key, max, limit, || client.url(&key)).await,
-                None => {
-                    // A fault's own GET to the store goes on the client's fault lane.
-                    let fault = peer.is_none() && !ahead && !crate::restore::is_prefetcher();
-                    let get = async {
-                        match fault {
-                            true => client.get_fault(&key, max).await,
-                            false => client.get_capped(&key, max).await,
-                        }
-                    };
-                    tokio::time::timeout(limit, get).await.map_err(|_| ())
-                }
+                // A fault's own GET to the store goes on the client's fault lane.
+                None if fault => client.get_fault(&key, max, limit).await,
+                None => tokio::time::timeout(limit, client.get_capped(&key, max))
+                    .await
+                    .map_err(|_| ()),
             };
             let last = match got {
                 Ok(Ok(Some((obj, first_byte)))) => {
@@ -474,7 +469,10 @@ impl Frames {
                     last,
                 });
             }
-            tokio::time::sleep(backoff.min(left)).await;
+            match fault {
+                true => client.fault_backoff(backoff.min(left)).await,
+                false => tokio::time::sleep(backoff.min(left)).await,
+            }
             backoff = (backoff * 2).min(MAX_BACKOFF);
         }
     }
@@ -698,15 +696,17 @@ mod tests {
         );
     }
 
-    /// A snapshot's opening makes its read-ahead's connections ready: as many GETs at once
-    /// as read-ahead may have in flight then find them open. The store answers HEADs 50 ms
-    /// late, as one elsewhere does: a HEAD answered at once gives its connection back to
-    /// the pool, and the next HEAD may take it instead of opening its own. (The pool may
+    /// A snapshot's opening makes its connections ready: as many GETs at once as read-ahead
+    /// may have in flight find them open in the client's pool, and as many faults' own GETs
+    /// as the fault lane opens ahead find them open in the lane's. The store answers HEADs
+    /// 50 ms late, as one elsewhere does: a HEAD answered at once gives its connection back
+    /// to the pool, and the next HEAD may take it instead of opening its own. (The pool may
     /// also give a request a connection another just let go of while its own is still
     /// being made, so one connection either way is not counted against it.)
     #[test]
     fn opening_a_snapshot_makes_its_connections_ready() {
         const AT_ONCE: u64 = 8;
+        const LANE: u64 = super::super::client::LANE_WARM as u64;
         let (_scratch, s3, client, url) = pushed("warm");
         // The server's count once no connection has come for 100 ms.
         let settled = || {
@@ -725,17 +725,35 @@ mod tests {
         let before = settled();
         let memory = StoreMemory::open(Arc::clone(&frames), &url).unwrap();
         let opened = settled() - before;
-        assert!(opened >= AT_ONCE - 1, "{opened} connections opened");
-        // AT_ONCE frames read in one go: their GETs go side by side.
-        let mut got = vec![0u8; (AT_ONCE * FB) as usize];
-        memory.read(FB, &mut got).unwrap();
+        assert!(opened >= AT_ONCE + LANE - 2, "{opened} connections opened");
+        let check = |got: &[u8], from: u64| {
+            got.chunks(8)
+                .enumerate()
+                .all(|(w, b)| u64::from_le_bytes(b.try_into().unwrap()) == from + w as u64 * 8 + 1)
+        };
+        // AT_ONCE frames read in one go by a prefetch thread, through the client's pool:
+        // their GETs go side by side.
+        let m2 = memory.clone();
+        let got = std::thread::spawn(move || {
+            crate::restore::as_prefetcher();
+            let mut got = vec![0u8; (AT_ONCE * FB) as usize];
+            m2.read(FB, &mut got).unwrap();
+            got
+        })
+        .join()
+        .unwrap();
         assert_eq!(frames.counters.gets.load(Ordering::Relaxed), AT_ONCE);
-        assert!(got
-            .chunks(8)
-            .enumerate()
-            .all(|(w, b)| u64::from_le_bytes(b.try_into().unwrap()) == FB + w as u64 * 8 + 1));
+        assert!(check(&got, FB));
         let more = settled() - before - opened;
-        assert!(more <= 1, "{more} connections opened for the GETs");
+        assert!(more <= 1, "{more} connections opened for read-ahead's GETs");
+        // LANE frames read in one go by a fault, through the lane's pool.
+        let from = 16 * FB;
+        let mut got = vec![0u8; (LANE * FB) as usize];
+        memory.read(from, &mut got).unwrap();
+        assert_eq!(frames.counters.gets.load(Ordering::Relaxed), AT_ONCE + LANE);
+        assert!(check(&got, from));
+        let more = settled() - before - opened - more;
+        assert!(more <= 1, "{more} connections opened for faults' GETs");
     }
 
     /// A fault's own GET is answered while the client's runtime, where read-ahead's GETs

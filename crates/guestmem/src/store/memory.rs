@@ -39,8 +39,9 @@ impl StoreMemory {
     ///
     /// Then connections for its read-ahead are opened ([`Frames::policy`]'s `ahead_gets`,
     /// at most the 64 the client's pool keeps idle), waiting at most eight times what the
-    /// manifest took (between 250 ms and 2 s): a VM's first faults and its working set then
-    /// find them open.
+    /// manifest took (between 250 ms and 2 s), and 8 more in the fault lane's pool (a fault's
+    /// own GETs, the client's lane): a VM's first faults and its working set then find them
+    /// open.
     pub fn open(frames: Arc<Frames>, url: &StoreUrl) -> Result<StoreMemory, StoreError> {
         frames.client.check()?;
         let t = std::time::Instant::now();
