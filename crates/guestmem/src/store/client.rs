@@ -20,6 +20,9 @@ use object_store::{
 
 use super::profile::Profile;
 use super::StoreError;
+use lane::Lane;
+
+mod lane;
 
 /// Objects up to this size are written with one PUT; larger ones in parts of this size.
 pub(crate) const MULTIPART_BYTES: usize = 8 << 20;
@@ -49,23 +52,6 @@ pub struct Client {
     lane_from: Option<AmazonS3Builder>,
     /// Where a fault's own GETs go, once built: see [`Lane`].
     lane: std::sync::OnceLock<Option<Lane>>,
-}
-
-/// A fault's own GETs to the store, on a pool of connections and a runtime of their own.
-/// Read-ahead may have dozens of GETs in flight, whose bodies keep the client's runtime
-/// threads busy; a fault's GET sent there waits its turn behind them, though it is the one
-/// a vCPU waits for. On a lane of its own it does not: on this project's 2-CPU host, a cold
-/// cache's demand-miss p99 at 0 ms first byte went from 9.7-17.4 ms to 6.5-11.0 ms, and a
-/// working set read by faults alone took 0.81-1.21 s instead of 0.93-1.53 s (BENCHMARKS.md,
-/// "Object storage"). The same endpoint and credentials, the same S3 GETs; as many threads
-/// as the client's runtime (one measured the same). Built when a snapshot is opened
-/// ([`Client::warm`]) or at the first fault, not for a push or a listing.
-///
-/// A fault's GET keeps its attempt's time limit, and its retry's backoff, on the lane's
-/// timer too: the client's runtime, busy with read-ahead, would fire them late.
-struct Lane {
-    store: Arc<dyn ObjectStore>,
-    rt: Rt,
 }
 
 impl std::fmt::Debug for Client {
@@ -366,67 +352,6 @@ impl Client {
         got.map_err(|e| self.capped_error(key, max, e))
     }
 
-    /// The fault lane, built on first use (a store's client only; none if its runtime
-    /// cannot start, and a fault's GET then goes as any other).
-    fn lane(&self) -> Option<&Lane> {
-        self.lane
-            .get_or_init(|| {
-                // Built apart from the client's, the lane's store has a pool of its own.
-                let store = self.lane_from.clone()?.build().ok()?;
-                let rt = runtime(&self.bucket, RUNTIME_THREADS, "guestmem-s3-fault").ok()?;
-                Some(Lane {
-                    store: Arc::new(store),
-                    rt: Rt(Some(rt)),
-                })
-            })
-            .as_ref()
-    }
-
-    /// [`Client::get_capped`] for a fault's own GET, within `limit` (`Err(())`: no answer
-    /// by then): on the fault lane where the client has one ([`Lane`]), timed there, else
-    /// as any other. Dropped before its answer, the GET is dropped too.
-    pub(crate) async fn get_fault(
-        &self,
-        key: &str,
-        max: u64,
-        limit: Duration,
-    ) -> Result<Result<Option<(Bytes, Duration)>, StoreError>, ()> {
-        let Some(lane) = self.lane() else {
-            let got = tokio::time::timeout(limit, self.get_capped(key, max)).await;
-            return got.map_err(|_| ());
-        };
-        let (store, k) = (Arc::clone(&lane.store), key.to_owned());
-        let mut task = Abort(
-            lane.rt
-                .get()
-                .spawn(async move { tokio::time::timeout(limit, capped(&*store, &k, max)).await }),
-        );
-        match (&mut task.0).await {
-            Ok(Ok(got)) => Ok(got.map_err(|e| self.capped_error(key, max, e))),
-            Ok(Err(_)) => Err(()),
-            // The request panicked (its runtime is dropped only with the client): not tried
-            // again.
-            Err(e) => Ok(Err(StoreError::Request {
-                op: "GET",
-                url: self.url(key),
-                reason: self.redact(format!("the fault lane's request ended: {e}")),
-                permanent: true,
-            })),
-        }
-    }
-
-    /// Waits `d` before a fault's GET is tried again: on the fault lane's timer where there
-    /// is one (the client's runtime, busy with read-ahead, would wake it late).
-    pub(crate) async fn fault_backoff(&self, d: Duration) {
-        match self.lane() {
-            Some(lane) => {
-                let mut t = Abort(lane.rt.get().spawn(tokio::time::sleep(d)));
-                let _ = (&mut t.0).await;
-            }
-            None => tokio::time::sleep(d).await,
-        }
-    }
-
     fn capped_error(&self, key: &str, max: u64, e: Capped) -> StoreError {
         match e {
             Capped::Store(e) => self.error("GET", key, e),
@@ -450,20 +375,14 @@ impl Client {
     /// for a VM's first faults.
     pub(crate) fn warm(&self, key: &str, n: usize, within: Duration) {
         let until = tokio::time::Instant::now() + within;
-        let lane = self.lane().map(|lane| {
-            let (store, path) = (Arc::clone(&lane.store), ObjectPath::from(key));
-            Abort(lane.rt.get().spawn(async move {
-                let heads = (0..LANE_WARM).map(|_| store.head(&path));
-                let _ = tokio::time::timeout_at(until, futures::future::join_all(heads)).await;
-            }))
-        });
+        let lane = self.warm_lane(key, until);
         self.block_on(async {
             let path = ObjectPath::from(key);
             let n = n.min(IDLE_PER_HOST);
             let heads = futures::future::join_all((0..n).map(|_| self.store.head(&path)));
             let _ = tokio::time::timeout_at(until, heads).await;
-            if let Some(mut lane) = lane {
-                let _ = tokio::time::timeout_at(until, &mut lane.0).await;
+            if let Some(lane) = lane {
+                let _ = tokio::time::timeout_at(until, lane).await;
             }
         })
     }
@@ -587,16 +506,6 @@ impl Drop for Rt {
                 rt.shutdown_background();
             }
         }
-    }
-}
-
-/// A task on another runtime, aborted when dropped before its end (a caller that stopped
-/// waiting for it).
-struct Abort<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for Abort<T> {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 
