@@ -1,8 +1,9 @@
 //! The S3 client: object_store's, driven from plain threads through a runtime of its own
 //! (and a fault's own GETs through a second, [`Lane`]), configured as every AWS tool is
-//! (environment first, then the profile files), and the one place a credential is held. Every error leaves here redacted. The same client reads a
-//! move's source host (`http://HOST:PORT`, the frames it serves in the store's layout) and
-//! holds a move's frames in memory, so that there is one fetch path whatever holds a frame.
+//! (environment first, then the profile files), and the one place a credential is held.
+//! Every error leaves here redacted. The same client reads a move's source host
+//! (`http://HOST:PORT`, the frames it serves in the store's layout) and holds a move's
+//! frames in memory, so that there is one fetch path whatever holds a frame.
 
 use std::future::Future;
 use std::sync::Arc;
