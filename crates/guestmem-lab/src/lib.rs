@@ -49,6 +49,7 @@ pub mod populate;
 pub mod report;
 pub mod restore;
 pub mod run;
+pub mod stop;
 pub mod translate;
 pub mod vm;
 pub mod vm_restore;

@@ -332,11 +332,13 @@ pub fn ratio(a: f64, b: f64) -> f64 {
 }
 
 /// Runs `f` with `dir` made as its scratch folder, and removes the folder afterwards
-/// whatever `f` returned (a scenario's images, memory files and sockets).
+/// whatever `f` returned (a scenario's images, memory files and sockets), or when the run
+/// is stopped by a signal meanwhile ([`crate::stop`]).
 pub fn in_work_dir<T>(
     dir: &std::path::Path,
     f: impl FnOnce() -> Result<T, crate::LabError>,
 ) -> Result<T, crate::LabError> {
+    let _tracked = crate::stop::Tracked::new(dir);
     std::fs::create_dir_all(dir).map_err(|source| crate::LabError::Write {
         path: dir.to_path_buf(),
         source,

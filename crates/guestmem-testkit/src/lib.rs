@@ -79,27 +79,82 @@ macro_rules! skip_unless {
 
 /// A child process that is killed and reaped when dropped, however the test ends.
 #[derive(Debug)]
-pub struct ChildGuard(Option<Child>);
+pub struct ChildGuard {
+    child: Option<Child>,
+    /// Its entry among [`GUARDED`] (0: none).
+    serial: u64,
+}
+
+/// The pidfds of guarded children, by their guards' serials, so that
+/// [`kill_guarded_children`] can end them all when the process ends without unwinding (a lab
+/// run stopped by a signal). A pidfd names its one process: a child reaped meanwhile is
+/// not there to signal, and its pid reused by another process is not it.
+static GUARDED: Mutex<Vec<(u64, std::os::fd::OwnedFd)>> = Mutex::new(Vec::new());
+
+fn guarded() -> MutexGuard<'static, Vec<(u64, std::os::fd::OwnedFd)>> {
+    GUARDED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Kills (`SIGKILL`) every child a [`ChildGuard`] holds now, without reaping them: for a
+/// process about to exit whose guards will not drop.
+pub fn kill_guarded_children() {
+    use std::os::fd::AsRawFd;
+    for (_, fd) in guarded().iter() {
+        // SAFETY: pidfd_send_signal takes a pidfd this process owns (held open in
+        // GUARDED), a signal number and no siginfo; it touches no memory of ours.
+        unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                fd.as_raw_fd(),
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+    }
+}
 
 impl ChildGuard {
     /// Guards `child`.
     pub fn new(child: Child) -> ChildGuard {
-        ChildGuard(Some(child))
+        use std::os::fd::FromRawFd;
+        static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        // SAFETY: pidfd_open takes a pid and flags, and returns a new descriptor or -1. The
+        // child is not reaped yet (it is ours to wait on), so its pid is still its own.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, child.id() as libc::pid_t, 0) };
+        let serial = match fd {
+            fd if fd >= 0 => {
+                let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                // SAFETY: a descriptor pidfd_open just made, owned by nothing else.
+                let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+                guarded().push((serial, fd));
+                serial
+            }
+            // No pidfds (a kernel before 5.3): guarded by its drop alone.
+            _ => 0,
+        };
+        ChildGuard {
+            child: Some(child),
+            serial,
+        }
     }
 
     /// An empty guard (nothing to kill).
     pub fn none() -> ChildGuard {
-        ChildGuard(None)
+        ChildGuard {
+            child: None,
+            serial: 0,
+        }
     }
 
     /// The child, while guarded.
     pub fn child(&mut self) -> &mut Child {
-        self.0.as_mut().expect("a guarded child")
+        self.child.as_mut().expect("a guarded child")
     }
 
     /// Its process id.
     pub fn id(&self) -> u32 {
-        self.0.as_ref().expect("a guarded child").id()
+        self.child.as_ref().expect("a guarded child").id()
     }
 
     /// Whether it still runs.
@@ -114,9 +169,18 @@ impl ChildGuard {
 
     /// Kills and reaps it now (a no-op once reaped).
     pub fn kill(&mut self) {
-        if let Some(c) = self.0.as_mut() {
+        if let Some(c) = self.child.as_mut() {
             let _ = c.kill();
             let _ = c.wait();
+        }
+        self.unlist();
+    }
+
+    /// Out of [`GUARDED`]: reaped, or about to be.
+    fn unlist(&mut self) {
+        let serial = std::mem::take(&mut self.serial);
+        if serial != 0 {
+            guarded().retain(|(s, _)| *s != serial);
         }
     }
 
@@ -156,10 +220,11 @@ impl ChildGuard {
 
 impl Drop for ChildGuard {
     fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
+        if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
         }
+        self.unlist();
     }
 }
 

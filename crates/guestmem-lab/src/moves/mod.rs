@@ -312,12 +312,15 @@ pub fn run_move(cfg: &MoveLabConfig) -> Result<MoveResult, LabError> {
                 .into(),
         });
     }
+    // The diffs' folder (on a tmpfs) goes too if the run is stopped by a signal.
+    let _diffs = crate::stop::Tracked::new(&cfg.diff_dir);
     crate::run::in_work_dir(&cfg.work_dir, || run_in(cfg, fc))
 }
 
 fn run_in(cfg: &MoveLabConfig, fc: PathBuf) -> Result<MoveResult, LabError> {
     let run = RunInfo::collect(cfg.command.clone());
     let s3 = S3Server::start_in(&cfg.store_dir, "lab-move", &[BUCKET]);
+    let _store = crate::stop::Tracked::new(s3.root());
     let store = client(&s3)?;
     // Every guest booted at once (their fills overlap), snapshotted, pushed, cached.
     let mut booted = Vec::new();

@@ -481,7 +481,8 @@ pub fn run_object_store(cfg: &ObjectStoreLabConfig) -> Result<ObjectStoreResult,
 fn run_in(cfg: &ObjectStoreLabConfig) -> Result<ObjectStoreResult, LabError> {
     let run = RunInfo::collect(cfg.command.clone());
     let mem = guestmem_testkit::firecracker::memory_file(&cfg.work_dir, cfg.size as usize, None);
-    let s3 = S3Server::start("lab-object-store", &[BUCKET]);
+    // In the scratch folder: gone with it, however the run ends.
+    let s3 = S3Server::start_in(&cfg.work_dir, "lab-object-store", &[BUCKET]);
     let url = StoreUrl::parse(&format!("s3://{BUCKET}/base"), false).map_err(err)?;
     let direct = client(&s3, &s3.endpoint())?;
     let push_cfg = PushConfig {

@@ -39,6 +39,10 @@ fn write_json(w: &mut impl Write, value: &impl serde::Serialize) -> anyhow::Resu
 }
 
 fn main() -> ExitCode {
+    if let Err(e) = guestmem_lab::stop::clean_up_on_signals() {
+        let _ = writeln!(std::io::stderr(), "guestmem-lab: error: take signals: {e}");
+        return ExitCode::FAILURE;
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Scenario(s) => scenarios::run(s),
