@@ -95,11 +95,17 @@ fn guarded() -> MutexGuard<'static, Vec<(u64, std::os::fd::OwnedFd)>> {
     GUARDED.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Kills (`SIGKILL`) every child a [`ChildGuard`] holds now, without reaping them: for a
-/// process about to exit whose guards will not drop.
+/// Set by [`kill_guarded_children`]: a guard made after it kills its child at once.
+static STOPPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Kills (`SIGKILL`) every child a [`ChildGuard`] holds, without reaping them: for a process
+/// about to exit whose guards will not drop. A child guarded after this call is killed as
+/// its guard is made (a thread of the process may still be starting one).
 pub fn kill_guarded_children() {
     use std::os::fd::AsRawFd;
-    for (_, fd) in guarded().iter() {
+    let list = guarded();
+    STOPPED.store(true, std::sync::atomic::Ordering::SeqCst);
+    for (_, fd) in list.iter() {
         // SAFETY: pidfd_send_signal takes a pidfd this process owns (held open in
         // GUARDED), a signal number and no siginfo; it touches no memory of ours.
         unsafe {
@@ -116,9 +122,17 @@ pub fn kill_guarded_children() {
 
 impl ChildGuard {
     /// Guards `child`.
-    pub fn new(child: Child) -> ChildGuard {
+    pub fn new(mut child: Child) -> ChildGuard {
         use std::os::fd::FromRawFd;
         static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let mut list = guarded();
+        if STOPPED.load(std::sync::atomic::Ordering::SeqCst) {
+            let _ = child.kill();
+            return ChildGuard {
+                child: Some(child),
+                serial: 0,
+            };
+        }
         // SAFETY: pidfd_open takes a pid and flags, and returns a new descriptor or -1. The
         // child is not reaped yet (it is ours to wait on), so its pid is still its own.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, child.id() as libc::pid_t, 0) };
@@ -127,7 +141,7 @@ impl ChildGuard {
                 let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 // SAFETY: a descriptor pidfd_open just made, owned by nothing else.
                 let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
-                guarded().push((serial, fd));
+                list.push((serial, fd));
                 serial
             }
             // No pidfds (a kernel before 5.3): guarded by its drop alone.
@@ -300,6 +314,22 @@ mod tests {
 #[derive(Debug)]
 pub struct HugePool2M {
     old: u64,
+    serial: u64,
+}
+
+/// Pools grown and not put back yet, the first grown first: (serial, the size before).
+static GROWN: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
+
+fn grown() -> MutexGuard<'static, Vec<(u64, u64)>> {
+    GROWN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Puts the 2 MiB pool back to its size before the first [`HugePool2M`] still held grew
+/// it: for a process about to exit whose guards will not drop.
+pub fn put_back_grown_pools() {
+    if let Some(&(_, old)) = grown().first() {
+        let _ = std::fs::write(format!("{POOL_2M_DIR}/nr_hugepages"), old.to_string());
+    }
 }
 
 const POOL_2M_DIR: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB";
@@ -317,8 +347,11 @@ impl HugePool2M {
     /// Grows the pool so that at least `pages` pages are free and unreserved; why not,
     /// when it cannot (not root, no such pool, the kernel found no memory).
     pub fn grow(pages: u64) -> Result<HugePool2M, String> {
+        static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let old = pool_2m("nr_hugepages")?;
-        let guard = HugePool2M { old };
+        let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        grown().push((serial, old));
+        let guard = HugePool2M { old, serial };
         std::fs::write(
             format!("{POOL_2M_DIR}/nr_hugepages"),
             (old + pages).to_string(),
@@ -340,6 +373,7 @@ impl Drop for HugePool2M {
         {
             eprintln!("could not put nr_hugepages back to {}: {e}", self.old);
         }
+        grown().retain(|(s, _)| *s != self.serial);
     }
 }
 

@@ -48,6 +48,9 @@ fn main() -> ExitCode {
         Command::Scenario(s) => scenarios::run(s),
         Command::Vm(args) => vm::run(args),
     };
+    // Stopped by a signal meanwhile (the scenario failed as its children were killed):
+    // the run ends by the signal, once its clean-up is done.
+    guestmem_lab::stop::wait_if_stopping();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
