@@ -521,7 +521,12 @@ impl Lab<'_> {
             threads: 16,
             key: Some(key),
         };
+        // A profile's window (`GUESTMEM_LAB_PERF_CTL`): the move, from the pause until the
+        // store holds the diff and the destination let go (the window of risk, when remote
+        // faults come).
+        crate::run::profile_window(true);
         let moved = move_out(&out, &self.store);
+        crate::run::profile_window(false);
         let r = match moved {
             Ok(r) => r,
             Err(e) => {
