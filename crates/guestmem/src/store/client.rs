@@ -16,7 +16,8 @@ use object_store::http::HttpBuilder;
 use object_store::memory::InMemory;
 use object_store::path::Path as ObjectPath;
 use object_store::{
-    ClientOptions, ObjectMeta, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig,
+    ClientOptions, ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload,
+    RetryConfig,
 };
 
 use super::profile::Profile;
@@ -435,6 +436,29 @@ impl Client {
     /// [`Client::put_async`], from a plain thread.
     pub fn put(&self, key: &str, bytes: Bytes) -> Result<(), StoreError> {
         self.block_on(self.put_async(key, bytes))
+    }
+
+    /// Writes `bytes` at `key` only if no object is there, in one PUT the store decides
+    /// (`If-None-Match: *`): false if one is, and it is not these bytes. A look before a
+    /// write leaves a moment in which another writer's object can land and be replaced;
+    /// this leaves none. An object there that holds these very bytes counts as written (the
+    /// answer to a PUT that reached the store can be lost and the PUT sent again).
+    pub(crate) fn put_new(&self, key: &str, bytes: Bytes) -> Result<bool, StoreError> {
+        let path = ObjectPath::from(key);
+        let opts = PutOptions {
+            mode: PutMode::Create,
+            ..PutOptions::default()
+        };
+        let put = self
+            .store
+            .put_opts(&path, PutPayload::from(bytes.clone()), opts);
+        match self.block_on(put) {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) => {
+                Ok(self.get(key)?.is_some_and(|there| there == bytes))
+            }
+            Err(e) => Err(self.error("PUT (only if none is there)", key, e)),
+        }
     }
 
     /// Deletes `key` (not there already is no error).

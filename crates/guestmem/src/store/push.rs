@@ -327,9 +327,16 @@ fn push_to(
             url: url.to_string(),
         });
     }
-    let r = client.put(&url.manifest_key(), Bytes::from(text.clone()));
+    // Published only if no manifest of that name is there still, decided by the store in
+    // the PUT itself: of two pushes to one new name at once, one fails (a store that does
+    // not honour the condition leaves only the look above).
+    let r = client.put_new(&url.manifest_key(), Bytes::from(text.clone()));
     lease.release();
-    r?;
+    if !r? {
+        return Err(StoreError::Exists {
+            url: url.to_string(),
+        });
+    }
     let c = &job.counters;
     let secs = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 / 1e9;
     Ok(PushReport {
@@ -414,4 +421,31 @@ pub(super) fn open_raw_diff(
     let data = crate::sys::data_ranges(file.as_fd(), 0, len)
         .map_err(io("find the data (SEEK_DATA) of", path))?;
     Ok((file, len, data))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use guestmem_testkit::s3::S3Server;
+
+    use crate::store::Client;
+
+    /// A manifest is written only where none is: the real S3 server decides from the PUT's
+    /// `If-None-Match`, so a name taken between a push's look and its write is refused and
+    /// the manifest there is left as it was; the same bytes again count as written.
+    #[test]
+    fn a_manifest_is_written_only_where_none_is() {
+        let s3 = S3Server::start("put-new", &["snaps"]);
+        let env = s3.env();
+        let get = move |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+        let c = Arc::new(Client::connect_with("snaps", &get).unwrap());
+        let key = "vm/manifest.json";
+        assert!(c.put_new(key, Bytes::from_static(b"first")).unwrap());
+        assert!(!c.put_new(key, Bytes::from_static(b"second")).unwrap());
+        assert_eq!(c.get(key).unwrap().unwrap(), Bytes::from_static(b"first"));
+        assert!(c.put_new(key, Bytes::from_static(b"first")).unwrap());
+        assert_eq!(c.get(key).unwrap().unwrap(), Bytes::from_static(b"first"));
+    }
 }
