@@ -24,7 +24,7 @@
 //! check when read, and is dropped. A full disk is not an error: segments are removed to
 //! make room, and past that a frame is served without being kept.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -39,7 +39,9 @@ mod record;
 #[cfg(test)]
 use index::MAX_OPEN;
 use index::{Entry, Index, Segment};
-use record::{header, open_segment, parse_header, record_bytes, scan, sealed, DROPPED, HEADER};
+use record::{
+    header, open_segment, parse_header, record_bytes, scan_from, sealed, DROPPED, HEADER,
+};
 
 /// What the cache did, counted since it was opened.
 #[derive(Debug, Default)]
@@ -77,6 +79,8 @@ pub struct FrameCache {
     index: Mutex<Index>,
     /// Appends, one reservation at a time (written side by side).
     active: Mutex<Option<Active>>,
+    /// Held by the one thread looking at the folder ([`FrameCache::adopt`]).
+    adopting: Mutex<()>,
     /// What it did.
     pub counters: CacheCounters,
 }
@@ -145,7 +149,7 @@ impl FrameCache {
             if !meta.is_file() {
                 continue;
             }
-            let (records, headers) = scan(&file, meta.len());
+            let (records, headers, end) = scan_from(&file, 0, meta.len());
             if records.is_empty() {
                 // No record to serve: removed, unless it has no header yet and may be
                 // another process's, just made (its first record's bytes go first).
@@ -161,13 +165,13 @@ impl FrameCache {
                 continue;
             }
             let mtime = i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec());
-            found.push((mtime, path, records));
+            found.push((mtime, path, records, end));
         }
         // Ties (a coarse clock) by name: its creation time first.
         found.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
         let mut index = Index::default();
-        for (_, path, records) in found {
-            let id = index.add_seg(path, None);
+        for (_, path, records, end) in found {
+            let id = index.add_seg(path, None, end);
             for (h, off, len) in records {
                 index.add(h, Entry { seg: id, off, len });
             }
@@ -178,6 +182,7 @@ impl FrameCache {
             segment_bytes: (cap / SEGMENTS).min(MAX_SEGMENT),
             index: Mutex::new(Index::default()),
             active: Mutex::new(None),
+            adopting: Mutex::new(()),
             counters: CacheCounters::default(),
         };
         let evicted = index.evict_for(0, cap);
@@ -368,17 +373,23 @@ impl FrameCache {
     /// segment left the cache before it was indexed (not kept).
     fn append(&self, h: &[u8; 32], plain: &[u8]) -> std::io::Result<bool> {
         let rec = record_bytes(plain.len() as u64);
-        let (id, file, off) = {
-            let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
-            // A segment takes records until it holds `segment_bytes` (the last may go past).
-            let fits = active.as_ref().is_some_and(|a| {
+        // A segment takes records until it holds `segment_bytes` (the last may go past).
+        let fits = |active: &Option<Active>| {
+            active.as_ref().is_some_and(|a| {
                 (a.end == 0 || a.end < self.segment_bytes)
                     && self.lock().segs.contains_key(&a.id)
                     && a.file.metadata().is_ok_and(|m| m.nlink() > 0)
-            });
-            if !fits {
+            })
+        };
+        if !fits(&self.active.lock().unwrap_or_else(|e| e.into_inner())) {
+            // Before a segment is started, the folder looked at, without holding up the
+            // appends meanwhile.
+            self.adopt();
+        }
+        let (id, file, off) = {
+            let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
+            if !fits(&active) {
                 *active = None;
-                self.adopt();
                 *active = Some(self.new_segment()?);
             }
             let a = active.as_mut().expect("just made");
@@ -412,53 +423,98 @@ impl FrameCache {
     /// Brings the index level with the folder, as a segment is started (once every 64th of
     /// the bound written): the segments other processes over the folder made since this
     /// one looked (a hand-over's old server, a `snapshot pull` beside a server) come in
-    /// with their whole records, those removed behind its back go out, and the least
-    /// recently used go until the bound holds. So the bound is kept on what the folder
-    /// holds, give or take what the others appended since, not on this process's view of
-    /// it, and no segment is left unseen until the next start. Best effort: a folder that
-    /// cannot be read leaves the index as it was.
+    /// with their whole records, records appended since to those it knows come in too,
+    /// those removed behind its back go out, and the least recently used go until the
+    /// bound holds. So the bound is kept on what the folder holds, give or take what the
+    /// others appended since, not on this process's view of it. One thread looks at a
+    /// time (another skips it); a folder that cannot be read leaves the index as it was.
     fn adopt(&self) {
+        let Ok(_one) = self.adopting.try_lock() else {
+            return;
+        };
         let segdir = self.dir.join("segments");
+        // What the index knew before the listing: one of these not listed was removed (a
+        // segment made meanwhile is not among them).
+        let (known, foreign): (HashSet<PathBuf>, Vec<(PathBuf, u64)>) = {
+            let ix = self.lock();
+            let known = ix.segs.values().map(|s| s.path.clone()).collect();
+            let foreign = ix
+                .segs
+                .values()
+                .filter(|s| !s.ours)
+                .map(|s| (s.path.clone(), s.scanned))
+                .collect();
+            (known, foreign)
+        };
         let Ok(listing) = std::fs::read_dir(&segdir) else {
             return;
         };
-        let there: HashSet<PathBuf> = listing
-            .flatten()
-            .map(|f| f.path())
+        let Ok(there) = listing
+            .map(|f| f.map(|f| f.path()))
+            .collect::<std::io::Result<Vec<PathBuf>>>()
+        else {
+            return;
+        };
+        let mut there: Vec<PathBuf> = there
+            .into_iter()
             .filter(|p| p.extension().is_some_and(|e| e == "seg"))
             .collect();
-        let known: HashSet<PathBuf> = self.lock().segs.values().map(|s| s.path.clone()).collect();
-        let mut found = Vec::new();
-        for path in there.difference(&known) {
-            // Opened (`O_NOFOLLOW`) and checked as `open` does; one without a whole record
-            // yet is left for a later look (it may be another's, just made).
-            let Ok(file) = open_segment(path) else {
-                continue;
-            };
-            let Ok(meta) = file.metadata() else { continue };
-            if !meta.is_file() {
-                continue;
-            }
-            let (records, _) = scan(&file, meta.len());
-            if !records.is_empty() {
-                found.push((path.clone(), records));
-            }
-        }
+        // By name, which starts with the time it was made: the oldest is used least.
+        there.sort();
+        let listed: HashSet<&PathBuf> = there.iter().collect();
+        // Records past where each was scanned: those of new segments, and those appended
+        // to others' since.
+        let scan_on = |path: &Path, from: u64| {
+            let file = open_segment(path).ok()?;
+            let meta = file.metadata().ok().filter(|m| m.is_file())?;
+            let (records, _, end) = scan_from(&file, from, meta.len());
+            Some((records, end))
+        };
+        let fresh: Vec<_> = there
+            .iter()
+            .filter(|p| !known.contains(*p))
+            .filter_map(|p| Some((p.clone(), scan_on(p, 0)?)))
+            .filter(|(_, (records, _))| !records.is_empty())
+            .collect();
+        let grown: Vec<_> = foreign
+            .iter()
+            .filter(|(p, _)| listed.contains(p))
+            .filter_map(|(p, from)| Some((p.clone(), scan_on(p, *from)?)))
+            .filter(|(_, (records, _))| !records.is_empty())
+            .collect();
         let evicted = {
             let mut ix = self.lock();
-            // This process's own segments are all listed: one is made only after this
-            // look, under the same lock as this call.
             let gone: Vec<u64> = ix
                 .segs
                 .iter()
-                .filter(|(_, s)| !there.contains(&s.path))
+                .filter(|(_, s)| known.contains(&s.path) && !listed.contains(&s.path))
                 .map(|(&id, _)| id)
                 .collect();
             for id in gone {
                 ix.remove_seg(id);
             }
-            for (path, records) in found {
-                let id = ix.add_seg(path, None);
+            let mut ids: HashMap<PathBuf, u64> = ix
+                .segs
+                .iter()
+                .map(|(&id, s)| (s.path.clone(), id))
+                .collect();
+            for (path, (records, end)) in fresh {
+                // One this cache made since it looked, or evicted and is removing.
+                if ids.contains_key(&path) || ix.removing.contains(&path) {
+                    continue;
+                }
+                let id = ix.add_seg(path.clone(), None, end);
+                ids.insert(path, id);
+                for (h, off, len) in records {
+                    ix.add(h, Entry { seg: id, off, len });
+                }
+            }
+            for (path, (records, end)) in grown {
+                let Some(&id) = ids.get(&path) else { continue };
+                match ix.segs.get_mut(&id) {
+                    Some(s) if s.scanned < end => s.scanned = end,
+                    _ => continue,
+                }
                 for (h, off, len) in records {
                     ix.add(h, Entry { seg: id, off, len });
                 }
@@ -491,7 +547,7 @@ impl FrameCache {
             .custom_flags(libc::O_NOFOLLOW)
             .open(&path)?;
         let reader = file.try_clone()?;
-        let id = self.lock().add_seg(path, Some(reader));
+        let id = self.lock().add_seg(path, Some(reader), 0);
         Ok(Active {
             id,
             file: Arc::new(file),
@@ -501,8 +557,14 @@ impl FrameCache {
 
     fn remove_evicted(&self, (segs, frames): (Vec<Segment>, u64)) {
         self.counters.evictions.fetch_add(frames, Ordering::Relaxed);
-        for s in segs {
+        for s in &segs {
             let _ = std::fs::remove_file(&s.path);
+        }
+        if !segs.is_empty() {
+            let mut ix = self.lock();
+            for s in &segs {
+                ix.removing.remove(&s.path);
+            }
         }
     }
 }
@@ -549,7 +611,7 @@ mod tests {
         segments(dir).iter().all(|p| {
             let f = File::open(p).unwrap();
             let len = f.metadata().unwrap().len();
-            let end = scan(&f, len)
+            let end = scan_from(&f, 0, len)
                 .0
                 .last()
                 .map_or(0, |&(_, off, l)| off + record_bytes(l));
@@ -808,23 +870,16 @@ mod tests {
             let (h, f) = frame(i);
             b.put(&h, &f);
         }
-        // The first's next segment takes in the second's: a frame only the second kept is
-        // read through the first.
+        // The first's next segment (its last is full) takes in the second's: a frame only
+        // the second kept is read through the first.
         let (h, f) = frame(400);
         a.put(&h, &f);
         let (h399, f399) = frame(399);
-        for _ in 0..4 {
-            if a.contains(&h399) {
-                break;
-            }
-            let (h, f) = frame(401);
-            a.put(&h, &f);
-        }
         assert!(
             a.get(&h399, 4096) == Some(f399),
             "the second's frame through the first"
         );
-        for i in 402..600 {
+        for i in 401..600 {
             let (h, f) = frame(i);
             a.put(&h, &f);
         }
@@ -838,6 +893,64 @@ mod tests {
         // What either gives is right; a frame the other removed since it looked is a miss.
         for c in [&a, &b] {
             for i in 0..600 {
+                let (h, f) = frame(i);
+                if let Some(got) = c.get(&h, 4096) {
+                    assert!(got == f, "frame {i}");
+                }
+            }
+        }
+    }
+
+    /// Two caches over one folder writing in turns keep one bound, and each takes in what
+    /// the other appended to the segments it knows, not only the segments it had not seen.
+    #[test]
+    fn two_caches_writing_in_turns_keep_one_bound() {
+        let scratch = guestmem_testkit::Scratch::new("cache-turns");
+        let dir = scratch.to_path_buf();
+        let frame = |i: u32| {
+            let mut f = vec![(i % 251) as u8; 4096];
+            f[..4].copy_from_slice(&i.to_le_bytes());
+            (blake3::hash(&f), f)
+        };
+        let cap = SEGMENTS * 4 * record_bytes(4096);
+        let a = FrameCache::open(&dir, cap).unwrap();
+        let b = FrameCache::open(&dir, cap).unwrap();
+        // The first takes in the second's segment with one record; the second appends
+        // another to it; the first's next segment (four records a segment) finds it.
+        let put = |c: &FrameCache, i: u32| {
+            let (h, f) = frame(i);
+            c.put(&h, &f);
+            h
+        };
+        let x1 = put(&b, 10_001);
+        put(&a, 10_101);
+        assert!(a.contains(&x1));
+        let x2 = put(&b, 10_002);
+        assert!(!a.contains(&x2));
+        for i in 10_102..=10_104 {
+            put(&a, i);
+        }
+        assert!(!a.contains(&x2), "its segment is not full yet");
+        put(&a, 10_105);
+        assert!(a.contains(&x2), "appended to a segment it knew");
+        assert!(a.get(&x2, 4096) == Some(frame(10_002).1));
+        for i in 0..800 {
+            for (c, k) in [(&a, 2 * i), (&b, 2 * i + 1)] {
+                let (h, f) = frame(k);
+                c.put(&h, &f);
+            }
+        }
+        let on_disk: u64 = segments(&dir)
+            .iter()
+            .map(|p| p.metadata().map_or(0, |m| m.len()))
+            .sum();
+        let seg = cap / SEGMENTS;
+        assert!(
+            on_disk <= cap + 2 * seg,
+            "{on_disk} bytes on disk, bound {cap}"
+        );
+        for c in [&a, &b] {
+            for i in 0..1600 {
                 let (h, f) = frame(i);
                 if let Some(got) = c.get(&h, 4096) {
                     assert!(got == f, "frame {i}");
@@ -925,7 +1038,7 @@ mod tests {
                 .iter()
                 .map(|p| {
                     let f = File::open(p).unwrap();
-                    scan(&f, f.metadata().unwrap().len()).0.len() as u64
+                    scan_from(&f, 0, f.metadata().unwrap().len()).0.len() as u64
                 })
                 .sum();
             assert!(held <= on_disk, "{held} held, {on_disk} on disk");

@@ -28,6 +28,9 @@ mod lane;
 
 /// Objects up to this size are written with one PUT; larger ones in parts of this size.
 pub(crate) const MULTIPART_BYTES: usize = 8 << 20;
+
+/// Times [`Client::put_new`] sends its PUT at most.
+const PUT_NEW_TRIES: u32 = 4;
 /// Connections to the store the pool keeps idle at most.
 const IDLE_PER_HOST: usize = 64;
 /// Threads of the client's runtime (its requests' I/O; the callers' threads wait).
@@ -134,6 +137,11 @@ impl Client {
                 retry_timeout: Duration::from_secs(30),
                 ..RetryConfig::default()
             });
+        // object_store's own setting, for a store that does not take `If-None-Match`
+        // (`disabled`): a manifest is then written after a look, not on a condition.
+        if let Some(v) = env("AWS_CONDITIONAL_PUT") {
+            b = b.with_config(AmazonS3ConfigKey::ConditionalPut, v);
+        }
         let shown = match &endpoint {
             Some(e) => {
                 b = b
@@ -441,23 +449,61 @@ impl Client {
     /// Writes `bytes` at `key` only if no object is there, in one PUT the store decides
     /// (`If-None-Match: *`): false if one is, and it is not these bytes. A look before a
     /// write leaves a moment in which another writer's object can land and be replaced;
-    /// this leaves none. An object there that holds these very bytes counts as written (the
-    /// answer to a PUT that reached the store can be lost and the PUT sent again).
+    /// this leaves none. An object there that holds these very bytes counts as written (a
+    /// PUT that reached the store and lost its answer is sent again, and refused).
+    ///
+    /// The client retries a conditional PUT only on a few answers, not on a timeout: it is
+    /// sent again here, up to [`PUT_NEW_TRIES`] times, as a store refusing it for a
+    /// conflict (another conditional write in flight, answered 409) is. A store that does
+    /// not take the condition is told so by the operator (`AWS_CONDITIONAL_PUT=disabled`,
+    /// object_store's setting): the PUT is then plain, after the caller's look.
     pub(crate) fn put_new(&self, key: &str, bytes: Bytes) -> Result<bool, StoreError> {
         let path = ObjectPath::from(key);
-        let opts = PutOptions {
-            mode: PutMode::Create,
-            ..PutOptions::default()
-        };
-        let put = self
-            .store
-            .put_opts(&path, PutPayload::from(bytes.clone()), opts);
-        match self.block_on(put) {
-            Ok(_) => Ok(true),
-            Err(object_store::Error::AlreadyExists { .. }) => {
-                Ok(self.get(key)?.is_some_and(|there| there == bytes))
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let opts = PutOptions {
+                mode: PutMode::Create,
+                ..PutOptions::default()
+            };
+            let payload = PutPayload::from(bytes.clone());
+            let e = match self.block_on(self.store.put_opts(&path, payload, opts)) {
+                Ok(_) => return Ok(true),
+                Err(object_store::Error::NotImplemented { .. }) => {
+                    return self.put(key, bytes).map(|()| true);
+                }
+                Err(object_store::Error::AlreadyExists { .. }) => {
+                    let cap = bytes.len() as u64;
+                    match self.block_on(capped(&*self.store, key, cap)) {
+                        Ok(Some((there, _))) => return Ok(there == bytes),
+                        // Longer than these bytes: another object.
+                        Err(Capped::TooBig(_)) => return Ok(false),
+                        Err(e) => return Err(self.capped_error(key, cap, e)),
+                        // Refused for a write in flight that has not landed (or was a
+                        // delete): asked again.
+                        Ok(None) => None,
+                    }
+                }
+                Err(
+                    e @ (object_store::Error::PermissionDenied { .. }
+                    | object_store::Error::Unauthenticated { .. }),
+                ) => return Err(self.error("PUT (only if none is there)", key, e)),
+                Err(e) => Some(e),
+            };
+            if tries >= PUT_NEW_TRIES {
+                return Err(match e {
+                    Some(e) => self.error("PUT (only if none is there)", key, e),
+                    None => StoreError::Request {
+                        op: "PUT (only if none is there)",
+                        url: self.url(key),
+                        reason: format!(
+                            "refused {PUT_NEW_TRIES} times for a write in flight that never landed"
+                        ),
+                        permanent: false,
+                    },
+                });
             }
-            Err(e) => Err(self.error("PUT (only if none is there)", key, e)),
+            std::thread::sleep(Duration::from_millis(200 << tries.min(4)));
         }
     }
 

@@ -1,7 +1,7 @@
 //! The cache's index in memory: where each frame lies, and its segments, least recently
 //! used first.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -30,6 +30,11 @@ pub(super) struct Segment {
     pub(super) frames: Vec<[u8; 32]>,
     /// Its last use: its key in `Index::order`.
     pub(super) used: u64,
+    /// Made by this cache (it knows every record); else another's, perhaps still appended
+    /// to, scanned up to `scanned`.
+    pub(super) ours: bool,
+    /// Where a scan of it stopped.
+    pub(super) scanned: u64,
 }
 
 #[derive(Debug, Default)]
@@ -44,6 +49,9 @@ pub(super) struct Index {
     pub(super) serial: u64,
     /// Segments with their file open.
     pub(super) open: usize,
+    /// Segments evicted and not unlinked yet: a look at the folder meanwhile must not take
+    /// them in again.
+    pub(super) removing: HashSet<PathBuf>,
 }
 
 /// Segments kept open at most: a cache's bound keeps about 64, but every process that
@@ -100,16 +108,20 @@ impl Index {
         }
     }
 
-    pub(super) fn add_seg(&mut self, path: PathBuf, file: Option<File>) -> u64 {
+    /// Adds a segment: this cache's own, just made, with its file (`Some`); another's, or
+    /// one found at a start, scanned up to `scanned`.
+    pub(super) fn add_seg(&mut self, path: PathBuf, file: Option<File>, scanned: u64) -> u64 {
         self.serial += 1;
         let id = self.serial;
         self.open += usize::from(file.is_some());
         let s = Segment {
             path,
+            ours: file.is_some(),
             file: file.map(Arc::new),
             bytes: 0,
             frames: Vec::new(),
             used: 0,
+            scanned,
         };
         let t = self.tick;
         self.tick += 1;
@@ -167,6 +179,7 @@ impl Index {
             };
             let (s, n) = self.remove_seg(id).expect("indexed");
             frames += n;
+            self.removing.insert(s.path.clone());
             out.push(s);
         }
         (out, frames)

@@ -54,12 +54,21 @@ pub(super) fn checksum(plain: &[u8]) -> u64 {
     h.finish()
 }
 
-/// The records of a segment whose headers are whole, in order, but those dropped: (hash,
-/// header offset, frame length). It stops at the first that is not whole (a write a crash
-/// cut short). With how many headers it read, dropped ones included.
-pub(super) fn scan(file: &File, file_len: u64) -> (Vec<([u8; 32], u64, u64)>, usize) {
+/// A record found by a scan: its frame's hash, its header's offset, the frame's length.
+pub(super) type Record = ([u8; 32], u64, u64);
+
+/// The records of a segment from the one at `from` whose headers are whole, in order, but
+/// those dropped: (hash, header offset, frame length). It stops at the first that is not
+/// whole (a write a crash cut short, or one another process has not finished). With how
+/// many headers it read, dropped ones included, and where it stopped (a segment another
+/// process appends to is scanned on from there).
+pub(super) fn scan_from(
+    file: &File,
+    from: u64,
+    file_len: u64,
+) -> (Vec<Record>, usize, u64) {
     let (mut out, mut headers) = (Vec::new(), 0);
-    let mut off = 0u64;
+    let mut off = from;
     let mut t = [0u8; HEADER];
     while off + HEADER as u64 <= file_len {
         if file.read_exact_at(&mut t, off).is_err() {
@@ -77,7 +86,7 @@ pub(super) fn scan(file: &File, file_len: u64) -> (Vec<([u8; 32], u64, u64)>, us
         }
         off += record_bytes(len);
     }
-    (out, headers)
+    (out, headers, off)
 }
 
 /// A segment made earlier, opened to be read (and written only to mark a record found bad).
