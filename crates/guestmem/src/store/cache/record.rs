@@ -62,11 +62,7 @@ pub(super) type Record = ([u8; 32], u64, u64);
 /// whole (a write a crash cut short, or one another process has not finished). With how
 /// many headers it read, dropped ones included, and where it stopped (a segment another
 /// process appends to is scanned on from there).
-pub(super) fn scan_from(
-    file: &File,
-    from: u64,
-    file_len: u64,
-) -> (Vec<Record>, usize, u64) {
+pub(super) fn scan_from(file: &File, from: u64, file_len: u64) -> (Vec<Record>, usize, u64) {
     let (mut out, mut headers) = (Vec::new(), 0);
     let mut off = from;
     let mut t = [0u8; HEADER];
