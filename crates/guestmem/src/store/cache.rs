@@ -429,8 +429,10 @@ impl FrameCache {
     /// others appended since, not on this process's view of it. One thread looks at a
     /// time (another skips it); a folder that cannot be read leaves the index as it was.
     fn adopt(&self) {
-        let Ok(_one) = self.adopting.try_lock() else {
-            return;
+        let _one = match self.adopting.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return,
         };
         let segdir = self.dir.join("segments");
         // What the index knew before the listing: one of these not listed was removed (a
@@ -519,6 +521,9 @@ impl FrameCache {
                     ix.add(h, Entry { seg: id, off, len });
                 }
             }
+            // An evicted segment is kept out until a listing no longer shows it (its unlink
+            // may come after a look that listed it).
+            ix.removing.retain(|p| listed.contains(p));
             ix.evict_for(0, self.cap)
         };
         self.remove_evicted(evicted);
@@ -559,12 +564,6 @@ impl FrameCache {
         self.counters.evictions.fetch_add(frames, Ordering::Relaxed);
         for s in &segs {
             let _ = std::fs::remove_file(&s.path);
-        }
-        if !segs.is_empty() {
-            let mut ix = self.lock();
-            for s in &segs {
-                ix.removing.remove(&s.path);
-            }
         }
     }
 }

@@ -452,9 +452,10 @@ impl Client {
     /// this leaves none. An object there that holds these very bytes counts as written (a
     /// PUT that reached the store and lost its answer is sent again, and refused).
     ///
-    /// The client retries a conditional PUT only on a few answers, not on a timeout: it is
-    /// sent again here, up to [`PUT_NEW_TRIES`] times, as a store refusing it for a
-    /// conflict (another conditional write in flight, answered 409) is. A store that does
+    /// The client retries a conditional PUT only on a few answers, not on a timeout: one
+    /// that got no answer (or whose look after a refusal got none) is sent again here, up
+    /// to [`PUT_NEW_TRIES`] times, as one refused for a conflict (another conditional write
+    /// in flight, answered 409) is; any other answer is final. A store that does
     /// not take the condition is told so by the operator (`AWS_CONDITIONAL_PUT=disabled`,
     /// object_store's setting): the PUT is then plain, after the caller's look.
     pub(crate) fn put_new(&self, key: &str, bytes: Bytes) -> Result<bool, StoreError> {
@@ -478,17 +479,18 @@ impl Client {
                         Ok(Some((there, _))) => return Ok(there == bytes),
                         // Longer than these bytes: another object.
                         Err(Capped::TooBig(_)) => return Ok(false),
+                        // The look failed on the way: the PUT (conditional) is sent again.
+                        Err(Capped::Store(e)) if transport(&e) => Some(e),
                         Err(e) => return Err(self.capped_error(key, cap, e)),
                         // Refused for a write in flight that has not landed (or was a
                         // delete): asked again.
                         Ok(None) => None,
                     }
                 }
-                Err(
-                    e @ (object_store::Error::PermissionDenied { .. }
-                    | object_store::Error::Unauthenticated { .. }),
-                ) => return Err(self.error("PUT (only if none is there)", key, e)),
-                Err(e) => Some(e),
+                // Sent again only when the store's answer never came (the client retried
+                // every answer worth it already).
+                Err(e) if transport(&e) => Some(e),
+                Err(e) => return Err(self.error("PUT (only if none is there)", key, e)),
             };
             if tries >= PUT_NEW_TRIES {
                 return Err(match e {
@@ -581,6 +583,21 @@ impl Drop for Rt {
 }
 
 /// Why a capped GET gave nothing.
+/// Whether `e` is a request that got no answer from the store (no connection, cut off, timed
+/// out), not an answer: object_store's `HttpError` somewhere in its sources.
+fn transport(e: &object_store::Error) -> bool {
+    let mut at: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(x) = at {
+        if x.downcast_ref::<object_store::client::HttpError>()
+            .is_some()
+        {
+            return true;
+        }
+        at = x.source();
+    }
+    false
+}
+
 enum Capped {
     Store(object_store::Error),
     /// The object's length, past what was asked for.

@@ -49,8 +49,8 @@ pub(super) struct Index {
     pub(super) serial: u64,
     /// Segments with their file open.
     pub(super) open: usize,
-    /// Segments evicted and not unlinked yet: a look at the folder meanwhile must not take
-    /// them in again.
+    /// Segments evicted, until a look at the folder no longer lists them: a look that did
+    /// (their unlink came after it) must not take them in again.
     pub(super) removing: HashSet<PathBuf>,
 }
 
