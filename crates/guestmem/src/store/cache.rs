@@ -839,6 +839,37 @@ mod tests {
         assert_eq!(c.get(&h4, 4096).as_ref(), Some(&f4));
     }
 
+    /// Frame `i` of 4 KiB (its number, then its number's low byte): with its hash.
+    fn numbered(i: u32) -> (blake3::Hash, Vec<u8>) {
+        let mut f = vec![(i % 251) as u8; 4096];
+        f[..4].copy_from_slice(&i.to_le_bytes());
+        (blake3::hash(&f), f)
+    }
+
+    /// Bytes the segments in a cache's folder take, and that they take no more than `cap`
+    /// and a segment each for two caches appending (each may have appended to its open
+    /// segment since the other last looked); then that every frame `0..n` either cache
+    /// gives is right (a frame the other removed since it looked is a miss).
+    fn within_one_bound(dir: &Path, cap: u64, caches: [&FrameCache; 2], n: u32) {
+        let on_disk: u64 = segments(dir)
+            .iter()
+            .map(|p| p.metadata().map_or(0, |m| m.len()))
+            .sum();
+        let seg = cap / SEGMENTS;
+        assert!(
+            on_disk <= cap + 2 * seg,
+            "{on_disk} bytes on disk, bound {cap}"
+        );
+        for c in caches {
+            for i in 0..n {
+                let (h, f) = numbered(i);
+                if let Some(got) = c.get(&h, 4096) {
+                    assert!(got == f, "frame {i}");
+                }
+            }
+        }
+    }
+
     /// Two caches over one folder keep one bound between them: each takes in the segments
     /// the other made as it starts one of its own (reading the other's frames from then on),
     /// and drops those the other removed. Without that, the folder held 1.8 bounds here.
@@ -846,19 +877,9 @@ mod tests {
     fn two_caches_over_one_folder_keep_one_bound() {
         let scratch = guestmem_testkit::Scratch::new("cache-bound");
         let dir = scratch.to_path_buf();
-        let frame = |i: u32| {
-            let mut f = vec![(i % 251) as u8; 4096];
-            f[..4].copy_from_slice(&i.to_le_bytes());
-            (blake3::hash(&f), f)
-        };
+        let frame = numbered;
         // Four records a segment, 64 segments.
         let cap = SEGMENTS * 4 * record_bytes(4096);
-        let on_disk = || -> u64 {
-            segments(&dir)
-                .iter()
-                .map(|p| p.metadata().map_or(0, |m| m.len()))
-                .sum()
-        };
         let a = FrameCache::open(&dir, cap).unwrap();
         for i in 0..200 {
             let (h, f) = frame(i);
@@ -882,22 +903,7 @@ mod tests {
             let (h, f) = frame(i);
             a.put(&h, &f);
         }
-        // Each may have appended to its open segment since the other last looked.
-        let seg = cap / SEGMENTS;
-        assert!(
-            on_disk() <= cap + 2 * seg,
-            "{} bytes on disk, bound {cap}",
-            on_disk()
-        );
-        // What either gives is right; a frame the other removed since it looked is a miss.
-        for c in [&a, &b] {
-            for i in 0..600 {
-                let (h, f) = frame(i);
-                if let Some(got) = c.get(&h, 4096) {
-                    assert!(got == f, "frame {i}");
-                }
-            }
-        }
+        within_one_bound(&dir, cap, [&a, &b], 600);
     }
 
     /// Two caches over one folder writing in turns keep one bound, and each takes in what
@@ -906,11 +912,7 @@ mod tests {
     fn two_caches_writing_in_turns_keep_one_bound() {
         let scratch = guestmem_testkit::Scratch::new("cache-turns");
         let dir = scratch.to_path_buf();
-        let frame = |i: u32| {
-            let mut f = vec![(i % 251) as u8; 4096];
-            f[..4].copy_from_slice(&i.to_le_bytes());
-            (blake3::hash(&f), f)
-        };
+        let frame = numbered;
         let cap = SEGMENTS * 4 * record_bytes(4096);
         let a = FrameCache::open(&dir, cap).unwrap();
         let b = FrameCache::open(&dir, cap).unwrap();
@@ -939,23 +941,7 @@ mod tests {
                 c.put(&h, &f);
             }
         }
-        let on_disk: u64 = segments(&dir)
-            .iter()
-            .map(|p| p.metadata().map_or(0, |m| m.len()))
-            .sum();
-        let seg = cap / SEGMENTS;
-        assert!(
-            on_disk <= cap + 2 * seg,
-            "{on_disk} bytes on disk, bound {cap}"
-        );
-        for c in [&a, &b] {
-            for i in 0..1600 {
-                let (h, f) = frame(i);
-                if let Some(got) = c.get(&h, 4096) {
-                    assert!(got == f, "frame {i}");
-                }
-            }
-        }
+        within_one_bound(&dir, cap, [&a, &b], 1600);
     }
 
     #[test]
