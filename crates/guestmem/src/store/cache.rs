@@ -7,11 +7,12 @@
 //! hash) and then the frame. A process appends only to the segments it made itself, and a
 //! segment is never written over: a full cache removes its least recently used segments,
 //! about a 64th of its bound each, whole. Processes over one folder keep one bound: as each
-//! starts a segment it takes in those the others made and drops those they removed. Why not a file a frame: making a file costs its
-//! inode, and on this project's host (ext4 without a journal, whose inode allocator looks
-//! up each inode freed in the last minutes) 0.7-0.9 ms each, against 0.04 ms to append a
-//! 256 KiB frame to a segment; writing the cache took a third of both CPUs while a VM was
-//! served from a cold one. A read is two `pread`s on a segment held open: no path looked up.
+//! starts a segment it takes in those the others made and drops those they removed. Why not
+//! a file a frame: making a file costs its inode, and on this project's host (ext4 without
+//! a journal, whose inode allocator looks up each inode freed in the last minutes) 0.7-0.9
+//! ms each, against 0.04 ms to append a 256 KiB frame to a segment; writing the cache took a
+//! third of both CPUs while a VM was served from a cold one. A read is two `pread`s on a
+//! segment held open: no path looked up.
 //!
 //! A frame is kept only after its BLAKE3 hash was checked against its name (what came from
 //! the store is untrusted); every read checks its header's hash and length and the block

@@ -317,8 +317,8 @@ fn push_to(
     };
     let text = serde_json::to_vec(&manifest).expect("serialises");
     // Checked as a reader will check it, before it is published (frames held for a move
-    // are published to one reader, which checks it so before it loads anything).
-    // The lease goes on every way out from here (else it holds a gc off until it is stale).
+    // are published to one reader, which checks it so before it loads anything); the lease
+    // is released on every way out from here (else it holds a gc off until it goes stale).
     let checked = match hold {
         None => Snapshot::parse(url, &text).map(|_| ()),
         Some(_) => Ok(()),
