@@ -4,7 +4,8 @@
 //! it was when the server started (device, inode, size, modification time, through the
 //! descriptor served from), and if it differs every VM of that socket is ended (fail
 //! closed) and the socket stops taking VMs. A file replaced by a rename is not a change:
-//! the server goes on serving the file it opened, which is whole.
+//! the server goes on serving the file it opened, which is whole. When inotify's queue
+//! overflows (events dropped), every file is compared.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -87,7 +88,11 @@ impl FileWatch {
                 // SAFETY: the kernel wrote whole events; read_unaligned copies one header.
                 let ev: libc::inotify_event =
                     unsafe { std::ptr::read_unaligned(bytes[at..].as_ptr() as *const _) };
-                if let Some(&(_, i)) = self.wds.iter().find(|(wd, _)| *wd == ev.wd) {
+                if ev.mask & libc::IN_Q_OVERFLOW != 0 {
+                    // Events were dropped (the queue was full): any file may have changed
+                    // unseen, so every one is compared.
+                    touched.extend(self.wds.iter().map(|&(_, i)| i));
+                } else if let Some(&(_, i)) = self.wds.iter().find(|(wd, _)| *wd == ev.wd) {
                     touched.push(i);
                 }
                 at += head + ev.len as usize;
@@ -106,4 +111,72 @@ impl FileWatch {
 fn bytemuck_bytes(buf: &[u64]) -> &[u8] {
     // SAFETY: a u64 slice is readable as bytes, its whole length.
     unsafe { std::slice::from_raw_parts(buf.as_ptr() as *const u8, std::mem::size_of_val(buf)) }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::path::Path;
+
+    use super::FileWatch;
+    use crate::serve::files::MemoryFile;
+
+    const QUEUE: &str = "/proc/sys/fs/inotify/max_queued_events";
+
+    /// Sets inotify's queue length for the instances made while it lives (it is read at
+    /// `inotify_init`), and puts the old one back when dropped: it is the host's, so it is
+    /// held only around one `inotify_init` (an instance made meanwhile elsewhere gets the
+    /// short queue, whose overflow is what this module now handles).
+    struct Queue(String);
+
+    impl Queue {
+        fn set(n: u32) -> std::io::Result<Queue> {
+            let old = std::fs::read_to_string(QUEUE)?;
+            std::fs::write(QUEUE, n.to_string())?;
+            Ok(Queue(old))
+        }
+    }
+
+    impl Drop for Queue {
+        fn drop(&mut self) {
+            let _ = std::fs::write(QUEUE, self.0.trim());
+        }
+    }
+
+    fn file(path: &Path) -> MemoryFile {
+        std::fs::write(path, vec![7u8; 8192]).unwrap();
+        MemoryFile::open(path).unwrap()
+    }
+
+    /// A file changed while the queue was full of another file's events (so that the
+    /// change's own events were dropped) is still found changed: an overflow compares
+    /// every file.
+    #[test]
+    fn a_change_lost_to_a_full_queue_is_still_found() {
+        let scratch = guestmem_testkit::Scratch::new("watch-overflow");
+        let (a, b) = (scratch.join("a.mem"), scratch.join("b.mem"));
+        let (ma, mb) = (file(&a), file(&b));
+        let mut watch = {
+            let _small = match Queue::set(2) {
+                Ok(q) => q,
+                Err(e) => {
+                    return guestmem_testkit::skip(format!("cannot set {QUEUE} (needs root): {e}"))
+                }
+            };
+            FileWatch::new(&[&ma, &mb]).unwrap()
+        };
+        // Events on the first file that leave its identity as it was (its attributes set
+        // again, a close after opening it to write), alternated so that none is folded
+        // into the one before, fill the queue; the second file's write is then dropped.
+        let mode = std::fs::metadata(&a).unwrap().permissions();
+        for _ in 0..3 {
+            std::fs::set_permissions(&a, mode.clone()).unwrap();
+            drop(std::fs::OpenOptions::new().write(true).open(&a).unwrap());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let mut f = std::fs::OpenOptions::new().append(true).open(&b).unwrap();
+        f.write_all(&[1u8; 4096]).unwrap();
+        drop(f);
+        assert_eq!(watch.changed(&[&ma, &mb]), vec![1]);
+    }
 }
