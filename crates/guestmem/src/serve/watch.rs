@@ -173,7 +173,6 @@ mod tests {
             std::fs::set_permissions(&a, mode.clone()).unwrap();
             drop(std::fs::OpenOptions::new().write(true).open(&a).unwrap());
         }
-        std::thread::sleep(std::time::Duration::from_millis(20));
         let mut f = std::fs::OpenOptions::new().append(true).open(&b).unwrap();
         f.write_all(&[1u8; 4096]).unwrap();
         drop(f);

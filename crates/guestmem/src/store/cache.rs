@@ -382,16 +382,18 @@ impl FrameCache {
                     && a.file.metadata().is_ok_and(|m| m.nlink() > 0)
             })
         };
-        if !fits(&self.active.lock().unwrap_or_else(|e| e.into_inner())) {
-            // Before a segment is started, the folder looked at, without holding up the
-            // appends meanwhile.
-            self.adopt();
-        }
         let (id, file, off) = {
             let mut active = self.active.lock().unwrap_or_else(|e| e.into_inner());
             if !fits(&active) {
-                *active = None;
-                *active = Some(self.new_segment()?);
+                // Before a segment is started, the folder looked at, without holding up
+                // the appends meanwhile (another thread may start one first).
+                drop(active);
+                self.adopt();
+                active = self.active.lock().unwrap_or_else(|e| e.into_inner());
+                if !fits(&active) {
+                    *active = None;
+                    *active = Some(self.new_segment()?);
+                }
             }
             let a = active.as_mut().expect("just made");
             let off = a.end;
@@ -440,7 +442,13 @@ impl FrameCache {
         // segment made meanwhile is not among them).
         let (known, foreign): (HashSet<PathBuf>, Vec<(PathBuf, u64)>) = {
             let ix = self.lock();
-            let known = ix.segs.values().map(|s| s.path.clone()).collect();
+            // Those evicted and not yet gone from the folder are not taken in again either.
+            let known = ix
+                .segs
+                .values()
+                .map(|s| s.path.clone())
+                .chain(ix.removing.iter().cloned())
+                .collect();
             let foreign = ix
                 .segs
                 .values()

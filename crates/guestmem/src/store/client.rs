@@ -26,7 +26,6 @@ mod write;
 
 /// Objects up to this size are written with one PUT; larger ones in parts of this size.
 pub(crate) const MULTIPART_BYTES: usize = 8 << 20;
-
 /// Connections to the store the pool keeps idle at most.
 const IDLE_PER_HOST: usize = 64;
 /// Threads of the client's runtime (its requests' I/O; the callers' threads wait).
