@@ -5,6 +5,8 @@
 //! Calls on a range of address space are not here: they are methods of the range's owner in
 //! [`crate::mmap`], which checks the range before its one `unsafe` call.
 
+pub mod inotify;
+
 use std::ffi::CStr;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};

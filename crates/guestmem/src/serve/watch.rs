@@ -8,14 +8,14 @@
 //! overflows (events dropped), every file is compared.
 
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::BorrowedFd;
 
 use super::files::{FileId, MemoryFile};
+use crate::sys::inotify::{Events, Inotify};
 
 /// The inotify watches of a server's memory files.
 pub(super) struct FileWatch {
-    fd: OwnedFd,
+    inotify: Inotify,
     /// (watch descriptor, socket index).
     wds: Vec<(i32, usize)>,
     /// Each socket's file as it was when the server started.
@@ -25,36 +25,18 @@ pub(super) struct FileWatch {
 impl FileWatch {
     /// Watches every file of `mems` (socket `i` is `mems[i]`).
     pub(super) fn new(mems: &[&MemoryFile]) -> io::Result<FileWatch> {
-        // SAFETY: flags only; returns a new descriptor or -1.
-        let fd = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let inotify = Inotify::new()?;
         let mut wds = Vec::new();
         for (i, m) in mems.iter().enumerate() {
             if !m.is_local() {
                 // A snapshot in the store is named by its contents: it cannot change.
                 continue;
             }
-            let path = std::ffi::CString::new(m.path().as_os_str().as_bytes())
-                .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-            // SAFETY: a live NUL-terminated path and a descriptor we own.
-            let wd = unsafe {
-                libc::inotify_add_watch(
-                    fd.as_raw_fd(),
-                    path.as_ptr(),
-                    libc::IN_MODIFY | libc::IN_ATTRIB | libc::IN_CLOSE_WRITE,
-                )
-            };
-            if wd < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            wds.push((wd, i));
+            let mask = libc::IN_MODIFY | libc::IN_ATTRIB | libc::IN_CLOSE_WRITE;
+            wds.push((inotify.add_watch(m.path(), mask)?, i));
         }
         Ok(FileWatch {
-            fd,
+            inotify,
             wds,
             ids: mems.iter().map(|m| m.identity().ok()).collect(),
         })
@@ -62,32 +44,19 @@ impl FileWatch {
 
     /// What the server's supervisor polls.
     pub(super) fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+        self.inotify.fd()
     }
 
     /// Reads what inotify has to say; the sockets whose file is no longer what it was.
     pub(super) fn changed(&mut self, mems: &[&MemoryFile]) -> Vec<usize> {
-        let mut buf = [0u64; 512];
+        let mut buf = Events::default();
         let mut touched = Vec::new();
         loop {
-            // SAFETY: reads into a live buffer of its size; the descriptor is non-blocking.
-            let n = unsafe {
-                libc::read(
-                    self.fd.as_raw_fd(),
-                    buf.as_mut_ptr() as *mut libc::c_void,
-                    std::mem::size_of_val(&buf),
-                )
+            let events = match self.inotify.read(&mut buf) {
+                Ok(events) if !events.is_empty() => events,
+                _ => break,
             };
-            if n <= 0 {
-                break;
-            }
-            let bytes = &bytemuck_bytes(&buf)[..n as usize];
-            let mut at = 0;
-            let head = std::mem::size_of::<libc::inotify_event>();
-            while at + head <= bytes.len() {
-                // SAFETY: the kernel wrote whole events; read_unaligned copies one header.
-                let ev: libc::inotify_event =
-                    unsafe { std::ptr::read_unaligned(bytes[at..].as_ptr() as *const _) };
+            for ev in events {
                 if ev.mask & libc::IN_Q_OVERFLOW != 0 {
                     // Events were dropped (the queue was full): any file may have changed
                     // unseen, so every one is compared.
@@ -95,7 +64,6 @@ impl FileWatch {
                 } else if let Some(&(_, i)) = self.wds.iter().find(|(wd, _)| *wd == ev.wd) {
                     touched.push(i);
                 }
-                at += head + ev.len as usize;
             }
         }
         touched.sort_unstable();
@@ -105,12 +73,6 @@ impl FileWatch {
             .filter(|&i| mems[i].identity().ok() != self.ids[i])
             .collect()
     }
-}
-
-/// The bytes of a u64 buffer (aligned for inotify events).
-fn bytemuck_bytes(buf: &[u64]) -> &[u8] {
-    // SAFETY: a u64 slice is readable as bytes, its whole length.
-    unsafe { std::slice::from_raw_parts(buf.as_ptr() as *const u8, std::mem::size_of_val(buf)) }
 }
 
 #[cfg(test)]
