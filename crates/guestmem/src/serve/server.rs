@@ -492,6 +492,12 @@ impl Server {
     /// same).
     fn watch_files(&mut self) {
         let mems: Vec<&MemoryFile> = self.sockets.iter().map(|s| &s.memory).collect();
+        if !mems.iter().any(|m| m.is_local()) {
+            // Snapshots in the store only, named by their contents: nothing to watch, and no
+            // inotify instance taken (a user has few).
+            self.watch = None;
+            return;
+        }
         self.watch = match FileWatch::new(&mems) {
             Ok(w) => Some(w),
             Err(e) => {

@@ -134,8 +134,6 @@ impl FrameCache {
         if old.symlink_metadata().is_ok_and(|m| m.is_dir()) {
             let _ = std::fs::remove_dir_all(&old);
         }
-        // Before the listing, so that a removal after it is seen.
-        let watch = removals::Watch::new(&segdir).ok();
         let mut found = Vec::new();
         for f in std::fs::read_dir(&segdir).map_err(io("read the cache directory", &segdir))? {
             let Ok(f) = f else { continue };
@@ -187,7 +185,17 @@ impl FrameCache {
         }
         let evicted = index.evict_for(0, cap);
         let (index, active) = (Arc::new(Mutex::new(index)), Arc::new(Mutex::new(None)));
-        let removals = watch.and_then(|w| w.start(Arc::clone(&index), Arc::clone(&active)).ok());
+        let removals = match removals::Removals::start(&segdir, &index, &active) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!(
+                    "cache {}: segments other processes remove are let go of only as a \
+                     segment is started (no inotify watch: {e})",
+                    dir.display()
+                );
+                None
+            }
+        };
         let cache = FrameCache {
             dir: dir.to_path_buf(),
             cap,
@@ -589,6 +597,11 @@ impl FrameCache {
 
 #[cfg(test)]
 impl FrameCache {
+    /// Whether it lets go of removed segments as they go (an inotify watch could be had).
+    pub(crate) fn watched(&self) -> bool {
+        self._removals.is_some()
+    }
+
     /// Where the record of `h` lies: its segment's path and its header's offset.
     pub(crate) fn record_of(&self, h: &blake3::Hash) -> (PathBuf, u64) {
         let ix = self.lock();
@@ -843,18 +856,23 @@ mod tests {
         assert_ne!(p1, p2, "a segment of its own");
         assert_eq!(segments(&dir).len(), 2);
         // The second removes the first's segment (evicted down to nothing): the first lets
-        // go of it (its frames are fetched again), then starts a segment of its own for its
-        // next frame.
+        // go of it (its frames are fetched again) if it watches the folder, then starts a
+        // segment of its own for its next frame.
         drop(second);
         let second = FrameCache::open(&dir, 0).unwrap();
         assert_eq!(second.frames(), 0);
         assert_eq!(segments(&dir).len(), 0);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while first.frames() > 0 && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(10));
+        if first.watched() {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            while first.frames() > 0 && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            assert_eq!(first.get(&h2, 4096), None);
+            assert!(held_removed(&dir).is_empty());
+        } else {
+            // No inotify watch to be had: it still reads the file it holds.
+            assert_eq!(first.get(&h2, 4096).as_ref(), Some(&f2));
         }
-        assert_eq!(first.get(&h2, 4096), None);
-        assert!(held_removed(&dir).is_empty());
         let (h4, f4) = frame(4);
         first.put(&h4, &f4);
         assert_eq!(segments(&dir).len(), 1);
@@ -971,7 +989,7 @@ mod tests {
 
     /// Files of `dir` this process holds open after they were removed.
     fn held_removed(dir: &Path) -> Vec<PathBuf> {
-        let dir = dir.canonicalize().unwrap();
+        let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
         std::fs::read_dir("/proc/self/fd")
             .unwrap()
             .flatten()
@@ -990,6 +1008,11 @@ mod tests {
         let dir = scratch.to_path_buf();
         let cap = SEGMENTS * 4 * record_bytes(4096);
         let a = FrameCache::open(&dir, cap).unwrap();
+        if !a.watched() {
+            return guestmem_testkit::skip(
+                "no inotify instance to be had (fs.inotify.max_user_instances reached)",
+            );
+        }
         for i in 0..200 {
             let (h, f) = numbered(i);
             a.put(&h, &f);
@@ -1004,13 +1027,8 @@ mod tests {
             (0..200).any(|i| !b.contains(&numbered(i).0)),
             "the second removed some of the first's segments"
         );
-        // Let go of by the first's own thread, soon: waited for, not timed.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        let mut held = held_removed(&dir);
-        while !held.is_empty() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(10));
-            held = held_removed(&dir);
-        }
+        // Let go of by the process's watch, soon: waited for, not timed.
+        let held = let_go(&dir);
         assert!(held.is_empty(), "removed segments still open: {held:?}");
         // What the first still gives is right; what went is a miss, not an error.
         for i in 0..600 {
@@ -1028,6 +1046,59 @@ mod tests {
             "{} indexed, {on_disk} on disk",
             a.bytes()
         );
+    }
+
+    /// Waits (not timed: up to 20 s) until this process holds no removed file of `dir`.
+    fn let_go(dir: &Path) -> Vec<PathBuf> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let mut held = held_removed(dir);
+        while !held.is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            held = held_removed(dir);
+        }
+        held
+    }
+
+    /// A cache whose whole folder is removed under it lets go of every segment (the watch
+    /// ends with its folder), and every cache of the process shares one inotify instance.
+    #[test]
+    fn caches_share_one_watch_and_let_go_of_a_removed_folder() {
+        let inotify_fds = || {
+            std::fs::read_dir("/proc/self/fd")
+                .unwrap()
+                .flatten()
+                .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+                .filter(|t| t.to_string_lossy().contains("inotify"))
+                .count()
+        };
+        let scratch = guestmem_testkit::Scratch::new("cache-gone");
+        let dir = scratch.join("c0");
+        let c = FrameCache::open(&dir, 64 * 4 * record_bytes(4096)).unwrap();
+        if !c.watched() {
+            return guestmem_testkit::skip(
+                "no inotify instance to be had (fs.inotify.max_user_instances reached)",
+            );
+        }
+        let before = inotify_fds();
+        let more: Vec<FrameCache> = (1..=50)
+            .map(|k| FrameCache::open(&scratch.join(format!("c{k}")), 1 << 20).unwrap())
+            .collect();
+        assert!(more.iter().all(FrameCache::watched));
+        // Fifty caches make no instance of their own (other tests of this binary may make a
+        // few meanwhile).
+        let after = inotify_fds();
+        assert!(after < before + 10, "{after} instances, {before} before");
+        drop(more);
+        for i in 0..40 {
+            let (h, f) = numbered(i);
+            c.put(&h, &f);
+        }
+        let canonical = dir.canonicalize().unwrap();
+        assert!(held_removed(&canonical).is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+        let held = let_go(&canonical);
+        assert!(held.is_empty(), "removed segments still open: {held:?}");
+        assert_eq!(c.frames(), 0);
     }
 
     #[test]

@@ -54,6 +54,15 @@ impl Inotify {
         Ok(wd)
     }
 
+    /// Stops watch `wd` (its `IN_IGNORED` event follows).
+    pub fn rm_watch(&self, wd: i32) -> io::Result<()> {
+        // SAFETY: a descriptor we own and a number; no memory is passed.
+        if unsafe { libc::inotify_rm_watch(self.0.as_raw_fd(), wd) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// What to poll for its events.
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.0.as_fd()
