@@ -15,7 +15,7 @@ impl LabReport for MoveResult {
             &s.protocol,
             &format!(
                 "Real Firecracker, {} MiB VM restored from a base in the store (s3s-fs in this \
-                 process, its objects in {}) with track_dirty_pages; the guest writes {:?} MiB spread over its {} MiB \
+                 process, its objects in {}, its threads at nice {}) with track_dirty_pages; the guest writes {:?} MiB spread over its {} MiB \
                  region (runs of 64 KiB), then moves; two page servers on this host stand for the \
                  two hosts, both starting from a cache holding the base, the move authenticated \
                  with a move key (its messages MACed, the frames behind a token, the pieces \
@@ -27,6 +27,7 @@ impl LabReport for MoveResult {
                  measured rounds (min-max in brackets).\n",
                 s.mem_mib,
                 s.store_dir.display(),
+                s.store_nice,
                 s.dirty_mib,
                 s.region_mib,
                 s.rtt_ms,

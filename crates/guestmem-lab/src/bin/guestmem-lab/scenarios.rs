@@ -115,6 +115,7 @@ pub fn run(scenario: Scenario) -> Result<()> {
                 dirty_mib: a.dirty_mib.clone(),
                 rtt_ms: a.rtt_ms.clone(),
                 read_ahead: a.read_ahead.clone(),
+                store_nice: a.store_nice,
                 region_mib: a.region_mib,
                 mem_mib: a.mem_mib,
                 firecracker: a.firecracker.clone(),

@@ -128,6 +128,10 @@ pub struct MoveArgs {
     /// The Firecracker binary [default: ../shared/firecracker/firecracker].
     #[arg(long)]
     pub(super) firecracker: Option<PathBuf>,
+    /// The store's threads' nice value: 19 leaves this host's CPUs to the two page servers
+    /// and the guests, as a store on other machines would (0: the store competes for them).
+    #[arg(long, default_value_t = 19, allow_negative_numbers = true)]
+    pub(super) store_nice: i32,
     #[command(flatten)]
     pub(super) protocol: ProtocolArgs,
 }
