@@ -403,6 +403,47 @@ fn a_vm_that_cannot_be_served_is_killed_through_its_pidfd() {
     }
 }
 
+/// A VM that closes its socket but runs on, holding its userfaultfd, is served until its
+/// process exits: its faults after the hang-up are answered, every word right, and its
+/// session ends with the process. (Before, its session ended with the socket, and its
+/// next fault waited forever.)
+#[test]
+fn a_vm_that_hangs_up_and_runs_on_is_served_until_it_exits() {
+    need_uffd!();
+    let d = dir("hang-up");
+    let mem = memory_file(&d, 4 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let go = d.join("go");
+    // Nothing prefetched: every page the VM reads after its hang-up is a fault.
+    let srv = Running::start(
+        &[(&socket, &mem)],
+        one(ServerConfig {
+            prefetch_threads: 0,
+            ..ServerConfig::default()
+        }),
+    );
+    let mut vm = vm_child(&socket, 4 * MIB, 0, ChildDoes::HangUpAndRunOn, &go);
+    let t = Instant::now();
+    while !srv.logged().contains("still holds its userfaultfd") {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the hang-up was not taken for a VM running on: {}",
+            srv.logged()
+        );
+        assert!(vm.running(), "the VM went: {}", srv.logged());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // It reads all its memory only now, each word checked, and exits 0.
+    std::fs::write(&go, b"").unwrap();
+    let st = vm.wait_exit(30);
+    assert_eq!(st.code(), Some(0), "{st:?}: {}", srv.logged());
+    let (r, log) = srv.join();
+    let last = r.unwrap().last.expect("its VM");
+    assert!(matches!(last.end, SessionEnd::PeerExited), "{log}");
+    assert!(last.engine.faults > 0, "{log}");
+    assert_eq!(last.engine.prefetched_blocks, 0, "{log}");
+}
+
 /// A connection that says nothing is dropped after the handshake timeout while the server
 /// listens on, and one still pending does not hold up the real VM behind it; once a one-VM
 /// server has its VM it stops listening.

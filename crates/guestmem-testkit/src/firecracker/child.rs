@@ -14,6 +14,9 @@ pub enum ChildDoes {
     Handshake,
     /// Sends garbage with its userfaultfd.
     Garbage,
+    /// Sends Firecracker's handshake, closes its socket at once holding its userfaultfd,
+    /// then waits for the go file, reads every page as `Handshake` does, and exits 0.
+    HangUpAndRunOn,
 }
 
 /// Environment variables that make a test binary a stand-in VM.
@@ -63,6 +66,10 @@ pub fn child_main() {
         // Refused at connect: exit with a code of its own.
         std::process::exit(CHILD_REFUSED);
     }
+    let hang_up = std::env::var(CHILD_DOES).is_ok_and(|d| d == "HangUpAndRunOn");
+    if hang_up {
+        vm.hang_up();
+    }
     println!("SENT");
     let go = std::path::PathBuf::from(std::env::var(CHILD_GO).expect("go"));
     let t = Instant::now();
@@ -73,6 +80,9 @@ pub fn child_main() {
         assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64), "page {p}");
     }
     println!("READ");
+    if hang_up {
+        std::process::exit(0);
+    }
     std::thread::sleep(std::time::Duration::from_secs(60));
 }
 

@@ -164,7 +164,8 @@ pub struct WireRegion {
 
 /// A restored "VM": its memory, registered with a userfaultfd a server now holds.
 pub struct Standin {
-    uffd: OwnedFd,
+    /// Until [`Standin::disconnect`], which closes it as a VM's exit does.
+    uffd: Option<OwnedFd>,
     regions: Vec<Region>,
     sock: Option<UnixStream>,
     /// The page size its memory has (and its handshake declares).
@@ -220,7 +221,7 @@ impl Standin {
             offset += size as u64;
         }
         Ok(Standin {
-            uffd,
+            uffd: Some(uffd),
             regions,
             sock: None,
             page: huge.unwrap_or(PAGE),
@@ -252,7 +253,10 @@ impl Standin {
     pub fn send(&mut self, socket: &Path, bytes: &[u8], with_fd: bool) -> io::Result<()> {
         let s = UnixStream::connect(socket)?;
         if with_fd {
-            s.send_with_fd(bytes, self.uffd.as_raw_fd())
+            let uffd = self.uffd.as_ref().ok_or_else(|| {
+                io::Error::new(io::ErrorKind::NotConnected, "its userfaultfd was closed")
+            })?;
+            s.send_with_fd(bytes, uffd.as_raw_fd())
                 .map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
         } else {
             std::io::Write::write_all(&mut &s, bytes)?;
@@ -284,8 +288,17 @@ impl Standin {
             .try_clone()
     }
 
-    /// Closes the socket: to a server, the VM has gone.
+    /// Goes as a VM's process does when it exits, to a server: its userfaultfd closed,
+    /// then its socket (a process's memory and descriptors go before its socket's peer sees
+    /// it hang up). Its memory stays mapped and readable (pages a server brought in), in
+    /// this process.
     pub fn disconnect(&mut self) {
+        self.uffd = None;
+        self.sock = None;
+    }
+
+    /// Closes the socket only, holding its userfaultfd: a VM that hangs up and runs on.
+    pub fn hang_up(&mut self) {
         self.sock = None;
     }
 
@@ -396,6 +409,10 @@ impl Standin {
     /// Unregisters every region: threads waiting on a fault no server will answer are
     /// woken (and read zero pages from then on).
     pub fn release(&self) -> io::Result<()> {
+        // Closed: the server's descriptor is the registration's last (see `disconnect`).
+        let Some(uffd) = &self.uffd else {
+            return Ok(());
+        };
         for r in &self.regions {
             let mut range = uapi::uffdio_range {
                 start: r.addr as u64,
@@ -403,7 +420,7 @@ impl Standin {
             };
             // SAFETY: a uffdio_range for UFFDIO_UNREGISTER: one of this stand-in's own
             // mappings.
-            unsafe { uffd_ioctl(&self.uffd, nr::UFFDIO_UNREGISTER, &mut range) }?;
+            unsafe { uffd_ioctl(uffd, nr::UFFDIO_UNREGISTER, &mut range) }?;
         }
         Ok(())
     }

@@ -189,6 +189,42 @@ impl PeerProcess {
     }
 }
 
+impl PeerProcess {
+    /// Whether it runs on, not exited nor exiting, holding a descriptor of `ours`: a VM that
+    /// closed its socket but goes on using its memory. Never this very process (a peer in
+    /// the server's process, as in tests: the server's own descriptor would be found).
+    /// Asked again after the look at its descriptors, so that an exit begun meanwhile
+    /// (a process's descriptors are closed as it exits, its socket's among them) counts as
+    /// gone.
+    pub(crate) fn runs_on_holding(&self, ours: std::os::fd::BorrowedFd<'_>) -> bool {
+        let (Some(pid), Some(pidfd)) = (self.pid, self.pidfd()) else {
+            return false;
+        };
+        if pid == std::process::id() as i32 {
+            return false;
+        }
+        let live = || !crate::sys::is_readable(pidfd) && !exiting(pid);
+        live() && self.fd_number_of(ours).is_ok() && live()
+    }
+}
+
+/// Whether process `pid` is exiting or gone: a zombie or dead (field 3 of `/proc/PID/stat`),
+/// or its main thread flagged `PF_EXITING` (field 9), which its exit sets before it closes
+/// a descriptor. Unreadable counts as gone.
+fn exiting(pid: i32) -> bool {
+    const PF_EXITING: u64 = 0x4;
+    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    let Some(rest) = s.rfind(')').map(|i| &s[i + 1..]) else {
+        return true;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let state = f.first().copied().unwrap_or("X");
+    let flags: u64 = f.get(6).and_then(|v| v.parse().ok()).unwrap_or(PF_EXITING);
+    matches!(state, "Z" | "X" | "x") || flags & PF_EXITING != 0
+}
+
 /// Whether the process on the other end of `s` runs as this process's user, or as root
 /// (`SO_PEERCRED`): who may command a server, or hand it VMs.
 pub(crate) fn same_user(s: &UnixStream) -> bool {

@@ -26,7 +26,8 @@ use crate::uffd::Uffd;
 
 /// How a server learns its VM went: Firecracker keeps its socket open while it runs, so the
 /// socket closing says so; a VM taken over after a restart has no socket to this server,
-/// and its pidfd turning readable says so instead.
+/// and its pidfd turning readable says so instead, as it does for a VM that closed its
+/// socket but runs on holding its userfaultfd ([`Session::follow_pidfd`]).
 #[derive(Debug)]
 enum Link {
     Socket(UnixStream),
@@ -204,6 +205,18 @@ impl Session {
                 .is_none_or(crate::sys::is_readable)
                 .then_some(Over::PeerExited),
         }
+    }
+
+    /// Whether its VM, its socket closed, runs on holding the userfaultfd served
+    /// ([`PeerProcess::runs_on_holding`]): it must be served on, or its next fault would
+    /// wait forever.
+    pub(super) fn runs_on(&self) -> bool {
+        matches!(self.link, Link::Socket(_)) && self.process.runs_on_holding(self.uffd_fd())
+    }
+
+    /// Watches its VM through its pidfd from now on, its socket closed (and dropped).
+    pub(super) fn follow_pidfd(&mut self) {
+        self.link = Link::Pidfd;
     }
 
     /// Brings every block in, then unregisters the VM's ranges (see

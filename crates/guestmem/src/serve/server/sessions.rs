@@ -193,6 +193,17 @@ impl Server {
         let Some(over) = self.sessions.get(&id).and_then(Session::over) else {
             return;
         };
+        if over == Over::PeerClosed {
+            if let Some(s) = self.sessions.get_mut(&id).filter(|s| s.runs_on()) {
+                s.follow_pidfd();
+                let pid = s.process().pid().map_or("?".into(), |p| p.to_string());
+                self.ending.log.say(&format!(
+                    "peer {pid} (session {id}) closed its socket and still holds its \
+                     userfaultfd: served until its process exits"
+                ));
+                return;
+            }
+        }
         let end = match over {
             Over::PeerClosed => SessionEnd::PeerClosed,
             Over::PeerExited => SessionEnd::PeerExited,
