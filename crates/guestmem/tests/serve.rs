@@ -444,6 +444,42 @@ fn a_vm_that_hangs_up_and_runs_on_is_served_until_it_exits() {
     assert_eq!(last.engine.prefetched_blocks, 0, "{log}");
 }
 
+/// A VM that hung up, runs on, and then unmaps its memory has let go of it: when the
+/// server next fills a page there (here the drain's graduation) and finds no memory, the
+/// session ends as the VM's hang-up, the VM is not killed, and the drain does not wait.
+/// (A fill finding no memory under a VM still connected is a failure, as before.)
+#[test]
+fn a_vm_that_hung_up_and_unmapped_its_memory_has_let_go_of_it() {
+    need_uffd!();
+    let d = dir("let-go");
+    let mem = memory_file(&d, 4 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let go = d.join("go");
+    let srv = Running::start(
+        &[(&socket, &mem)],
+        one(ServerConfig {
+            prefetch_threads: 0,
+            ..ServerConfig::default()
+        }),
+    );
+    let mut vm = vm_child(&socket, 4 * MIB, 0, ChildDoes::HangUpUnmapAndRunOn, &go);
+    let t = Instant::now();
+    while !srv.logged().contains("still holds its userfaultfd") {
+        assert!(t.elapsed() < Duration::from_secs(20), "{}", srv.logged());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::fs::write(&go, b"").unwrap();
+    let unmapped = d.join("go.unmapped");
+    while !unmapped.exists() {
+        assert!(t.elapsed() < Duration::from_secs(40), "{}", srv.logged());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (r, log) = srv.drain();
+    let last = r.unwrap().last.expect("its VM");
+    assert!(matches!(last.end, SessionEnd::PeerClosed), "{log}");
+    assert!(vm.running(), "the VM was ended: {log}");
+}
+
 /// A connection that says nothing is dropped after the handshake timeout while the server
 /// listens on, and one still pending does not hold up the real VM behind it; once a one-VM
 /// server has its VM it stops listening.

@@ -17,6 +17,10 @@ pub enum ChildDoes {
     /// Sends Firecracker's handshake, closes its socket at once holding its userfaultfd,
     /// then waits for the go file, reads every page as `Handshake` does, and exits 0.
     HangUpAndRunOn,
+    /// Sends Firecracker's handshake and closes its socket holding its userfaultfd, then
+    /// once the go file exists unmaps all its memory, writes the go file's name with
+    /// `.unmapped` added, and sleeps (a VM that lets go of its memory and runs on).
+    HangUpUnmapAndRunOn,
 }
 
 /// Environment variables that make a test binary a stand-in VM.
@@ -66,7 +70,8 @@ pub fn child_main() {
         // Refused at connect: exit with a code of its own.
         std::process::exit(CHILD_REFUSED);
     }
-    let hang_up = std::env::var(CHILD_DOES).is_ok_and(|d| d == "HangUpAndRunOn");
+    let does = std::env::var(CHILD_DOES).expect("does");
+    let hang_up = does.starts_with("HangUp");
     if hang_up {
         vm.hang_up();
     }
@@ -75,6 +80,14 @@ pub fn child_main() {
     let t = Instant::now();
     while !go.exists() && t.elapsed() < std::time::Duration::from_secs(60) {
         std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    if does == "HangUpUnmapAndRunOn" {
+        vm.unmap();
+        let mut done = go.into_os_string();
+        done.push(".unmapped");
+        std::fs::write(done, b"").expect("write the mark");
+        std::thread::sleep(std::time::Duration::from_secs(60));
+        std::process::exit(0);
     }
     for p in 0..size / PAGE {
         assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64), "page {p}");

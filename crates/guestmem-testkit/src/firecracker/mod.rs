@@ -297,6 +297,12 @@ impl Standin {
         self.sock = None;
     }
 
+    /// Unmaps all its memory, registered or not (a VM letting go of it); it has none
+    /// after.
+    pub fn unmap(&mut self) {
+        self.regions.clear();
+    }
+
     /// Closes the socket only, holding its userfaultfd: a VM that hangs up and runs on.
     pub fn hang_up(&mut self) {
         self.sock = None;
@@ -407,7 +413,9 @@ impl Standin {
     }
 
     /// Unregisters every region: threads waiting on a fault no server will answer are
-    /// woken (and read zero pages from then on).
+    /// woken (and read zero pages from then on). After [`Standin::disconnect`] it does
+    /// nothing: the userfaultfd is closed, and the regions stay registered until the
+    /// server closes its own.
     pub fn release(&self) -> io::Result<()> {
         // Closed: the server's descriptor is the registration's last (see `disconnect`).
         let Some(uffd) = &self.uffd else {

@@ -135,7 +135,8 @@ impl ServeLog {
 
 /// What a session event says ([`ServeLog::session`]).
 pub(crate) struct SessionEvent<'a> {
-    /// `start`, `end`, `refused`, `graduated`, `handed-off`.
+    /// `start`, `end`, `refused`, `graduated`, `handed-off`, `runs-on` (a VM that closed
+    /// its socket and still holds its userfaultfd, served on until its process exits).
     pub(crate) event: &'static str,
     pub(crate) session: Option<u64>,
     pub(crate) pid: Option<i32>,

@@ -73,6 +73,8 @@ pub(super) struct Session {
     link: Link,
     process: PeerProcess,
     regions: Vec<UffdRegion>,
+    /// It closed its socket and runs on ([`Session::follow_pidfd`]).
+    hung_up: bool,
 }
 
 /// A VM that could not be served, and the process to end.
@@ -154,6 +156,7 @@ impl Session {
             link,
             process,
             regions,
+            hung_up: false,
         })
     }
 
@@ -195,7 +198,13 @@ impl Session {
             return Some(Over::Failed);
         }
         if self.engine.peer_gone() {
-            return Some(Over::PeerExited);
+            // A VM that hung up and let go of its memory, unless it has exited since.
+            let exited = self.process.pidfd().is_none_or(crate::sys::is_readable);
+            return Some(if self.hung_up && !exited {
+                Over::PeerClosed
+            } else {
+                Over::PeerExited
+            });
         }
         match &self.link {
             Link::Socket(s) => socket_closed(s).then_some(Over::PeerClosed),
@@ -214,9 +223,19 @@ impl Session {
         matches!(self.link, Link::Socket(_)) && self.process.runs_on_holding(self.uffd_fd())
     }
 
-    /// Watches its VM through its pidfd from now on, its socket closed (and dropped).
+    /// Watches its VM through its pidfd from now on, its socket closed (and dropped); its
+    /// memory found unmapped from now on ends the session as the VM's hang-up, not as a
+    /// failure.
     pub(super) fn follow_pidfd(&mut self) {
         self.link = Link::Pidfd;
+        self.hung_up = true;
+        self.engine.let_go_on_unmap();
+    }
+
+    /// Whether its VM hung up, ran on, and then let go of its memory (a fill found it
+    /// unmapped).
+    pub(super) fn let_go(&self) -> bool {
+        self.hung_up && self.engine.peer_gone()
     }
 
     /// Brings every block in, then unregisters the VM's ranges (see

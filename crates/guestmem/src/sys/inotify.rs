@@ -18,6 +18,8 @@ pub struct Inotify(OwnedFd);
 pub struct Event<'a> {
     pub wd: i32,
     pub mask: u32,
+    // Read by the frame cache's watch (the `store` feature).
+    #[cfg_attr(not(feature = "store"), allow(dead_code))]
     pub name: &'a OsStr,
 }
 
@@ -55,6 +57,7 @@ impl Inotify {
     }
 
     /// Stops watch `wd` (its `IN_IGNORED` event follows).
+    #[cfg_attr(not(feature = "store"), allow(dead_code))]
     pub fn rm_watch(&self, wd: i32) -> io::Result<()> {
         // SAFETY: a descriptor we own and a number; no memory is passed.
         if unsafe { libc::inotify_rm_watch(self.0.as_raw_fd(), wd) } < 0 {

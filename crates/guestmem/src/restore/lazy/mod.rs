@@ -213,6 +213,9 @@ struct Outcome {
     cancel: AtomicBool,
     /// A remote restore's peer has gone (its address space with it).
     gone: AtomicBool,
+    /// A remote restore's peer hung up and runs on: a fill that finds its memory unmapped
+    /// means it let go of it (the peer gone), not a failure.
+    let_go: AtomicBool,
     error: Mutex<Option<SnapshotError>>,
     message: OnceLock<String>,
     hooks: Mutex<Vec<Hook>>,

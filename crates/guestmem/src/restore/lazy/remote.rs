@@ -87,6 +87,13 @@ impl RemoteRestore {
         self.0.lazy.signals.changed.as_fd()
     }
 
+    /// From now on, a fill that finds the peer's memory unmapped ends the restore as a
+    /// peer gone ([`RemoteRestore::peer_gone`]), not as a failure: a peer that hung up and
+    /// runs on, and then unmapped its memory, let go of it.
+    pub(crate) fn let_go_on_unmap(&self) {
+        self.0.lazy.outcome.let_go.store(true, Ordering::Release);
+    }
+
     /// Whether the peer's address space has gone (a fill found it gone).
     pub(crate) fn peer_gone(&self) -> bool {
         self.0.lazy.outcome.gone.load(Ordering::Acquire)

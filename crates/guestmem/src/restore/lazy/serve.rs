@@ -253,8 +253,13 @@ impl Lazy {
                 }
                 Some(!self.image.held_from(block, 0))
             }
-            Err(e) if self.remote() && peer_gone(&e) => {
-                // The peer's address space is gone (it exited): nothing is left to serve.
+            Err(e)
+                if self.remote()
+                    && (peer_gone(&e)
+                        || (self.outcome.let_go.load(Ordering::Acquire) && unmapped(&e))) =>
+            {
+                // The peer's address space is gone (it exited), or a peer that hung up and
+                // runs on unmapped its memory (it let go of it): nothing is left to serve.
                 self.blocks.state[block as usize].store(FAILED, Ordering::Release);
                 self.outcome.gone.store(true, Ordering::Release);
                 self.outcome.cancel.store(true, Ordering::Release);
@@ -399,6 +404,11 @@ fn uffd_hint(errno: Option<i32>) -> &'static str {
         Some(libc::ENOMEM) => " (the kernel could not allocate the pages)",
         _ => "",
     }
+}
+
+/// Whether a fill found no VMA where it went (`ENOENT`: the peer unmapped the memory).
+fn unmapped(e: &SnapshotError) -> bool {
+    matches!(e, SnapshotError::Memory { source, .. } if source.raw_os_error() == Some(libc::ENOENT))
 }
 
 /// Whether a fill failed because the peer's address space is gone (`ESRCH`: the process

@@ -152,6 +152,7 @@ impl LazyRestore {
                 failed: AtomicBool::new(false),
                 cancel: AtomicBool::new(false),
                 gone: AtomicBool::new(false),
+                let_go: AtomicBool::new(false),
                 error: Mutex::new(None),
                 message: OnceLock::new(),
                 hooks: Mutex::new(Vec::new()),

@@ -157,6 +157,7 @@ impl Server {
                 let end = match graduated {
                     Ok(Ok(())) => SessionEnd::Graduated,
                     Ok(Err(_)) if s.over() == Some(Over::PeerExited) => SessionEnd::PeerExited,
+                    Ok(Err(_)) if s.let_go() => SessionEnd::PeerClosed,
                     Ok(Err(e)) => SessionEnd::Failed(Arc::new(ServeError::Serve(Box::new(e)))),
                     Err(_) => SessionEnd::Failed(Arc::new(ServeError::Io {
                         op: "graduate a VM",

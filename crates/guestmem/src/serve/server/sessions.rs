@@ -196,11 +196,24 @@ impl Server {
         if over == Over::PeerClosed {
             if let Some(s) = self.sessions.get_mut(&id).filter(|s| s.runs_on()) {
                 s.follow_pidfd();
-                let pid = s.process().pid().map_or("?".into(), |p| p.to_string());
-                self.ending.log.say(&format!(
-                    "peer {pid} (session {id}) closed its socket and still holds its \
-                     userfaultfd: served until its process exits"
-                ));
+                let (pid, socket, bytes) = (s.process().pid(), s.socket, s.bytes);
+                let why = "closed its socket and still holds its userfaultfd: served until \
+                           its process exits";
+                self.ending.log.session(
+                    &SessionEvent {
+                        event: "runs-on",
+                        session: Some(id),
+                        pid,
+                        socket: Some(socket),
+                        bytes,
+                        reason: Some(why),
+                        failed: false,
+                    },
+                    &format!(
+                        "session {id}: peer {} {why}",
+                        pid.map_or("?".into(), |p| p.to_string())
+                    ),
+                );
                 return;
             }
         }
