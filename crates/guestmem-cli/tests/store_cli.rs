@@ -247,6 +247,10 @@ fn gc_deletes_only_what_no_snapshot_names() {
         &["snapshot", "pull", "s3://snaps/a", back.to_str().unwrap()],
     );
     assert!(std::fs::read(&back).unwrap() == std::fs::read(&a).unwrap());
+    // A VM's memory, readable by its owner only.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&back).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "{mode:o}");
 }
 
 /// A VM served straight from the store, every word checked, frames kept in the cache; a

@@ -17,6 +17,7 @@ use object_store::memory::InMemory;
 use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, ObjectMeta, ObjectStore, ObjectStoreExt, RetryConfig};
 
+use super::manifest::MAX_MANIFEST_BYTES;
 use super::profile::Profile;
 use super::StoreError;
 use lane::Lane;
@@ -326,23 +327,19 @@ impl Client {
         }
     }
 
-    /// The whole object at `key`, or `None` when there is none.
+    /// The whole object at `key` (a manifest, a lease), or `None` when there is none; one
+    /// past [`MAX_MANIFEST_BYTES`] is refused before its body is read (whoever can write
+    /// the bucket cannot make a reader hold more).
     pub fn get(&self, key: &str) -> Result<Option<Bytes>, StoreError> {
         self.block_on(self.get_async(key))
     }
 
     /// [`Client::get`], on the runtime.
     pub(crate) async fn get_async(&self, key: &str) -> Result<Option<Bytes>, StoreError> {
-        let path = ObjectPath::from(key);
-        let got = match self.store.get(&path).await {
-            Ok(r) => r.bytes().await,
-            Err(e) => Err(e),
-        };
-        match got {
-            Ok(b) => Ok(Some(b)),
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(self.error("GET", key, e)),
-        }
+        Ok(self
+            .get_capped(key, MAX_MANIFEST_BYTES)
+            .await?
+            .map(|(b, _)| b))
     }
 
     /// The object at `key` if it is at most `max` bytes (its length is checked before its
@@ -363,7 +360,7 @@ impl Client {
             Capped::TooBig(n) => StoreError::Request {
                 op: "GET",
                 url: self.url(key),
-                reason: format!("{n} bytes, past the {max} its frame can take"),
+                reason: format!("{n} bytes, past the {max} it can take"),
                 permanent: true,
             },
         }

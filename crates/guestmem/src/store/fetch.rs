@@ -258,7 +258,19 @@ impl Frames {
         match tx {
             Err(rx) => {
                 self.counters.joined.fetch_add(1, Ordering::Relaxed);
-                wait(rx).await
+                // A flight is shared by hash alone: one asked for with another length (a
+                // manifest that names one frame with two) is refused here, as its own GET's
+                // check would refuse it, never handed bytes of the wrong length.
+                match wait(rx).await {
+                    Ok(b) if b.len() != len => Err(Arc::new(StoreError::Frame {
+                        url: self.client.url(&frame_key(&hash)),
+                        reason: format!(
+                            "{} bytes, where the manifest names it with {len}",
+                            b.len()
+                        ),
+                    })),
+                    other => other,
+                }
             }
             Ok(tx) => {
                 // A fault's own GET goes ahead of read-ahead (a prefetch thread's does not).

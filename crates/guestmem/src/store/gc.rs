@@ -2,17 +2,20 @@
 //!
 //! `gc` deletes a frame only when no manifest names it, it is older than the grace period,
 //! and no push is in progress (a lease younger than `LEASE_STALE` in `leases/`), looked at
-//! again before every batch of deletes. A push, for its part, looks again at every frame it
-//! skipped as already there just before it writes its manifest, and uploads any that a gc
-//! took meanwhile: so a manifest never names a frame that is not there.
+//! again before every batch of deletes; ages are on the store's clock. It marks itself in
+//! `leases/gc/` while it runs, and a push that finds the mark once its own lease is written
+//! waits for it to go before it looks at any frame (`lease.rs`): a push that began after
+//! gc's last look at the leases cannot skip a frame gc is about to delete. A push also looks
+//! again at every frame it skipped as already there just before it writes its manifest,
+//! and uploads any that went: so a manifest never names a frame that is not there.
 
 use std::collections::HashSet;
 use std::time::Duration;
 
 use super::client::Client;
-use super::lease::LEASE_STALE;
+use super::lease::{live_push, GcMark};
 use super::manifest::Snapshot;
-use super::url::{StoreUrl, FRAMES, LEASES, SNAPSHOTS};
+use super::url::{StoreUrl, FRAMES, SNAPSHOTS};
 use super::StoreError;
 
 /// A snapshot as `ls` shows it.
@@ -51,12 +54,23 @@ pub fn list(client: &Client, at: &StoreUrl) -> Result<Vec<Listing>, StoreError> 
 }
 
 fn snapshots(client: &Client, at: &StoreUrl) -> Result<Vec<Snapshot>, StoreError> {
+    let mut out = Vec::new();
+    each_snapshot(client, at, |s| out.push(s))?;
+    Ok(out)
+}
+
+/// Each snapshot in the bucket of `at` (under its name, if it has one), read and checked,
+/// handed to `f` one at a time (gc keeps only the names of their frames).
+fn each_snapshot(
+    client: &Client,
+    at: &StoreUrl,
+    mut f: impl FnMut(Snapshot),
+) -> Result<(), StoreError> {
     let prefix = if at.name.is_empty() {
         SNAPSHOTS.to_string()
     } else {
         format!("{SNAPSHOTS}{}/", at.name)
     };
-    let mut out = Vec::new();
     for o in client.list(&prefix)? {
         let Some(name) = o
             .key
@@ -68,10 +82,10 @@ fn snapshots(client: &Client, at: &StoreUrl) -> Result<Vec<Snapshot>, StoreError
         let url = at.sibling(name);
         // A manifest deleted since the listing is no longer a snapshot.
         if let Some(text) = client.get(&o.key)? {
-            out.push(Snapshot::parse(&url, &text)?);
+            f(Snapshot::parse(&url, &text)?);
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// What gc did.
@@ -98,26 +112,19 @@ pub struct GcReport {
 /// Frames deleted between looks at the leases.
 const BATCH: usize = 100;
 
-/// Deletes the frames of `bucket` no snapshot names, older than `grace`. Refuses while a
-/// push is in progress. A manifest that fails its checks stops it (what it names cannot be
-/// known).
+/// Deletes the frames of `bucket` no snapshot names, older than `grace` (on the store's
+/// clock). Refuses while a push is in progress, and stops before its next batch of deletes
+/// when one begins. A manifest that fails its checks stops it (what it names cannot be
+/// known). A dry run marks itself only for as long as it takes to read the store's clock.
 pub fn gc(
     client: &Client,
     bucket: &StoreUrl,
     grace: Duration,
     dry_run: bool,
 ) -> Result<GcReport, StoreError> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs() as i64);
-    let live_push = |client: &Client| -> Result<Option<String>, StoreError> {
-        Ok(client
-            .list(LEASES)?
-            .into_iter()
-            .find(|l| now - l.modified < LEASE_STALE.as_secs() as i64)
-            .map(|l| l.key))
-    };
-    if let Some(l) = live_push(client)? {
+    let (mark, now, leases) = GcMark::take(client)?;
+    let mark = (!dry_run).then_some(mark);
+    if let Some(l) = live_push(&leases, now) {
         return Err(StoreError::Request {
             op: "gc",
             url: client.url(&l),
@@ -126,13 +133,14 @@ pub fn gc(
         });
     }
     let root = bucket.sibling("");
-    let snaps = snapshots(client, &root)?;
-    let named: HashSet<[u8; 32]> = snaps
-        .iter()
-        .flat_map(|s| s.frames.iter().flatten().map(|p| *p.hash.as_bytes()))
-        .collect();
+    let mut named: HashSet<[u8; 32]> = HashSet::new();
+    let mut snapshots = 0;
+    each_snapshot(client, &root, |s| {
+        snapshots += 1;
+        named.extend(s.frames.iter().flatten().map(|p| *p.hash.as_bytes()));
+    })?;
     let mut r = GcReport {
-        snapshots: snaps.len() as u64,
+        snapshots,
         dry_run,
         ..GcReport::default()
     };
@@ -155,9 +163,12 @@ pub fn gc(
         }
     }
     for batch in doomed.chunks(BATCH) {
-        if live_push(client)?.is_some() {
-            r.stopped_for_push = true;
-            break;
+        if let Some(m) = &mark {
+            let (now, leases) = m.renew()?;
+            if live_push(&leases, now).is_some() {
+                r.stopped_for_push = true;
+                break;
+            }
         }
         for (key, size) in batch {
             if !dry_run {
@@ -168,4 +179,112 @@ pub fn gc(
         }
     }
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use guestmem_testkit::s3::S3Server;
+
+    use super::gc;
+    use crate::store::frame;
+    use crate::store::{push, Client, FetchPolicy, Frames, PushSource, StoreMemory, StoreUrl};
+
+    fn client(s3: &S3Server) -> Arc<Client> {
+        let env = s3.env();
+        let get = move |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+        Arc::new(Client::connect_with("snaps", &get).unwrap())
+    }
+
+    /// A push that finds a gc's mark once its lease is written waits for the gc to go
+    /// before it looks at any frame (the gc, at its next batch, sees the lease and stops),
+    /// and a gc, dry or not, leaves no mark behind.
+    #[test]
+    fn a_push_waits_for_a_running_gc_and_gc_leaves_no_mark() {
+        let s3 = S3Server::start("gc-wait", &["snaps"]);
+        let c = client(&s3);
+        let scratch = guestmem_testkit::Scratch::new("gc-wait");
+        let mem = scratch.join("mem");
+        let bytes: Vec<u8> = (0..(1u32 << 20)).map(|i| (i / 4096 % 251) as u8).collect();
+        std::fs::write(&mem, bytes).unwrap();
+        let mark = "leases/gc/other.1.1";
+        c.put(mark, Bytes::from_static(b"{}")).unwrap();
+        let url = StoreUrl::parse("s3://snaps/vm", false).unwrap();
+        let pushing = {
+            let (c, url) = (Arc::clone(&c), url.clone());
+            std::thread::spawn(move || push(&c, &PushSource::Raw(mem), &url, &Default::default()))
+        };
+        // Not a timing: whatever this host's speed, no manifest while the mark is there.
+        std::thread::sleep(Duration::from_millis(1500));
+        assert!(
+            c.get(&url.manifest_key()).unwrap().is_none(),
+            "pushed while a gc ran"
+        );
+        c.delete(mark).unwrap();
+        pushing.join().unwrap().unwrap();
+        assert!(c.get(&url.manifest_key()).unwrap().is_some());
+        let dry = gc(&c, &url, Duration::ZERO, true).unwrap();
+        assert!(dry.dry_run && dry.deleted == 0, "{dry:?}");
+        gc(&c, &url, Duration::ZERO, false).unwrap();
+        assert!(
+            c.list("leases/").unwrap().is_empty(),
+            "a mark or a lease left"
+        );
+    }
+
+    /// A manifest that names one frame with two lengths (a whole piece and a page of it)
+    /// gives an error naming the frame, never a panic or bytes of the wrong length, however
+    /// the two fetches meet (one flight, the cache); a pull of it leaves no file.
+    #[test]
+    fn a_frame_named_with_two_lengths_is_refused() {
+        let s3 = S3Server::start("two-lengths", &["snaps"]);
+        let c = client(&s3);
+        let page = vec![0x5au8; 4096];
+        let h = blake3::hash(&page);
+        c.put(
+            &format!("frames/{}", h.to_hex()),
+            Bytes::from(frame::raw(&page)),
+        )
+        .unwrap();
+        let manifest = serde_json::json!({
+            "format": "guestmem-store-snapshot",
+            "version": 1,
+            "name": "evil",
+            "created": 0,
+            "frame_bytes": 65536,
+            "memory_bytes": 65536,
+            "frames": [[{ "h": h.to_hex().to_string() },
+                        { "h": h.to_hex().to_string(), "p": "0100000000000000" }]],
+        });
+        c.put(
+            "snapshots/evil/manifest.json",
+            Bytes::from(manifest.to_string()),
+        )
+        .unwrap();
+        let url = StoreUrl::parse("s3://snaps/evil", false).unwrap();
+        let scratch = guestmem_testkit::Scratch::new("two-lengths");
+        for round in 0..20 {
+            let cache = crate::store::FrameCache::open(&scratch.join("cache"), 1 << 20).unwrap();
+            let frames = Frames::new(
+                Arc::clone(&c),
+                Some(Arc::new(cache)),
+                FetchPolicy::default(),
+            );
+            let memory = StoreMemory::open(frames, &url).unwrap();
+            let e = memory.frame(0).expect_err("a frame named with two lengths");
+            assert!(e.to_string().contains(&h.to_hex()[..16]), "{round}: {e}");
+            let out = scratch.join(format!("pulled-{round}"));
+            assert!(crate::store::pull(&memory, &out, 2).is_err());
+            assert!(!out.exists());
+        }
+        let left: Vec<_> = std::fs::read_dir(&*scratch)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".pulling"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
 }

@@ -1,13 +1,18 @@
 //! A push's lease in the bucket (`leases/`): written when a push starts, renewed while it
 //! runs, deleted when it ends; `gc` deletes nothing while one younger than [`LEASE_STALE`]
-//! is there.
+//! is there. A running gc marks itself too (`leases/gc/`), and a push that finds a live
+//! mark once its lease is written waits, before it looks at any frame, until the gc has
+//! gone: the gc sees the push's lease before its next batch of deletes and stops. Each
+//! writes its own mark first and looks for the other's after, so one of the two always
+//! sees the other. Ages are read on the store's clock (an object's `LastModified` against
+//! that of a mark just written), never against this host's.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::client::Client;
+use super::client::{Client, Listed};
 use super::url::{StoreUrl, LEASES};
 use super::StoreError;
 
@@ -16,6 +21,75 @@ use super::StoreError;
 pub const LEASE_STALE: Duration = Duration::from_secs(600);
 /// How often a running push renews its lease.
 pub(super) const LEASE_RENEW: Duration = Duration::from_secs(60);
+/// Where a running gc marks itself: a folder under `leases/` that no push's lease can be
+/// (a push's lease has no `/` past `leases/`).
+pub(super) const GC_MARKS: &str = "leases/gc/";
+/// How often a push waiting on a gc looks again.
+const GC_POLL: Duration = Duration::from_secs(1);
+
+/// The store's clock now, seconds: the `LastModified` of `key`, just written, in a listing
+/// of `prefix`.
+fn store_now(client: &Client, prefix: &str, key: &str) -> Result<(i64, Vec<Listed>), StoreError> {
+    let listed = client.list(prefix)?;
+    let now = listed
+        .iter()
+        .find(|l| l.key == key)
+        .map(|l| l.modified)
+        .ok_or_else(|| StoreError::Request {
+            op: "LIST",
+            url: client.url(key),
+            reason: "a mark just written is not in the listing (a store that lists late \
+                     cannot keep a gc from a push)"
+                .into(),
+            permanent: true,
+        })?;
+    Ok((now, listed))
+}
+
+/// A push's lease younger than [`LEASE_STALE`] at the store's `now`, in `listed`.
+pub(super) fn live_push(listed: &[Listed], now: i64) -> Option<String> {
+    listed
+        .iter()
+        .filter(|l| !l.key.starts_with(GC_MARKS))
+        .find(|l| now - l.modified < LEASE_STALE.as_secs() as i64)
+        .map(|l| l.key.clone())
+}
+
+/// A running gc's mark in the bucket, deleted when dropped.
+pub(super) struct GcMark<'a> {
+    client: &'a Client,
+    key: String,
+}
+
+impl<'a> GcMark<'a> {
+    /// Writes it; with the leases as the store lists them just after, and its clock then.
+    pub(super) fn take(client: &'a Client) -> Result<(GcMark<'a>, i64, Vec<Listed>), StoreError> {
+        let key = format!("{GC_MARKS}{}.{}", std::process::id(), nanos());
+        let mark = GcMark { client, key };
+        let (now, listed) = mark.renew()?;
+        Ok((mark, now, listed))
+    }
+
+    /// Writes it again: the leases as listed just after, and the store's clock then.
+    pub(super) fn renew(&self) -> Result<(i64, Vec<Listed>), StoreError> {
+        self.client
+            .put(&self.key, Bytes::from_static(b"{\"gc\":true}"))?;
+        store_now(self.client, LEASES, &self.key)
+    }
+}
+
+impl Drop for GcMark<'_> {
+    fn drop(&mut self) {
+        // Best effort: a mark left behind goes stale, and holds pushes off until then.
+        let _ = self.client.delete(&self.key);
+    }
+}
+
+fn nanos() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
+}
 
 /// A push's lease in the bucket: `gc` deletes nothing while one younger than
 /// [`LEASE_STALE`] is there.
@@ -32,9 +106,7 @@ impl Lease {
             "{LEASES}{}.{}.{}",
             url.name.replace('/', "_"),
             std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos())
+            nanos()
         );
         let body = Bytes::from(
             serde_json::json!({ "push": url.to_string(), "pid": std::process::id() }).to_string(),
@@ -55,6 +127,34 @@ impl Lease {
             // A failed renewal shows in gc's refusal to trust a stale lease: the push's own
             // last check (the frames it skipped, looked at again) covers it.
             let _ = self.client.put(&self.key, self.body.clone());
+        }
+    }
+
+    /// Waits while a gc runs (its mark younger than [`LEASE_STALE`] on the store's clock),
+    /// writing this lease again each time it looks (the gc stops once it sees it, before
+    /// its next batch of deletes). Called once the lease is written, before the push looks
+    /// at any frame. Gives up when the mark has not gone within [`LEASE_STALE`].
+    pub(super) fn wait_for_gc(&self) -> Result<(), StoreError> {
+        let t0 = Instant::now();
+        loop {
+            let (now, listed) = store_now(&self.client, LEASES, &self.key)?;
+            let gc = listed.iter().find(|l| {
+                l.key.starts_with(GC_MARKS) && now - l.modified < LEASE_STALE.as_secs() as i64
+            });
+            let Some(gc) = gc else {
+                return Ok(());
+            };
+            if t0.elapsed() > LEASE_STALE {
+                return Err(StoreError::Request {
+                    op: "push",
+                    url: self.client.url(&gc.key),
+                    reason: "a gc has held the bucket for longer than 10 minutes".into(),
+                    permanent: true,
+                });
+            }
+            std::thread::sleep(GC_POLL);
+            self.client.put(&self.key, self.body.clone())?;
+            *self.renewed.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
         }
     }
 

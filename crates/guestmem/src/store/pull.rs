@@ -2,7 +2,7 @@
 //! frame fetched, checked and written by many threads at once, zero frames left as holes,
 //! the file published whole (written beside, synced, renamed).
 
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -26,7 +26,20 @@ pub struct PullReport {
     pub wall_secs: f64,
 }
 
-/// Writes the memory of `memory` to `out` (which must not exist), on `threads` threads.
+/// The file being written, removed when dropped unless published (an error, a panic).
+struct Pulling<'a>(&'a Path, bool);
+
+impl Drop for Pulling<'_> {
+    fn drop(&mut self) {
+        if !self.1 {
+            let _ = std::fs::remove_file(self.0);
+        }
+    }
+}
+
+/// Writes the memory of `memory` to `out` (which must not exist, and is never replaced: a
+/// file made there meanwhile fails the pull), on `threads` threads. The file is readable
+/// by its owner only (a VM's memory holds its secrets).
 pub fn pull(memory: &StoreMemory, out: &Path, threads: usize) -> Result<PullReport, StoreError> {
     let t0 = Instant::now();
     let snap = memory.snapshot();
@@ -48,24 +61,31 @@ pub fn pull(memory: &StoreMemory, out: &Path, threads: usize) -> Result<PullRepo
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let tmp = parent.join(format!(
-        ".{}.{}.pulling",
-        out.file_name()
-            .map_or("memory".into(), |n| n.to_string_lossy()),
-        std::process::id()
-    ));
+    let name = out.file_name().ok_or_else(|| StoreError::Io {
+        op: "pull into (not a file name)",
+        path: out.to_path_buf(),
+        source: std::io::Error::from_raw_os_error(libc::EINVAL),
+    })?;
+    let name = name.to_str().ok_or_else(|| StoreError::Io {
+        op: "pull into (a name that is not UTF-8)",
+        path: out.to_path_buf(),
+        source: std::io::Error::from_raw_os_error(libc::EINVAL),
+    })?;
+    let dir = crate::files::Dir::open(parent).map_err(|e| StoreError::Io {
+        op: "open the folder to pull into",
+        path: parent.to_path_buf(),
+        source: e.source,
+    })?;
+    let tmp_name = format!(".{name}.{}.pulling", std::process::id());
+    let tmp = parent.join(&tmp_name);
     let file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
+        .mode(0o600)
         .open(&tmp)
         .map_err(io("create"))?;
-    let cleanup = |e: StoreError| {
-        let _ = std::fs::remove_file(&tmp);
-        e
-    };
-    file.set_len(snap.memory_bytes())
-        .map_err(io("size"))
-        .map_err(cleanup)?;
+    let mut pulling = Pulling(&tmp, false);
+    file.set_len(snap.memory_bytes()).map_err(io("size"))?;
     let before = memory.frames().counters.bytes.load(Ordering::Relaxed);
     let next = AtomicU64::new(0);
     let failed: Mutex<Option<StoreError>> = Mutex::new(None);
@@ -102,15 +122,17 @@ pub fn pull(memory: &StoreMemory, out: &Path, threads: usize) -> Result<PullRepo
         }
     });
     if let Some(e) = failed.into_inner().unwrap_or_else(|e| e.into_inner()) {
-        return Err(cleanup(e));
+        return Err(e);
     }
-    file.sync_all().map_err(io("sync")).map_err(cleanup)?;
-    std::fs::rename(&tmp, out)
-        .map_err(io("rename into place"))
-        .map_err(cleanup)?;
-    if let Ok(d) = std::fs::File::open(parent) {
-        let _ = d.sync_all();
-    }
+    file.sync_all().map_err(io("sync"))?;
+    dir.rename(&tmp_name, name, false)
+        .map_err(|e| StoreError::Io {
+            op: "rename into place (a pull never overwrites a file)",
+            path: out.to_path_buf(),
+            source: e.source,
+        })?;
+    pulling.1 = true;
+    let _ = dir.sync();
     Ok(PullReport {
         url: snap.url.to_string(),
         memory_bytes: snap.memory_bytes(),

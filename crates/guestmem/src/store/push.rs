@@ -240,6 +240,10 @@ fn push_to(
         });
     }
     let lease = Lease::take(client, url)?;
+    if let Err(e) = lease.wait_for_gc() {
+        lease.release();
+        return Err(e);
+    }
     let job = Job {
         client,
         hold,
@@ -277,7 +281,14 @@ fn push_to(
                 .await
                 .map(|there| (!there).then_some(*i))
         });
-        let r = client.block_on(futures::future::try_join_all(checks));
+        // At most 64 at once: a push of a large VM whose frames are mostly there skips
+        // hundreds of thousands.
+        use futures::{StreamExt, TryStreamExt};
+        let r = client.block_on(
+            futures::stream::iter(checks)
+                .buffer_unordered(64)
+                .try_collect::<Vec<_>>(),
+        );
         match r {
             Ok(v) => v.into_iter().flatten().collect(),
             Err(e) => {
