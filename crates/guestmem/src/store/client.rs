@@ -107,7 +107,14 @@ impl Client {
             &["AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"],
             &profile.endpoint_url,
         );
-        let secrets: Vec<String> = [&key_id, &secret, &token]
+        // An endpoint may carry a user and password (`http://user:pass@host`): they are
+        // secrets too, and left out where the endpoint is shown.
+        let userinfo = endpoint.as_deref().and_then(userinfo);
+        let password = userinfo
+            .as_deref()
+            .and_then(|u| u.split_once(':'))
+            .map(|(_, p)| p.to_string());
+        let secrets: Vec<String> = [&key_id, &secret, &token, &userinfo, &password]
             .into_iter()
             .flatten()
             .filter(|s| s.len() >= 4)
@@ -143,7 +150,10 @@ impl Client {
                 b = b
                     .with_endpoint(e)
                     .with_config(AmazonS3ConfigKey::VirtualHostedStyleRequest, "false");
-                e.clone()
+                match &userinfo {
+                    Some(u) => e.replacen(&format!("{u}@"), "", 1),
+                    None => e.clone(),
+                }
             }
             None => {
                 b = b.with_virtual_hosted_style_request(true);
@@ -509,6 +519,13 @@ fn runtime(what: &str, threads: usize, name: &str) -> Result<tokio::runtime::Run
         })
 }
 
+/// The `user:pass` of a URL's authority, if it has one.
+fn userinfo(url: &str) -> Option<String> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split(['/', '?', '#']).next()?;
+    authority.rsplit_once('@').map(|(u, _)| u.to_string())
+}
+
 fn redact(secrets: &[String], mut s: String) -> String {
     for k in secrets {
         if s.contains(k.as_str()) {
@@ -516,4 +533,30 @@ fn redact(secrets: &[String], mut s: String) -> String {
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Client;
+
+    /// A user and password in the endpoint's URL are secrets: left out of the endpoint
+    /// shown, and redacted from any text the client lets out.
+    #[test]
+    fn an_endpoints_password_is_never_shown() {
+        let get = |k: &str| match k {
+            "AWS_ENDPOINT_URL" => Some("http://gmuser:gmpass1234@127.0.0.1:9/".to_string()),
+            "AWS_ACCESS_KEY_ID" => Some("GMKEYID0".to_string()),
+            "AWS_SECRET_ACCESS_KEY" => Some("gmsecret0".to_string()),
+            _ => None,
+        };
+        let c = Client::connect_with("b", &get).unwrap();
+        assert_eq!(c.endpoint(), "http://127.0.0.1:9/");
+        let said = c.redact(
+            "GET http://gmuser:gmpass1234@127.0.0.1:9/b/x failed; password gmpass1234".into(),
+        );
+        assert!(
+            !said.contains("gmpass1234") && !said.contains("gmuser:"),
+            "{said}"
+        );
+    }
 }

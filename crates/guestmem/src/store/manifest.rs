@@ -145,6 +145,15 @@ impl Snapshot {
             )));
         }
         check_frame_bytes(m.frame_bytes).map_err(|e| bad(e.to_string()))?;
+        // Shown to people (`ls`): no control characters (a terminal's escapes), and short.
+        for (what, text) in [("name", Some(&m.name)), ("base", m.base.as_ref())] {
+            if let Some(t) = text.filter(|t| t.len() > 1024 || t.chars().any(char::is_control)) {
+                return Err(bad(format!(
+                    "its {what} ({} bytes) holds control characters or is longer than 1024",
+                    t.len()
+                )));
+            }
+        }
         if m.memory_bytes == 0
             || m.memory_bytes > MAX_MEMORY_BYTES
             || !m.memory_bytes.is_multiple_of(IMAGE_PAGE_BYTES)
@@ -372,5 +381,13 @@ mod tests {
         ] {
             assert!(Snapshot::parse(&url, &bad).is_err());
         }
+        // A base that would write a terminal's escapes where `ls` shows it.
+        let mut m: StoreManifest =
+            serde_json::from_slice(&manifest(vec![vec![]; 2], 2 << 20)).unwrap();
+        m.base = Some("s3://b/x\u{1b}]0;pwned\u{7}".into());
+        let e = Snapshot::parse(&url, &serde_json::to_vec(&m).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("control characters"), "{e}");
+        m.base = Some("s3://b/base".into());
+        assert!(Snapshot::parse(&url, &serde_json::to_vec(&m).unwrap()).is_ok());
     }
 }
