@@ -515,6 +515,59 @@ fn squatters_hold_nobody_up_and_a_one_vm_server_stops_listening() {
     drop((early, squatter));
 }
 
+/// Sixteen connections that send nothing no longer keep a VM waiting until their
+/// handshake timeout (two minutes here): once one has been silent for a second, the VM's
+/// connection takes its place. (Before, the VM waited in the backlog until a squatter's
+/// timeout ran out.)
+#[test]
+fn silent_connections_make_room_for_a_vm() {
+    need_uffd!();
+    let d = dir("silent");
+    let mem = memory_file(&d, 8 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let srv = Running::start(
+        &[(&socket, &mem)],
+        ServerConfig {
+            handshake_timeout: Duration::from_secs(120),
+            ..leave()
+        },
+    );
+    let squatters: Vec<_> = (0..16)
+        .map(|_| std::os::unix::net::UnixStream::connect(&socket).unwrap())
+        .collect();
+    let mut vm = Standin::new(&[8 * MIB], false).unwrap();
+    vm.connect(&socket).unwrap();
+    let t = Instant::now();
+    while srv.status.snapshot().sessions.len() != 1 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the VM waited behind the silent connections: {}",
+            srv.logged()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    vm.read_all(2);
+    assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
+    assert!(
+        srv.logged().contains("dropped a connection silent for"),
+        "{}",
+        srv.logged()
+    );
+    // The one dropped reads the end of its stream; the others are still pending.
+    let ended = squatters
+        .iter()
+        .filter(|s| {
+            s.set_nonblocking(true).unwrap();
+            matches!(std::io::Read::read(&mut &**s, &mut [0u8; 1]), Ok(0))
+        })
+        .count();
+    assert_eq!(ended, 1);
+    vm.disconnect();
+    drop(squatters);
+    let (r, log) = srv.drain();
+    assert!(r.is_ok(), "{log}");
+}
+
 /// A one-VM server with two VMs at its door serves one and ends the other through its
 /// pidfd: neither is left waiting on a server that will never serve it.
 #[test]

@@ -1,7 +1,10 @@
 //! The one intake: connections accepted on any of a server's sockets, each handshake read
-//! on a thread of its own (at most [`MAX_PENDING_HANDSHAKES`] at once; past that,
-//! connections wait in the backlog), so a squatter or a slow peer holds up nobody. Each
-//! result ([`Arrival`]) is left for the server's supervisor, which admits or refuses it.
+//! on a thread of its own (at most [`MAX_PENDING_HANDSHAKES`] at once), so a squatter or a
+//! slow peer holds up nobody. Past that, a connection that has sent nothing for
+//! [`SILENT_FOR`] is dropped to make room for the next (a VM sends its handshake as it
+//! connects), else connections wait in the backlog: sixteen silent connections renewed
+//! every handshake timeout no longer keep real VMs waiting. Each result ([`Arrival`]) is
+//! left for the server's supervisor, which admits or refuses it.
 //!
 //! Once the server takes no more VMs ([`Intake::close`]: it has its one VM, or it drains), a
 //! handshake that completes later ends its own VM as the failure policy says: no VM that
@@ -10,7 +13,8 @@
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -20,8 +24,14 @@ use super::peer::Ending;
 use super::ServeError;
 use crate::sys::PollFd;
 
-/// Most handshakes read at once; past them, connections wait in the backlog.
+/// Most handshakes read at once; past them, one silent for [`SILENT_FOR`] is dropped for
+/// the next connection, else connections wait in the backlog.
 pub(super) const MAX_PENDING_HANDSHAKES: usize = 16;
+/// A connection pending this long with nothing sent may be dropped to make room (a VM's
+/// handshake comes with its connect; Firecracker's in one `sendmsg`).
+pub(super) const SILENT_FOR: Duration = Duration::from_secs(1);
+/// Handshake threads at most, those of dropped connections still ending included.
+const MAX_HANDSHAKE_THREADS: usize = 2 * MAX_PENDING_HANDSHAKES;
 
 /// A handshake's result, and the socket it came on.
 pub(super) struct Arrival {
@@ -41,8 +51,27 @@ pub(super) enum Closed {
 #[derive(Default)]
 struct Inbox {
     results: Mutex<Results>,
-    /// Handshakes still being read.
+    /// Handshakes still being read (threads running).
     pending: AtomicUsize,
+    /// Those not dropped, oldest first: each with a second handle on its connection.
+    reading: Mutex<Vec<Reading>>,
+    keys: AtomicU64,
+}
+
+/// A handshake being read.
+struct Reading {
+    key: u64,
+    since: Instant,
+    stream: UnixStream,
+}
+
+impl Reading {
+    /// Whether it may be dropped now: pending for [`SILENT_FOR`] with nothing to read (a
+    /// hang-up reads as something: its thread ends at once).
+    fn silent(&self, now: Instant) -> bool {
+        now.duration_since(self.since) >= SILENT_FOR
+            && !crate::sys::is_readable(self.stream.as_fd())
+    }
 }
 
 #[derive(Default)]
@@ -87,16 +116,69 @@ impl Intake {
         self.inbox.pending.load(Ordering::Acquire)
     }
 
-    /// Whether another connection may be accepted now (the listeners are watched).
+    /// Whether another connection may be accepted now (the listeners are watched): fewer
+    /// than [`MAX_PENDING_HANDSHAKES`] being read, or one of them silent long enough to be
+    /// dropped for it.
     pub(super) fn has_room(&self) -> bool {
-        self.pending() < MAX_PENDING_HANDSHAKES
+        if self.pending() >= MAX_HANDSHAKE_THREADS {
+            return false;
+        }
+        let r = self.inbox.reading.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        r.len() < MAX_PENDING_HANDSHAKES || r.iter().any(|p| p.silent(now))
+    }
+
+    /// When there will be room again, if there is none now for want of a connection silent
+    /// long enough to be dropped (the supervisor wakes then; a thread that ends wakes it
+    /// sooner).
+    pub(super) fn room_at(&self) -> Option<Instant> {
+        if self.has_room() || self.pending() >= MAX_HANDSHAKE_THREADS {
+            return None;
+        }
+        let r = self.inbox.reading.lock().unwrap_or_else(|e| e.into_inner());
+        r.iter()
+            .filter(|p| !crate::sys::is_readable(p.stream.as_fd()))
+            .map(|p| p.since + SILENT_FOR)
+            .min()
+    }
+
+    /// Drops the oldest connection silent for [`SILENT_FOR`]; whether there was one.
+    fn drop_silent(&self) -> bool {
+        let mut r = self.inbox.reading.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let Some(i) = r.iter().position(|p| p.silent(now)) else {
+            return false;
+        };
+        let p = r.remove(i);
+        drop(r);
+        // Its thread reads the end of the stream, and ends.
+        let _ = p.stream.shutdown(std::net::Shutdown::Both);
+        self.ending.log.say(&format!(
+            "dropped a connection silent for {:.1} s to make room ({MAX_PENDING_HANDSHAKES} \
+             handshakes pending)",
+            now.duration_since(p.since).as_secs_f64()
+        ));
+        true
     }
 
     /// Accepts the connections waiting on `listener` (socket `socket`), a handshake thread
     /// each, while fewer than `cap` handshakes are in flight (`usize::MAX`: all of them, as
     /// a socket about to close must: those VMs would be left hung).
     pub(super) fn accept(&self, socket: usize, listener: &Listener, cap: usize) {
-        while self.pending() < cap {
+        let live = || {
+            self.inbox
+                .reading
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .len()
+        };
+        loop {
+            if cap != usize::MAX
+                && (live() >= cap || self.pending() >= MAX_HANDSHAKE_THREADS)
+                && !self.has_room()
+            {
+                return;
+            }
             let stream = match listener.socket().accept() {
                 Ok((stream, _)) => stream,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
@@ -113,6 +195,23 @@ impl Intake {
             if stream.set_nonblocking(false).is_err() {
                 continue;
             }
+            // Room for it: a connection silent long enough goes (has_room said one is).
+            if cap != usize::MAX && live() >= cap {
+                self.drop_silent();
+            }
+            let Ok(second) = stream.try_clone() else {
+                continue;
+            };
+            let key = self.inbox.keys.fetch_add(1, Ordering::Relaxed);
+            self.inbox
+                .reading
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(Reading {
+                    key,
+                    since: Instant::now(),
+                    stream: second,
+                });
             self.inbox.pending.fetch_add(1, Ordering::AcqRel);
             let (inbox, notify) = (self.inbox.clone(), self.notify.clone());
             let (timeout, ending) = (self.timeout, self.ending.clone());
@@ -133,10 +232,20 @@ impl Intake {
                             None => g.arrivals.push_back(Arrival { socket, result }),
                         }
                     }
+                    inbox
+                        .reading
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .retain(|p| p.key != key);
                     inbox.pending.fetch_sub(1, Ordering::AcqRel);
                     let _ = crate::sys::eventfd_signal(notify.as_fd());
                 });
             if let Err(e) = spawned {
+                self.inbox
+                    .reading
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .retain(|p| p.key != key);
                 self.inbox.pending.fetch_sub(1, Ordering::AcqRel);
                 self.ending.log.say(&format!(
                     "dropped a connection: no thread for its handshake: {e}"

@@ -542,6 +542,9 @@ impl Server {
             (None, Some(One::Waiting(until))) => until,
             _ => None,
         };
+        // Full of handshakes none of which is silent long enough to drop yet: look again
+        // when one will be.
+        let deadline = deadline.into_iter().chain(self.intake.room_at()).min();
         // Once draining, the drain eventfd stays readable: left out, or every wait returns
         // at once.
         let mut fds = vec![
