@@ -162,7 +162,7 @@ pub fn run_in(a: In) -> Result<()> {
         a.cache_size,
         Duration::from_secs_f64(a.fetch_deadline),
     )?;
-    std::fs::create_dir_all(&a.dir).with_context(|| format!("--dir {}", a.dir.display()))?;
+    guestmem::migrate::private_dir(&a.dir).with_context(|| format!("--dir {}", a.dir.display()))?;
     let listener = TcpListener::bind(a.listen).with_context(|| format!("--listen {}", a.listen))?;
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let wait = Duration::from_secs_f64(a.wait);

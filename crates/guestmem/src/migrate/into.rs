@@ -18,6 +18,9 @@ use crate::store::{read_snapshot, Client, Frames, Snapshot, StoreError, StoreMem
 
 /// How long Firecracker's `snapshot/load` (and resume) may take here.
 pub(super) const LOAD_LIMIT: Duration = Duration::from_secs(120);
+/// How long a connection has to say hello and offer its move before it is dropped for
+/// the next (a source does both as it connects).
+const HELLO_LIMIT: Duration = Duration::from_secs(10);
 /// How long the vmstate's bytes may take to arrive after their announcement.
 const PAYLOAD_LIMIT: Duration = Duration::from_secs(20);
 
@@ -84,40 +87,62 @@ pub fn move_in(
     m: &MoveIn,
     frames_for: &mut dyn FnMut(&StoreUrl) -> Result<Arc<Frames>, StoreError>,
 ) -> Result<MoveInReport, MoveError> {
-    let mut fds = [crate::sys::PollFd::readable(listener.as_fd())];
-    let ready = crate::sys::poll(&mut fds, Some(m.wait)).map_err(|e| MoveError::Io {
-        op: "wait for a move on",
-        path: listener
-            .local_addr()
-            .map_or("?".into(), |a| a.to_string())
-            .into(),
-        source: e,
-    })?;
-    let (s, _) = match ready {
-        0 => {
-            return Err(MoveError::Wire {
-                peer: "(none)".into(),
-                reason: format!("no source connected within {:?}", m.wait),
-            })
+    // Connections are taken until one says hello and offers a move within HELLO_LIMIT
+    // (MACed when keyed): one that connects first and says nothing, or the wrong thing,
+    // is dropped, and cannot keep the real source waiting past its own limits.
+    let until = Instant::now() + m.wait;
+    let (mut wire, token, offer) = loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let mut fds = [crate::sys::PollFd::readable(listener.as_fd())];
+        let ready = crate::sys::poll(&mut fds, Some(left)).map_err(|e| MoveError::Io {
+            op: "wait for a move on",
+            path: listener
+                .local_addr()
+                .map_or("?".into(), |a| a.to_string())
+                .into(),
+            source: e,
+        })?;
+        let (s, _) = match ready {
+            0 => {
+                return Err(MoveError::Wire {
+                    peer: "(none)".into(),
+                    reason: format!("no source connected within {:?}", m.wait),
+                })
+            }
+            _ => match listener.accept() {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!("move: accept failed: {e}");
+                    continue;
+                }
+            },
+        };
+        let _ = s.set_nonblocking(false);
+        let mut wire = Wire::new(s)?;
+        let limit = HELLO_LIMIT.min(until.saturating_duration_since(Instant::now()));
+        let token = match wire.hello(Side::Destination, m.key.as_ref(), limit) {
+            Ok(Some(session)) => Some((session.read_token(), session.piece_key())),
+            Ok(None) => {
+                tracing::warn!(
+                    "a move from {} without a move key: the source is not authenticated (docs/move.md, Security)",
+                    wire.peer()
+                );
+                None
+            }
+            Err(e) => {
+                tracing::warn!("move: dropped a connection from {}: {e}", wire.peer());
+                continue;
+            }
+        };
+        match wire.recv(limit) {
+            Ok(offer) => break (wire, token, offer),
+            Err(e) => {
+                let peer = wire.peer().to_string();
+                let e = wire.refuse(e);
+                tracing::warn!("move: dropped a connection from {peer}: {e}");
+            }
         }
-        _ => listener.accept().map_err(|e| MoveError::Wire {
-            peer: "(none)".into(),
-            reason: format!("accept: {e}"),
-        })?,
     };
-    let _ = s.set_nonblocking(false);
-    let mut wire = Wire::new(s)?;
-    let token = match wire.hello(Side::Destination, m.key.as_ref(), m.wait)? {
-        Some(session) => Some((session.read_token(), session.piece_key())),
-        None => {
-            tracing::warn!(
-                "a move from {} without a move key: the source is not authenticated (docs/move.md, Security)",
-                wire.peer()
-            );
-            None
-        }
-    };
-    let offer = wire.recv(m.wait).map_err(|e| wire.refuse(e))?;
     let (base_url, peer_url, name) = match offer {
         Msg::Offer {
             version,
@@ -193,9 +218,11 @@ pub fn move_in(
     let sock = m.dir.join(format!("{local}.uffd.sock"));
     let prepared = (|| -> Result<(RemovedOnDrop, Listener), MoveError> {
         use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .open(&vmstate)
             .map_err(|source| MoveError::Io {
                 op: "write (a new file)",
@@ -389,7 +416,22 @@ pub fn move_in(
         Err(e) => Err(e),
     };
     if let Err(e) = go {
-        let e = abandon(&mut wire, e);
+        // After a Commit its resume may have taken hold though it failed: the source is
+        // told to resume its copy only once this one is surely ended (else it stays
+        // paused: never two copies running).
+        let ended = process
+            .kill()
+            .map_or_else(|k| k.raw_os_error() == Some(libc::ESRCH), |()| true);
+        let e = match ended {
+            true => abandon(&mut wire, e),
+            false => {
+                tracing::error!(
+                    "the destination Firecracker could not be ended after a failed resume; the source is not told to resume its copy"
+                );
+                drainer.drain();
+                e
+            }
+        };
         let _ = run.join();
         return Err(e);
     }
@@ -437,12 +479,22 @@ pub fn move_in(
         }
         Err(e) => tracing::error!("move: {e}; the source still owes {owed_frames} frames"),
     }
-    drop(wire);
+    // Once released, the source may go; while this side still follows it, the connection
+    // stays open until the VM is no longer served (the source serves its frames until
+    // then).
+    let wire = match released_ms {
+        Some(_) => {
+            drop(wire);
+            None
+        }
+        None => Some(wire),
+    };
     let server = run.join().map_err(|_| MoveError::Io {
         op: "serve (its thread panicked)",
         path: m.dir.clone(),
         source: std::io::Error::other("page server thread panicked"),
     })??;
+    drop(wire);
     let c = &frames.counters;
     Ok(MoveInReport {
         base: base_url.to_string(),

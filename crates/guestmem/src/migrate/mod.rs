@@ -114,8 +114,54 @@ impl<F: FnMut()> Drop for OnPanic<F> {
     }
 }
 
+/// Makes `dir` (mode 0700, with any parent missing) or takes it as it is, and refuses one
+/// another user owns or others may write to: a VM's memory and state are written there,
+/// and a symlink planted in it would take those writes elsewhere.
+pub fn private_dir(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let meta = std::fs::symlink_metadata(dir)?;
+    // SAFETY: geteuid takes nothing and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_dir() || meta.uid() != me || meta.mode() & 0o022 != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "not a folder of this user's that only it may write to (owner {}, mode {:o}): a VM's memory and state go there",
+                meta.uid(),
+                meta.mode() & 0o7777
+            ),
+        ));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
+
+    /// A move's folder is made 0700, and one others may write to, or a symlink, is refused
+    /// (a link planted there would take a VM's memory elsewhere).
+    #[test]
+    fn a_folder_others_may_write_to_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let scratch = guestmem_testkit::Scratch::new("private-dir");
+        let fresh = scratch.join("a").join("b");
+        super::private_dir(&fresh).unwrap();
+        let mode = std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700, "{mode:o}");
+        super::private_dir(&fresh).unwrap();
+        let open = scratch.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = super::private_dir(&open).unwrap_err();
+        assert!(e.to_string().contains("mode 777"), "{e}");
+        let link = scratch.join("link");
+        std::os::unix::fs::symlink(&fresh, &link).unwrap();
+        assert!(super::private_dir(&link).is_err());
+    }
     use super::OnPanic;
     use std::cell::Cell;
 

@@ -23,6 +23,10 @@ const API_LIMIT: Duration = Duration::from_secs(120);
 /// How long the destination may take from the hand-over to the VM loaded: it reads the
 /// vmstate, opens the chain and loads within [`super::into::LOAD_LIMIT`] of its own.
 const LOAD_LIMIT: Duration = Duration::from_secs(150);
+/// How long the source waits for the destination's word after its Commit: past the
+/// destination's own limit on its resume ([`super::into::LOAD_LIMIT`]), so that a
+/// destination that gives up says so (and the copy here resumes) before this runs out.
+const COMMIT_LIMIT: Duration = Duration::from_secs(super::into::LOAD_LIMIT.as_secs() + 60);
 /// How long the destination may take to read the pushed manifest and let go.
 const RELEASE_LIMIT: Duration = Duration::from_secs(60);
 /// Pushes of the diff tried before giving up (the client retries each request too).
@@ -123,7 +127,7 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         let path = path.to_path_buf();
         move |source| MoveError::Io { op, path, source }
     };
-    std::fs::create_dir_all(&m.work_dir).map_err(io("create", &m.work_dir))?;
+    super::private_dir(&m.work_dir).map_err(io("use as the work folder", &m.work_dir))?;
     let local = m.push_as.name.replace('/', "_");
     let vmstate = m.work_dir.join(format!("{local}.vmstate"));
     let memfile = m.work_dir.join(format!("{local}.mem"));
@@ -346,13 +350,15 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
     let (diff_bytes, state) = match paused {
         Ok(v) => v,
         Err(e) => {
+            // Resumed first: the destination never resumes without a Commit, and a send to
+            // a destination that stopped reading may take its whole limit.
+            let resumed = api.ok("PATCH", "vm", r#"{"state":"Resumed"}"#, API_LIMIT);
             let _ = wire.send(
                 &Msg::Abort {
                     reason: e.to_string(),
                 },
                 &[],
             );
-            let resumed = api.ok("PATCH", "vm", r#"{"state":"Resumed"}"#, API_LIMIT);
             tracing::warn!("move of {} failed after the pause: {e}", m.api.display());
             // Firecracker cleared its dirty log at the Diff: a later move on the same base
             // would miss these writes. They go to the store as the base for the next move.
@@ -384,7 +390,19 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
     let t_commit = Instant::now();
     let committed = wire
         .send(&Msg::Commit, &[])
-        .and_then(|_| wire.recv(ANSWER_LIMIT));
+        .and_then(|_| wire.recv(COMMIT_LIMIT));
+    // No answer in time: the destination may still be resuming, or have given up and be
+    // about to say so. Its word is waited for (a connection that closed ends the wait at
+    // once): a late Refused resumes the copy here, a late Running goes on as a move.
+    let committed = match committed {
+        Err(e) => {
+            tracing::error!(
+                "move committed but the destination did not answer within {COMMIT_LIMIT:?} ({e}); the source VM stays paused until it does"
+            );
+            wire.recv(Duration::from_secs(u32::MAX as u64))
+        }
+        answer => answer,
+    };
     match committed {
         Ok(Msg::Running) => {}
         Ok(Msg::Refused { reason }) => {
@@ -406,7 +424,6 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             tracing::error!(
                 "move committed but the destination did not confirm ({why}); the source VM is left paused, not ended"
             );
-            let _ = wire.recv(Duration::from_secs(u32::MAX as u64));
             return Err(MoveError::Wire {
                 peer: wire.peer().into(),
                 reason: format!("after the commit: {why}; the source VM is left paused (the destination may run it)"),
@@ -465,15 +482,33 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             resume: "it was not to be: the destination runs it".into(),
         });
     };
-    wire.send(
-        &Msg::Pushed {
-            url: m.push_as.to_string(),
-        },
-        &[],
-    )?;
-    match wire.recv(RELEASE_LIMIT)? {
-        Msg::Released => {}
-        other => return Err(unexpected(&wire, "Released", &other)),
+    let released = wire
+        .send(
+            &Msg::Pushed {
+                url: m.push_as.to_string(),
+            },
+            &[],
+        )
+        .and_then(|()| wire.recv(RELEASE_LIMIT));
+    if !matches!(released, Ok(Msg::Released)) {
+        // The destination may still follow this host (it could not read the pushed
+        // manifest yet, or is slow to say so): its frames stay served until it closes, or
+        // its owed faults would fail at its fetch deadline.
+        let why = match &released {
+            Ok(other) => format!("expected Released, got {other:?}"),
+            Err(e) => e.to_string(),
+        };
+        tracing::error!(
+            "the diff is in {}, but the destination did not let go ({why}); serving its frames until it closes",
+            m.push_as
+        );
+        let late = wire.recv(Duration::from_secs(u32::MAX as u64));
+        if !matches!(late, Ok(Msg::Released)) {
+            return Err(match released {
+                Ok(other) => unexpected(&wire, "Released", &other),
+                Err(e) => e,
+            });
+        }
     }
     let risk_ms = ms(t0);
     Ok(MoveReport {

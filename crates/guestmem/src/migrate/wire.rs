@@ -123,7 +123,8 @@ impl Wire {
             peer: peer.clone(),
             reason: e.to_string(),
         })?;
-        // A stalled peer never holds a send (and so a pause) for ever.
+        // A stalled peer never holds a send (and so a pause) for ever: each send has one
+        // deadline for the whole of it (`write_by`), not a timeout a write.
         writer
             .set_write_timeout(Some(SEND_LIMIT))
             .map_err(|e| MoveError::Wire {
@@ -263,18 +264,16 @@ impl Wire {
             true => None,
             false => self.next_mac(payload),
         };
-        self.writer
-            .write_all(&line)
-            .and_then(|_| self.writer.write_all(payload))
-            .and_then(|_| {
-                self.writer
-                    .write_all(payload_mac.as_ref().map_or(&[][..], |m| m))
-            })
-            .and_then(|_| self.writer.flush())
+        let deadline = Instant::now() + SEND_LIMIT;
+        let mac = payload_mac.as_ref().map_or(&[][..], |m| m);
+        write_by(&self.writer, &line, deadline)
+            .and_then(|_| write_by(&self.writer, payload, deadline))
+            .and_then(|_| write_by(&self.writer, mac, deadline))
             .map_err(|e| self.err(format!("send: {e}")))
     }
 
     /// Tells the other side no, and why (best effort: it may be gone); gives `e` back.
+    /// (Within [`SEND_LIMIT`], as every send.)
     pub(crate) fn refuse(&mut self, e: MoveError) -> MoveError {
         let _ = self.send(
             &Msg::Refused {
@@ -395,10 +394,63 @@ impl Wire {
     }
 }
 
+/// Writes all of `buf` to `s` by `deadline`: a peer that takes a few bytes now and then
+/// (each write's own timeout met) cannot stretch a send, and a pause, past it.
+fn write_by(mut s: &TcpStream, mut buf: &[u8], deadline: Instant) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("not sent within {SEND_LIMIT:?}"),
+            ));
+        }
+        s.set_write_timeout(Some(left))?;
+        match s.write(buf) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::net::TcpListener;
+
+    /// A peer that reads a little now and then (each write's own timeout met) cannot
+    /// stretch a send past its deadline: here 64 MiB to a reader of 200 KiB/s, which a
+    /// timeout a write would have let run for minutes, fails at its half second.
+    #[test]
+    fn a_slow_reader_cannot_stretch_a_send() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let w = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut r, _) = l.accept().unwrap();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = std::sync::Arc::clone(&stop);
+        let reader = std::thread::spawn(move || {
+            let mut b = [0u8; 4096];
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed)
+                && r.read(&mut b).is_ok_and(|n| n > 0)
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let big = vec![0u8; 64 << 20];
+        let e = write_by(&w, &big, Instant::now() + Duration::from_millis(500)).unwrap_err();
+        assert!(
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+            ),
+            "{e}"
+        );
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        reader.join().unwrap();
+    }
 
     /// A connected pair: our `Wire` and the other side's raw stream.
     fn pair() -> (Wire, TcpStream) {
