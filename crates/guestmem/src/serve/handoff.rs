@@ -215,6 +215,60 @@ impl Drop for TakeOver {
     }
 }
 
+/// The messages of a hand-off as they come: a message is one line of JSON, sent in one
+/// `sendmsg` with its descriptor, but a long one (a VM of hundreds of regions) arrives in
+/// several reads, only the first carrying the descriptor, and a read may run on into the
+/// next message. So bytes and descriptors are kept as they come, and a message is taken
+/// once its line is whole, with the first descriptor not yet taken (every message but the
+/// end mark carries one).
+#[derive(Default)]
+struct Incoming {
+    bytes: Vec<u8>,
+    fds: std::collections::VecDeque<OwnedFd>,
+}
+
+/// Longest hand-off message (a session record of the most regions a handshake takes is
+/// well under this).
+const MAX_MESSAGE: usize = 64 << 20;
+
+impl Incoming {
+    fn next(&mut self, s: &UnixStream) -> Result<(Message, Option<OwnedFd>), ServeError> {
+        let serr = |op: &'static str| move |source| ServeError::Io { op, source };
+        let mut buf = vec![0u8; 1 << 20];
+        let line = loop {
+            if let Some(i) = self.bytes.iter().position(|&b| b == b'\n') {
+                break self.bytes.drain(..=i).collect::<Vec<u8>>();
+            }
+            if self.bytes.len() > MAX_MESSAGE {
+                return Err(serr("receive the hand-off")(io::Error::other(format!(
+                    "a message past {MAX_MESSAGE} bytes"
+                ))));
+            }
+            let (n, fds) = recv_with_fds(s, &mut buf).map_err(serr("receive the hand-off"))?;
+            self.fds.extend(fds?);
+            if n == 0 {
+                return Err(serr("receive the hand-off")(io::Error::other(
+                    "the old server closed the connection before the end of the hand-off (is \
+                     it a server with this version's control socket?)",
+                )));
+            }
+            self.bytes.extend_from_slice(&buf[..n]);
+        };
+        let text = String::from_utf8_lossy(&line);
+        let m: Message = serde_json::from_str(text.trim_end()).map_err(|e| {
+            serr("parse the hand-off")(io::Error::other(format!(
+                "{e}: {}",
+                text.chars().take(200).collect::<String>()
+            )))
+        })?;
+        let fd = match m {
+            Message::End => None,
+            _ => self.fds.pop_front(),
+        };
+        Ok((m, fd))
+    }
+}
+
 /// Takes over the server whose control socket is `control`: receives its sockets and VMs
 /// (see the module docs) and waits, at most `wait`, for the old server to exit.
 pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError> {
@@ -239,24 +293,10 @@ pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError>
         old_pid: old.pid(),
         handed_secs: 0.0,
     };
-    let mut buf = vec![0u8; 1 << 20];
+    let mut incoming = Incoming::default();
     loop {
-        let (n, fds) = recv_with_fds(&s, &mut buf).map_err(serr("receive the hand-off"))?;
-        let mut fds = fds?;
-        if n == 0 {
-            return Err(serr("receive the hand-off")(io::Error::other(
-                "the old server closed the connection before the end of the hand-off (is \
-                 it a server with this version's control socket?)",
-            )));
-        }
-        let text = String::from_utf8_lossy(&buf[..n]);
-        let m: Message = serde_json::from_str(text.trim_end()).map_err(|e| {
-            serr("parse the hand-off")(io::Error::other(format!(
-                "{e}: {}",
-                text.chars().take(200).collect::<String>()
-            )))
-        })?;
-        match (m, fds.pop()) {
+        let (m, fd) = incoming.next(&s)?;
+        match (m, fd) {
             (Message::Listener { index, path }, Some(fd)) => out.listeners.push((index, path, fd)),
             (Message::Session { index, record }, Some(uffd)) => out.sessions.push(HandedSession {
                 index,
@@ -288,4 +328,60 @@ pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError>
     }
     out.handed_secs = t0.elapsed().as_secs_f64();
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+
+    use super::{Incoming, Message, Outgoing};
+    use crate::serve::regions::UffdRegion;
+    use crate::serve::state::SessionRecord;
+
+    /// A hand-off message longer than one read (a VM of a thousand regions: about 85 KiB of
+    /// JSON) arrives whole, with its descriptor, and so do the messages around it. Before,
+    /// each message was read in one `recvmsg`, and this one came cut short: the take-over
+    /// failed, and every VM handed over was ended.
+    #[test]
+    fn a_long_hand_off_message_is_read_whole() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let regions: Vec<UffdRegion> = (0..1000u64)
+            .map(|i| UffdRegion {
+                base_host_virt_addr: 0x7f00_0000_0000 + i * 0x10_0000,
+                size: 4096,
+                offset: i * 4096,
+                page_size: 4096,
+            })
+            .collect();
+        let mem = serde_json::from_value(serde_json::json!({
+            "dev": 1, "ino": 2, "size": 4096 * 1000, "mtime_s": 0, "mtime_nsec": 0
+        }))
+        .unwrap();
+        let record = SessionRecord::new(4242, 77, 9, mem, &regions);
+        let fds: Vec<_> = (0..3).map(|_| crate::sys::eventfd().unwrap()).collect();
+        let sender = std::thread::spawn(move || {
+            let out = Outgoing { to: &a };
+            let p = std::path::Path::new("/run/vm.sock");
+            out.listener(0, p, fds[0].as_raw_fd()).unwrap();
+            out.session(0, record.clone(), fds[1].as_raw_fd()).unwrap();
+            out.session(0, record, fds[2].as_raw_fd()).unwrap();
+            out.end().unwrap();
+        });
+        let mut incoming = Incoming::default();
+        let (m, fd) = incoming.next(&b).unwrap();
+        assert!(matches!(m, Message::Listener { index: 0, .. }) && fd.is_some());
+        for _ in 0..2 {
+            let (m, fd) = incoming.next(&b).unwrap();
+            let Message::Session { record, .. } = m else {
+                panic!("not a session");
+            };
+            assert_eq!(record.regions().unwrap(), regions);
+            assert_eq!(record.pid, 4242);
+            assert!(fd.is_some());
+        }
+        let (m, fd) = incoming.next(&b).unwrap();
+        assert!(matches!(m, Message::End) && fd.is_none());
+        sender.join().unwrap();
+    }
 }
