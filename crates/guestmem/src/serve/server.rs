@@ -323,8 +323,8 @@ impl Server {
     pub fn run(mut self) -> Result<ServerReport, ServeError> {
         self.watch_files();
         self.load_learnt();
-        let handed = self.resume_handed();
-        self.resume_recorded(&handed);
+        let (handed, dropped) = self.resume_handed();
+        self.resume_recorded(&handed, &dropped);
         let mut draining: Option<Instant> = None;
         loop {
             if let Some(done) = self.one_done() {

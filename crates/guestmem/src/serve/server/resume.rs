@@ -21,19 +21,20 @@ use crate::serve::ServeError;
 const GRADUATING: usize = 16;
 
 impl Server {
-    /// Serves the VMs another server handed over, as after a restart; their records' keys
-    /// (the state directory's copies are not taken back a second time).
-    pub(super) fn resume_handed(&mut self) -> Vec<RecordKey> {
-        let mut keys = Vec::new();
+    /// Serves the VMs another server handed over, as after a restart; their records' keys:
+    /// those served (the state directory's copies are not taken back a second time), and
+    /// those gone or not served (their copies are removed, not left for a later server).
+    pub(super) fn resume_handed(&mut self) -> (Vec<RecordKey>, Vec<RecordKey>) {
+        let (mut served, mut dropped) = (Vec::new(), Vec::new());
         for h in std::mem::take(&mut self.handed) {
             let r = &h.record;
-            keys.push(RecordKey::of(r));
             let process = match PeerProcess::reopen(r.pid, r.start_time) {
                 Ok(p) => p,
                 Err(e) => {
                     self.ending
                         .log
                         .say(&format!("handed-over VM {}: gone ({e})", r.pid));
+                    dropped.push(RecordKey::of(r));
                     continue;
                 }
             };
@@ -42,14 +43,18 @@ impl Server {
                     "took over peer {} (socket {} before) from the old server",
                     r.pid, h.index
                 ));
+                served.push(RecordKey::of(r));
+            } else {
+                dropped.push(RecordKey::of(r));
             }
         }
-        keys
+        (served, dropped)
     }
 
     /// Takes back every VM the state directory records (see [`Server::run`]), but those
-    /// `handed` over already.
-    pub(super) fn resume_recorded(&mut self, handed: &[RecordKey]) {
+    /// `handed` over already; the records of those `dropped` (handed over, then gone or not
+    /// served) are removed.
+    pub(super) fn resume_recorded(&mut self, handed: &[RecordKey], dropped: &[RecordKey]) {
         let Some(state) = &self.state else { return };
         let records = state.records();
         for (path, read) in records {
@@ -65,6 +70,11 @@ impl Server {
             };
             if handed.contains(&RecordKey::of(&r)) {
                 // Handed over by the old server and served already.
+                continue;
+            }
+            if dropped.contains(&RecordKey::of(&r)) {
+                // Handed over, and gone or ended since: no later server is to take it back.
+                self.forget_path(&path);
                 continue;
             }
             let process = match PeerProcess::reopen(r.pid, r.start_time) {
