@@ -8,7 +8,7 @@
 //! processes, systemd) is tested through `guestmem serve-uffd` in the CLI's tests.
 
 use std::os::unix::process::ExitStatusExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -403,18 +403,15 @@ fn a_vm_that_cannot_be_served_is_killed_through_its_pidfd() {
     }
 }
 
-/// A VM that closes its socket but runs on, holding its userfaultfd, is served until its
-/// process exits: its faults after the hang-up are answered, every word right, and its
-/// session ends with the process. (Before, its session ended with the socket, and its
-/// next fault waited forever.)
-#[test]
-fn a_vm_that_hangs_up_and_runs_on_is_served_until_it_exits() {
-    need_uffd!();
-    let d = dir("hang-up");
+/// A one-VM server of a 4 MiB file that prefetches nothing (every page the VM reads is a
+/// fault), and a VM in a child process that does `does`, once the server has taken its
+/// hang-up for a VM running on (the go file not written yet); the go file's path, and its
+/// folder (removed when dropped).
+fn hung_up(name: &str, does: ChildDoes) -> (Running, ChildGuard, PathBuf, Scratch) {
+    let d = dir(name);
     let mem = memory_file(&d, 4 * MIB, None);
     let socket = d.join("uffd.sock");
     let go = d.join("go");
-    // Nothing prefetched: every page the VM reads after its hang-up is a fault.
     let srv = Running::start(
         &[(&socket, &mem)],
         one(ServerConfig {
@@ -422,7 +419,7 @@ fn a_vm_that_hangs_up_and_runs_on_is_served_until_it_exits() {
             ..ServerConfig::default()
         }),
     );
-    let mut vm = vm_child(&socket, 4 * MIB, 0, ChildDoes::HangUpAndRunOn, &go);
+    let mut vm = vm_child(&socket, 4 * MIB, 0, does, &go);
     let t = Instant::now();
     while !srv.logged().contains("still holds its userfaultfd") {
         assert!(
@@ -433,6 +430,17 @@ fn a_vm_that_hangs_up_and_runs_on_is_served_until_it_exits() {
         assert!(vm.running(), "the VM went: {}", srv.logged());
         std::thread::sleep(Duration::from_millis(5));
     }
+    (srv, vm, go, d)
+}
+
+/// A VM that closes its socket but runs on, holding its userfaultfd, is served until its
+/// process exits: its faults after the hang-up are answered, every word right, and its
+/// session ends with the process. (Before, its session ended with the socket, and its
+/// next fault waited forever.)
+#[test]
+fn a_vm_that_hangs_up_and_runs_on_is_served_until_it_exits() {
+    need_uffd!();
+    let (srv, mut vm, go, _d) = hung_up("hang-up", ChildDoes::HangUpAndRunOn);
     // It reads all its memory only now, each word checked, and exits 0.
     std::fs::write(&go, b"").unwrap();
     let st = vm.wait_exit(30);
@@ -451,26 +459,12 @@ fn a_vm_that_hangs_up_and_runs_on_is_served_until_it_exits() {
 #[test]
 fn a_vm_that_hung_up_and_unmapped_its_memory_has_let_go_of_it() {
     need_uffd!();
-    let d = dir("let-go");
-    let mem = memory_file(&d, 4 * MIB, None);
-    let socket = d.join("uffd.sock");
-    let go = d.join("go");
-    let srv = Running::start(
-        &[(&socket, &mem)],
-        one(ServerConfig {
-            prefetch_threads: 0,
-            ..ServerConfig::default()
-        }),
-    );
-    let mut vm = vm_child(&socket, 4 * MIB, 0, ChildDoes::HangUpUnmapAndRunOn, &go);
-    let t = Instant::now();
-    while !srv.logged().contains("still holds its userfaultfd") {
-        assert!(t.elapsed() < Duration::from_secs(20), "{}", srv.logged());
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let (srv, mut vm, go, _d) = hung_up("let-go", ChildDoes::HangUpUnmapAndRunOn);
     std::fs::write(&go, b"").unwrap();
-    let unmapped = d.join("go.unmapped");
-    while !unmapped.exists() {
+    let mut unmapped = go.clone().into_os_string();
+    unmapped.push(".unmapped");
+    let t = Instant::now();
+    while !Path::new(&unmapped).exists() {
         assert!(t.elapsed() < Duration::from_secs(40), "{}", srv.logged());
         std::thread::sleep(Duration::from_millis(5));
     }
