@@ -26,39 +26,25 @@ pub(super) struct TakenBack {
 }
 
 /// What a later server needs to serve `session`'s VM again, its memory file `memory`.
+///
+/// For a hand-off (`handing_off`) the VM's userfaultfd travels with the record (over
+/// `SCM_RIGHTS`), so its number in the VM, which only a later restart needs and which
+/// takes ptrace access to the VM to find, is `-1` where it cannot be found, for a VM with
+/// no record on disk (one with a record had its number found at admission: a record under
+/// another key would be taken back a second time from the disk). Such a record, read back
+/// at a restart, cannot take the VM back (the VM is ended then, never left hung).
 pub(super) fn record_of(
     session: &Session,
     memory: &MemoryFile,
-) -> Result<SessionRecord, RecordProblem> {
-    let p = session.process();
-    let pid = p.pid().ok_or(RecordProblem::NoPid)?;
-    let start = p.start_time().ok_or(RecordProblem::NoStartTime)?;
-    let fd = p
-        .fd_number_of(session.uffd_fd())
-        .map_err(RecordProblem::UffdNumber)?;
-    let mem = memory.identity().map_err(RecordProblem::MemoryFile)?;
-    Ok(SessionRecord::new(pid, start, fd, mem, session.regions()))
-}
-
-/// [`record_of`], for a hand-off: the VM's userfaultfd travels with the record (over
-/// `SCM_RIGHTS`), so its number in the VM, which only a later restart needs and which
-/// takes ptrace access to the VM to find, is `-1` where it cannot be found (for a VM with
-/// no record on disk: one with a record had it found). Such a record,
-/// read back at a restart, cannot take the VM back (the VM is ended then, never left
-/// hung); a hand-off no longer ends every VM a server without that access serves.
-pub(super) fn hand_off_record_of(
-    session: &Session,
-    memory: &MemoryFile,
+    handing_off: bool,
 ) -> Result<SessionRecord, RecordProblem> {
     let p = session.process();
     let pid = p.pid().ok_or(RecordProblem::NoPid)?;
     let start = p.start_time().ok_or(RecordProblem::NoStartTime)?;
     let fd = match p.fd_number_of(session.uffd_fd()) {
         Ok(n) => n,
-        // A VM with a record on disk had its number found at admission: a record with
-        // another key would be taken back a second time from the disk.
-        Err(e) if session.record.is_some() => return Err(RecordProblem::UffdNumber(e)),
-        Err(_) => -1,
+        Err(_) if handing_off && session.record.is_none() => -1,
+        Err(e) => return Err(RecordProblem::UffdNumber(e)),
     };
     let mem = memory.identity().map_err(RecordProblem::MemoryFile)?;
     Ok(SessionRecord::new(pid, start, fd, mem, session.regions()))

@@ -260,7 +260,8 @@ impl Frames {
                 self.counters.joined.fetch_add(1, Ordering::Relaxed);
                 // A flight is shared by hash alone: one asked for with another length (a
                 // manifest that names one frame with two) is refused here, as its own GET's
-                // check would refuse it, never handed bytes of the wrong length.
+                // check would refuse it, never handed bytes of the wrong length (every other
+                // way here, the stage, the cache and a GET, checks the length it is asked).
                 match wait(rx).await {
                     Ok(b) if b.len() != len => Err(Arc::new(StoreError::Frame {
                         url: self.client.url(&frame_key(&hash)),

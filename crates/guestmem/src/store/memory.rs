@@ -232,26 +232,9 @@ impl StoreMemory {
     async fn assemble(&self, i: u64) -> Result<Arc<Vec<u8>>, Arc<StoreError>> {
         let len = self.snapshot.frame_len(i) as usize;
         let pieces = &self.snapshot.frames[i as usize];
-        // Whatever gave a piece's bytes (a GET, a flight joined, the cache, the stage), they
-        // are laid down only at the length the manifest names.
-        let sized = |p: &Piece, want: usize, bytes: Arc<Vec<u8>>| {
-            if bytes.len() == want {
-                return Ok(bytes);
-            }
-            Err(Arc::new(StoreError::Frame {
-                url: self.snapshot.url.to_string(),
-                reason: format!(
-                    "frame {i}: piece {} gave {} bytes, where the manifest names {want}",
-                    p.hash.to_hex(),
-                    bytes.len()
-                ),
-            }))
-        };
         match pieces.as_slice() {
             [] => Ok(Arc::new(vec![0u8; len])),
-            [p @ Piece { hash, pages: None }] => {
-                sized(p, len, self.frames.get_async(*hash, len).await?)
-            }
+            [Piece { hash, pages: None }] => self.frames.get_async(*hash, len).await,
             _ => {
                 // The newest piece first: a diff's is the likeliest to be fetched, and its
                 // GET is then in flight while the older pieces are read from the cache
@@ -267,8 +250,7 @@ impl StoreMemory {
                 got.reverse();
                 let mut out = vec![0u8; len];
                 for (p, bytes) in pieces.iter().zip(got) {
-                    let bytes = sized(p, p.plain_len(len as u64) as usize, bytes?)?;
-                    overlay(&mut out, p, &bytes);
+                    overlay(&mut out, p, &bytes?);
                 }
                 Ok(Arc::new(out))
             }

@@ -11,7 +11,7 @@ use crate::serve::files::MemoryFile;
 use crate::serve::handoff::Outgoing;
 use crate::serve::peer::PeerProcess;
 use crate::serve::report::SessionEnd;
-use crate::serve::restart::{hand_off_record_of, take_back};
+use crate::serve::restart::{record_of, take_back};
 use crate::serve::session::{Concluded, Over, Session};
 use crate::serve::state::SessionRecord;
 use crate::serve::ServeError;
@@ -232,7 +232,7 @@ impl Server {
         for (id, s) in std::mem::take(&mut self.sessions) {
             // Stop serving it first: the new server may start as soon as the end is sent.
             self.pool.remove(id);
-            let handed = hand_off_record_of(&s, &self.sockets[s.socket].memory)
+            let handed = record_of(&s, &self.sockets[s.socket].memory, true)
                 .map_err(std::io::Error::other)
                 .and_then(|r| out.session(s.socket, r, s.uffd_fd().as_raw_fd()));
             // A VM that could not be handed is not left hung: it is ended.

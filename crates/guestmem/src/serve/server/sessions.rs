@@ -135,8 +135,8 @@ impl Server {
     /// written is served all the same (it would not outlive this server), with a log line.
     pub(super) fn record(&self, session: &Session) -> Option<std::path::PathBuf> {
         let state = self.state.as_ref()?;
-        let written =
-            record_of(session, &self.sockets[session.socket].memory).and_then(|r| state.write(&r));
+        let written = record_of(session, &self.sockets[session.socket].memory, false)
+            .and_then(|r| state.write(&r));
         match written {
             Ok(path) => Some(path),
             Err(problem) => {
