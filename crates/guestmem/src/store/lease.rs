@@ -92,13 +92,30 @@ fn nanos() -> u128 {
 }
 
 /// A push's lease in the bucket: `gc` deletes nothing while one younger than
-/// [`LEASE_STALE`] is there.
+/// [`LEASE_STALE`] is there. Deleted when dropped.
 pub(super) struct Lease {
     client: Arc<Client>,
     key: String,
     body: Bytes,
-    renewed: Mutex<Instant>,
+    held: Mutex<Held>,
 }
+
+/// What this host knows of its lease's age (its own monotonic clock; the store's may run
+/// at another rate, hence [`LEASE_HELD`]'s margin).
+struct Held {
+    /// When the last renewal was tried.
+    tried: Instant,
+    /// When the last write that the store took was sent: the lease is at least this old.
+    written: Instant,
+    /// The longest time between two writes the store took: past [`LEASE_HELD`], a gc may
+    /// have taken the lease for a dead push's in between.
+    longest_gap: Duration,
+}
+
+/// The longest gap between two writes of a lease that a push trusts: half of
+/// [`LEASE_STALE`], a margin for the store's clock, its write delays and a host clock
+/// that runs slow.
+pub(super) const LEASE_HELD: Duration = Duration::from_secs(LEASE_STALE.as_secs() / 2);
 
 impl Lease {
     pub(super) fn take(client: &Arc<Client>, url: &StoreUrl) -> Result<Lease, StoreError> {
@@ -111,23 +128,66 @@ impl Lease {
         let body = Bytes::from(
             serde_json::json!({ "push": url.to_string(), "pid": std::process::id() }).to_string(),
         );
+        let sent = Instant::now();
         client.put(&key, body.clone())?;
         Ok(Lease {
             client: Arc::clone(client),
             key,
             body,
-            renewed: Mutex::new(Instant::now()),
+            held: Mutex::new(Held {
+                tried: sent,
+                written: sent,
+                longest_gap: Duration::ZERO,
+            }),
         })
     }
 
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Writes the lease again; notes the gap since the last write the store took.
+    fn write(&self) -> Result<(), StoreError> {
+        let sent = Instant::now();
+        self.held().tried = sent;
+        self.client.put(&self.key, self.body.clone())?;
+        let mut h = self.held();
+        h.longest_gap = h.longest_gap.max(sent.saturating_duration_since(h.written));
+        h.written = sent;
+        Ok(())
+    }
+
+    /// Writes the lease again if [`LEASE_RENEW`] has passed since the last try. A failure
+    /// is left to [`Lease::confirm`], before the push publishes: one missed renewal of
+    /// many does not let the lease go stale.
     pub(super) fn renew_if_due(&self) {
-        let mut at = self.renewed.lock().unwrap_or_else(|e| e.into_inner());
-        if at.elapsed() >= LEASE_RENEW {
-            *at = Instant::now();
-            // A failed renewal shows in gc's refusal to trust a stale lease: the push's own
-            // last check (the frames it skipped, looked at again) covers it.
-            let _ = self.client.put(&self.key, self.body.clone());
+        if self.held().tried.elapsed() >= LEASE_RENEW {
+            let _ = self.write();
         }
+    }
+
+    /// Writes the lease once more, and checks that it was never left unwritten for longer
+    /// than [`LEASE_HELD`] since it was taken: else a gc may have taken it for a dead
+    /// push's and deleted frames this push uploaded or skipped, and the manifest must not
+    /// be published. Called just before the manifest's PUT.
+    pub(super) fn confirm(&self) -> Result<(), StoreError> {
+        self.write()?;
+        let gap = self.held().longest_gap;
+        if gap > LEASE_HELD {
+            return Err(StoreError::Request {
+                op: "push",
+                url: self.client.url(&self.key),
+                reason: format!(
+                    "the push's lease went {} s without a renewal the store took (limit {} s): \
+                     a gc may have deleted frames it names, so nothing was published; push \
+                     again (frames in the bucket are skipped)",
+                    gap.as_secs(),
+                    LEASE_HELD.as_secs()
+                ),
+                permanent: true,
+            });
+        }
+        Ok(())
     }
 
     /// Waits while a gc runs (its mark younger than [`LEASE_STALE`] on the store's clock),
@@ -153,12 +213,13 @@ impl Lease {
                 });
             }
             std::thread::sleep(GC_POLL);
-            self.client.put(&self.key, self.body.clone())?;
-            *self.renewed.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+            self.write()?;
         }
     }
+}
 
-    pub(super) fn release(&self) {
+impl Drop for Lease {
+    fn drop(&mut self) {
         // Best effort: a lease left behind goes stale.
         let _ = self.client.delete(&self.key);
     }
@@ -172,6 +233,62 @@ pub fn check_push(client: &Arc<Client>, url: &StoreUrl) -> Result<(), StoreError
             url: url.to_string(),
         });
     }
-    Lease::take(client, url)?.release();
+    drop(Lease::take(client, url)?);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use guestmem_testkit::s3::S3Server;
+
+    use super::{Lease, LEASE_HELD};
+    use crate::store::{Client, StoreUrl};
+
+    /// A lease left unwritten for longer than [`LEASE_HELD`] (a gc may have taken it for a
+    /// dead push's meanwhile) fails its confirmation, naming the gap and the limit, even
+    /// though it was written again since; a lease written in time passes; a dropped lease
+    /// is gone from the bucket.
+    #[test]
+    fn a_lease_that_went_unwritten_too_long_is_not_confirmed() {
+        let s3 = S3Server::start("lease-gap", &["snaps"]);
+        let env = s3.env();
+        let get = move |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+        let c = Arc::new(Client::connect_with("snaps", &get).unwrap());
+        let url = StoreUrl::parse("s3://snaps/vm", false).unwrap();
+
+        let fresh = Lease::take(&c, &url).unwrap();
+        fresh.renew_if_due();
+        fresh.confirm().unwrap();
+        drop(fresh);
+        assert!(
+            c.list("leases/").unwrap().is_empty(),
+            "a dropped lease left"
+        );
+
+        let lapsed = Lease::take(&c, &url).unwrap();
+        {
+            let gap = LEASE_HELD + Duration::from_secs(60);
+            let mut h = lapsed.held();
+            match Instant::now().checked_sub(gap) {
+                Some(then) => h.written = then,
+                // A host up for less than the gap: the same as a renewal that came late.
+                None => h.longest_gap = gap,
+            }
+        }
+        // Written again since: the gap before stays.
+        let _ = lapsed.write();
+        let e = lapsed.confirm().unwrap_err().to_string();
+        assert!(
+            e.contains("without a renewal") && e.contains("limit 300 s") && e.contains("leases/"),
+            "{e}"
+        );
+        drop(lapsed);
+        assert!(
+            c.list("leases/").unwrap().is_empty(),
+            "a dropped lease left"
+        );
+    }
 }

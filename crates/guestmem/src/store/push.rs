@@ -239,11 +239,9 @@ fn push_to(
             limit: 0,
         });
     }
+    // Deleted when dropped, on every way out (else it holds a gc off until it goes stale).
     let lease = Lease::take(client, url)?;
-    if let Err(e) = lease.wait_for_gc() {
-        lease.release();
-        return Err(e);
-    }
+    lease.wait_for_gc()?;
     let job = Job {
         client,
         hold,
@@ -263,7 +261,6 @@ fn push_to(
     let all: Vec<u64> = (0..count).collect();
     job.run(&all, cfg.threads, !cfg.look_first, &lease);
     if let Some(e) = job.failed.lock().unwrap_or_else(|e| e.into_inner()).take() {
-        lease.release();
         return Err(e);
     }
     // A gc that ran between our look at a frame and now may have taken one we skipped as
@@ -274,35 +271,30 @@ fn push_to(
             .lock()
             .unwrap_or_else(|e| e.into_inner()),
     );
-    let gone: Vec<u64> = {
-        let checks = skipped.iter().map(|(i, h)| async move {
+    let mut gone: Vec<u64> = Vec::new();
+    // At most 64 at once, and the lease renewed between chunks: a push of a large VM whose
+    // frames are mostly there skips hundreds of thousands.
+    for chunk in skipped.chunks(4096) {
+        lease.renew_if_due();
+        let checks = chunk.iter().map(|(i, h)| async move {
             client
                 .exists_async(&frame_key(h))
                 .await
                 .map(|there| (!there).then_some(*i))
         });
-        // At most 64 at once: a push of a large VM whose frames are mostly there skips
-        // hundreds of thousands.
         use futures::{StreamExt, TryStreamExt};
-        let r = client.block_on(
+        let found = client.block_on(
             futures::stream::iter(checks)
                 .buffer_unordered(64)
                 .try_collect::<Vec<_>>(),
-        );
-        match r {
-            Ok(v) => v.into_iter().flatten().collect(),
-            Err(e) => {
-                lease.release();
-                return Err(e);
-            }
-        }
-    };
+        )?;
+        gone.extend(found.into_iter().flatten());
+    }
     if !gone.is_empty() {
         job.seen.lock().unwrap_or_else(|e| e.into_inner()).clear();
         job.next.store(0, Ordering::Relaxed);
         job.run(&gone, cfg.threads, true, &lease);
         if let Some(e) = job.failed.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            lease.release();
             return Err(e);
         }
     }
@@ -328,15 +320,13 @@ fn push_to(
     };
     let text = serde_json::to_vec(&manifest).expect("serialises");
     // Checked as a reader will check it, before it is published (frames held for a move
-    // are published to one reader, which checks it so before it loads anything); the lease
-    // is released on every way out from here (else it holds a gc off until it goes stale).
+    // are published to one reader, which checks it so before it loads anything).
     let checked = match hold {
         None => Snapshot::parse(url, &text).map(|_| ()),
         Some(_) => Ok(()),
     };
     let there = checked.and_then(|()| client.get(&url.manifest_key()));
     if !matches!(there, Ok(None)) {
-        lease.release();
         there?;
         return Err(StoreError::Exists {
             url: url.to_string(),
@@ -344,9 +334,11 @@ fn push_to(
     }
     // Published only if no manifest of that name is there still, decided by the store in
     // the PUT itself: of two pushes to one new name at once, one fails (a store that does
-    // not honour the condition leaves only the look above).
+    // not honour the condition leaves only the look above). The lease is confirmed just
+    // before: never left unwritten long enough for a gc to take it for a dead push's.
+    lease.confirm()?;
     let r = client.put_new(&url.manifest_key(), Bytes::from(text.clone()));
-    lease.release();
+    drop(lease);
     if !r? {
         return Err(StoreError::Exists {
             url: url.to_string(),
