@@ -452,6 +452,23 @@ fn a_vm_that_hangs_up_and_runs_on_is_served_until_it_exits() {
     assert_eq!(last.engine.prefetched_blocks, 0, "{log}");
 }
 
+/// The same when the VM's main thread has exited before it hung up, its other threads
+/// running on: its process's `stat` says zombie, and the descriptors are found through a
+/// live thread. (Before, the main thread alone was looked at: the VM was taken as gone and
+/// its faults after the hang-up waited forever.)
+#[test]
+fn a_vm_whose_main_thread_exited_is_served_while_its_other_threads_run() {
+    need_uffd!();
+    let (srv, mut vm, go, _d) = hung_up("main-gone", ChildDoes::MainThreadExitsHangsUpAndRunsOn);
+    std::fs::write(&go, b"").unwrap();
+    let st = vm.wait_exit(30);
+    assert_eq!(st.code(), Some(0), "{st:?}: {}", srv.logged());
+    let (r, log) = srv.join();
+    let last = r.unwrap().last.expect("its VM");
+    assert!(matches!(last.end, SessionEnd::PeerExited), "{log}");
+    assert!(last.engine.faults > 0, "{log}");
+}
+
 /// A VM that hung up, runs on, and then unmaps its memory has let go of it: when the
 /// server next fills a page there (here the drain's graduation) and finds no memory, the
 /// session ends as the VM's hang-up, the VM is not killed, and the drain does not wait.

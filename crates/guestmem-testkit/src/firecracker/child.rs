@@ -21,6 +21,10 @@ pub enum ChildDoes {
     /// once the go file exists unmaps all its memory, writes the go file's name with
     /// `.unmapped` added, and sleeps (a VM that lets go of its memory and runs on).
     HangUpUnmapAndRunOn,
+    /// Sends Firecracker's handshake; its main thread then exits alone (the process's
+    /// `stat` says zombie), and another thread closes the socket holding the userfaultfd
+    /// and goes on as `HangUpAndRunOn` does.
+    MainThreadExitsHangsUpAndRunsOn,
 }
 
 /// Environment variables that make a test binary a stand-in VM.
@@ -71,17 +75,28 @@ pub fn child_main() {
         std::process::exit(CHILD_REFUSED);
     }
     let does = std::env::var(CHILD_DOES).expect("does");
+    if does == "MainThreadExitsHangsUpAndRunsOn" {
+        let on = std::thread::spawn(move || {
+            let main = format!("/proc/self/task/{}/stat", std::process::id());
+            while !std::fs::read_to_string(&main).is_ok_and(|s| s.contains(") Z ")) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            vm.hang_up();
+            println!("SENT");
+            read_when_told(&vm, size);
+            std::process::exit(0);
+        });
+        end_main_thread();
+        let _ = on.join();
+        std::process::exit(0);
+    }
     let hang_up = does.starts_with("HangUp");
     if hang_up {
         vm.hang_up();
     }
     println!("SENT");
-    let go = std::path::PathBuf::from(std::env::var(CHILD_GO).expect("go"));
-    let t = Instant::now();
-    while !go.exists() && t.elapsed() < std::time::Duration::from_secs(60) {
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
     if does == "HangUpUnmapAndRunOn" {
+        let go = wait_for_go();
         vm.unmap();
         let mut done = go.into_os_string();
         done.push(".unmapped");
@@ -89,14 +104,57 @@ pub fn child_main() {
         std::thread::sleep(std::time::Duration::from_secs(60));
         std::process::exit(0);
     }
-    for p in 0..size / PAGE {
-        assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64), "page {p}");
-    }
-    println!("READ");
+    read_when_told(&vm, size);
     if hang_up {
         std::process::exit(0);
     }
     std::thread::sleep(std::time::Duration::from_secs(60));
+}
+
+/// Waits (at most 60 s) for the parent's go file; its path.
+fn wait_for_go() -> std::path::PathBuf {
+    let go = std::path::PathBuf::from(std::env::var(CHILD_GO).expect("go"));
+    let t = Instant::now();
+    while !go.exists() && t.elapsed() < std::time::Duration::from_secs(60) {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    go
+}
+
+/// Once the go file exists, reads every page of `vm`, comparing each with [`word`].
+fn read_when_told(vm: &Standin, size: usize) {
+    wait_for_go();
+    for p in 0..size / PAGE {
+        assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64), "page {p}");
+    }
+    println!("READ");
+}
+
+/// Ends this process's main thread alone (`exit`, not `exit_group`), the other threads
+/// running on; from the main thread itself, or from another through a signal whose handler
+/// exits.
+fn end_main_thread() {
+    extern "C" fn exit_thread(_: libc::c_int) {
+        // SAFETY: exit(2) ends the calling thread only; a raw syscall is
+        // async-signal-safe.
+        unsafe { libc::syscall(libc::SYS_exit, 0) };
+    }
+    let pid = std::process::id() as libc::pid_t;
+    // SAFETY: gettid takes nothing and cannot fail.
+    if unsafe { libc::gettid() } == pid {
+        // SAFETY: as above; nothing of this thread is used after (the others own what
+        // they use).
+        unsafe { libc::syscall(libc::SYS_exit, 0) };
+    }
+    // SAFETY: a zeroed sigaction with a handler that only makes a raw syscall, installed
+    // for SIGUSR1, which nothing else in a test's child uses; tgkill sends it to the main
+    // thread alone.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = exit_thread as extern "C" fn(libc::c_int) as usize;
+        libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut());
+        libc::syscall(libc::SYS_tgkill, pid, pid, libc::SIGUSR1);
+    }
 }
 
 /// A stand-in VM in a child process of this test binary (which must define

@@ -155,7 +155,15 @@ impl PeerProcess {
         let pid = self
             .pid
             .ok_or_else(|| io::Error::from(io::ErrorKind::NotFound))?;
-        for e in std::fs::read_dir(format!("/proc/{pid}/fd"))? {
+        // Through a live thread: a main thread that has exited while others run on holds no
+        // descriptors (its `/proc/PID/fd` is empty, `kcmp` on it fails).
+        let tid = live_thread(pid).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("process {pid} has no live thread"),
+            )
+        })?;
+        for e in std::fs::read_dir(format!("/proc/{pid}/task/{tid}/fd"))? {
             let e = e?;
             let Some(n) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
                 continue;
@@ -172,7 +180,7 @@ impl PeerProcess {
                 libc::syscall(
                     libc::SYS_kcmp,
                     std::process::id() as libc::pid_t,
-                    pid,
+                    tid,
                     KCMP_FILE,
                     ours.as_raw_fd() as libc::c_ulong,
                     n as libc::c_ulong,
@@ -208,21 +216,33 @@ impl PeerProcess {
     }
 }
 
-/// Whether process `pid` is exiting or gone: a zombie or dead (field 3 of `/proc/PID/stat`),
-/// or its main thread flagged `PF_EXITING` (field 9), which its exit sets before it closes
-/// a descriptor. Unreadable counts as gone.
+/// Whether process `pid` is exiting or gone: it has no [`live_thread`].
 fn exiting(pid: i32) -> bool {
+    live_thread(pid).is_none()
+}
+
+/// A thread of process `pid` that is neither a zombie nor dead (field 3 of its `stat`) nor
+/// flagged `PF_EXITING` (field 9), which an exit sets before it closes a descriptor. Every
+/// thread is looked at, not the main one alone: a main thread may exit while the others run
+/// on (its `stat` then says zombie). Unreadable counts as none.
+fn live_thread(pid: i32) -> Option<i32> {
     const PF_EXITING: u64 = 0x4;
-    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return true;
+    let live = |stat: &str| {
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            return false;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let state = f.first().copied().unwrap_or("X");
+        let flags: u64 = f.get(6).and_then(|v| v.parse().ok()).unwrap_or(PF_EXITING);
+        !matches!(state, "Z" | "X" | "x") && flags & PF_EXITING == 0
     };
-    let Some(rest) = s.rfind(')').map(|i| &s[i + 1..]) else {
-        return true;
-    };
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let state = f.first().copied().unwrap_or("X");
-    let flags: u64 = f.get(6).and_then(|v| v.parse().ok()).unwrap_or(PF_EXITING);
-    matches!(state, "Z" | "X" | "x") || flags & PF_EXITING != 0
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .find(|tid| {
+            std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")).is_ok_and(|s| live(&s))
+        })
 }
 
 /// Whether the process on the other end of `s` runs as this process's user, or as root
