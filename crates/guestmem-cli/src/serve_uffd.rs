@@ -245,6 +245,14 @@ pub fn run(a: Args) -> Result<()> {
             working_set,
         });
     }
+    if let (Some(t), Some(control)) = (taken.as_mut(), &a.take_over) {
+        // Only now are the VMs this server's: it serves every socket handed and every VM's
+        // memory file (else the old server serves on). Before the state directory's lock,
+        // which the old server holds until it exits.
+        let mems: Vec<&MemoryFile> = sockets.iter().map(|s: &Socket| &s.memory).collect();
+        t.confirm(&mems, Duration::from_secs(30))
+            .with_context(|| format!("--take-over {}", control.display()))?;
+    }
     let mut server = Server::new(sockets, cfg).with_context(|| {
         a.state_dir
             .as_ref()
@@ -259,7 +267,7 @@ pub fn run(a: Args) -> Result<()> {
             t.old_pid.map_or("?".into(), |p| p.to_string()),
             t.handed_secs
         );
-        server.adopt(t);
+        server.adopt(t)?;
     }
     let drainer = server.drainer();
     let status = server.status();

@@ -224,3 +224,60 @@ fn a_server_hands_its_sockets_and_vms_to_a_new_server_without_downtime() {
         }
     }
 }
+
+/// A take-over the new server cannot serve gives nothing away: a new server started with
+/// another memory file than the one its VM is served says which and exits 1, and the old
+/// server serves on (the VM reads the rest of its memory from it, and a VM that connects
+/// after is served by it). The socket path stays. (Before, the hand-off had no
+/// acknowledgement: the old server gave everything away and exited, and the new one ended
+/// every VM it could not serve.)
+#[test]
+fn a_take_over_the_new_server_cannot_serve_leaves_every_vm_with_the_old_one() {
+    need_uffd!();
+    const SIZE: usize = 8 * MIB;
+    let d = dir("handoff-kept");
+    let mem = memory_file(&d, SIZE, None);
+    let other = d.join("other");
+    std::fs::copy(&mem, &other).unwrap();
+    let socket = d.join("uffd.sock");
+    let control = d.join("ctl.sock");
+    let args = [
+        "--control",
+        control.to_str().unwrap(),
+        "--prefetch-threads",
+        "0",
+    ];
+    let old = server(&[(&socket, &mem)], &args);
+    wait_for(&control);
+    let mut first = Standin::new(&[SIZE], false).unwrap();
+    first.connect(&socket).unwrap();
+    for p in 0..SIZE / 2 / PAGE {
+        assert_eq!(first.word(p * PAGE), word((p * PAGE) as u64));
+    }
+    let (code, _, err) = finish(spawn(
+        &[(&socket, &other)],
+        &["--take-over", control.to_str().unwrap()],
+    ));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("--take-over")
+            && err.contains("is not among this server's memory files")
+            && err.contains("the old server serves its VMs on"),
+        "{err}"
+    );
+    assert!(socket.exists(), "the socket path stays");
+    for p in SIZE / 2 / PAGE..SIZE / PAGE {
+        assert_eq!(first.word(p * PAGE), word((p * PAGE) as u64), "page {p}");
+    }
+    let mut second = Standin::new(&[SIZE], false).unwrap();
+    second.connect(&socket).unwrap();
+    second.read_all(2);
+    assert_eq!(second.compare(&mem).unwrap(), Ok(()));
+    let (code, out, err, _) = terminate(old);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("the new server did not take the hand-off"),
+        "{err}"
+    );
+    assert!(out.contains("2 VMs: 2 graduated"), "{out}\n{err}");
+}

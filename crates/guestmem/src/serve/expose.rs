@@ -168,10 +168,15 @@ impl StatusHandle {
                 }
                 let req = read_request(&mut s, |b| b.contains(&b'\n'), deadline);
                 let line = String::from_utf8_lossy(&req);
-                if line.trim() == super::handoff::COMMAND {
+                let handoff = match line.trim() {
+                    super::handoff::COMMAND_ACKNOWLEDGED => Some(true),
+                    super::handoff::COMMAND => Some(false),
+                    _ => None,
+                };
+                if let Some(acknowledged) = handoff {
                     // The connection is the new server's: the server answers it.
                     let _ = s.set_read_timeout(None);
-                    drainer.hand_off(s);
+                    drainer.hand_off(s, acknowledged);
                     continue;
                 }
                 let reply = match line.trim() {

@@ -3,15 +3,25 @@
 //! ending or graduating any VM.
 //!
 //! The new server ([`take_over`]) connects to the old one's control socket and sends
-//! `handoff`. The old one stops serving (its pool no longer reads the VMs' faults, which
-//! wait in the kernel) and sends, one message each: every listening socket (so no VM that
-//! connects meanwhile is refused: it waits in the same backlog), then every VM's session
-//! record (the same record a restart reads) with its userfaultfd, then an end mark; then it
-//! exits, leaving the socket paths in place and the records on disk. The new server waits
-//! for the old process to be gone (its pidfd), takes the state directory's lock if it keeps
-//! one, and serves every VM again as after a crash: pages already in are left, the ranges
-//! are woken so waiting faults come again ([`super::Server::run`]). The VMs stall only for
-//! the hand-over itself.
+//! `handoff acknowledged`. The old one stops serving (its pool no longer reads the VMs'
+//! faults, which wait in the kernel) and sends, one message each: every listening socket
+//! (so no VM that connects meanwhile is refused: it waits in the same backlog), then every
+//! VM's session record (the same record a restart reads) with its userfaultfd, then an end
+//! mark. Nothing is given away yet: the new server checks that it can serve everything
+//! (every socket is one of its own, every VM's memory file one it serves:
+//! [`TakeOver::confirm`]) and only then says `taken`; the old server answers `yours` and
+//! exits, leaving the socket paths in place and the records on disk. Without `taken`
+//! within [`ACK_WAIT`] (the new server failed, was stopped, or cannot serve a VM), the old
+//! server serves every VM on, and the new one, told nothing or something else, ends none.
+//! The new server waits for the old process to be gone (its pidfd), takes the state
+//! directory's lock if it keeps one, and serves every VM again as after a crash: pages
+//! already in are left, the ranges are woken so waiting faults come again
+//! ([`super::Server::run`]). The VMs stall only for the hand-over itself.
+//!
+//! A server of an earlier version knows only `handoff`: it hands over at once, with no
+//! acknowledgement, and exits. [`take_over`] falls back to that when the old server does
+//! not know the new command, and a server still answers `handoff` so (an older new server
+//! taking over from it).
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -19,13 +29,27 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::files::MemoryFile;
 use super::handshake::{receive_checked, recv_with_fds};
 use super::peer::{same_user, PeerProcess};
 use super::state::SessionRecord;
 use super::{Listener, ServeError};
 
-/// The command a new server sends.
+/// The command a new server of an earlier version sends: a hand-off with no
+/// acknowledgement.
 pub(super) const COMMAND: &str = "handoff";
+/// The command a new server sends: a hand-off it acknowledges once it knows it can serve
+/// everything.
+pub(super) const COMMAND_ACKNOWLEDGED: &str = "handoff acknowledged";
+/// How long an old server waits, after its end mark, for the new server's `taken`; then it
+/// serves on.
+pub(super) const ACK_WAIT: Duration = Duration::from_secs(30);
+/// How long a new server waits for the old one's `yours` (sent as soon as it reads
+/// `taken`).
+const YOURS_WAIT: Duration = Duration::from_secs(10);
+/// The new server's acknowledgement, and the old server's answer.
+const TAKEN: &[u8] = b"taken\n";
+const YOURS: &[u8] = b"yours\n";
 
 /// One message of a hand-off (its descriptors travel beside it).
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -35,8 +59,13 @@ enum Message {
     Listener { index: usize, path: PathBuf },
     /// A VM (one descriptor: its userfaultfd) of socket `index`.
     Session { index: usize, record: SessionRecord },
-    /// Nothing more.
-    End,
+    /// Nothing more; `ack`: nothing is given away until the new server says `taken`
+    /// (absent from a server of an earlier version).
+    End {
+        // Left out when false: the end mark an earlier version sent, byte for byte.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        ack: bool,
+    },
 }
 
 /// Sends `bytes` with `fds` in one `sendmsg`.
@@ -114,9 +143,53 @@ impl Outgoing<'_> {
         send(self.to, &Message::Session { index, record }, &[uffd])
     }
 
-    pub(super) fn end(&self) -> io::Result<()> {
-        send(self.to, &Message::End, &[])
+    pub(super) fn end(&self, ack: bool) -> io::Result<()> {
+        send(self.to, &Message::End { ack }, &[])
     }
+
+    /// Waits for the new server's `taken` (at most [`ACK_WAIT`]) and answers `yours`:
+    /// from then on its VMs are the new server's. Anything else (nothing said, the
+    /// connection closed, another answer) is an error that says which, and leaves them
+    /// here.
+    pub(super) fn acknowledged(&self) -> io::Result<()> {
+        self.to.set_read_timeout(Some(ACK_WAIT))?;
+        let line = read_line(self.to, TAKEN.len()).map_err(|e| match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no acknowledgement within {} s", ACK_WAIT.as_secs()),
+            ),
+            _ => e,
+        })?;
+        if line.is_empty() {
+            return Err(io::Error::other(
+                "it closed the connection without an acknowledgement",
+            ));
+        }
+        if line != TAKEN {
+            return Err(io::Error::other(format!(
+                "it answered {:?}",
+                String::from_utf8_lossy(&line)
+            )));
+        }
+        let mut to = self.to;
+        to.write_all(YOURS)
+    }
+}
+
+/// Bytes up to and including a newline, at most `max` of them (fewer at the end of the
+/// stream or past `max`), read one at a time so that nothing after the line is taken.
+fn read_line(mut s: &UnixStream, max: usize) -> io::Result<Vec<u8>> {
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while line.len() < max && line.last() != Some(&b'\n') {
+        match s.read(&mut b) {
+            Ok(0) => break,
+            Ok(_) => line.push(b[0]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(line)
 }
 
 /// A VM handed over: its record and its userfaultfd.
@@ -127,14 +200,23 @@ pub struct HandedSession {
     pub(super) uffd: OwnedFd,
 }
 
-/// What a running server handed over ([`take_over`]).
+/// What a running server handed over ([`take_over`]): its VMs are this server's once
+/// [`TakeOver::confirm`] has succeeded. Dropped before that, it gives nothing away (the
+/// old server serves on); after, whatever no server took is ended.
 #[derive(Debug)]
 pub struct TakeOver {
     listeners: Vec<(usize, PathBuf, OwnedFd)>,
     pub(super) sessions: Vec<HandedSession>,
+    /// The connection to the old server, until it has said `yours` (`None` with a server
+    /// of an earlier version, which gave everything away with its end mark).
+    pending: Option<UnixStream>,
+    /// Whether the VMs are this server's (the old one said `yours`, or gave them away).
+    owned: bool,
+    old: PeerProcess,
+    t0: Instant,
     /// The old server's process id.
     pub old_pid: Option<i32>,
-    /// From sending `handoff` to the old server's exit, seconds (its VMs' faults waited
+    /// From sending the command to the old server's exit, seconds (its VMs' faults waited
     /// no longer than this before the new server can serve them).
     pub handed_secs: f64,
 }
@@ -155,7 +237,96 @@ impl TakeOver {
             return Ok(None);
         };
         let (_, p, fd) = self.listeners.remove(k);
-        Listener::adopt(fd, &p).map(Some)
+        // Its path stays when it is dropped until the take-over is confirmed: the old
+        // server, which serves on if it is not, listens there too.
+        Listener::adopt(fd, &p, true).map(Some)
+    }
+
+    /// Makes the VMs this server's, once it knows it can serve them: every handed socket
+    /// was given out by [`TakeOver::listener`], and every VM's memory file is among
+    /// `memories` (the same device, inode, size and modification time). Then says `taken`
+    /// to the old server, which answers `yours` and exits; waits, at most `wait`, for that.
+    /// Nothing to do with a server of an earlier version, or when confirmed already.
+    ///
+    /// When a check fails or the old server does not answer `yours`, nothing was given
+    /// away: the old server serves every VM on (within [`ACK_WAIT`] of its end mark), and
+    /// this take-over ends none when dropped. A server that keeps a state directory must
+    /// confirm before [`super::Server::new`], whose lock the old server holds until it
+    /// exits; [`super::Server::adopt`] confirms what is not.
+    pub fn confirm(&mut self, memories: &[&MemoryFile], wait: Duration) -> Result<(), ServeError> {
+        let serr = |op: &'static str| move |source| ServeError::Io { op, source };
+        let Some(s) = self.pending.take() else {
+            return Ok(());
+        };
+        let kept = |why: String| {
+            serr("take over")(io::Error::other(format!(
+                "{why}: nothing was taken, the old server serves its VMs on"
+            )))
+        };
+        if let Some((_, p, _)) = self.listeners.first() {
+            return Err(kept(format!(
+                "the old server's socket {} is not among this server's sockets (--socket)",
+                p.display()
+            )));
+        }
+        for h in &self.sessions {
+            let r = &h.record;
+            if !memories
+                .iter()
+                .any(|m| m.identity().is_ok_and(|id| id == r.mem))
+            {
+                return Err(kept(format!(
+                    "the memory file served to peer {} (socket {} of the old server) is not \
+                     among this server's memory files (--mem-file)",
+                    r.pid, h.index
+                )));
+            }
+        }
+        s.set_read_timeout(Some(YOURS_WAIT))
+            .map_err(serr("set a timeout on the old server's socket"))?;
+        let answer = (&s)
+            .write_all(TAKEN)
+            .and_then(|()| read_line(&s, YOURS.len()));
+        match answer {
+            Ok(a) if a == YOURS => {}
+            Ok(a) => {
+                return Err(kept(format!(
+                    "the old server did not hand its VMs over (it answered {:?}; it waits {} s \
+                     for this server's acknowledgement)",
+                    String::from_utf8_lossy(&a),
+                    ACK_WAIT.as_secs()
+                )))
+            }
+            Err(e) => return Err(kept(format!("no answer from the old server ({e})"))),
+        }
+        self.owned = true;
+        drop(s);
+        self.wait_for_old(wait)
+    }
+
+    /// Waits, at most `wait` from the command, for the old server to exit (its pidfd), so
+    /// that one server at a time serves the VMs and holds the state directory.
+    fn wait_for_old(&mut self, wait: Duration) -> Result<(), ServeError> {
+        let serr = |op: &'static str| move |source| ServeError::Io { op, source };
+        if let Some(p) = self.old.pidfd() {
+            let left = wait.saturating_sub(self.t0.elapsed());
+            let mut fds = [crate::sys::PollFd::readable(p)];
+            let n = crate::sys::poll(&mut fds, Some(left))
+                .map_err(serr("wait for the old server to exit"))?;
+            if n != 1 {
+                return Err(serr("wait for the old server to exit")(io::Error::from(
+                    io::ErrorKind::TimedOut,
+                )));
+            }
+        }
+        self.handed_secs = self.t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Whether the VMs are this server's ([`TakeOver::confirm`] succeeded, or the old
+    /// server was of an earlier version).
+    pub fn confirmed(&self) -> bool {
+        self.owned
     }
 
     /// VMs handed over.
@@ -170,10 +341,14 @@ impl TakeOver {
 }
 
 impl Drop for TakeOver {
-    /// Whatever was handed over and not taken by a fleet (the new server failed before it
+    /// Before the take-over is confirmed, nothing: the old server serves on. After,
+    /// whatever was handed over and not taken by a fleet (the new server failed before it
     /// could serve) is ended, never left hung: each VM handed over, and each VM waiting in
     /// a handed socket's backlog that has sent its userfaultfd, is killed through a pidfd.
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         for h in self.sessions.drain(..) {
             let r = &h.record;
             match PeerProcess::reopen(r.pid, r.start_time).and_then(|p| p.kill()) {
@@ -255,6 +430,14 @@ impl Incoming {
             self.bytes.extend_from_slice(&buf[..n]);
         };
         let text = String::from_utf8_lossy(&line);
+        if text.starts_with("{\"error\":\"unknown command") {
+            // A server of an earlier version, which knows only the command without an
+            // acknowledgement.
+            return Err(serr("take over")(io::Error::new(
+                io::ErrorKind::Unsupported,
+                text.trim_end().to_string(),
+            )));
+        }
         let m: Message = serde_json::from_str(text.trim_end()).map_err(|e| {
             serr("parse the hand-off")(io::Error::other(format!(
                 "{e}: {}",
@@ -262,7 +445,7 @@ impl Incoming {
             )))
         })?;
         let fd = match m {
-            Message::End => None,
+            Message::End { .. } => None,
             _ => self.fds.pop_front(),
         };
         Ok((m, fd))
@@ -270,8 +453,23 @@ impl Incoming {
 }
 
 /// Takes over the server whose control socket is `control`: receives its sockets and VMs
-/// (see the module docs) and waits, at most `wait`, for the old server to exit.
+/// (see the module docs). They are this server's once [`TakeOver::confirm`] has succeeded
+/// (with a server of an earlier version, already: then this waits, at most `wait`, for it
+/// to exit, as that server gives everything away with its end mark).
 pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError> {
+    match receive(control, COMMAND_ACKNOWLEDGED, wait) {
+        Err(ServeError::Io { source, .. }) if source.kind() == io::ErrorKind::Unsupported => {
+            let mut t = receive(control, COMMAND, wait)?;
+            t.wait_for_old(wait)?;
+            Ok(t)
+        }
+        r => r,
+    }
+}
+
+/// Sends `command` to the server whose control socket is `control`, and receives what it
+/// hands over, up to its end mark.
+fn receive(control: &Path, command: &str, wait: Duration) -> Result<TakeOver, ServeError> {
     let serr = |op: &'static str| move |source| ServeError::Io { op, source };
     let s = UnixStream::connect(control).map_err(serr("connect to the old server"))?;
     // Records from whoever listens there make this server kill processes it cannot serve:
@@ -285,16 +483,20 @@ pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError>
     s.set_read_timeout(Some(wait))
         .map_err(serr("set a timeout on the old server's socket"))?;
     let t0 = Instant::now();
-    (&s).write_all(format!("{COMMAND}\n").as_bytes())
+    (&s).write_all(format!("{command}\n").as_bytes())
         .map_err(serr("send the old server its command"))?;
     let mut out = TakeOver {
         listeners: Vec::new(),
         sessions: Vec::new(),
+        pending: None,
+        owned: false,
         old_pid: old.pid(),
+        old,
+        t0,
         handed_secs: 0.0,
     };
     let mut incoming = Incoming::default();
-    loop {
+    let ack = loop {
         let (m, fd) = incoming.next(&s)?;
         match (m, fd) {
             (Message::Listener { index, path }, Some(fd)) => out.listeners.push((index, path, fd)),
@@ -303,30 +505,22 @@ pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError>
                 record,
                 uffd,
             }),
-            (Message::End, _) => break,
+            (Message::End { ack }, _) => break ack,
             (_, None) => {
                 return Err(serr("receive the hand-off")(io::Error::other(
                     "a hand-off message came without its descriptor",
                 )))
             }
         }
+    };
+    if ack {
+        out.pending = Some(s);
+    } else {
+        // Given away with the end mark: the old server exits.
+        out.owned = true;
+        let mut rest = Vec::new();
+        let _ = (&s).read_to_end(&mut rest);
     }
-    // The old server exits once it has sent everything: wait for that (its pidfd), so
-    // that one server at a time serves the VMs and holds the state directory.
-    let mut rest = Vec::new();
-    let _ = (&s).read_to_end(&mut rest);
-    if let Some(p) = old.pidfd() {
-        let left = wait.saturating_sub(t0.elapsed());
-        let mut fds = [crate::sys::PollFd::readable(p)];
-        let n = crate::sys::poll(&mut fds, Some(left))
-            .map_err(serr("wait for the old server to exit"))?;
-        if n != 1 {
-            return Err(serr("wait for the old server to exit")(io::Error::from(
-                io::ErrorKind::TimedOut,
-            )));
-        }
-    }
-    out.handed_secs = t0.elapsed().as_secs_f64();
     Ok(out)
 }
 
@@ -338,6 +532,70 @@ mod tests {
     use super::{Incoming, Message, Outgoing};
     use crate::serve::regions::UffdRegion;
     use crate::serve::state::SessionRecord;
+
+    /// Where the stand-in for a server of an earlier version listens (set only in its
+    /// child process).
+    const EARLIER_SERVER: &str = "GM_TEST_EARLIER_SERVER";
+
+    /// Not a test of its own: the stand-in for a server of an earlier version, run by
+    /// `a_server_of_an_earlier_version_is_taken_over_with_its_command` in a child process
+    /// (the new server waits for the old one's exit). It answers as that version's control
+    /// socket did, byte for byte: the acknowledged command as an unknown one, and `handoff`
+    /// with its end mark, after which it exits.
+    #[test]
+    fn earlier_server() {
+        use std::io::{BufRead, BufReader, Write};
+        let Some(control) = std::env::var_os(EARLIER_SERVER) else {
+            return;
+        };
+        let l = std::os::unix::net::UnixListener::bind(&control).unwrap();
+        loop {
+            let (mut c, _) = l.accept().unwrap();
+            let mut line = String::new();
+            BufReader::new(&c).read_line(&mut line).unwrap();
+            if line.trim() == "handoff" {
+                c.write_all(b"{\"kind\":\"end\"}\n").unwrap();
+                std::process::exit(0);
+            }
+            let reply = format!(
+                "{{\"error\":\"unknown command {:?}: status, health, drain or metrics\"}}\n",
+                line.trim()
+            );
+            c.write_all(reply.as_bytes()).unwrap();
+        }
+    }
+
+    /// A server of an earlier version knows only `handoff`: it answers the acknowledged
+    /// command as an unknown one, and `take_over` asks again with the old command, whose
+    /// end mark gives everything away at once (confirmed, nothing left to say), and waits
+    /// for that server's exit.
+    #[test]
+    fn a_server_of_an_earlier_version_is_taken_over_with_its_command() {
+        let d = guestmem_testkit::Scratch::new("handoff-earlier");
+        let control = d.join("ctl.sock");
+        let mut old = guestmem_testkit::ChildGuard::new(
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "serve::handoff::tests::earlier_server",
+                    "--nocapture",
+                    "--test-threads",
+                    "1",
+                ])
+                .env(EARLIER_SERVER, &control)
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let t0 = std::time::Instant::now();
+        while !control.exists() {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(20) && old.running());
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let t = super::take_over(&control, std::time::Duration::from_secs(20)).unwrap();
+        assert!(t.confirmed() && t.vms() == 0);
+        assert_eq!(old.wait_exit(20).code(), Some(0));
+    }
 
     /// A hand-off message longer than one read (a VM of a thousand regions: about 85 KiB of
     /// JSON) arrives whole, with its descriptor, and so do the messages around it. Before,
@@ -366,7 +624,7 @@ mod tests {
             out.listener(0, p, fds[0].as_raw_fd()).unwrap();
             out.session(0, record.clone(), fds[1].as_raw_fd()).unwrap();
             out.session(0, record, fds[2].as_raw_fd()).unwrap();
-            out.end().unwrap();
+            out.end(true).unwrap();
         });
         let mut incoming = Incoming::default();
         let (m, fd) = incoming.next(&b).unwrap();
@@ -381,7 +639,7 @@ mod tests {
             assert!(fd.is_some());
         }
         let (m, fd) = incoming.next(&b).unwrap();
-        assert!(matches!(m, Message::End) && fd.is_none());
+        assert!(matches!(m, Message::End { ack: true }) && fd.is_none());
         sender.join().unwrap();
     }
 }

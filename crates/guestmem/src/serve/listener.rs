@@ -144,8 +144,9 @@ impl Listener {
     }
 
     /// A listening socket handed over by another server (`fd`), published at `path`: it
-    /// must be a listening Unix socket, and `path` a socket.
-    pub(crate) fn adopt(fd: OwnedFd, path: &Path) -> Result<Listener, ServeError> {
+    /// must be a listening Unix socket, and `path` a socket. `keep_path`: the path is left
+    /// in place when it is dropped (until [`Listener::own_path`]).
+    pub(crate) fn adopt(fd: OwnedFd, path: &Path, keep_path: bool) -> Result<Listener, ServeError> {
         let refuse = |refusal| ServeError::SocketPath {
             path: path.to_path_buf(),
             refusal,
@@ -182,13 +183,19 @@ impl Listener {
             dir,
             name,
             id: (m.dev(), m.ino()),
-            keep_path: false,
+            keep_path,
         })
     }
 
     /// Leaves the path in place when dropped: the socket was handed to another server.
     pub(super) fn keep_path(&mut self) {
         self.keep_path = true;
+    }
+
+    /// Removes the path when dropped (if it still names this socket): the socket is this
+    /// server's alone now.
+    pub(super) fn own_path(&mut self) {
+        self.keep_path = false;
     }
 
     /// The listening socket (non-blocking).

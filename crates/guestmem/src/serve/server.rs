@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::config::{ServerConfig, Setting, Vms};
 use super::files::MemoryFile;
-use super::handoff::{HandedSession, TakeOver};
+use super::handoff::{self, HandedSession, TakeOver};
 use super::handshake::HandshakeError;
 use super::intake::{Closed, Intake, MAX_PENDING_HANDSHAKES};
 use super::learn::Learnt;
@@ -98,10 +98,11 @@ pub struct Drainer {
     handoff: Arc<HandoffSlot>,
 }
 
-/// A hand-off asked for: the new server's connection, and an eventfd that says so.
+/// A hand-off asked for: the new server's connection (and whether it acknowledges), and
+/// an eventfd that says so.
 #[derive(Debug)]
 struct HandoffSlot {
-    to: Mutex<Option<UnixStream>>,
+    to: Mutex<Option<(UnixStream, bool)>>,
     ready: OwnedFd,
 }
 
@@ -111,9 +112,10 @@ impl Drainer {
         let _ = crate::sys::eventfd_signal(self.drain.as_fd());
     }
 
-    /// Asks the server to hand its sockets and VMs to the server on the other end of `to`.
-    pub(super) fn hand_off(&self, to: UnixStream) {
-        *self.handoff.to.lock().unwrap_or_else(|e| e.into_inner()) = Some(to);
+    /// Asks the server to hand its sockets and VMs to the server on the other end of `to`;
+    /// `acknowledged`: only once it says it has taken them (else at once).
+    pub(super) fn hand_off(&self, to: UnixStream, acknowledged: bool) {
+        *self.handoff.to.lock().unwrap_or_else(|e| e.into_inner()) = Some((to, acknowledged));
         let _ = crate::sys::eventfd_signal(self.handoff.ready.as_fd());
     }
 }
@@ -280,8 +282,22 @@ impl Server {
     /// Serves, from [`Server::run`] on, the VMs a server handed over
     /// ([`super::take_over`]); the listening sockets it handed are given as this server's
     /// sockets ([`TakeOver::listener`]).
-    pub fn adopt(&mut self, mut t: TakeOver) {
+    /// Confirms the take-over first if it is not ([`TakeOver::confirm`], against this
+    /// server's memory files; a server with a state directory must have confirmed it before
+    /// [`Server::new`]). Where it cannot be, nothing is taken: the old server serves on.
+    pub fn adopt(&mut self, mut t: TakeOver) -> Result<(), ServeError> {
+        if !t.confirmed() {
+            let mems: Vec<&MemoryFile> = self.sockets.iter().map(|s| &s.memory).collect();
+            t.confirm(&mems, handoff::ACK_WAIT)?;
+        }
+        // The handed sockets are this server's alone now: their paths go when it stops.
+        for s in &mut self.sockets {
+            if let Some(l) = &mut s.listener {
+                l.own_path();
+            }
+        }
         self.handed.extend(t.take_sessions());
+        Ok(())
     }
 
     /// A handle that makes [`Server::run`] drain and return.
@@ -386,13 +402,28 @@ impl Server {
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .take();
-                if let Some(to) = to {
+                if let Some((to, acknowledged)) = to {
                     self.intake.settle(DRAIN_HANDSHAKE_GRACE);
-                    for a in self.intake.close(Closed::Draining) {
+                    if !acknowledged {
+                        // An earlier version's hand-off: everything goes at once.
+                        for a in self.intake.close(Closed::Draining) {
+                            let _ = self.arrive(a);
+                        }
+                        self.hand_off(&to, false);
+                        return self.finish();
+                    }
+                    // VMs whose handshakes ended are handed with the rest; the intake
+                    // stays open in case the new server does not take them.
+                    while let Some(a) = self.intake.take() {
                         let _ = self.arrive(a);
                     }
-                    self.hand_off(&to);
-                    return self.finish();
+                    if self.hand_off(&to, true) {
+                        // A handshake that ended since is not handed: ended as at a drain.
+                        for a in self.intake.close(Closed::Draining) {
+                            self.intake.end(a, Closed::Draining);
+                        }
+                        return self.finish();
+                    }
                 }
             }
         }

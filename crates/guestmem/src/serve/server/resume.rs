@@ -210,56 +210,114 @@ impl Server {
     }
 
     /// Hands every socket and VM to the server on `to` and stops serving them: none is
-    /// ended, none graduates (see `handoff.rs`). Records stay on disk.
-    pub(super) fn hand_off(&mut self, to: &UnixStream) {
+    /// ended, none graduates (see `handoff.rs`); records stay on disk. `acknowledged`: only
+    /// once the new server says it has taken them; where it does not (or a message cannot
+    /// be sent), every VM is served on here, and this returns false. Without, everything
+    /// goes with the end mark (a new server of an earlier version).
+    pub(super) fn hand_off(&mut self, to: &UnixStream, acknowledged: bool) -> bool {
         let out = Outgoing { to };
-        let mut sent = (0, 0);
-        let mut failed = None;
-        for (i, s) in self.sockets.iter_mut().enumerate() {
-            if let Some(l) = &mut s.listener {
+        let mut failed: Option<std::io::Error> = None;
+        let mut sent = vec![false; self.sockets.len()];
+        for (i, s) in self.sockets.iter().enumerate() {
+            if let Some(l) = &s.listener {
                 match out.listener(i, l.path(), l.socket().as_raw_fd()) {
-                    Ok(()) => {
-                        l.keep_path();
-                        sent.0 += 1;
-                    }
+                    Ok(()) => sent[i] = true,
                     Err(e) => failed = failed.or(Some(e)),
                 }
             }
-            // No socket is served here from now on: connections wait in the backlog the
-            // new server took.
-            s.listener = None;
         }
-        for (id, s) in std::mem::take(&mut self.sessions) {
-            // Stop serving it first: the new server may start as soon as the end is sent.
+        // Each VM stops being served here before it is sent: the new server may start as
+        // soon as it has it.
+        let ids: Vec<u64> = self.sessions.keys().copied().collect();
+        let mut unsent = Vec::new();
+        // Those no longer served here: with an acknowledgement, the first failure stops
+        // the hand-off, and only these are served again.
+        let mut stopped = Vec::new();
+        for &id in &ids {
+            if acknowledged && failed.is_some() {
+                break;
+            }
             self.pool.remove(id);
-            let handed = record_of(&s, &self.sockets[s.socket].memory, true)
+            stopped.push(id);
+            let s = &self.sessions[&id];
+            let handed = record_of(s, &self.sockets[s.socket].memory, true)
                 .map_err(std::io::Error::other)
                 .and_then(|r| out.session(s.socket, r, s.uffd_fd().as_raw_fd()));
+            if let Err(e) = handed {
+                let e = ServeError::HandOff(e);
+                failed = failed.or(Some(std::io::Error::other(e.to_string())));
+                unsent.push((id, e));
+            }
+        }
+        if !acknowledged || failed.is_none() {
+            if let Err(e) = out.end(acknowledged) {
+                failed = failed.or(Some(e));
+            }
+        }
+        if acknowledged {
+            let taken = match failed.take() {
+                Some(e) => Err(e),
+                None => out.acknowledged(),
+            };
+            if let Err(e) = taken {
+                self.keep_serving(&stopped, e);
+                return false;
+            }
+        }
+        for (i, s) in self.sockets.iter_mut().enumerate() {
+            // No socket is served here from now on: connections wait in the backlog the
+            // new server took. Its path stays if it was handed.
+            if let Some(mut l) = s.listener.take() {
+                if sent[i] {
+                    l.keep_path();
+                }
+            }
+        }
+        let handed = ids.len() - unsent.len();
+        for id in ids {
+            let Some(s) = self.sessions.remove(&id) else {
+                continue;
+            };
             // A VM that could not be handed is not left hung: it is ended.
-            let end = match handed {
-                Ok(()) => {
-                    sent.1 += 1;
-                    SessionEnd::HandedOff
-                }
-                Err(e) => {
-                    let e = ServeError::HandOff(e);
-                    let text = e.to_string();
-                    failed = failed.or(Some(std::io::Error::other(text)));
-                    SessionEnd::Failed(Arc::new(e))
-                }
+            let end = match unsent.iter().position(|(u, _)| *u == id) {
+                None => SessionEnd::HandedOff,
+                Some(k) => SessionEnd::Failed(Arc::new(unsent.swap_remove(k).1)),
             };
             let c = s.conclude(id, end);
             self.ended(c, "handed-off");
         }
         self.served_bytes = 0;
-        if let Err(e) = out.end() {
-            failed = failed.or(Some(e));
+        self.ending.log.say(&format!(
+            "handed {} sockets and {handed} VMs to the new server{}",
+            sent.iter().filter(|&&s| s).count(),
+            failed.map_or(String::new(), |e| format!(" (with an error: {e})"))
+        ));
+        true
+    }
+
+    /// After a hand-off the new server did not take (`why`): serves the VMs `ids` on, as
+    /// before it. One the pool cannot take again is ended, never left hung.
+    fn keep_serving(&mut self, ids: &[u64], why: std::io::Error) {
+        for &id in ids {
+            let Some(s) = self.sessions.get(&id) else {
+                continue;
+            };
+            if let Err(e) = self.pool.add(id, s.pooled()) {
+                let s = self.sessions.remove(&id).expect("looked up above");
+                let c = s.conclude(
+                    id,
+                    SessionEnd::Failed(Arc::new(ServeError::Io {
+                        op: "serve a VM again after a hand-off not taken",
+                        source: e,
+                    })),
+                );
+                self.ended(c, "failed");
+            }
         }
         self.ending.log.say(&format!(
-            "handed {} sockets and {} VMs to the new server{}",
-            sent.0,
-            sent.1,
-            failed.map_or(String::new(), |e| format!(" (with an error: {e})"))
+            "the new server did not take the hand-off ({why}): serving {} VMs on, and \
+             listening",
+            self.sessions.len()
         ));
     }
 }
