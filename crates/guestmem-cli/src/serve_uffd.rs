@@ -250,7 +250,9 @@ pub fn run(a: Args) -> Result<()> {
         // memory file (else the old server serves on). Before the state directory's lock,
         // which the old server holds until it exits.
         let mems: Vec<&MemoryFile> = sockets.iter().map(|s: &Socket| &s.memory).collect();
-        t.confirm(&mems, Duration::from_secs(30))
+        // Up to 2 minutes for the old server to exit once it said `yours` (it may be
+        // finishing a fetch from the store); then the VMs it handed are ended.
+        t.confirm(&mems, Duration::from_secs(120))
             .with_context(|| format!("--take-over {}", control.display()))?;
     }
     let mut server = Server::new(sockets, cfg).with_context(|| {

@@ -469,7 +469,8 @@ fn served_until_it_exits(name: &str, does: ChildDoes) {
 }
 
 /// A take-over that is never confirmed gives nothing away: the new server received the
-/// old one's socket and VM, and stopped (dropped what it had) before it said `taken`. The
+/// old one's socket and VM, could not confirm (and cannot on a second try), and stopped
+/// (dropped what it had) before it said `taken`. The
 /// old server serves the VM on at once, every word right, and says why; nothing is ended.
 /// (Before, the hand-off had no acknowledgement: the VM would have been ended.)
 #[test]
@@ -499,9 +500,18 @@ fn a_take_over_dropped_before_it_is_confirmed_gives_nothing_away() {
     for p in 0..SIZE / 2 / PAGE {
         assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64));
     }
-    let taken = guestmem::serve::take_over(&control, Duration::from_secs(10)).unwrap();
+    let mut taken = guestmem::serve::take_over(&control, Duration::from_secs(10)).unwrap();
     assert_eq!(taken.vms(), 1);
     assert!(!taken.confirmed());
+    // Its socket was not taken (no `listener` asked for it): refused, and refused again.
+    for _ in 0..2 {
+        let e = taken.confirm(&[], Duration::from_secs(10)).unwrap_err();
+        assert!(
+            e.to_string().contains("the old server serves its VMs on"),
+            "{e}"
+        );
+        assert!(!taken.confirmed());
+    }
     drop(taken);
     for p in SIZE / 2 / PAGE..SIZE / PAGE {
         assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64), "page {p}");

@@ -176,6 +176,7 @@ impl StatusHandle {
                 if let Some(acknowledged) = handoff {
                     // The connection is the new server's: the server answers it.
                     let _ = s.set_read_timeout(None);
+                    let _ = s.set_write_timeout(None);
                     drainer.hand_off(s, acknowledged);
                     continue;
                 }

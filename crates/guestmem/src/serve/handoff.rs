@@ -44,6 +44,10 @@ pub(super) const COMMAND_ACKNOWLEDGED: &str = "handoff acknowledged";
 /// How long an old server waits, after its end mark, for the new server's `taken`; then it
 /// serves on.
 pub(super) const ACK_WAIT: Duration = Duration::from_secs(30);
+/// How long a new server waits, once told `yours`, for the old one to exit (it stops its
+/// prefetch threads first, which may be waiting on a fetch up to its deadline) before it
+/// gives up and ends the VMs handed: no other server will serve them.
+pub(super) const EXIT_WAIT: Duration = Duration::from_secs(120);
 /// How long a new server waits for the old one's `yours` (sent as soon as it reads
 /// `taken`).
 const YOURS_WAIT: Duration = Duration::from_secs(10);
@@ -152,8 +156,7 @@ impl Outgoing<'_> {
     /// connection closed, another answer) is an error that says which, and leaves them
     /// here.
     pub(super) fn acknowledged(&self) -> io::Result<()> {
-        self.to.set_read_timeout(Some(ACK_WAIT))?;
-        let line = read_line(self.to, TAKEN.len()).map_err(|e| match e.kind() {
+        let line = read_line(self.to, TAKEN.len(), ACK_WAIT).map_err(|e| match e.kind() {
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => io::Error::new(
                 io::ErrorKind::TimedOut,
                 format!("no acknowledgement within {} s", ACK_WAIT.as_secs()),
@@ -177,11 +180,18 @@ impl Outgoing<'_> {
 }
 
 /// Bytes up to and including a newline, at most `max` of them (fewer at the end of the
-/// stream or past `max`), read one at a time so that nothing after the line is taken.
-fn read_line(mut s: &UnixStream, max: usize) -> io::Result<Vec<u8>> {
+/// stream or past `max`), read one at a time so that nothing after the line is taken;
+/// within `limit` for the whole line (a timed-out read is an error).
+fn read_line(mut s: &UnixStream, max: usize, limit: Duration) -> io::Result<Vec<u8>> {
+    let deadline = Instant::now() + limit;
     let mut line = Vec::new();
     let mut b = [0u8; 1];
     while line.len() < max && line.last() != Some(&b'\n') {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::from(io::ErrorKind::TimedOut));
+        }
+        s.set_read_timeout(Some(left))?;
         match s.read(&mut b) {
             Ok(0) => break,
             Ok(_) => line.push(b[0]),
@@ -206,6 +216,10 @@ pub struct HandedSession {
 #[derive(Debug)]
 pub struct TakeOver {
     listeners: Vec<(usize, PathBuf, OwnedFd)>,
+    /// A descriptor of each handed socket given out by [`TakeOver::listener`]: until a
+    /// server serves them ([`TakeOver::into_sessions`]), VMs in their backlogs are this
+    /// take-over's to end if it is dropped.
+    claimed: Vec<(PathBuf, OwnedFd)>,
     pub(super) sessions: Vec<HandedSession>,
     /// The connection to the old server, until it has said `yours` (`None` with a server
     /// of an earlier version, which gave everything away with its end mark).
@@ -237,6 +251,12 @@ impl TakeOver {
             return Ok(None);
         };
         let (_, p, fd) = self.listeners.remove(k);
+        let serr = |source| ServeError::Io {
+            op: "keep a handed socket",
+            source,
+        };
+        self.claimed
+            .push((p.clone(), fd.try_clone().map_err(serr)?));
         // Its path stays when it is dropped until the take-over is confirmed: the old
         // server, which serves on if it is not, listens there too.
         Listener::adopt(fd, &p, true).map(Some)
@@ -256,7 +276,13 @@ impl TakeOver {
     pub fn confirm(&mut self, memories: &[&MemoryFile], wait: Duration) -> Result<(), ServeError> {
         let serr = |op: &'static str| move |source| ServeError::Io { op, source };
         let Some(s) = self.pending.take() else {
-            return Ok(());
+            if self.owned {
+                return Ok(());
+            }
+            return Err(serr("take over")(io::Error::other(
+                "this take-over was not confirmed before: nothing was taken, the old server \
+                 serves its VMs on",
+            )));
         };
         let kept = |why: String| {
             serr("take over")(io::Error::other(format!(
@@ -282,13 +308,15 @@ impl TakeOver {
                 )));
             }
         }
-        s.set_read_timeout(Some(YOURS_WAIT))
-            .map_err(serr("set a timeout on the old server's socket"))?;
         let answer = (&s)
             .write_all(TAKEN)
-            .and_then(|()| read_line(&s, YOURS.len()));
+            .and_then(|()| read_line(&s, YOURS.len(), YOURS_WAIT));
+        let yours = Instant::now();
         match answer {
             Ok(a) if a == YOURS => {}
+            // The old server exited without a word (it crashed, or its answer was lost):
+            // no one else will serve its VMs.
+            _ if self.old_exited(Duration::from_secs(2)) => {}
             Ok(a) => {
                 return Err(kept(format!(
                     "the old server did not hand its VMs over (it answered {:?}; it waits {} s \
@@ -301,15 +329,24 @@ impl TakeOver {
         }
         self.owned = true;
         drop(s);
-        self.wait_for_old(wait)
+        self.wait_for_old(yours, wait)
     }
 
-    /// Waits, at most `wait` from the command, for the old server to exit (its pidfd), so
-    /// that one server at a time serves the VMs and holds the state directory.
-    fn wait_for_old(&mut self, wait: Duration) -> Result<(), ServeError> {
+    /// Whether the old server has exited, waiting at most `wait` for it.
+    fn old_exited(&self, wait: Duration) -> bool {
+        let Some(p) = self.old.pidfd() else {
+            return false;
+        };
+        let mut fds = [crate::sys::PollFd::readable(p)];
+        crate::sys::poll(&mut fds, Some(wait)).is_ok_and(|n| n == 1)
+    }
+
+    /// Waits, at most `wait` from `from`, for the old server to exit (its pidfd), so that
+    /// one server at a time serves the VMs and holds the state directory.
+    fn wait_for_old(&mut self, from: Instant, wait: Duration) -> Result<(), ServeError> {
         let serr = |op: &'static str| move |source| ServeError::Io { op, source };
         if let Some(p) = self.old.pidfd() {
-            let left = wait.saturating_sub(self.t0.elapsed());
+            let left = wait.saturating_sub(from.elapsed());
             let mut fds = [crate::sys::PollFd::readable(p)];
             let n = crate::sys::poll(&mut fds, Some(left))
                 .map_err(serr("wait for the old server to exit"))?;
@@ -334,17 +371,19 @@ impl TakeOver {
         self.sessions.len()
     }
 
-    /// The VMs, for the server that serves them from now on.
-    pub(super) fn take_sessions(&mut self) -> Vec<HandedSession> {
+    /// The VMs, for the server that serves them from now on (and the VMs in the handed
+    /// sockets' backlogs with them).
+    pub(super) fn into_sessions(mut self) -> Vec<HandedSession> {
+        self.claimed.clear();
         std::mem::take(&mut self.sessions)
     }
 }
 
 impl Drop for TakeOver {
     /// Before the take-over is confirmed, nothing: the old server serves on. After,
-    /// whatever was handed over and not taken by a fleet (the new server failed before it
-    /// could serve) is ended, never left hung: each VM handed over, and each VM waiting in
-    /// a handed socket's backlog that has sent its userfaultfd, is killed through a pidfd.
+    /// whatever was handed over and not served (the new server failed before it could
+    /// serve) is ended, never left hung: each VM handed over, and each VM waiting in a
+    /// handed socket's backlog that has sent its userfaultfd, is killed through a pidfd.
     fn drop(&mut self) {
         if !self.owned {
             return;
@@ -364,7 +403,8 @@ impl Drop for TakeOver {
                 ),
             }
         }
-        for (_, path, fd) in self.listeners.drain(..) {
+        let handed = self.listeners.drain(..).map(|(_, p, fd)| (p, fd));
+        for (path, fd) in handed.chain(self.claimed.drain(..)) {
             let l = std::os::unix::net::UnixListener::from(fd);
             if l.set_nonblocking(true).is_err() {
                 continue;
@@ -460,7 +500,8 @@ pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError>
     match receive(control, COMMAND_ACKNOWLEDGED, wait) {
         Err(ServeError::Io { source, .. }) if source.kind() == io::ErrorKind::Unsupported => {
             let mut t = receive(control, COMMAND, wait)?;
-            t.wait_for_old(wait)?;
+            let from = t.t0;
+            t.wait_for_old(from, wait)?;
             Ok(t)
         }
         r => r,
@@ -487,6 +528,7 @@ fn receive(control: &Path, command: &str, wait: Duration) -> Result<TakeOver, Se
         .map_err(serr("send the old server its command"))?;
     let mut out = TakeOver {
         listeners: Vec::new(),
+        claimed: Vec::new(),
         sessions: Vec::new(),
         pending: None,
         owned: false,

@@ -161,7 +161,12 @@ impl Pool {
         if r.is_err() {
             self.remove(id);
         } else if p.wants_prefetch() && self.counts.1 > 0 {
-            self.shared.queue().ids.push_back(id);
+            // Once: a session served again (a hand-off not taken) may still be queued.
+            let mut q = self.shared.queue();
+            if !q.ids.contains(&id) {
+                q.ids.push_back(id);
+            }
+            drop(q);
             self.shared.turns.cv.notify_one();
         }
         r

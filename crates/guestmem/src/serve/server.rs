@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::config::{ServerConfig, Setting, Vms};
 use super::files::MemoryFile;
-use super::handoff::{self, HandedSession, TakeOver};
+use super::handoff::{self, TakeOver};
 use super::handshake::HandshakeError;
 use super::intake::{Closed, Intake, MAX_PENDING_HANDSHAKES};
 use super::learn::Learnt;
@@ -177,8 +177,9 @@ pub struct Server {
     handoff: Arc<HandoffSlot>,
     pool: Pool,
     status: StatusHandle,
-    /// VMs handed over by the server this one took over from, served from `run` on.
-    handed: Vec<HandedSession>,
+    /// What the server this one took over from handed over, served from `run` on (ended
+    /// if this server is dropped before).
+    handed: Vec<TakeOver>,
     watch: Option<FileWatch>,
     state: Option<StateDir>,
     sessions: BTreeMap<u64, Session>,
@@ -288,7 +289,7 @@ impl Server {
     pub fn adopt(&mut self, mut t: TakeOver) -> Result<(), ServeError> {
         if !t.confirmed() {
             let mems: Vec<&MemoryFile> = self.sockets.iter().map(|s| &s.memory).collect();
-            t.confirm(&mems, handoff::ACK_WAIT)?;
+            t.confirm(&mems, handoff::EXIT_WAIT)?;
         }
         // The handed sockets are this server's alone now: their paths go when it stops.
         for s in &mut self.sockets {
@@ -296,7 +297,7 @@ impl Server {
                 l.own_path();
             }
         }
-        self.handed.extend(t.take_sessions());
+        self.handed.push(t);
         Ok(())
     }
 
@@ -353,15 +354,7 @@ impl Server {
                     self.intake.accept(i, l, MAX_PENDING_HANDSHAKES);
                 }
             }
-            while let Some(a) = self.intake.take() {
-                let refused = self.arrive(a);
-                if let (Err(e), Some(One::Waiting(_))) = (refused, self.one) {
-                    // A one-VM server had its VM and cannot serve it.
-                    self.stop_listening(Closed::HasItsVm);
-                    return Err(e);
-                }
-                self.one_admitted();
-            }
+            self.admit_arrivals()?;
             for id in watched {
                 self.check_session(id);
             }
@@ -396,6 +389,10 @@ impl Server {
                 self.file_changed(i);
             }
             if crate::sys::is_readable(self.handoff.ready.as_fd()) {
+                // Read before the slot is taken: a command that comes in between signals
+                // again. (A server that serves on after a hand-off not taken must not find
+                // it readable for ever.)
+                let _ = crate::sys::eventfd_read(self.handoff.ready.as_fd());
                 let to = self
                     .handoff
                     .to
@@ -414,9 +411,7 @@ impl Server {
                     }
                     // VMs whose handshakes ended are handed with the rest; the intake
                     // stays open in case the new server does not take them.
-                    while let Some(a) = self.intake.take() {
-                        let _ = self.arrive(a);
-                    }
+                    self.admit_arrivals()?;
                     if self.hand_off(&to, true) {
                         // A handshake that ended since is not handed: ended as at a drain.
                         for a in self.intake.close(Closed::Draining) {
@@ -429,6 +424,21 @@ impl Server {
         }
         self.graduate_all();
         self.finish()
+    }
+
+    /// Admits every VM whose handshake has ended. A one-VM server that had its VM and
+    /// cannot serve it stops listening and returns the error.
+    fn admit_arrivals(&mut self) -> Result<(), ServeError> {
+        while let Some(a) = self.intake.take() {
+            let refused = self.arrive(a);
+            if let (Err(e), Some(One::Waiting(_))) = (refused, self.one) {
+                // A one-VM server had its VM and cannot serve it.
+                self.stop_listening(Closed::HasItsVm);
+                return Err(e);
+            }
+            self.one_admitted();
+        }
+        Ok(())
     }
 
     /// The report, once every collapse this server stopped has ended.

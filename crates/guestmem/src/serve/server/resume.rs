@@ -26,7 +26,8 @@ impl Server {
     /// those gone or not served (their copies are removed, not left for a later server).
     pub(super) fn resume_handed(&mut self) -> (Vec<RecordKey>, Vec<RecordKey>) {
         let (mut served, mut dropped) = (Vec::new(), Vec::new());
-        for h in std::mem::take(&mut self.handed) {
+        let handed = std::mem::take(&mut self.handed);
+        for h in handed.into_iter().flat_map(|t| t.into_sessions()) {
             let r = &h.record;
             let process = match PeerProcess::reopen(r.pid, r.start_time) {
                 Ok(p) => p,
@@ -230,6 +231,10 @@ impl Server {
         // soon as it has it.
         let ids: Vec<u64> = self.sessions.keys().copied().collect();
         let mut unsent = Vec::new();
+        // Those whose process exited meanwhile (its record can no longer be made): not a
+        // failure of the hand-off. Served again with the rest when it is not taken, where
+        // the session ends as the exit it is.
+        let mut exited = Vec::new();
         // Those no longer served here: with an acknowledgement, the first failure stops
         // the hand-off, and only these are served again.
         let mut stopped = Vec::new();
@@ -243,6 +248,10 @@ impl Server {
             let handed = record_of(s, &self.sockets[s.socket].memory, true)
                 .map_err(std::io::Error::other)
                 .and_then(|r| out.session(s.socket, r, s.uffd_fd().as_raw_fd()));
+            if handed.is_err() && s.process().pidfd().is_some_and(crate::sys::is_readable) {
+                exited.push(id);
+                continue;
+            }
             if let Err(e) = handed {
                 let e = ServeError::HandOff(e);
                 failed = failed.or(Some(std::io::Error::other(e.to_string())));
@@ -273,13 +282,14 @@ impl Server {
                 }
             }
         }
-        let handed = ids.len() - unsent.len();
+        let handed = ids.len() - unsent.len() - exited.len();
         for id in ids {
             let Some(s) = self.sessions.remove(&id) else {
                 continue;
             };
             // A VM that could not be handed is not left hung: it is ended.
             let end = match unsent.iter().position(|(u, _)| *u == id) {
+                None if exited.contains(&id) => SessionEnd::PeerExited,
                 None => SessionEnd::HandedOff,
                 Some(k) => SessionEnd::Failed(Arc::new(unsent.swap_remove(k).1)),
             };
