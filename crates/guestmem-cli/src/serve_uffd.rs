@@ -252,7 +252,7 @@ pub fn run(a: Args) -> Result<()> {
         let mems: Vec<&MemoryFile> = sockets.iter().map(|s: &Socket| &s.memory).collect();
         // Up to 2 minutes for the old server to exit once it said `yours` (it may be
         // finishing a fetch from the store); then the VMs it handed are ended.
-        t.confirm(&mems, Duration::from_secs(120))
+        t.confirm(&mems, a.state_dir.as_deref(), Duration::from_secs(120))
             .with_context(|| format!("--take-over {}", control.display()))?;
     }
     let mut server = Server::new(sockets, cfg).with_context(|| {

@@ -226,8 +226,8 @@ fn a_server_hands_its_sockets_and_vms_to_a_new_server_without_downtime() {
 }
 
 /// A take-over the new server cannot serve gives nothing away: a new server started with
-/// another memory file than the one its VM is served says which and exits 1, and the old
-/// server serves on (the VM reads the rest of its memory from it, and a VM that connects
+/// another memory file than the one its VM is served, or without the old server's state
+/// directory, says which and exits 1, and the old server serves on (the VM reads the rest of its memory from it, and a VM that connects
 /// after is served by it). The socket path stays. (Before, the hand-off had no
 /// acknowledgement: the old server gave everything away and exited, and the new one ended
 /// every VM it could not serve.)
@@ -241,11 +241,14 @@ fn a_take_over_the_new_server_cannot_serve_leaves_every_vm_with_the_old_one() {
     std::fs::copy(&mem, &other).unwrap();
     let socket = d.join("uffd.sock");
     let control = d.join("ctl.sock");
+    let state = d.join("state");
     let args = [
         "--control",
         control.to_str().unwrap(),
         "--prefetch-threads",
         "0",
+        "--state-dir",
+        state.to_str().unwrap(),
     ];
     let old = server(&[(&socket, &mem)], &args);
     wait_for(&control);
@@ -254,17 +257,27 @@ fn a_take_over_the_new_server_cannot_serve_leaves_every_vm_with_the_old_one() {
     for p in 0..SIZE / 2 / PAGE {
         assert_eq!(first.word(p * PAGE), word((p * PAGE) as u64));
     }
-    let (code, _, err) = finish(spawn(
-        &[(&socket, &other)],
-        &["--take-over", control.to_str().unwrap()],
-    ));
-    assert_eq!(code, 1, "{err}");
-    assert!(
-        err.contains("--take-over")
-            && err.contains("is not among this server's memory files")
-            && err.contains("the old server serves its VMs on"),
-        "{err}"
-    );
+    // Another memory file; then the right one, but no state directory (a server started
+    // on the old one later would take the VMs back).
+    let take_over = ["--take-over", control.to_str().unwrap()];
+    let state_dir = ["--state-dir", state.to_str().unwrap()];
+    for (file, extra, says) in [
+        (
+            &other,
+            &state_dir[..],
+            "is not among this server's memory files",
+        ),
+        (&mem, &[][..], "the old server keeps its records in"),
+    ] {
+        let (code, _, err) = finish(spawn(&[(&socket, file)], &[&take_over[..], extra].concat()));
+        assert_eq!(code, 1, "{err}");
+        assert!(
+            err.contains("--take-over")
+                && err.contains(says)
+                && err.contains("the old server serves its VMs on"),
+            "{err}"
+        );
+    }
     assert!(socket.exists(), "the socket path stays");
     for p in SIZE / 2 / PAGE..SIZE / PAGE {
         assert_eq!(first.word(p * PAGE), word((p * PAGE) as u64), "page {p}");

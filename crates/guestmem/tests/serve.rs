@@ -505,7 +505,9 @@ fn a_take_over_dropped_before_it_is_confirmed_gives_nothing_away() {
     assert!(!taken.confirmed());
     // Its socket was not taken (no `listener` asked for it): refused, and refused again.
     for _ in 0..2 {
-        let e = taken.confirm(&[], Duration::from_secs(10)).unwrap_err();
+        let e = taken
+            .confirm(&[], None, Duration::from_secs(10))
+            .unwrap_err();
         assert!(
             e.to_string().contains("the old server serves its VMs on"),
             "{e}"

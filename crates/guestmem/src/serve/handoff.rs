@@ -69,6 +69,10 @@ enum Message {
         // Left out when false: the end mark an earlier version sent, byte for byte.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         ack: bool,
+        /// The old server's state directory, where it keeps one: the new server must keep
+        /// its records there too.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        state_dir: Option<PathBuf>,
     },
 }
 
@@ -147,8 +151,9 @@ impl Outgoing<'_> {
         send(self.to, &Message::Session { index, record }, &[uffd])
     }
 
-    pub(super) fn end(&self, ack: bool) -> io::Result<()> {
-        send(self.to, &Message::End { ack }, &[])
+    pub(super) fn end(&self, ack: bool, state_dir: Option<&Path>) -> io::Result<()> {
+        let state_dir = state_dir.map(|d| d.canonicalize().unwrap_or_else(|_| d.to_path_buf()));
+        send(self.to, &Message::End { ack, state_dir }, &[])
     }
 
     /// Waits for the new server's `taken` (at most [`ACK_WAIT`]) and answers `yours`:
@@ -226,6 +231,8 @@ pub struct TakeOver {
     pending: Option<UnixStream>,
     /// Whether the VMs are this server's (the old one said `yours`, or gave them away).
     owned: bool,
+    /// The old server's state directory, where it keeps one.
+    old_state_dir: Option<PathBuf>,
     old: PeerProcess,
     t0: Instant,
     /// The old server's process id.
@@ -263,8 +270,10 @@ impl TakeOver {
     }
 
     /// Makes the VMs this server's, once it knows it can serve them: every handed socket
-    /// was given out by [`TakeOver::listener`], and every VM's memory file is among
-    /// `memories` (the same device, inode, size and modification time). Then says `taken`
+    /// was given out by [`TakeOver::listener`], every VM's memory file is among `memories`
+    /// (the same device, inode, size and modification time), and where the old server kept
+    /// a state directory, `state_dir` is that one (a server started later on the old
+    /// directory would take back VMs this one serves). Then says `taken`
     /// to the old server, which answers `yours` and exits; waits, at most `wait`, for that.
     /// Nothing to do with a server of an earlier version, or when confirmed already.
     ///
@@ -273,7 +282,12 @@ impl TakeOver {
     /// this take-over ends none when dropped. A server that keeps a state directory must
     /// confirm before [`super::Server::new`], whose lock the old server holds until it
     /// exits; [`super::Server::adopt`] confirms what is not.
-    pub fn confirm(&mut self, memories: &[&MemoryFile], wait: Duration) -> Result<(), ServeError> {
+    pub fn confirm(
+        &mut self,
+        memories: &[&MemoryFile],
+        state_dir: Option<&Path>,
+        wait: Duration,
+    ) -> Result<(), ServeError> {
         let serr = |op: &'static str| move |source| ServeError::Io { op, source };
         let Some(s) = self.pending.take() else {
             if self.owned {
@@ -294,6 +308,18 @@ impl TakeOver {
                 "the old server's socket {} is not among this server's sockets (--socket)",
                 p.display()
             )));
+        }
+        if let Some(old) = &self.old_state_dir {
+            use std::os::unix::fs::MetadataExt;
+            let id = |p: &Path| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+            if !state_dir.is_some_and(|d| d == old || (id(d).is_some() && id(d) == id(old))) {
+                return Err(kept(format!(
+                    "the old server keeps its records in {}: give this server that \
+                     --state-dir (a server started there later would take back the VMs \
+                     this one serves)",
+                    old.display()
+                )));
+            }
         }
         for h in &self.sessions {
             let r = &h.record;
@@ -532,6 +558,7 @@ fn receive(control: &Path, command: &str, wait: Duration) -> Result<TakeOver, Se
         sessions: Vec::new(),
         pending: None,
         owned: false,
+        old_state_dir: None,
         old_pid: old.pid(),
         old,
         t0,
@@ -547,7 +574,10 @@ fn receive(control: &Path, command: &str, wait: Duration) -> Result<TakeOver, Se
                 record,
                 uffd,
             }),
-            (Message::End { ack }, _) => break ack,
+            (Message::End { ack, state_dir }, _) => {
+                out.old_state_dir = state_dir;
+                break ack;
+            }
             (_, None) => {
                 return Err(serr("receive the hand-off")(io::Error::other(
                     "a hand-off message came without its descriptor",
@@ -666,7 +696,7 @@ mod tests {
             out.listener(0, p, fds[0].as_raw_fd()).unwrap();
             out.session(0, record.clone(), fds[1].as_raw_fd()).unwrap();
             out.session(0, record, fds[2].as_raw_fd()).unwrap();
-            out.end(true).unwrap();
+            out.end(true, None).unwrap();
         });
         let mut incoming = Incoming::default();
         let (m, fd) = incoming.next(&b).unwrap();
@@ -681,7 +711,7 @@ mod tests {
             assert!(fd.is_some());
         }
         let (m, fd) = incoming.next(&b).unwrap();
-        assert!(matches!(m, Message::End { ack: true }) && fd.is_none());
+        assert!(matches!(m, Message::End { ack: true, .. }) && fd.is_none());
         sender.join().unwrap();
     }
 }

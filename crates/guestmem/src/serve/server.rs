@@ -289,7 +289,7 @@ impl Server {
     pub fn adopt(&mut self, mut t: TakeOver) -> Result<(), ServeError> {
         if !t.confirmed() {
             let mems: Vec<&MemoryFile> = self.sockets.iter().map(|s| &s.memory).collect();
-            t.confirm(&mems, handoff::EXIT_WAIT)?;
+            t.confirm(&mems, self.cfg.state_dir.as_deref(), handoff::EXIT_WAIT)?;
         }
         // The handed sockets are this server's alone now: their paths go when it stops.
         for s in &mut self.sockets {

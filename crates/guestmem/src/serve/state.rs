@@ -111,6 +111,11 @@ impl StateDir {
         })
     }
 
+    /// Where it is.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// Writes `r` whole; returns its path.
     pub(crate) fn write(&self, r: &SessionRecord) -> Result<PathBuf, RecordProblem> {
         let path = self.path.join(format!(

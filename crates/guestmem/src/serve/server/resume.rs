@@ -259,7 +259,8 @@ impl Server {
             }
         }
         if !acknowledged || failed.is_none() {
-            if let Err(e) = out.end(acknowledged) {
+            let state_dir = self.state.as_ref().map(|s| s.path());
+            if let Err(e) = out.end(acknowledged, state_dir) {
                 failed = failed.or(Some(e));
             }
         }
