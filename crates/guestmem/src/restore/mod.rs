@@ -425,6 +425,10 @@ fn eager(
         .with_max_threads(threads);
     job.run(|chunk| {
         let mut scratch = Vec::new();
+        // A remote image's blocks are read into a buffer of this thread's and copied from
+        // there: its reads borrow their destination as a slice, and the map's memory may be
+        // reached by views made before this call.
+        let mut staging: Vec<u64> = Vec::new();
         let end = chunk.start + chunk.len;
         // Populate the chunk's blocks region by region (a chunk may cross regions).
         if from_layer == 0 {
@@ -452,11 +456,22 @@ fn eager(
             if !image.held_from(b, from_layer) {
                 continue;
             }
-            let (ri, offset, _) = image.block_span(b);
+            let (ri, offset, len) = image.block_span(b);
             let r = &regions[ri];
             let dst = r.host_addr().wrapping_add(offset as usize);
+            if image.is_remote() {
+                staging.resize((len as usize).div_ceil(8), 0);
+                let buf = staging.as_mut_ptr() as *mut u8;
+                // SAFETY: `staging` holds at least `len` bytes, 8-byte aligned, this
+                // thread's alone; its blocks read whole (not zero first).
+                unsafe { image.read_block(b, buf, false, &mut scratch)? };
+                // SAFETY: the block lies inside region `ri` (layout checked), kept mapped;
+                // `buf` holds its `len` bytes.
+                unsafe { std::ptr::copy_nonoverlapping(buf, dst, len as usize) };
+                continue;
+            }
             // The memory is fresh (populated zero, or the mapped file's pages for
-            // from_layer 1) and nothing else runs on it yet.
+            // from_layer 1); read through raw pointers only (a file read, zeroes).
             // SAFETY: the block lies inside region `ri` (layout checked), kept mapped, aligned.
             unsafe { image.read_block(b, dst, from_layer == 0, &mut scratch)? };
         }

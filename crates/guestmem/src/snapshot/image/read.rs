@@ -16,7 +16,9 @@ impl Image {
     /// # Safety
     /// `dst..dst+len` (the block's length) must be writable, 8-byte aligned memory that no
     /// one else writes during the call; for a block whose plan does not start with a whole
-    /// save, it must read as zero already.
+    /// save, it must read as zero already. For a remote image it is borrowed as a `&mut
+    /// [u8]` for the call: no one else may read or write it meanwhile (a buffer of the
+    /// caller's own, not guest memory others can reach).
     pub(crate) unsafe fn read_block(
         &self,
         block: u64,
