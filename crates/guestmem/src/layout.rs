@@ -274,13 +274,14 @@ impl Placement {
 
     /// The host address for the region inside a reservation starting at `res_start`:
     /// the lowest address `>= res_start + guard` that is congruent to `guest_addr`
-    /// modulo `align` (a power of two).
+    /// modulo `align` (a power of two; 0 is taken as 1). Addresses wrap at 2^64: a
+    /// reservation the kernel gave lies far below.
     pub fn host_start(&self, res_start: u64, guest_addr: u64, align: u64) -> u64 {
-        let lowest = res_start + self.guard;
-        let mask = align - 1;
+        let lowest = res_start.wrapping_add(self.guard);
+        let mask = align.max(1).wrapping_sub(1);
         let want = guest_addr & mask;
         let have = lowest & mask;
-        lowest + (want.wrapping_sub(have) & mask)
+        lowest.wrapping_add(want.wrapping_sub(have) & mask)
     }
 }
 

@@ -41,6 +41,14 @@ pub enum PlanError {
         /// The granule each region must be a multiple of.
         granule: u64,
     },
+    /// More regions than a map holds ([`crate::MAX_REGIONS`]).
+    #[error("{count} regions asked for: a map holds at most {limit}")]
+    TooManyRegions {
+        /// Regions asked for.
+        count: u64,
+        /// The limit.
+        limit: usize,
+    },
     /// The layout file could not be read or parsed.
     #[error("layout file {path}: {reason}")]
     File {
@@ -135,6 +143,14 @@ impl EvenLayout {
         };
         if self.regions == 0 || !self.size.is_multiple_of(granule) {
             return Err(bad());
+        }
+        // Before any spec is made: a count past the limit would be refused by the map
+        // anyway, after filling memory with specs.
+        if self.regions > crate::MAX_REGIONS as u64 {
+            return Err(PlanError::TooManyRegions {
+                count: self.regions,
+                limit: crate::MAX_REGIONS,
+            });
         }
         let units = self.size / granule;
         if units < self.regions {
@@ -370,6 +386,15 @@ mod tests {
         l.regions = 2;
         l.size = (1 << 30) + 4096;
         assert!(l.specs().unwrap_err().to_string().contains("0x200000"));
+        // A count past what a map holds is refused before any spec is made (2^39 of them
+        // filled memory until the process died).
+        l.size = 1 << 60;
+        l.regions = 1 << 39;
+        let e = l.specs().unwrap_err();
+        assert!(
+            matches!(e, PlanError::TooManyRegions { count, limit } if count == 1 << 39 && limit == crate::MAX_REGIONS),
+            "{e}"
+        );
     }
 
     #[test]

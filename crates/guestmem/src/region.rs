@@ -150,6 +150,8 @@ pub struct Region {
     reserve: Reserve,
     numa_node: Option<u32>,
     file: Option<FileOffset>,
+    /// Whether `file` is mapped shared (its pages are the guest's memory), not private.
+    shared: bool,
     dirty: Option<DirtyBitmap>,
     warnings: Vec<String>,
     /// Snapshot bookkeeping: whether a lazy restore is filling the region, and which save
@@ -218,6 +220,7 @@ impl Region {
             reserve: spec.reserve,
             numa_node: spec.numa_node,
             file: opened.file,
+            shared: opened.shared,
             dirty,
             warnings,
             lifecycle: Default::default(),
@@ -305,9 +308,11 @@ impl Region {
     }
 
     /// Whether the backing is shared memory (memfd, hugetlb memfd or a shared file), whose
-    /// pages outlive an `MADV_DONTNEED` until a hole is punched.
+    /// pages outlive an `MADV_DONTNEED` until a hole is punched, and whose descriptor
+    /// ([`Region::file_offset`]) reaches the guest's memory itself. A file mapped private
+    /// is not: its descriptor reaches the file, not the guest's copy of it.
     pub fn is_shared(&self) -> bool {
-        self.file.is_some()
+        self.file.is_some() && self.shared
     }
 
     /// The backing descriptor and offset, for sharing (vhost-user) or KVM.

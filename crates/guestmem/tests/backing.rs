@@ -199,3 +199,35 @@ fn file_offset_errors_name_the_offset() {
     );
     std::fs::remove_file(&path).unwrap();
 }
+
+/// Whether a region's descriptor reaches the guest's memory itself (`is_shared`): a memfd's
+/// and a file mapped shared do; a file mapped private does not (its descriptor reaches the
+/// file, not the guest's copy on write), though it has a descriptor too; anonymous memory
+/// has none.
+#[test]
+fn only_a_shared_backing_is_shared() {
+    let dir = guestmem_testkit::Scratch::new("backing-shared");
+    let path = dir.join("mem");
+    std::fs::write(&path, vec![0u8; 2 * MIB as usize]).unwrap();
+    let file = |private: bool| {
+        let (path, offset) = (path.clone(), 0);
+        if private {
+            Backing::FilePrivate { path, offset }
+        } else {
+            Backing::File { path, offset }
+        }
+    };
+    for (backing, shared, has_fd) in [
+        (Backing::Anonymous, false, false),
+        (Backing::Memfd, true, true),
+        (file(false), true, true),
+        (file(true), false, true),
+    ] {
+        let spec = RegionSpec::new(GuestAddress(0), 2 * MIB).with_backing(backing.clone());
+        let map = GuestMap::from_specs(&[spec]).unwrap();
+        let view = map.view();
+        let r = &view.regions()[0];
+        assert_eq!(r.is_shared(), shared, "{backing:?}");
+        assert_eq!(r.file_offset().is_some(), has_fd, "{backing:?}");
+    }
+}

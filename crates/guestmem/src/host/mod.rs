@@ -422,7 +422,7 @@ impl Host {
                     needs.pools.last_mut().expect("just pushed")
                 }
             };
-            need.needed += pages;
+            need.needed = need.needed.saturating_add(pages);
             if need.needed > need.available {
                 return Err(HostError::HugetlbPool {
                     addr: d.guest_addr,
@@ -436,8 +436,11 @@ impl Host {
         Ok(())
     }
 
-    /// At map time: NUMA nodes that exist, mappings under `vm.max_map_count`.
+    /// At map time: NUMA nodes that exist, mappings under `vm.max_map_count`, hugetlb pages
+    /// within their cgroups (which charge a page as it is first touched: past the limit,
+    /// a touch through a view would raise `SIGBUS`).
     fn check_map(&self, demands: &[Demand], needs: &mut Needs) -> Result<(), HostError> {
+        self.check_hugetlb_cgroups(demands)?;
         for d in demands {
             if let Some(node) = d.numa_node {
                 if !self.numa_nodes.iter().any(|n| n.id == node) {
@@ -448,7 +451,7 @@ impl Host {
                 }
             }
         }
-        needs.mappings = demands.iter().map(|d| d.mappings).sum();
+        needs.mappings = demands.iter().fold(0, |n, d| n.saturating_add(d.mappings));
         if let Some(limit) = self.max_map_count {
             if self.map_count.saturating_add(needs.mappings) > limit {
                 return Err(HostError::MapCount {
@@ -471,10 +474,9 @@ impl Host {
         needs: &mut Needs,
     ) -> Result<(), HostError> {
         let ordinary = demands.iter().filter(|d| d.hugetlb.is_none());
-        needs.memory_bytes = ordinary
-            .clone()
-            .map(|d| d.size.saturating_sub(d.resident))
-            .sum();
+        needs.memory_bytes = ordinary.clone().fold(0, |n, d| {
+            n.saturating_add(d.size.saturating_sub(d.resident))
+        });
         if let Some(available) = self.mem_available {
             if needs.memory_bytes > available {
                 return Err(HostError::Memory {
@@ -495,7 +497,9 @@ impl Host {
         }
         self.check_hugetlb_cgroups(demands)?;
         if pin {
-            let new: u64 = ordinary.map(|d| d.size.saturating_sub(d.locked)).sum();
+            let new = ordinary.fold(0u64, |n, d| {
+                n.saturating_add(d.size.saturating_sub(d.locked))
+            });
             needs.memlock_bytes = self.locked_bytes.saturating_add(new);
             check_memlock(needs.memlock_bytes, self.memlock_limit, needs.cap_ipc_lock)?;
         }
@@ -509,8 +513,9 @@ impl Host {
             let needed: u64 = demands
                 .iter()
                 .filter(|d| d.hugetlb == Some(cg.size))
-                .map(|d| d.size.saturating_sub(d.resident))
-                .sum();
+                .fold(0u64, |n, d| {
+                    n.saturating_add(d.size.saturating_sub(d.resident))
+                });
             if needed > cg.limit.saturating_sub(cg.usage) {
                 return Err(HostError::HugetlbCgroup {
                     size: cg.size,

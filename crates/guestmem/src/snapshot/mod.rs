@@ -431,9 +431,15 @@ impl Manifest {
         manifest::parse_manifest(text, std::path::Path::new(MANIFEST_FILE))
     }
 
-    /// Blocks of `region` (its size over the block size, rounded up).
+    /// Blocks of `region` (its size over the block size, rounded up; none for a manifest
+    /// built by hand with a block size of 0, which no parsed manifest has).
     pub fn region_blocks(&self, region: &ManifestRegion) -> u64 {
-        region.size.div_ceil(self.block_bytes)
+        region
+            .size
+            .checked_div(self.block_bytes)
+            .map_or(0, |whole| {
+                whole + u64::from(!region.size.is_multiple_of(self.block_bytes))
+            })
     }
 
     /// Blocks of all regions.
