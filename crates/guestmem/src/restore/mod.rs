@@ -307,22 +307,30 @@ fn check_fresh(regions: &[Arc<Region>], mode: RestoreMode) -> Result<(), Snapsho
             op,
             source,
         };
-        // Private memory: faulted in, present or swapped (mincore misses swapped pages).
-        // Shared memory: in the page cache, however it got there.
-        let resident = match r.backing() {
-            Backing::Anonymous => proc
-                .faulted_in(r.mapping(), 0, r.size() as usize)
-                .map_err(|e| err("read /proc/self/pagemap", e))?
-                .contains(&true),
-            _ => r
-                .mapping()
-                .any_resident(0, r.size() as usize)
-                .map_err(|e| err("mincore", e.into_io()))?,
-        };
-        if resident {
-            return Err(SnapshotError::Populated {
-                region: r.guest_addr().0,
-            });
+        // A GiB at a time: a byte or eight a page of a whole large region at once would be
+        // gigabytes.
+        const STEP: u64 = 1 << 30;
+        let mut off = 0;
+        while off < r.size() {
+            let len = STEP.min(r.size() - off) as usize;
+            // Private memory: faulted in, present or swapped (mincore misses swapped
+            // pages). Shared memory: in the page cache, however it got there.
+            let resident = match r.backing() {
+                Backing::Anonymous => proc
+                    .faulted_in(r.mapping(), off as usize, len)
+                    .map_err(|e| err("read /proc/self/pagemap", e))?
+                    .contains(&true),
+                _ => r
+                    .mapping()
+                    .any_resident(off as usize, len)
+                    .map_err(|e| err("mincore", e.into_io()))?,
+            };
+            if resident {
+                return Err(SnapshotError::Populated {
+                    region: r.guest_addr().0,
+                });
+            }
+            off += STEP;
         }
     }
     Ok(())
