@@ -40,6 +40,8 @@ struct Seen {
     gets: std::sync::Mutex<Option<Vec<String>>>,
     /// How long every HEAD waits before it is answered, microseconds (`delay_heads`).
     head_delay_us: std::sync::atomic::AtomicU64,
+    /// How long every GET waits before it is answered, microseconds (`delay_gets`).
+    get_delay_us: std::sync::atomic::AtomicU64,
 }
 
 /// A running S3 server; stopped, joined and its folder removed on drop.
@@ -194,6 +196,14 @@ impl S3Server {
     /// this host: requests sent at once are all in flight together).
     pub fn delay_heads(&self, delay: std::time::Duration) {
         self.seen.head_delay_us.store(
+            delay.as_micros() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    /// From now on, every GET is answered `delay` after it came (logged as it comes).
+    pub fn delay_gets(&self, delay: std::time::Duration) {
+        self.seen.get_delay_us.store(
             delay.as_micros() as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
@@ -388,6 +398,13 @@ impl ReadWhole {
     async fn get(&self, req: S3Request<GetObjectInput>) -> S3Result<S3Response<GetObjectOutput>> {
         if let Some(log) = self.seen.gets.lock().expect("the GET log").as_mut() {
             log.push(req.input.key.clone());
+        }
+        let us = self
+            .seen
+            .get_delay_us
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if us > 0 {
+            tokio::time::sleep(std::time::Duration::from_micros(us)).await;
         }
         let path = self.path(&req.input.bucket, &req.input.key);
         if let Some(path) = path.as_ref().filter(|_| plain_get(&req.input)) {

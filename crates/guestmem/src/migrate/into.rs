@@ -113,6 +113,9 @@ pub fn move_in(
                 Ok(c) => c,
                 Err(e) => {
                     tracing::warn!("move: accept failed: {e}");
+                    // Out of descriptors, say: the listener stays readable, so wait a
+                    // little rather than spin.
+                    std::thread::sleep(std::time::Duration::from_millis(100));
                     continue;
                 }
             },
@@ -443,7 +446,7 @@ pub fn move_in(
     }
     drop(hold);
     if frames.cache().is_some() && m.server.prefetch_threads > 0 {
-        frames.ahead(&ahead, crate::snapshot::Ahead::Guessed);
+        frames.ahead(&ahead, crate::snapshot::Ahead::Guessed, None);
     }
     let t_run = Instant::now();
     tracing::info!(

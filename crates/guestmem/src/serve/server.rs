@@ -536,6 +536,9 @@ impl Server {
     fn wait(&self, draining: Option<Instant>) -> Woken {
         let deadline = match (draining, self.one) {
             (Some(d), _) => Some(d),
+            // Past it with handshakes still being read: their ends wake the intake's fd (a
+            // deadline gone by would make every wait return at once).
+            (None, Some(One::Waiting(Some(until)))) if Instant::now() >= until => None,
             (None, Some(One::Waiting(until))) => until,
             _ => None,
         };

@@ -585,7 +585,7 @@ mod tests {
         let _batch = crate::batch::batch();
         drop(frames.faults.first());
         let t0 = Instant::now();
-        frames.ahead(&asked, Ahead::Wanted);
+        frames.ahead(&asked, Ahead::Wanted, None);
         let deadline = t0 + Duration::from_secs(60);
         // Every GET gone, come to the server and landed (its flight ended: no cache).
         let landed = || {
@@ -602,6 +602,51 @@ mod tests {
         assert!(
             took < AHEAD_DEFER_MAX * FRAMES as u32,
             "{took:?}: held back for the fault"
+        );
+    }
+
+    /// Read-ahead asked for by something that then goes (a VM's image, its VM ended)
+    /// fetches no more once it has gone: the GETs in flight land, and no other is sent.
+    /// (Before, a detached task fetched the whole working set of every VM that came and
+    /// went.) One GET at a time, each answered 20 ms late.
+    #[test]
+    fn read_ahead_for_what_has_gone_stops() {
+        let (_scratch, s3, client, url) = pushed("ahead-gone");
+        let frames = Frames::new(client, None, policy(1));
+        let memory = StoreMemory::open(Arc::clone(&frames), &url).unwrap();
+        let snap = memory.snapshot();
+        let asked: Vec<_> = (0..FRAMES as usize)
+            .map(|i| (snap.frames[i][0].hash, FB as usize))
+            .collect();
+        s3.delay_gets(Duration::from_millis(20));
+        s3.log_gets();
+        let alive = Arc::new(());
+        frames.ahead(&asked, Ahead::Wanted, Some(Arc::downgrade(&alive)));
+        let t0 = Instant::now();
+        while s3.gets().len() < 2 {
+            assert!(t0.elapsed() < Duration::from_secs(30), "no read-ahead");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let at_drop = s3.gets().len();
+        drop(alive);
+        // The GET in flight lands, and one whose turn came as it went may go too; then
+        // nothing more (no new GET for 300 ms: 15 of them, had it gone on).
+        let mut seen = (s3.gets().len(), Instant::now());
+        while seen.1.elapsed() < Duration::from_millis(300) {
+            std::thread::sleep(Duration::from_millis(5));
+            let n = s3.gets().len();
+            if n != seen.0 {
+                seen = (n, Instant::now());
+            }
+            assert!(
+                n < FRAMES as usize,
+                "every frame fetched after what asked had gone"
+            );
+        }
+        assert!(
+            seen.0 <= at_drop + 2,
+            "{} GETs after what asked had gone ({at_drop} before)",
+            seen.0 - at_drop
         );
     }
 

@@ -30,6 +30,9 @@ pub fn read_snapshot(frames: &Frames, url: &StoreUrl) -> Result<Snapshot, StoreE
 pub struct StoreMemory {
     frames: Arc<Frames>,
     snapshot: Arc<Snapshot>,
+    /// Held by the image it reads for (a fresh one each image): its read-ahead stops once
+    /// the image is gone (its VM ended), not left fetching for a VM no one serves.
+    alive: Arc<()>,
 }
 
 impl StoreMemory {
@@ -50,7 +53,11 @@ impl StoreMemory {
         frames
             .client
             .warm(&url.manifest_key(), frames.policy().ahead_gets, within);
-        Ok(StoreMemory { frames, snapshot })
+        Ok(StoreMemory {
+            frames,
+            snapshot,
+            alive: Arc::new(()),
+        })
     }
 
     /// A snapshot whose manifest was read (and checked) elsewhere: a move's chain, its
@@ -59,6 +66,7 @@ impl StoreMemory {
         StoreMemory {
             frames,
             snapshot: Arc::new(snapshot),
+            alive: Arc::new(()),
         }
     }
 
@@ -97,12 +105,20 @@ impl StoreMemory {
             .flat_map(|&f| blocks_at(&m.regions, f * fb, fb, block_bytes))
             .collect();
         Ok(Image::remote(
-            Arc::new(self.clone()),
+            self.for_image(),
             &self.snapshot.url.to_string(),
             m.regions.clone(),
             block_bytes,
             ws,
         )?)
+    }
+
+    /// This memory for one image: its read-ahead lives as long as the image.
+    fn for_image(&self) -> Arc<StoreMemory> {
+        Arc::new(StoreMemory {
+            alive: Arc::new(()),
+            ..self.clone()
+        })
     }
 
     /// The memory as an image of a VM's `regions` (each where its peer says it lies in the
@@ -124,7 +140,7 @@ impl StoreMemory {
             })
             .collect();
         Image::remote(
-            Arc::new(self.clone()),
+            self.for_image(),
             &self.snapshot.url.to_string(),
             mregions,
             block_bytes,
@@ -396,7 +412,8 @@ impl RemoteMemory for StoreMemory {
     }
 
     fn ahead(&self, ranges: &[(u64, u64)], why: Ahead) {
-        self.frames.ahead(&self.pieces(ranges), why);
+        self.frames
+            .ahead(&self.pieces(ranges), why, Some(Arc::downgrade(&self.alive)));
     }
 
     fn stage(&self, ranges: &[(u64, u64)]) {

@@ -25,7 +25,15 @@ impl Frames {
     /// GETs have not reached yet). A guess does, and so does anything asked of a move's
     /// source (whose link the moved VM's faults need: without a cache, a move's owed frames
     /// are its working set): at most [`AHEAD_DEFER_MAX`] a call, not a frame.
-    pub(crate) fn ahead(self: &Arc<Self>, frames: &[(blake3::Hash, usize)], why: Ahead) {
+    ///
+    /// `alive`: what asks for them, where it may go first (a VM's image): once it is gone,
+    /// no more of them is fetched.
+    pub(crate) fn ahead(
+        self: &Arc<Self>,
+        frames: &[(blake3::Hash, usize)],
+        why: Ahead,
+        alive: Option<std::sync::Weak<()>>,
+    ) {
         let (mut store, mut source) = (Vec::new(), Vec::new());
         for &(asked, len) in frames {
             let hash = match self.later_of(&asked) {
@@ -65,7 +73,8 @@ impl Frames {
             if list.is_empty() {
                 continue;
             }
-            let (me, gate) = (Arc::clone(self), Arc::clone(gate));
+            let (me, gate, alive) = (Arc::clone(self), Arc::clone(gate), alive.clone());
+            let gone = move || alive.as_ref().is_some_and(|a| a.strong_count() == 0);
             self.client.handle().spawn(async move {
                 // Never held back for long: a fault retrying toward a store (or a move's
                 // source) that went away must not stop every VM's read-ahead. One deadline
@@ -79,6 +88,9 @@ impl Frames {
                     let Some(turn) = turn else {
                         return;
                     };
+                    if gone() {
+                        return;
+                    }
                     if yields {
                         let until = *defer_until
                             .get_or_insert_with(|| tokio::time::Instant::now() + AHEAD_DEFER_MAX);

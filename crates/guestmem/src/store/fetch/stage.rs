@@ -371,6 +371,11 @@ fn read_frames(shared: &(Mutex<Inner>, Condvar), cache: &FrameCache) {
                     return;
                 }
                 match s.queue.pop_front() {
+                    // Spare buffers are let go after SPARE_IDLE with nothing to read; with
+                    // none, it waits without a timeout (an idle server never wakes).
+                    None if s.spare.is_empty() => {
+                        s = cv.wait(s).unwrap_or_else(|e| e.into_inner());
+                    }
                     None => {
                         let (g, idle) = cv
                             .wait_timeout(s, SPARE_IDLE)
