@@ -1,6 +1,7 @@
 //! `guestmem serve-uffd` against real Firecracker (`../shared/firecracker/`): a guest booted,
 //! filled with a pattern, snapshotted, restored through the page server and checked page by
-//! page by the guest itself; and a server that must refuse the VM after it connected (its
+//! page by the guest itself (from a file, from S3, two at once, and across a take-over by a
+//! second server); and a server that must refuse the VM after it connected (its
 //! memory file shorter than the VM's memory) ending the real VMM through its pidfd instead of
 //! leaving its `snapshot/load` waiting for ever.
 //!
@@ -225,6 +226,58 @@ fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_s
         assert!(pass.ends_with(" BAD 0"), "after graduation: {pass}");
     }
     drop(vms);
+
+    // A real Firecracker VM handed from one server to another (an upgrade): restored through
+    // the first, faults only, so that nearly all its memory is still to come; a second
+    // server takes over; the guest then touches every page and checks every qword, served
+    // by the new server alone.
+    let control = dir.join("control.sock");
+    let upgrade = dir.join("upgrade.sock");
+    let fleet = |extra: &[&str]| {
+        Guard::new(
+            Command::new(env!("CARGO_BIN_EXE_guestmem"))
+                .arg("serve-uffd")
+                .arg("--socket")
+                .arg(&upgrade)
+                .arg("--mem-file")
+                .arg(&mem)
+                .arg("--control")
+                .arg(&control)
+                .args(["--prefetch-threads", "0"])
+                .args(extra)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let mut old = fleet(&[]);
+    let t = Instant::now();
+    while !upgrade.exists() || !control.exists() {
+        assert!(old.running(), "the server exited: {}", stderr(&mut old));
+        assert!(t.elapsed() < Duration::from_secs(20), "no socket appeared");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut fc = start(&dir, "upgrade");
+    fc.load(&vmstate, Backend::Uffd(&upgrade)).unwrap();
+    let mut new = fleet(&["--take-over", control.to_str().unwrap()]);
+    let st = old.wait_exit(30);
+    let err = stderr(&mut old);
+    assert!(st.success(), "{err}");
+    assert!(err.contains("handed 1 sockets and 1 VMs"), "{err}");
+    fc.send(b't').unwrap();
+    let touch = fc.line("TOUCH", PASS).unwrap();
+    assert!(touch.ends_with(" BAD 0"), "after the take-over: {touch}");
+    fc.send(b'g').unwrap();
+    let pass = fc.line("PASS", PASS).unwrap();
+    assert!(pass.ends_with(" BAD 0"), "after the take-over: {pass}");
+    // SAFETY: kill on our own child's pid (not reaped yet).
+    assert_eq!(unsafe { libc::kill(new.id() as i32, libc::SIGTERM) }, 0);
+    let st = new.wait_exit(30);
+    let err = stderr(&mut new);
+    assert!(st.success(), "{err}");
+    assert!(err.contains("took over 1 VMs"), "{err}");
+    drop(fc);
 
     // A memory file shorter than the VM's memory: refused after Firecracker connected, so
     // Firecracker is killed through its pidfd rather than left in snapshot/load for ever.
