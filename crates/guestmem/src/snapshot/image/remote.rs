@@ -6,7 +6,7 @@ use std::fs::File;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::{Image, ImageRegion, Inner, Layer, Piece, Plan};
+use super::{Image, ImageRegion, Inner, Layer, Plan};
 use crate::snapshot::{Manifest, SnapshotError};
 
 /// Why blocks are asked for ahead.
@@ -63,21 +63,14 @@ impl Image {
         working_set: Vec<u64>,
     ) -> Result<Image, SnapshotError> {
         let mut iregions = Vec::with_capacity(regions.len());
-        let mut plan = Plan::new();
+        let mut plan = Plan::whole();
         let mut first_block = 0u64;
         for r in &regions {
             let blocks = r.size.div_ceil(block_bytes);
             for b in 0..blocks {
                 let at = b * block_bytes;
                 if memory.held(r.file_offset + at, block_bytes.min(r.size - at)) {
-                    plan.insert(
-                        first_block + b,
-                        vec![Piece {
-                            layer: 0,
-                            pages: None,
-                            checksum: 0,
-                        }],
-                    );
+                    plan.hold(first_block + b);
                 }
             }
             iregions.push(ImageRegion {
