@@ -268,7 +268,14 @@ impl Stage {
     pub(super) fn give_back(&self, bytes: Arc<Vec<u8>>) {
         let mut s = self.lock();
         if !s.stop {
+            let had = !s.spare.is_empty();
             s.spare(bytes);
+            if !had && !s.spare.is_empty() {
+                // The reader sleeps without a timeout while it holds no spare: wake it to
+                // free this one after SPARE_IDLE if nothing comes to read.
+                drop(s);
+                self.shared.1.notify_all();
+            }
         }
     }
 
