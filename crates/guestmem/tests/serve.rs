@@ -102,6 +102,13 @@ impl Running {
         self.join()
     }
 
+    /// Its control socket at `path`, answered until the second value drops.
+    fn control(&self, path: &Path) -> (PathBuf, guestmem::serve::Exposed) {
+        let l = Listener::bind_private(path).unwrap();
+        let exposed = self.status.serve_control(l, self.drainer.clone()).unwrap();
+        (path.to_path_buf(), exposed)
+    }
+
     /// What it logged so far.
     fn logged(&self) -> String {
         self.log.lock().unwrap().join("\n")
@@ -487,14 +494,7 @@ fn a_take_over_dropped_before_it_is_confirmed_gives_nothing_away() {
             ..leave()
         },
     );
-    let control = d.join("ctl.sock");
-    let _control = srv
-        .status
-        .serve_control(
-            Listener::bind_private(&control).unwrap(),
-            srv.drainer.clone(),
-        )
-        .unwrap();
+    let (control, _control) = srv.control(&d.join("ctl.sock"));
     let mut vm = Standin::new(&[SIZE], false).unwrap();
     vm.connect(&socket).unwrap();
     for p in 0..SIZE / 2 / PAGE {
@@ -548,14 +548,7 @@ fn a_new_server_of_an_earlier_version_is_handed_everything_at_once() {
     let mem = memory_file(&d, 4 * MIB, None);
     let socket = d.join("uffd.sock");
     let srv = Running::start(&[(&socket, &mem)], leave());
-    let control = d.join("ctl.sock");
-    let _control = srv
-        .status
-        .serve_control(
-            Listener::bind_private(&control).unwrap(),
-            srv.drainer.clone(),
-        )
-        .unwrap();
+    let (control, _control) = srv.control(&d.join("ctl.sock"));
     let mut vm = Standin::new(&[4 * MIB], false).unwrap();
     vm.connect(&socket).unwrap();
     let mut new = std::os::unix::net::UnixStream::connect(&control).unwrap();

@@ -4,13 +4,12 @@
 
 use std::collections::HashSet;
 use std::net::TcpListener;
-use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::firecracker::{json_path, Api};
-use super::wire::{Msg, Side, Wire, WIRE_VERSION};
+use super::wire::{Msg, Wire, WIRE_VERSION};
 use super::{MoveError, OnPanic};
 use crate::restore::latency::{ExactLatency, LatencySummary};
 use crate::serve::{Listener, MemoryFile, Server, ServerConfig, ServerReport, Socket};
@@ -18,9 +17,6 @@ use crate::store::{read_snapshot, Client, Frames, Snapshot, StoreError, StoreMem
 
 /// How long Firecracker's `snapshot/load` (and resume) may take here.
 pub(super) const LOAD_LIMIT: Duration = Duration::from_secs(120);
-/// How long a connection has to say hello and offer its move before it is dropped for
-/// the next (a source does both as it connects).
-const HELLO_LIMIT: Duration = Duration::from_secs(10);
 /// How long the vmstate's bytes may take to arrive after their announcement.
 const PAYLOAD_LIMIT: Duration = Duration::from_secs(20);
 
@@ -87,65 +83,7 @@ pub fn move_in(
     m: &MoveIn,
     frames_for: &mut dyn FnMut(&StoreUrl) -> Result<Arc<Frames>, StoreError>,
 ) -> Result<MoveInReport, MoveError> {
-    // Connections are taken until one says hello and offers a move within HELLO_LIMIT
-    // (MACed when keyed): one that connects first and says nothing, or the wrong thing,
-    // is dropped, and cannot keep the real source waiting past its own limits.
-    let until = Instant::now() + m.wait;
-    let (mut wire, token, offer) = loop {
-        let left = until.saturating_duration_since(Instant::now());
-        let mut fds = [crate::sys::PollFd::readable(listener.as_fd())];
-        let ready = crate::sys::poll(&mut fds, Some(left)).map_err(|e| MoveError::Io {
-            op: "wait for a move on",
-            path: listener
-                .local_addr()
-                .map_or("?".into(), |a| a.to_string())
-                .into(),
-            source: e,
-        })?;
-        let (s, _) = match ready {
-            0 => {
-                return Err(MoveError::Wire {
-                    peer: "(none)".into(),
-                    reason: format!("no source connected within {:?}", m.wait),
-                })
-            }
-            _ => match listener.accept() {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!("move: accept failed: {e}");
-                    // Out of descriptors, say: the listener stays readable, so wait a
-                    // little rather than spin.
-                    std::thread::sleep(std::time::Duration::from_millis(100));
-                    continue;
-                }
-            },
-        };
-        let _ = s.set_nonblocking(false);
-        let mut wire = Wire::new(s)?;
-        let limit = HELLO_LIMIT.min(until.saturating_duration_since(Instant::now()));
-        let token = match wire.hello(Side::Destination, m.key.as_ref(), limit) {
-            Ok(Some(session)) => Some((session.read_token(), session.piece_key())),
-            Ok(None) => {
-                tracing::warn!(
-                    "a move from {} without a move key: the source is not authenticated (docs/move.md, Security)",
-                    wire.peer()
-                );
-                None
-            }
-            Err(e) => {
-                tracing::warn!("move: dropped a connection from {}: {e}", wire.peer());
-                continue;
-            }
-        };
-        match wire.recv(limit) {
-            Ok(offer) => break (wire, token, offer),
-            Err(e) => {
-                let peer = wire.peer().to_string();
-                let e = wire.refuse(e);
-                tracing::warn!("move: dropped a connection from {peer}: {e}");
-            }
-        }
-    };
+    let (mut wire, token, offer) = super::offer::first_offer(listener, m)?;
     let (base_url, peer_url, name) = match offer {
         Msg::Offer {
             version,

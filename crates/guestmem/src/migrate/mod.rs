@@ -29,6 +29,7 @@
 mod firecracker;
 mod into;
 mod key;
+mod offer;
 mod out;
 mod wire;
 

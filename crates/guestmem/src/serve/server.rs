@@ -35,7 +35,7 @@ mod sessions;
 /// How long a drain waits for handshakes in flight before it stops waiting (Firecracker
 /// sends its handshake in one message as it connects; a connection still silent by then
 /// is not a VM about to be served, and one that completes later is ended).
-const DRAIN_HANDSHAKE_GRACE: Duration = Duration::from_secs(1);
+pub(super) const DRAIN_HANDSHAKE_GRACE: Duration = Duration::from_secs(1);
 
 /// One snapshot, served to every VM that connects to its socket.
 #[derive(Debug)]
@@ -388,38 +388,8 @@ impl Server {
             for i in changed {
                 self.file_changed(i);
             }
-            if crate::sys::is_readable(self.handoff.ready.as_fd()) {
-                // Read before the slot is taken: a command that comes in between signals
-                // again. (A server that serves on after a hand-off not taken must not find
-                // it readable for ever.)
-                let _ = crate::sys::eventfd_read(self.handoff.ready.as_fd());
-                let to = self
-                    .handoff
-                    .to
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .take();
-                if let Some((to, acknowledged)) = to {
-                    self.intake.settle(DRAIN_HANDSHAKE_GRACE);
-                    if !acknowledged {
-                        // An earlier version's hand-off: everything goes at once.
-                        for a in self.intake.close(Closed::Draining) {
-                            let _ = self.arrive(a);
-                        }
-                        self.hand_off(&to, false);
-                        return self.finish();
-                    }
-                    // VMs whose handshakes ended are handed with the rest; the intake
-                    // stays open in case the new server does not take them.
-                    self.admit_arrivals()?;
-                    if self.hand_off(&to, true) {
-                        // A handshake that ended since is not handed: ended as at a drain.
-                        for a in self.intake.close(Closed::Draining) {
-                            self.intake.end(a, Closed::Draining);
-                        }
-                        return self.finish();
-                    }
-                }
+            if crate::sys::is_readable(self.handoff.ready.as_fd()) && self.hand_off_asked()? {
+                return self.finish();
             }
         }
         self.graduate_all();
@@ -428,7 +398,7 @@ impl Server {
 
     /// Admits every VM whose handshake has ended. A one-VM server that had its VM and
     /// cannot serve it stops listening and returns the error.
-    fn admit_arrivals(&mut self) -> Result<(), ServeError> {
+    pub(super) fn admit_arrivals(&mut self) -> Result<(), ServeError> {
         while let Some(a) = self.intake.take() {
             let refused = self.arrive(a);
             if let (Err(e), Some(One::Waiting(_))) = (refused, self.one) {

@@ -2,13 +2,14 @@
 //! state directory's records after a restart or from a server that handed them over, and,
 //! at the end, graduated (a drain) or handed to the next server.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
 use super::{RecordKey, Server};
 use crate::serve::files::MemoryFile;
 use crate::serve::handoff::Outgoing;
+use crate::serve::intake::Closed;
 use crate::serve::peer::PeerProcess;
 use crate::serve::report::SessionEnd;
 use crate::serve::restart::{record_of, take_back};
@@ -208,6 +209,45 @@ impl Server {
         for c in done.into_inner().unwrap_or_else(|e| e.into_inner()) {
             self.ended(c, "graduated");
         }
+    }
+
+    /// A hand-off asked for on the control socket ([`super::Drainer::hand_off`]): made.
+    /// Whether everything went (the server then returns), or the new server did not take
+    /// it and every VM is served on here.
+    pub(super) fn hand_off_asked(&mut self) -> Result<bool, ServeError> {
+        // Read before the slot is taken: a command that comes in between signals again. (A
+        // server that serves on after a hand-off not taken must not find it readable for
+        // ever.)
+        let _ = crate::sys::eventfd_read(self.handoff.ready.as_fd());
+        let to = self
+            .handoff
+            .to
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let Some((to, acknowledged)) = to else {
+            return Ok(false);
+        };
+        self.intake.settle(super::DRAIN_HANDSHAKE_GRACE);
+        if !acknowledged {
+            // An earlier version's hand-off: everything goes at once.
+            for a in self.intake.close(Closed::Draining) {
+                let _ = self.arrive(a);
+            }
+            self.hand_off(&to, false);
+            return Ok(true);
+        }
+        // VMs whose handshakes ended are handed with the rest; the intake stays open in
+        // case the new server does not take them.
+        self.admit_arrivals()?;
+        if !self.hand_off(&to, true) {
+            return Ok(false);
+        }
+        // A handshake that ended since is not handed: ended as at a drain.
+        for a in self.intake.close(Closed::Draining) {
+            self.intake.end(a, Closed::Draining);
+        }
+        Ok(true)
     }
 
     /// Hands every socket and VM to the server on `to` and stops serving them: none is
