@@ -547,7 +547,14 @@ fn a_new_server_of_an_earlier_version_is_handed_everything_at_once() {
     let d = dir("take-over-earlier");
     let mem = memory_file(&d, 4 * MIB, None);
     let socket = d.join("uffd.sock");
-    let srv = Running::start(&[(&socket, &mem)], leave());
+    // With a state directory: the end mark names none to an earlier version.
+    let srv = Running::start(
+        &[(&socket, &mem)],
+        ServerConfig {
+            state_dir: Some(d.join("state")),
+            ..leave()
+        },
+    );
     let (control, _control) = srv.control(&d.join("ctl.sock"));
     let mut vm = Standin::new(&[4 * MIB], false).unwrap();
     vm.connect(&socket).unwrap();

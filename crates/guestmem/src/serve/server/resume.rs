@@ -299,7 +299,13 @@ impl Server {
             }
         }
         if !acknowledged || failed.is_none() {
-            let state_dir = self.state.as_ref().map(|s| s.path());
+            // Only to a new server of this version: an earlier one's end mark is sent as it
+            // was, byte for byte.
+            let state_dir = self
+                .state
+                .as_ref()
+                .map(|s| s.path())
+                .filter(|_| acknowledged);
             if let Err(e) = out.end(acknowledged, state_dir) {
                 failed = failed.or(Some(e));
             }
