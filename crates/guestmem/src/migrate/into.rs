@@ -83,7 +83,7 @@ pub fn move_in(
     m: &MoveIn,
     frames_for: &mut dyn FnMut(&StoreUrl) -> Result<Arc<Frames>, StoreError>,
 ) -> Result<MoveInReport, MoveError> {
-    let (mut wire, token, offer) = super::offer::first_offer(listener, m)?;
+    let (mut wire, token, offer) = super::offer::first_offer(listener, m.wait, m.key.as_ref())?;
     let (base_url, peer_url, name) = match offer {
         Msg::Offer {
             version,

@@ -5,7 +5,6 @@ use std::net::TcpListener;
 use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
-use super::into::MoveIn;
 use super::wire::{Msg, Side, Wire};
 use super::MoveError;
 
@@ -17,13 +16,17 @@ const HELLO_LIMIT: Duration = Duration::from_secs(10);
 /// drawn from the move key (none without one), and its offer.
 pub(super) type Offered = (Wire, Option<(String, [u8; 32])>, Msg);
 
-/// Takes connections on `listener` until one says hello and offers a move (within `m.wait`
-/// in all).
-pub(super) fn first_offer(listener: &TcpListener, m: &MoveIn) -> Result<Offered, MoveError> {
+/// Takes connections on `listener` until one says hello (proving it holds `key`, where
+/// there is one) and offers a move, within `wait` in all.
+pub(super) fn first_offer(
+    listener: &TcpListener,
+    wait: Duration,
+    key: Option<&super::MoveKey>,
+) -> Result<Offered, MoveError> {
     // Connections are taken until one says hello and offers a move within HELLO_LIMIT
     // (MACed when keyed): one that connects first and says nothing, or the wrong thing,
     // is dropped, and cannot keep the real source waiting past its own limits.
-    let until = Instant::now() + m.wait;
+    let until = Instant::now() + wait;
     loop {
         let left = until.saturating_duration_since(Instant::now());
         let mut fds = [crate::sys::PollFd::readable(listener.as_fd())];
@@ -39,7 +42,7 @@ pub(super) fn first_offer(listener: &TcpListener, m: &MoveIn) -> Result<Offered,
             0 => {
                 return Err(MoveError::Wire {
                     peer: "(none)".into(),
-                    reason: format!("no source connected within {:?}", m.wait),
+                    reason: format!("no source connected within {wait:?}"),
                 })
             }
             _ => match listener.accept() {
@@ -56,7 +59,7 @@ pub(super) fn first_offer(listener: &TcpListener, m: &MoveIn) -> Result<Offered,
         let _ = s.set_nonblocking(false);
         let mut wire = Wire::new(s)?;
         let limit = HELLO_LIMIT.min(until.saturating_duration_since(Instant::now()));
-        let token = match wire.hello(Side::Destination, m.key.as_ref(), limit) {
+        let token = match wire.hello(Side::Destination, key, limit) {
             Ok(Some(session)) => Some((session.read_token(), session.piece_key())),
             Ok(None) => {
                 tracing::warn!(
