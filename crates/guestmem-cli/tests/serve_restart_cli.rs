@@ -307,3 +307,53 @@ fn a_take_over_the_new_server_cannot_serve_leaves_every_vm_with_the_old_one() {
     );
     assert!(out.contains("2 VMs: 2 graduated"), "{out}\n{err}");
 }
+
+/// A server given its socket as a path relative to its working directory hands it over
+/// so that a new server elsewhere finds it: the new server, in another directory, names
+/// it by its absolute path, takes it over, and serves the VM the old server served, every
+/// page right. (Before, the relative path was sent as it was, the new server could not
+/// find it, and the take-over was refused.)
+#[test]
+fn a_socket_given_relative_is_found_by_a_new_server_elsewhere() {
+    need_uffd!();
+    const SIZE: usize = 4 * MIB;
+    let d = dir("handoff-relative");
+    let mem = memory_file(&d, SIZE, None);
+    let control = d.join("ctl.sock");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_guestmem"));
+    cmd.current_dir(d.as_ref() as &std::path::Path)
+        .args(["serve-uffd", "--socket", "uffd.sock", "--mem-file"])
+        .arg(&mem)
+        .arg("--control")
+        .arg(&control)
+        .args(["--prefetch-threads", "0"]);
+    let mut old = Srv::start(&mut cmd);
+    let socket = d.join("uffd.sock");
+    wait_for(&socket);
+    wait_for(&control);
+    let mut vm = Standin::new(&[SIZE], false).unwrap();
+    vm.connect(&socket).unwrap();
+    assert_eq!(vm.word(0), word(0));
+    let mut new = Srv::start(
+        Command::new(env!("CARGO_BIN_EXE_guestmem"))
+            .current_dir("/")
+            .arg("serve-uffd")
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--mem-file")
+            .arg(&mem)
+            .arg("--take-over")
+            .arg(&control),
+    );
+    let status = old.wait_exit(20);
+    let (out, err) = old.output();
+    assert_eq!(status.code(), Some(0), "{out}\n{err}");
+    assert!(out.contains("1 handed off"), "{out}\n{err}");
+    for p in 0..SIZE / PAGE {
+        assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64), "page {p}");
+    }
+    assert!(new.running(), "{}", new.output().1);
+    let (code, _, err, _) = terminate(new);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("took over 1 VMs"), "{err}");
+}

@@ -261,7 +261,9 @@ impl Server {
         let mut sent = vec![false; self.sockets.len()];
         for (i, s) in self.sockets.iter().enumerate() {
             if let Some(l) = &s.listener {
-                match out.listener(i, l.path(), l.socket().as_raw_fd()) {
+                // Absolute: the new server, in another working directory, must find it.
+                let path = std::path::absolute(l.path()).unwrap_or_else(|_| l.path().into());
+                match out.listener(i, &path, l.socket().as_raw_fd()) {
                     Ok(()) => sent[i] = true,
                     Err(e) => failed = failed.or(Some(e)),
                 }
