@@ -158,6 +158,17 @@ pub fn cpu_ticks(pid: u32) -> u64 {
     f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
 }
 
+/// CPU time the process uses over `window` from now, clock ticks, and the ticks of the
+/// window itself (a whole core's worth): an idle process uses a small part of that.
+pub fn cpu_over(pid: u32, window: Duration) -> (u64, u64) {
+    // SAFETY: sysconf reads a constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    let before = cpu_ticks(pid);
+    std::thread::sleep(window);
+    let used = cpu_ticks(pid) - before;
+    (used, (window.as_secs_f64() * hz as f64) as u64)
+}
+
 /// Runs `guestmem serve-ctl --control PATH COMMAND`; its stdout.
 pub fn ctl(control: &Path, command: &str) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_guestmem"))
