@@ -323,10 +323,7 @@ impl TakeOver {
         }
         for h in &self.sessions {
             let r = &h.record;
-            if !memories
-                .iter()
-                .any(|m| m.identity().is_ok_and(|id| id == r.mem))
-            {
+            if super::restart::served_from(r, memories).is_none() {
                 return Err(kept(format!(
                     "the memory file served to peer {} (socket {} of the old server) is not \
                      among this server's memory files (--mem-file)",

@@ -50,6 +50,14 @@ pub(super) fn record_of(
     Ok(SessionRecord::new(pid, start, fd, mem, session.regions()))
 }
 
+/// Which of `memories` the VM of record `r` was served (the same device, inode, size and
+/// modification time), if any.
+pub(super) fn served_from(r: &SessionRecord, memories: &[&MemoryFile]) -> Option<usize> {
+    memories
+        .iter()
+        .position(|m| m.identity().is_ok_and(|id| id == r.mem))
+}
+
 /// Takes back the VM of record `r` (its process reopened as `process`): its userfaultfd
 /// as handed over, or taken from the VM. `memories` are the sockets' memory files, in
 /// order.
@@ -59,10 +67,7 @@ pub(super) fn take_back(
     handed: Option<OwnedFd>,
     memories: &[&MemoryFile],
 ) -> Result<TakenBack, Refusal> {
-    let Some(socket) = memories
-        .iter()
-        .position(|m| m.identity().is_ok_and(|id| id == r.mem))
-    else {
+    let Some(socket) = served_from(r, memories) else {
         return Err((ServeError::Unmatched { pid: r.pid }, process));
     };
     let regions = match r.regions() {
