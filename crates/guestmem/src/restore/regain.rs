@@ -16,7 +16,7 @@
 //! Only chunks whose every page is present are collapsed, so no memory is added (a
 //! balloon's holes stay holes). A chunk the kernel cannot collapse (no huge page free, a
 //! range in use) is counted, the first reason is logged once per restore, and the memory
-//! stays as it was: the restore has succeeded either way. The thread waits on a channel
+//! stays as it was: the restore has succeeded either way. The thread waits on its queue
 //! when there is nothing to do.
 //!
 //! A collapse ends with its memory's owner. Once a restore is halted (a page server's VM
@@ -26,10 +26,13 @@
 //! process that has gone ends the collapse at once). What was collapsed stays huge, the
 //! rest stays on 4 KiB pages, and the end is logged with what was done. A page server
 //! waits for the collapses it stopped before it returns (each ends within one chunk), so
-//! none is cut off by its process exiting and every one reports its end.
+//! none is cut off by its process exiting and every one reports its end. A collapse stopped
+//! while it waits its turn leaves the queue at once, with the pidfd and ranges it held: the
+//! queue holds only what is served now, however many VMs came and went behind a long
+//! collapse.
 
+use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -133,11 +136,14 @@ impl Regaining {
             .clone()
     }
 
-    /// Asks the collapse to stop after the chunk it is on (or not to start).
+    /// Asks the collapse to stop after the chunk it is on (or not to start: one still
+    /// waiting its turn leaves the queue now, and its report says `stopped`).
     pub fn stop(&self) {
         self.0
             .stop
             .store(true, std::sync::atomic::Ordering::Release);
+        // Dropped outside the queue's lock; its drop ends this handle.
+        drop(QUEUE.take(self));
         // Under the lock: a collapse waiting out its settle either sees the flag or is
         // already waiting, and is woken.
         let _g = self.0.report.lock().unwrap_or_else(|e| e.into_inner());
@@ -231,25 +237,22 @@ impl Job {
     /// stopped) ends its handle as stopped.
     pub(crate) fn queue(mut self) {
         self.completed = Some(Instant::now());
-        static QUEUE: OnceLock<Mutex<Option<Sender<Job>>>> = OnceLock::new();
-        let q = QUEUE.get_or_init(|| {
-            let (tx, rx) = channel::<Job>();
-            let spawned = std::thread::Builder::new()
+        static WORKER: OnceLock<bool> = OnceLock::new();
+        let started = *WORKER.get_or_init(|| {
+            std::thread::Builder::new()
                 .name("guestmem-regain".into())
-                .spawn(move || {
-                    while let Ok(job) = rx.recv() {
-                        job.run();
-                    }
-                });
-            Mutex::new(spawned.ok().map(|_| tx))
+                .spawn(|| loop {
+                    QUEUE.next().run();
+                })
+                .is_ok()
         });
-        let g = q.lock().unwrap_or_else(|e| e.into_inner());
-        match &*g {
-            Some(tx) => {
-                let _ = tx.send(self);
-            }
-            None => tracing::warn!("huge pages not regained: no thread to collapse them"),
+        if !started {
+            tracing::warn!("huge pages not regained: no thread to collapse them");
+            return;
         }
+        // Those whose memory went while they waited (a map dropped, a VM gone without a
+        // stop) go too, dropped outside the lock.
+        drop(QUEUE.push(self));
     }
 
     fn run(self) {
@@ -462,6 +465,61 @@ impl Drop for Job {
     }
 }
 
+/// The collapses waiting their turn, in order.
+struct Queue {
+    jobs: Mutex<VecDeque<Job>>,
+    cv: Condvar,
+}
+
+/// The process's one queue (its thread starts on the first [`Job::queue`]).
+static QUEUE: Queue = Queue {
+    jobs: Mutex::new(VecDeque::new()),
+    cv: Condvar::new(),
+};
+
+impl Queue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Job>> {
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds `job` at the end; returns those that no longer need their turn (stopped, or
+    /// their memory gone), taken out, for the caller to drop.
+    fn push(&self, job: Job) -> Vec<Job> {
+        let mut q = self.lock();
+        let mut out = Vec::new();
+        let mut kept = VecDeque::with_capacity(q.len() + 1);
+        for j in q.drain(..) {
+            if j.handle.stopped() || j.gone() {
+                out.push(j);
+            } else {
+                kept.push_back(j);
+            }
+        }
+        kept.push_back(job);
+        *q = kept;
+        self.cv.notify_one();
+        out
+    }
+
+    /// The job of `handle`, taken out if it still waits its turn.
+    fn take(&self, handle: &Regaining) -> Option<Job> {
+        let mut q = self.lock();
+        let i = q.iter().position(|j| Arc::ptr_eq(&j.handle.0, &handle.0))?;
+        q.remove(i)
+    }
+
+    /// The next job, waiting (blocked) for one.
+    fn next(&self) -> Job {
+        let mut q = self.lock();
+        loop {
+            if let Some(j) = q.pop_front() {
+                return j;
+            }
+            q = self.cv.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
 enum Chunk {
     Collapsed,
     NotPresent,
@@ -532,5 +590,48 @@ fn process_collapse(pidfd: &OwnedFd, addr: u64) -> std::io::Result<()> {
         Err(std::io::Error::last_os_error())
     } else {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job over this process through a pidfd of its own, with no ranges: it settles for
+    /// [`REGAIN_SETTLE`], then has nothing to collapse.
+    fn own_process() -> (Job, Regaining) {
+        // SAFETY: pidfd_open takes a pid and flags, and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, std::process::id(), 0) };
+        assert!(fd >= 0, "pidfd_open: {}", std::io::Error::last_os_error());
+        // SAFETY: a descriptor just returned to us, owned by nothing else.
+        let pidfd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+        let memory = Memory::Remote {
+            pidfd,
+            pid: std::process::id(),
+            ranges: Vec::new(),
+        };
+        Job::new(memory, None, Vec::new())
+    }
+
+    #[test]
+    fn collapses_stopped_or_gone_while_waiting_their_turn_leave_the_queue_at_once() {
+        let (first, first_handle) = own_process();
+        first.queue();
+        // The first waits out its settle (a second) on the one thread; behind it:
+        let (waiting, waiting_handle) = own_process();
+        waiting.queue();
+        let (gone, gone_handle) = Job::new(Memory::Local(vec![Weak::new()]), None, Vec::new());
+        gone.queue();
+        waiting_handle.stop();
+        // Ended by the stop itself, with its pidfd: not when its turn comes.
+        let r = waiting_handle.report().expect("ended by the stop");
+        assert!(r.stopped && r.chunks == 0, "{r:?}");
+        // One whose memory went is let go of by the next job queued.
+        let (next, next_handle) = own_process();
+        next.queue();
+        let r = gone_handle.report().expect("let go of by the next push");
+        assert!(r.stopped, "{r:?}");
+        next_handle.stop();
+        assert!(!first_handle.wait().stopped);
     }
 }
