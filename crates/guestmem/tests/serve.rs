@@ -135,6 +135,47 @@ fn leave() -> ServerConfig {
     }
 }
 
+/// A remove is applied before any thread can read the fault that follows it: the balloon
+/// takes a block's first page, the VM touches the block's ninth at once, and the first page
+/// reads zero, every block. Before, the thread that read the remove re-armed the VM first,
+/// and another thread could read the touch and fill the whole block, the removed page with
+/// the snapshot's bytes (the balloon's memory back), before the remove was marked.
+#[test]
+fn a_touch_right_after_a_remove_never_fills_the_removed_page() {
+    need_uffd!();
+    const SIZE: usize = 64 * MIB;
+    let d = dir("remove-then-touch");
+    let mem = memory_file(&d, SIZE, None);
+    let socket = d.join("uffd.sock");
+    let srv = Running::start(
+        &[(&socket, &mem)],
+        one(ServerConfig {
+            prefetch_threads: 0,
+            handler_threads: 4,
+            ..leave()
+        }),
+    );
+    let mut vm = Standin::new(&[SIZE], true).unwrap();
+    vm.connect(&socket).unwrap();
+    let mut filled = Vec::new();
+    for b in 0..SIZE / MIB {
+        let start = b * MIB;
+        vm.remove(start, PAGE).unwrap();
+        let at = start + 8 * PAGE;
+        assert_eq!(vm.word(at), word(at as u64));
+        if vm.word(start) != 0 {
+            filled.push(start);
+        }
+    }
+    vm.disconnect();
+    let (r, log) = srv.join();
+    assert_eq!(r.unwrap().last.expect("its VM").engine.removes, 64, "{log}");
+    assert!(
+        filled.is_empty(),
+        "removed pages filled with the snapshot's bytes at {filled:#x?}"
+    );
+}
+
 #[test]
 fn a_vm_is_served_firecrackers_handshake_every_page_and_its_balloons_removes() {
     need_uffd!();

@@ -22,16 +22,24 @@ pub(crate) enum Event {
 impl Uffd {
     /// Waits up to `timeout_ms` (or until `stop` is readable) and reads what is pending into
     /// `out`. Returns `Ok(false)` when `stop` fired.
+    ///
+    /// Each remove read is handed to `removes` (host range `start..end`) before any other
+    /// thread can read a message from this descriptor, and left out of `out`. The owner's
+    /// `madvise` returns once its remove is read, and its next touch of the range's
+    /// neighbours may fault at once: a thread that read that fault and filled the block
+    /// before the remove was applied would fill the removed pages too (the balloon's memory
+    /// back, holding the snapshot's bytes where the owner gets zeros).
     pub(crate) fn read_events(
         &self,
         stop: &OwnedFd,
         timeout_ms: i32,
         out: &mut Vec<Event>,
+        removes: &dyn Fn(u64, u64),
     ) -> io::Result<bool> {
         out.clear();
         if timeout_ms == 0 {
             // Called from inside a fill: whatever is pending, no waiting.
-            return self.read_pending(out).map(|()| true);
+            return self.read_applying(out, removes).map(|()| true);
         }
         let mut fds = [
             libc::pollfd {
@@ -70,7 +78,22 @@ impl Uffd {
         if fds[0].revents & libc::POLLIN == 0 {
             return Ok(true);
         }
-        self.read_pending(out).map(|()| true)
+        self.read_applying(out, removes).map(|()| true)
+    }
+
+    /// [`Uffd::read_pending`], with the removes read handed to `removes` under the read
+    /// lock (see [`Uffd::read_events`]).
+    fn read_applying(&self, out: &mut Vec<Event>, removes: &dyn Fn(u64, u64)) -> io::Result<()> {
+        let _reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
+        self.read_pending(out)?;
+        out.retain(|e| match *e {
+            Event::Remove { start, end } => {
+                removes(start, end);
+                false
+            }
+            _ => true,
+        });
+        Ok(())
     }
 
     /// Reads the messages pending now (none is fine) into `out`. Never waits for one,

@@ -54,6 +54,9 @@ pub(crate) struct Uffd {
     /// addresses of our own mappings name memory of the descriptor's address space, which
     /// `UFFDIO_MOVE` needs for its source.
     own: bool,
+    /// Held by a reader from its read of the messages pending to the end of applying the
+    /// removes among them ([`Uffd::read_events`]).
+    reading: std::sync::Mutex<()>,
 }
 
 /// Memory a userfaultfd call may name: it turns `offset..offset + len` into the kernel's
@@ -152,6 +155,7 @@ impl Uffd {
                 fd,
                 features,
                 own: true,
+                reading: std::sync::Mutex::new(()),
             },
             api.features,
         ))
@@ -188,6 +192,7 @@ impl Uffd {
             fd,
             features,
             own: false,
+            reading: std::sync::Mutex::new(()),
         })
     }
 

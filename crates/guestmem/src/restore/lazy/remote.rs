@@ -147,7 +147,9 @@ impl Pooled {
         if let Err(e) = self
             .lazy
             .uffd
-            .read_events(&self.lazy.signals.stop, 0, events)
+            .read_events(&self.lazy.signals.stop, 0, events, &|s, e| {
+                self.lazy.remove(s, e)
+            })
         {
             self.lazy.fail(SnapshotError::Userfaultfd {
                 op: "read fault messages".into(),

@@ -20,8 +20,9 @@ impl Lazy {
         loop {
             match self
                 .uffd
-                .read_events(&self.signals.stop, POLL_MS, &mut events)
-            {
+                .read_events(&self.signals.stop, POLL_MS, &mut events, &|s, e| {
+                    self.remove(s, e)
+                }) {
                 Ok(true) => {}
                 Ok(false) => return,
                 Err(e) => {
@@ -36,7 +37,8 @@ impl Lazy {
         }
     }
 
-    /// Serves what one read brought: faults, removes; then the faults queued meanwhile.
+    /// Serves the faults one read brought (its removes were applied as it read them); then
+    /// the faults queued meanwhile.
     pub(super) fn dispatch(&self, events: &[Event]) {
         // What a fault's read puts off (a fetched frame handed to the cache's writers)
         // waits until every fault here is installed.
@@ -50,8 +52,8 @@ impl Lazy {
                     let class = self.fault(addr);
                     self.latency.record(class, t.elapsed());
                 }
-                Event::Remove { start, end } => self.remove(start, end),
-                Event::Other(_) => {}
+                // Applied as they were read (`Uffd::read_events`).
+                Event::Remove { .. } | Event::Other(_) => {}
             }
         }
         self.serve_pending();
@@ -65,7 +67,9 @@ impl Lazy {
         let mut events = Vec::new();
         if self
             .uffd
-            .read_events(&self.signals.stop, 0, &mut events)
+            .read_events(&self.signals.stop, 0, &mut events, &|s, e| {
+                self.remove(s, e)
+            })
             .is_ok()
         {
             for ev in events {
@@ -77,8 +81,8 @@ impl Lazy {
                             .unwrap_or_else(|e| e.into_inner())
                             .push(addr);
                     }
-                    Event::Remove { start, end } => self.remove(start, end),
-                    Event::Other(_) => {}
+                    // Applied as they were read.
+                    Event::Remove { .. } | Event::Other(_) => {}
                 }
             }
         }
@@ -103,7 +107,7 @@ impl Lazy {
     /// The peer removed `start..end` (`MADV_DONTNEED` or `MADV_REMOVE`, a balloon's
     /// inflation): those pages read as zero from now on, whether their block is in already
     /// (the next fault there gets a zero page) or not (its fill leaves them zero).
-    fn remove(&self, start: u64, end: u64) {
+    pub(super) fn remove(&self, start: u64, end: u64) {
         self.counters.removes.fetch_add(1, Ordering::Relaxed);
         let first = self.by_host.partition_point(|h| h.end <= start);
         for &HostSpan {
