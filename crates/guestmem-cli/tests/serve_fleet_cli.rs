@@ -306,3 +306,68 @@ fn a_server_that_served_2000_vms_holds_what_it_held_after_100() {
         "grew from {after_100} kB to {after_2000} kB over 1,896 VMs"
     );
 }
+
+/// A server that served a VM of large blocks (16 MiB; a block with a page the balloon took is
+/// staged whole by the thread that fills it) lets go of those threads' buffers once idle: its
+/// anonymous memory comes back to what it was before the VM.
+#[test]
+fn a_server_lets_go_of_a_large_blocks_buffers_once_idle() {
+    need_uffd!();
+    const SIZE: usize = 64 * MIB;
+    let d = dir("large-blocks");
+    let mem = memory_file(&d, SIZE, None);
+    let socket = d.join("uffd.sock");
+    let control = d.join("ctl.sock");
+    let srv = server(
+        &[(&socket, &mem)],
+        &[
+            "--threads",
+            "2",
+            "--prefetch-threads",
+            "0",
+            "--block",
+            "16M",
+            "--on-failure",
+            "leave",
+            "--regain-huge-pages",
+            "off",
+            "--control",
+            control.to_str().unwrap(),
+        ],
+    );
+    wait_for(&control);
+    let anon = || status_field(srv.id(), "RssAnon:");
+    let before = anon();
+    let mut vm = Standin::new(&[SIZE], true).unwrap();
+    vm.connect(&socket).unwrap();
+    for b in 0..SIZE / (16 * MIB) {
+        // The balloon takes the block's first page before the VM touches the block.
+        let start = b * 16 * MIB;
+        vm.remove(start, 4096).unwrap();
+        let at = start + 8 * 4096 + 8;
+        assert_eq!(vm.word(at), word(at as u64));
+        assert_eq!(vm.word(start), 0, "a page the balloon took reads zero");
+    }
+    let served = anon();
+    vm.disconnect();
+    let t = Instant::now();
+    while !ctl(&control, "health").contains("\"vms\":0") {
+        assert!(t.elapsed() < Duration::from_secs(10), "session not ended");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    drop(vm);
+    // Let go of after a second idle; a busy test host may take longer to run the thread.
+    let t = Instant::now();
+    let mut now = anon();
+    while now > before + 8 * 1024 && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(100));
+        now = anon();
+    }
+    eprintln!("server RssAnon: {before} kB before the VM, {served} kB serving it, {now} kB idle");
+    let (code, _, err, _) = terminate(srv);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        now <= before + 8 * 1024,
+        "{now} kB of anonymous memory idle, {before} kB before the VM: buffers kept"
+    );
+}

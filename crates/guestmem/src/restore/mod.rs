@@ -36,7 +36,10 @@ pub use crate::lifecycle::RestoreState;
 pub use latency::{ExactLatency, FaultClass, FaultLatency, LatencySummary};
 pub use lazy::{LazyReport, LazyRestore};
 // The engine as the page server reaches it (`crate::serve`): nothing else of `lazy`.
-pub(crate) use lazy::{as_prefetcher, PeerRange, Pooled, RemoteRestore, Start};
+pub(crate) use lazy::{
+    as_prefetcher, staging_oversized, trim_staging, PeerRange, Pooled, RemoteRestore, Start,
+    STAGING_IDLE,
+};
 // Whether a read is a prefetch's, not a fault's: what the store's fetches ask.
 #[cfg(feature = "store")]
 pub(crate) use lazy::is_prefetcher;

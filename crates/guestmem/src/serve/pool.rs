@@ -8,13 +8,16 @@
 //! serving lets a second thread take the same VM's next batch meanwhile (a VM's vCPUs fault
 //! in parallel); re-arming puts the VM at the back of epoll's ready list, so a VM whose
 //! vCPUs storm gets one batch per turn and cannot starve the others. Idle means blocked:
-//! fault threads wait in `epoll_wait` with no timeout; a stop eventfd wakes them all.
+//! fault threads wait in `epoll_wait` with no timeout; a stop eventfd wakes them all. (A
+//! thread that staged a block larger than 2 MiB waits once with a timeout of a second, then
+//! lets go of that buffer and waits without one: a server's memory follows what it serves.)
 //!
 //! Prefetch threads run at a lower priority (nice 5), so the kernel gives the CPU to fault
 //! threads, vCPUs and the VMM first. They take the VMs that have blocks left to bring in in
 //! turn, one block each (the block after that VM's latest fault first, then its planned
 //! order), and put a VM with more to do at the back of the queue; a fault never waits for
-//! more than the blocks in flight. With nothing queued they wait on a condition variable.
+//! more than the blocks in flight. With nothing queued they wait on a condition variable
+//! (with the same one timeout to let go of a large block's buffer).
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
@@ -271,6 +274,19 @@ fn prefetch_loop(s: &Shared) {
                     q.ids.push_back(id);
                     break id;
                 }
+                if crate::restore::staging_oversized() {
+                    // Idle with a large block's buffer: let go of it after a while.
+                    let (g, waited) = s
+                        .turns
+                        .cv
+                        .wait_timeout(q, crate::restore::STAGING_IDLE)
+                        .unwrap_or_else(|e| e.into_inner());
+                    q = g;
+                    if waited.timed_out() {
+                        crate::restore::trim_staging();
+                    }
+                    continue;
+                }
                 q = s.turns.cv.wait(q).unwrap_or_else(|e| e.into_inner());
             }
         };
@@ -287,16 +303,26 @@ fn serve_loop(s: &Shared) {
     let mut ready = [libc::epoll_event { events: 0, u64: 0 }; EVENTS_PER_WAIT];
     let mut batch = Vec::new();
     loop {
-        // SAFETY: `ready` is a live array of EVENTS_PER_WAIT events the kernel writes into;
-        // no timeout (idle means blocked).
+        // Idle means blocked: no timeout, unless this thread holds a large block's staging
+        // buffer, which it lets go of once idle that long (then waits without one).
+        let timeout = if crate::restore::staging_oversized() {
+            crate::restore::STAGING_IDLE.as_millis() as i32
+        } else {
+            -1
+        };
+        // SAFETY: `ready` is a live array of EVENTS_PER_WAIT events the kernel writes into.
         let n = unsafe {
             libc::epoll_wait(
                 s.epoll.as_raw_fd(),
                 ready.as_mut_ptr(),
                 EVENTS_PER_WAIT as i32,
-                -1,
+                timeout,
             )
         };
+        if n == 0 {
+            crate::restore::trim_staging();
+            continue;
+        }
         if n < 0 {
             if io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
                 continue;

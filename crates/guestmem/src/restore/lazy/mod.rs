@@ -67,6 +67,7 @@ mod remote;
 mod serve;
 mod start;
 
+pub(crate) use fill::{staging_oversized, trim_staging, STAGING_IDLE};
 #[cfg(feature = "store")]
 pub(crate) use prefetch::is_prefetcher;
 pub(crate) use remote::{as_prefetcher, PeerRange, Pooled, RemoteRestore};
