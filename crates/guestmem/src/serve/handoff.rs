@@ -634,6 +634,96 @@ mod tests {
         }
     }
 
+    /// Where the stand-in for a server of this version that ends its acknowledged
+    /// hand-off its own way listens, and how (`exits`: once told `taken`, without a word;
+    /// `refuses`: answers something other than `yours` and stays until the new server
+    /// hangs up). Set only in its child process.
+    const ENDING_SERVER: &str = "GM_TEST_ENDING_SERVER";
+
+    /// Not a test of its own: the stand-in run by
+    /// `a_take_over_is_the_new_servers_when_the_old_one_exits_without_a_word`. It hands
+    /// nothing but its end mark, byte for byte as this version sends it.
+    #[test]
+    fn ending_server() {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let Some(v) = std::env::var(ENDING_SERVER).ok() else {
+            return;
+        };
+        let (how, control) = v.split_once(':').unwrap();
+        let l = std::os::unix::net::UnixListener::bind(control).unwrap();
+        let (c, _) = l.accept().unwrap();
+        let mut r = BufReader::new(&c);
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        assert_eq!(line, format!("{}\n", super::COMMAND_ACKNOWLEDGED));
+        Outgoing { to: &c }.end(true, None).unwrap();
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        assert_eq!(line.as_bytes(), super::TAKEN);
+        if how == "exits" {
+            std::process::exit(0);
+        }
+        (&c).write_all(b"not now\n").unwrap();
+        let _ = (&c).read_to_end(&mut Vec::new());
+        std::process::exit(0);
+    }
+
+    /// Runs the stand-in of `ENDING_SERVER` the way `how`, and waits for its socket.
+    fn start_ending_server(
+        how: &str,
+        d: &guestmem_testkit::Scratch,
+    ) -> (std::path::PathBuf, guestmem_testkit::ChildGuard) {
+        let control = d.join("ctl.sock");
+        let mut old = guestmem_testkit::ChildGuard::new(
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "serve::handoff::tests::ending_server",
+                    "--nocapture",
+                    "--test-threads",
+                    "1",
+                ])
+                .env(ENDING_SERVER, format!("{how}:{}", control.display()))
+                .stdout(std::process::Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let t0 = std::time::Instant::now();
+        while !control.exists() {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(20) && old.running());
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        (control, old)
+    }
+
+    /// An old server that exits once told `taken`, without answering `yours` (it crashed,
+    /// or its answer was lost), has given its VMs to no one else: the new server takes them.
+    /// One that answers anything else and runs on keeps them, and the take-over says so.
+    #[test]
+    fn a_take_over_is_the_new_servers_when_the_old_one_exits_without_a_word() {
+        let wait = std::time::Duration::from_secs(20);
+        let d = guestmem_testkit::Scratch::new("handoff-exits");
+        let (control, mut old) = start_ending_server("exits", &d);
+        let mut t = super::take_over(&control, wait).unwrap();
+        assert!(!t.confirmed());
+        t.confirm(&[], None, wait).unwrap();
+        assert!(t.confirmed());
+        assert_eq!(old.wait_exit(20).code(), Some(0));
+
+        let d = guestmem_testkit::Scratch::new("handoff-refuses");
+        let (control, mut old) = start_ending_server("refuses", &d);
+        let mut t = super::take_over(&control, wait).unwrap();
+        let e = t.confirm(&[], None, wait).unwrap_err().to_string();
+        assert!(
+            // What it said, as far as a `yours` would reach.
+            e.contains("did not hand its VMs over") && e.contains("answered \"not no\""),
+            "{e}"
+        );
+        assert!(!t.confirmed());
+        drop(t);
+        assert_eq!(old.wait_exit(20).code(), Some(0));
+    }
+
     /// A server of an earlier version knows only `handoff`: it answers the acknowledged
     /// command as an unknown one, and `take_over` asks again with the old command, whose
     /// end mark gives everything away at once (confirmed, nothing left to say), and waits
