@@ -149,25 +149,40 @@ fn a_second_server_on_the_same_state_dir_is_refused() {
 #[test]
 fn a_server_hands_its_sockets_and_vms_to_a_new_server_without_downtime() {
     need_uffd!();
+    hand_off("handoff", true);
+}
+
+/// The same without state directories: the pages the VM's balloon removed travel with it
+/// (a memfd beside its userfaultfd).
+#[test]
+fn a_server_without_records_hands_its_vms_over_with_their_removed_pages() {
+    need_uffd!();
+    hand_off("handoff-no-state", false);
+}
+
+/// A hand-off of a VM half served, 4 pages of the rest removed by its balloon; with
+/// `records`, both servers keep them in one state directory.
+fn hand_off(name: &str, records: bool) {
     const SIZE: usize = 16 * MIB;
-    let d = dir("handoff");
+    let d = dir(name);
     let mem = memory_file(&d, SIZE, Some(5 * MIB));
     let socket = d.join("uffd.sock");
     let control = d.join("ctl.sock");
     let state = d.join("state");
-    // Both servers keep records: the VMs handed over must not be taken back a second time
-    // from the records the old server left. Faults alone, so that half the memory is
-    // still to serve after the hand-off.
-    let args = [
+    // With records, both servers keep them: the VMs handed over must not be taken back a
+    // second time from the records the old server left. Faults alone, so that half the
+    // memory is still to serve after the hand-off.
+    let mut args = vec![
         "--control",
         control.to_str().unwrap(),
         "--on-failure",
         "leave",
         "--prefetch-threads",
         "0",
-        "--state-dir",
-        state.to_str().unwrap(),
     ];
+    if records {
+        args.extend(["--state-dir", state.to_str().unwrap()]);
+    }
     let mut old = server(&[(&socket, &mem)], &args);
     wait_for(&control);
     let want = |at: usize| {
@@ -177,11 +192,20 @@ fn a_server_hands_its_sockets_and_vms_to_a_new_server_without_downtime() {
             word(at as u64)
         }
     };
-    let mut first = Standin::new(&[SIZE], false).unwrap();
+    let mut first = Standin::new(&[SIZE], true).unwrap();
     first.connect(&socket).unwrap();
     for p in 0..SIZE / 2 / PAGE {
         assert_eq!(first.word(p * PAGE), want(p * PAGE));
     }
+    // Its balloon takes 4 pages not served yet: they stay removed with the new server.
+    let removed = 12 * MIB..12 * MIB + 4 * PAGE;
+    first.remove(removed.start, 4 * PAGE).unwrap();
+    let t = Instant::now();
+    while records && removed_kept(&state) < 4 {
+        assert!(t.elapsed() < Duration::from_secs(10), "removes not kept");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let want_first = |at: usize| if removed.contains(&at) { 0 } else { want(at) };
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_guestmem"));
     cmd.args(["serve-uffd", "--socket"])
         .arg(&socket)
@@ -189,7 +213,7 @@ fn a_server_hands_its_sockets_and_vms_to_a_new_server_without_downtime() {
         .arg(&mem)
         .arg("--take-over")
         .arg(&control)
-        .args(args);
+        .args(&args);
     let mut new = Srv::start(&mut cmd);
     let status = old.wait_exit(20);
     assert_eq!(status.code(), Some(0), "the old server exits 0");
@@ -205,7 +229,7 @@ fn a_server_hands_its_sockets_and_vms_to_a_new_server_without_downtime() {
     }
     // The VM goes on: the rest of its memory comes from the new server.
     for p in SIZE / 2 / PAGE..SIZE / PAGE {
-        assert_eq!(first.word(p * PAGE), want(p * PAGE), "page {p}");
+        assert_eq!(first.word(p * PAGE), want_first(p * PAGE), "page {p}");
     }
     // A new VM connects on the socket the new server was handed.
     let mut second = Standin::new(&[SIZE], false).unwrap();
@@ -217,11 +241,14 @@ fn a_server_hands_its_sockets_and_vms_to_a_new_server_without_downtime() {
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("took over 1 VMs"), "{err}");
     assert!(!err.contains("took back peer"), "served twice: {err}");
+    assert!(
+        err.contains("4 pages its balloon removed before stay removed"),
+        "{err}"
+    );
     assert!(out.contains("2 VMs: 2 graduated"), "{out}\n{err}");
-    for vm in [&first, &second] {
-        for p in 0..SIZE / PAGE {
-            assert_eq!(vm.word(p * PAGE), want(p * PAGE));
-        }
+    for p in 0..SIZE / PAGE {
+        assert_eq!(first.word(p * PAGE), want_first(p * PAGE));
+        assert_eq!(second.word(p * PAGE), want(p * PAGE));
     }
 }
 
@@ -351,4 +378,83 @@ fn a_socket_given_relative_is_found_by_a_new_server_elsewhere() {
     let (code, _, err, _) = terminate(new);
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("took over 1 VMs"), "{err}");
+}
+
+/// Pages a VM's balloon removed stay removed across a `kill -9` of the server: the next
+/// server reads them from the removed-pages file beside the VM's record and serves them as
+/// zero, those of a block not yet in and those of a block in before the remove alike. Before,
+/// it filled them with the snapshot's bytes (the balloon's memory back on the host).
+#[test]
+fn pages_a_balloon_removed_stay_removed_across_a_kill_9() {
+    need_uffd!();
+    const SIZE: usize = 16 * MIB;
+    let d = dir("kill9-balloon");
+    let mem = memory_file(&d, SIZE, None);
+    let socket = d.join("uffd.sock");
+    let state = d.join("state");
+    let args = [
+        "--threads",
+        "2",
+        "--prefetch-threads",
+        "0",
+        "--on-failure",
+        "leave",
+        "--state-dir",
+        state.to_str().unwrap(),
+    ];
+    let mut first = server(&[(&socket, &mem)], &args);
+    let mut vm = Standin::new(&[SIZE], true).unwrap();
+    vm.connect(&socket).unwrap();
+    // 16 pages of a block not read yet, and 2 of a block read before they went.
+    let early = 3 * MIB + 5 * PAGE;
+    vm.remove(early, 16 * PAGE).unwrap();
+    let late = 8 * MIB + 7 * PAGE;
+    assert_eq!(vm.word(late), word(late as u64));
+    vm.remove(late, 2 * PAGE).unwrap();
+    let removed = |at: usize| {
+        (early..early + 16 * PAGE).contains(&at) || (late..late + 2 * PAGE).contains(&at)
+    };
+    // The server writes each remove's words just after it read the remove (what `madvise`
+    // waits for): wait until the file holds all 18 pages.
+    let t = Instant::now();
+    while removed_kept(&state) < 18 {
+        let kept = removed_kept(&state);
+        assert!(t.elapsed() < Duration::from_secs(10), "{kept} pages kept");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(removed_kept(&state), 18);
+    // SAFETY: kill on our own child's pid.
+    assert_eq!(unsafe { libc::kill(first.id() as i32, libc::SIGKILL) }, 0);
+    first.wait_exit(5);
+    let second = server(&[(&socket, &mem)], &args);
+    for p in 0..SIZE / PAGE {
+        for at in [p * PAGE, p * PAGE + 4088] {
+            let want = if removed(at) { 0 } else { word(at as u64) };
+            assert_eq!(vm.word(at), want, "{at:#x}: removed {}", removed(at));
+        }
+    }
+    vm.disconnect();
+    let (code, _, err, _) = terminate(second);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("18 pages its balloon removed before stay removed"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&state).unwrap().count(),
+        0,
+        "the record and its removed-pages file removed once the session ended"
+    );
+}
+
+/// Pages marked removed in the removed-pages files of the state directory `state`.
+fn removed_kept(state: &std::path::Path) -> u32 {
+    std::fs::read_dir(state)
+        .unwrap()
+        .filter_map(|e| {
+            let p = e.unwrap().path();
+            (p.extension()? == "removed").then(|| std::fs::read(p).unwrap())
+        })
+        .map(|b| b.iter().map(|x| x.count_ones()).sum::<u32>())
+        .sum()
 }

@@ -61,8 +61,15 @@ const YOURS: &[u8] = b"yours\n";
 enum Message {
     /// A listening socket (one descriptor): the fleet's socket `index`, at `path`.
     Listener { index: usize, path: PathBuf },
-    /// A VM (one descriptor: its userfaultfd) of socket `index`.
-    Session { index: usize, record: SessionRecord },
+    /// A VM (one descriptor: its userfaultfd) of socket `index`; `removed`: a second
+    /// descriptor follows, a file of the pages its balloon removed (see the lazy engine's
+    /// `removed_log.rs`; absent from a server of an earlier version, and never sent to one).
+    Session {
+        index: usize,
+        record: SessionRecord,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        removed: bool,
+    },
     /// Nothing more; `ack`: nothing is given away until the new server says `taken`
     /// (absent from a server of an earlier version).
     End {
@@ -147,8 +154,17 @@ impl Outgoing<'_> {
         index: usize,
         record: SessionRecord,
         uffd: RawFd,
+        removed: Option<RawFd>,
     ) -> io::Result<()> {
-        send(self.to, &Message::Session { index, record }, &[uffd])
+        let m = Message::Session {
+            index,
+            record,
+            removed: removed.is_some(),
+        };
+        match removed {
+            Some(r) => send(self.to, &m, &[uffd, r]),
+            None => send(self.to, &m, &[uffd]),
+        }
     }
 
     pub(super) fn end(&self, ack: bool, state_dir: Option<&Path>) -> io::Result<()> {
@@ -213,6 +229,8 @@ pub struct HandedSession {
     pub(super) index: usize,
     pub(super) record: SessionRecord,
     pub(super) uffd: OwnedFd,
+    /// The pages its balloon removed, as the old server last knew them.
+    pub(super) removed: Option<OwnedFd>,
 }
 
 /// What a running server handed over ([`take_over`]): its VMs are this server's once
@@ -457,8 +475,8 @@ impl Drop for TakeOver {
 /// `sendmsg` with its descriptor, but a long one (a VM of hundreds of regions) arrives in
 /// several reads, only the first carrying the descriptor, and a read may run on into the
 /// next message. So bytes and descriptors are kept as they come, and a message is taken
-/// once its line is whole, with the first descriptor not yet taken (every message but the
-/// end mark carries one).
+/// once its line is whole, with the descriptors not yet taken, in order (every message but
+/// the end mark carries one; a session with its removed pages two).
 #[derive(Default)]
 struct Incoming {
     bytes: Vec<u8>,
@@ -470,7 +488,13 @@ struct Incoming {
 const MAX_MESSAGE: usize = 64 << 20;
 
 impl Incoming {
-    fn next(&mut self, s: &UnixStream) -> Result<(Message, Option<OwnedFd>), ServeError> {
+    /// The next message, with its descriptor and, for a session with its removed pages, its
+    /// second.
+    #[allow(clippy::type_complexity)]
+    fn next(
+        &mut self,
+        s: &UnixStream,
+    ) -> Result<(Message, Option<OwnedFd>, Option<OwnedFd>), ServeError> {
         let serr = |op: &'static str| move |source| ServeError::Io { op, source };
         let mut buf = vec![0u8; 1 << 20];
         let line = loop {
@@ -507,11 +531,20 @@ impl Incoming {
                 text.chars().take(200).collect::<String>()
             )))
         })?;
-        let fd = match m {
-            Message::End { .. } => None,
-            _ => self.fds.pop_front(),
+        let (fd, second) = match m {
+            Message::End { .. } => (None, None),
+            Message::Session { removed: true, .. } => {
+                let fd = self.fds.pop_front();
+                (fd, self.fds.pop_front())
+            }
+            _ => (self.fds.pop_front(), None),
         };
-        Ok((m, fd))
+        if matches!(m, Message::Session { removed: true, .. }) && second.is_none() {
+            return Err(serr("receive the hand-off")(io::Error::other(
+                "a VM's message came without its removed pages' descriptor",
+            )));
+        }
+        Ok((m, fd, second))
     }
 }
 
@@ -563,14 +596,17 @@ fn receive(control: &Path, command: &str, wait: Duration) -> Result<TakeOver, Se
     };
     let mut incoming = Incoming::default();
     let ack = loop {
-        let (m, fd) = incoming.next(&s)?;
+        let (m, fd, second) = incoming.next(&s)?;
         match (m, fd) {
             (Message::Listener { index, path }, Some(fd)) => out.listeners.push((index, path, fd)),
-            (Message::Session { index, record }, Some(uffd)) => out.sessions.push(HandedSession {
-                index,
-                record,
-                uffd,
-            }),
+            (Message::Session { index, record, .. }, Some(uffd)) => {
+                out.sessions.push(HandedSession {
+                    index,
+                    record,
+                    uffd,
+                    removed: second,
+                })
+            }
             (Message::End { ack, state_dir }, _) => {
                 out.old_state_dir = state_dir;
                 break ack;
@@ -781,23 +817,26 @@ mod tests {
             let out = Outgoing { to: &a };
             let p = std::path::Path::new("/run/vm.sock");
             out.listener(0, p, fds[0].as_raw_fd()).unwrap();
-            out.session(0, record.clone(), fds[1].as_raw_fd()).unwrap();
-            out.session(0, record, fds[2].as_raw_fd()).unwrap();
+            out.session(0, record.clone(), fds[1].as_raw_fd(), None)
+                .unwrap();
+            out.session(0, record, fds[2].as_raw_fd(), Some(fds[0].as_raw_fd()))
+                .unwrap();
             out.end(true, None).unwrap();
         });
         let mut incoming = Incoming::default();
-        let (m, fd) = incoming.next(&b).unwrap();
+        let (m, fd, _) = incoming.next(&b).unwrap();
         assert!(matches!(m, Message::Listener { index: 0, .. }) && fd.is_some());
-        for _ in 0..2 {
-            let (m, fd) = incoming.next(&b).unwrap();
+        for removed in [false, true] {
+            let (m, fd, second) = incoming.next(&b).unwrap();
             let Message::Session { record, .. } = m else {
                 panic!("not a session");
             };
             assert_eq!(record.regions().unwrap(), regions);
             assert_eq!(record.pid, 4242);
             assert!(fd.is_some());
+            assert_eq!(second.is_some(), removed);
         }
-        let (m, fd) = incoming.next(&b).unwrap();
+        let (m, fd, _) = incoming.next(&b).unwrap();
         assert!(matches!(m, Message::End { ack: true, .. }) && fd.is_none());
         sender.join().unwrap();
     }

@@ -75,6 +75,10 @@ pub(super) struct Session {
     regions: Vec<UffdRegion>,
     /// It closed its socket and runs on ([`Session::follow_pidfd`]).
     hung_up: bool,
+    /// Taken back from a server that died or handed it over.
+    resumed: bool,
+    /// The pages its balloon removed, as a server that handed it over sent them.
+    pub(super) handed_removed: Option<std::os::fd::OwnedFd>,
 }
 
 /// A VM that could not be served, and the process to end.
@@ -157,7 +161,25 @@ impl Session {
             process,
             regions,
             hung_up: false,
+            resumed: start == Start::Resumed,
+            handed_removed: None,
         })
+    }
+
+    /// Whether it was taken back from a server that died or handed it over.
+    pub(super) fn resumed(&self) -> bool {
+        self.resumed
+    }
+
+    /// Keeps the pages its balloon removes in `file`, for a later server; `load`: the file
+    /// is the previous server's, read first. Returns the pages marked removed from it.
+    pub(super) fn keep_removes(&self, file: std::fs::File, load: bool) -> std::io::Result<u64> {
+        self.engine.keep_removes(file, load)
+    }
+
+    /// Its removed pages in a memfd, for a server it is handed to (`None`: it removed none).
+    pub(super) fn removed_memfd(&self) -> std::io::Result<Option<std::os::fd::OwnedFd>> {
+        self.engine.removed_memfd()
     }
 
     /// The VM's process.

@@ -133,9 +133,41 @@ impl StateDir {
         Ok(path)
     }
 
-    /// Removes a record (its session ended).
+    /// Removes a record (its session ended), and its removed-pages file.
     pub(crate) fn forget(&self, path: &Path) {
         let _ = std::fs::remove_file(path);
+        let _ = std::fs::remove_file(removed_path(path));
+    }
+
+    /// The removed-pages file beside the record at `record` (see the lazy engine's
+    /// `removed_log.rs`), opened to read and write, never through a link: the one a previous
+    /// server left, unless `fresh` or there is none (then made empty, `0600`). Whether it
+    /// was there.
+    pub(crate) fn removed_file(
+        &self,
+        record: &Path,
+        fresh: bool,
+    ) -> std::io::Result<(std::fs::File, bool)> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = removed_path(record);
+        let open = |create: bool| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(create)
+                .truncate(create)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&path)
+        };
+        if !fresh {
+            match open(false) {
+                Ok(f) => return Ok((f, true)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok((open(true)?, false))
     }
 
     /// Every record in it, each read (capped) and parsed, or why not.
@@ -175,4 +207,9 @@ impl StateDir {
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
     }
+}
+
+/// Where the removed-pages file of the record at `record` is.
+fn removed_path(record: &Path) -> PathBuf {
+    record.with_extension("removed")
 }

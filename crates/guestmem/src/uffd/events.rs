@@ -81,10 +81,16 @@ impl Uffd {
         self.read_applying(out, removes).map(|()| true)
     }
 
+    /// The read lock: held, no reader of this descriptor is between reading a remove and
+    /// applying it.
+    pub(crate) fn reading(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.reading.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// [`Uffd::read_pending`], with the removes read handed to `removes` under the read
     /// lock (see [`Uffd::read_events`]).
     fn read_applying(&self, out: &mut Vec<Event>, removes: &dyn Fn(u64, u64)) -> io::Result<()> {
-        let _reading = self.reading.lock().unwrap_or_else(|e| e.into_inner());
+        let _reading = self.reading();
         self.read_pending(out)?;
         out.retain(|e| match *e {
             Event::Remove { start, end } => {

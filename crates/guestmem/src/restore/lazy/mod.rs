@@ -64,6 +64,7 @@ mod moved;
 mod place;
 mod prefetch;
 mod remote;
+mod removed_log;
 mod serve;
 mod start;
 
@@ -180,6 +181,9 @@ struct Lazy {
     readahead: Readahead,
     /// The huge-page collapse to queue once every block is in.
     regain: Mutex<Option<regain::Job>>,
+    /// Where a remote restore's removed pages are kept for a later server (see
+    /// `removed_log.rs`).
+    removed_log: std::sync::OnceLock<std::fs::File>,
 }
 
 /// A region's host range, and its index in `Lazy::regions`.

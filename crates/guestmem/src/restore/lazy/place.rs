@@ -36,6 +36,9 @@ pub(super) struct LRegion {
     /// Pages of a remote region its owner removed (`UFFD_EVENT_REMOVE`), a bit per page:
     /// they read as zero from then on. Empty for our own regions.
     pub(super) removed: Box<[AtomicU64]>,
+    /// Where its words of `removed` start in the restore's removed-pages file (the words of
+    /// the regions before it come first).
+    pub(super) removed_at: usize,
 }
 
 impl LRegion {
@@ -47,6 +50,7 @@ impl LRegion {
             page: region.page_size(),
             name: region.guest_addr().0,
             removed: Box::new([]),
+            removed_at: 0,
             place: Place::Own { region, alias },
         }
     }
@@ -61,6 +65,7 @@ impl LRegion {
             page,
             name: host,
             removed: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            removed_at: 0,
             place: Place::Remote(RemoteRange::new(host, size)),
         }
     }

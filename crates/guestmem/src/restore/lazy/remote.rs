@@ -66,6 +66,20 @@ impl RemoteRestore {
         self.0.regain_when_complete(job, handle);
     }
 
+    /// Keeps the peer's removed pages in `file` (beside its session record) for a server
+    /// that takes the VM back; `resumed`: the file is the previous server's, read first (see
+    /// `removed_log.rs`). Returns the pages it marked removed. Before the first fault is
+    /// served.
+    pub(crate) fn keep_removes(&self, file: std::fs::File, resumed: bool) -> std::io::Result<u64> {
+        self.0.lazy.keep_removes(file, resumed)
+    }
+
+    /// The peer's removed pages in a memfd, as a removed-pages file holds them, for a
+    /// server it is handed to; `None` when it removed none.
+    pub(crate) fn removed_memfd(&self) -> std::io::Result<Option<OwnedFd>> {
+        self.0.lazy.removed_memfd()
+    }
+
     /// The collapse queued for when the restore completes, if any (to wait for its end).
     pub(crate) fn regaining(&self) -> Option<Regaining> {
         self.0.regaining().cloned()

@@ -128,6 +128,7 @@ impl Lazy {
             for p in from..to {
                 lr.removed[(p / 64) as usize].fetch_or(1 << (p % 64), Ordering::AcqRel);
             }
+            self.log_removed(lr, from, to);
         }
     }
 

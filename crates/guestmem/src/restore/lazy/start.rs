@@ -177,6 +177,7 @@ impl LazyRestore {
                 first: AtomicU64::new(0),
             },
             regain: Mutex::new(None),
+            removed_log: std::sync::OnceLock::new(),
         });
         let mut this = LazyRestore {
             lazy: lazy.clone(),
@@ -244,11 +245,16 @@ impl LazyRestore {
         working_set: Option<Vec<u64>>,
         start: Start,
     ) -> std::io::Result<LazyRestore> {
-        let lregions: Vec<LRegion> = regions
+        let mut lregions: Vec<LRegion> = regions
             .iter()
             .zip(image.regions())
             .map(|(r, ir)| LRegion::remote(r.host, r.size, r.page, ir.first_block))
             .collect();
+        let mut at = 0;
+        for r in &mut lregions {
+            r.removed_at = at;
+            at += r.removed.len();
+        }
         let threads = Threads {
             handlers: Handlers::Pool,
             prefetch: 0,

@@ -40,7 +40,7 @@ impl Server {
                     continue;
                 }
             };
-            if self.resume(r, process, Some(h.uffd)) {
+            if self.resume(r, process, Some(h.uffd), h.removed) {
                 self.ending.log.say(&format!(
                     "took over peer {} (socket {} before) from the old server",
                     r.pid, h.index
@@ -101,7 +101,7 @@ impl Server {
                     continue;
                 }
             };
-            if self.resume(&r, process, None) {
+            if self.resume(&r, process, None, None) {
                 self.ending.log.say(&format!(
                     "took back peer {} (its userfaultfd {}) from a server that died",
                     r.pid, r.uffd_fd
@@ -125,6 +125,7 @@ impl Server {
         r: &SessionRecord,
         process: PeerProcess,
         handed: Option<OwnedFd>,
+        removed: Option<OwnedFd>,
     ) -> bool {
         let mems: Vec<&MemoryFile> = self.sockets.iter().map(|s| &s.memory).collect();
         let started = take_back(r, process, handed, &mems).and_then(|t| {
@@ -133,7 +134,10 @@ impl Server {
             Session::resume(t.regions, t.uffd, t.process, &plan)
         });
         match started {
-            Ok(s) => self.start_session(s).is_ok(),
+            Ok(mut s) => {
+                s.handed_removed = removed;
+                self.start_session(s).is_ok()
+            }
             Err((e, p)) => {
                 let _ = self.refuse(p, 0, e);
                 false
@@ -287,9 +291,18 @@ impl Server {
             self.pool.remove(id);
             stopped.push(id);
             let s = &self.sessions[&id];
+            // Its removed pages go too, to a server of this version (an earlier one would
+            // take the second descriptor for the next VM's). Where they cannot, the VM goes
+            // without: the new server fills those pages, as one of an earlier version does.
+            let removed = acknowledged
+                .then(|| s.removed_memfd().ok().flatten())
+                .flatten();
             let handed = record_of(s, &self.sockets[s.socket].memory, true)
                 .map_err(std::io::Error::other)
-                .and_then(|r| out.session(s.socket, r, s.uffd_fd().as_raw_fd()));
+                .and_then(|r| {
+                    let removed = removed.as_ref().map(|f| f.as_raw_fd());
+                    out.session(s.socket, r, s.uffd_fd().as_raw_fd(), removed)
+                });
             if handed.is_err() && s.process().pidfd().is_some_and(crate::sys::is_readable) {
                 exited.push(id);
                 continue;

@@ -96,6 +96,8 @@ impl Server {
         // Recorded before its first fault is served: a server that dies from here on
         // leaves the record its successor needs.
         session.record = self.record(&session);
+        let handed = session.handed_removed.take();
+        self.keep_removes(&session, handed);
         if let Err(e) = self.pool.add(id, session.pooled()) {
             self.forget(&session);
             let bytes = session.bytes;
@@ -129,6 +131,56 @@ impl Server {
             .started(id, i, pid, session.bytes, session.pooled());
         self.sessions.insert(id, session);
         Ok(id)
+    }
+
+    /// Gives the session a removed-pages file beside its record (a resumed one's previous
+    /// file read first), if it has a record; where that fails, its removes are served as
+    /// ever but not kept for a later server, and the log says so. Without a state
+    /// directory, the pages a server that handed the VM over sent (`handed`) are marked
+    /// removed, and kept for the next hand-off.
+    fn keep_removes(&self, session: &Session, handed: Option<std::os::fd::OwnedFd>) {
+        let pid = session
+            .process()
+            .pid()
+            .map_or("?".into(), |p| p.to_string());
+        let kept = match (&self.state, &session.record) {
+            (Some(state), Some(path)) => {
+                let kept = state
+                    .removed_file(path, !session.resumed())
+                    .and_then(|(f, there)| Ok((session.keep_removes(f, there)?, there)));
+                match kept {
+                    Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                        self.ending.log.say(&format!(
+                            "peer {pid}: its removed-pages file is not this VM's ({e}); pages \
+                             its balloon removed before are filled with the snapshot's bytes"
+                        ));
+                        state
+                            .removed_file(path, true)
+                            .and_then(|(f, _)| session.keep_removes(f, false).map(|n| (n, false)))
+                    }
+                    k => k,
+                }
+            }
+            // No record: what a server that handed the VM over sent, kept for the next.
+            _ => match handed {
+                Some(fd) => session.keep_removes(fd.into(), true).map(|n| (n, true)),
+                None => return,
+            },
+        };
+        match kept {
+            Ok((n, _)) if n > 0 => self.ending.log.say(&format!(
+                "peer {pid}: {n} pages its balloon removed before stay removed"
+            )),
+            Ok((_, false)) if session.resumed() => self.ending.log.say(&format!(
+                "peer {pid}: no removed-pages file (a server of an earlier version): pages \
+                 its balloon removed before are filled with the snapshot's bytes"
+            )),
+            Ok(_) => {}
+            Err(e) => self.ending.log.say(&format!(
+                "peer {pid}: its removed pages are not kept ({e}): pages its balloon \
+                 removed may be filled with the snapshot's bytes (now, or by a later server)"
+            )),
+        }
     }
 
     /// Writes the session's record, if the server keeps them; a VM whose record cannot be
