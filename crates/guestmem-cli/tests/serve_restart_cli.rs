@@ -149,7 +149,7 @@ fn a_second_server_on_the_same_state_dir_is_refused() {
 #[test]
 fn a_server_hands_its_sockets_and_vms_to_a_new_server_without_downtime() {
     need_uffd!();
-    hand_off("handoff", true);
+    hand_off("handoff", true, true);
 }
 
 /// The same without state directories: the pages the VM's balloon removed travel with it
@@ -157,12 +157,21 @@ fn a_server_hands_its_sockets_and_vms_to_a_new_server_without_downtime() {
 #[test]
 fn a_server_without_records_hands_its_vms_over_with_their_removed_pages() {
     need_uffd!();
-    hand_off("handoff-no-state", false);
+    hand_off("handoff-no-state", false, false);
+}
+
+/// The same from a server without a state directory to one with: the new server keeps the
+/// removed pages it was sent in its own record's file.
+#[test]
+fn a_server_without_records_hands_removed_pages_to_one_that_keeps_them() {
+    need_uffd!();
+    hand_off("handoff-to-state", false, true);
 }
 
 /// A hand-off of a VM half served, 4 pages of the rest removed by its balloon; with
-/// `records`, both servers keep them in one state directory.
-fn hand_off(name: &str, records: bool) {
+/// `old_records` / `new_records`, that server keeps records (both in one directory).
+fn hand_off(name: &str, old_records: bool, new_records: bool) {
+    let records = old_records;
     const SIZE: usize = 16 * MIB;
     let d = dir(name);
     let mem = memory_file(&d, SIZE, Some(5 * MIB));
@@ -180,8 +189,12 @@ fn hand_off(name: &str, records: bool) {
         "--prefetch-threads",
         "0",
     ];
-    if records {
+    let mut new_args = args.clone();
+    if old_records {
         args.extend(["--state-dir", state.to_str().unwrap()]);
+    }
+    if new_records {
+        new_args.extend(["--state-dir", state.to_str().unwrap()]);
     }
     let mut old = server(&[(&socket, &mem)], &args);
     wait_for(&control);
@@ -213,7 +226,7 @@ fn hand_off(name: &str, records: bool) {
         .arg(&mem)
         .arg("--take-over")
         .arg(&control)
-        .args(&args);
+        .args(&new_args);
     let mut new = Srv::start(&mut cmd);
     let status = old.wait_exit(20);
     assert_eq!(status.code(), Some(0), "the old server exits 0");
@@ -230,6 +243,9 @@ fn hand_off(name: &str, records: bool) {
     // The VM goes on: the rest of its memory comes from the new server.
     for p in SIZE / 2 / PAGE..SIZE / PAGE {
         assert_eq!(first.word(p * PAGE), want_first(p * PAGE), "page {p}");
+    }
+    if new_records {
+        assert_eq!(removed_kept(&state), 4, "kept by the new server");
     }
     // A new VM connects on the socket the new server was handed.
     let mut second = Standin::new(&[SIZE], false).unwrap();

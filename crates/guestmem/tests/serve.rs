@@ -621,6 +621,64 @@ fn a_new_server_of_an_earlier_version_is_handed_everything_at_once() {
     vm.disconnect();
 }
 
+/// A new server of the version before removed pages went with a VM (it sends `handoff
+/// acknowledged`) is sent none, though the VM removed some: each VM's message carries its
+/// userfaultfd alone, as that version reads them (a second descriptor would be taken for
+/// the next VM's). Told anything but `taken`, the old server serves on, the removed pages
+/// still zeros.
+#[test]
+fn a_new_server_of_the_version_before_is_sent_no_removed_pages() {
+    use std::io::{BufRead, BufReader, Write};
+    need_uffd!();
+    let d = dir("take-over-before-removed");
+    let mem = memory_file(&d, 4 * MIB, None);
+    let socket = d.join("uffd.sock");
+    let srv = Running::start(
+        &[(&socket, &mem)],
+        ServerConfig {
+            prefetch_threads: 0,
+            ..leave()
+        },
+    );
+    let (control, _control) = srv.control(&d.join("ctl.sock"));
+    let mut vm = Standin::new(&[4 * MIB], true).unwrap();
+    vm.connect(&socket).unwrap();
+    vm.remove(MIB, 4 * PAGE).unwrap();
+    let mut new = std::os::unix::net::UnixStream::connect(&control).unwrap();
+    new.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    new.write_all(b"handoff acknowledged\n").unwrap();
+    let mut lines = Vec::new();
+    let mut r = BufReader::new(&new);
+    loop {
+        let mut line = String::new();
+        assert!(r.read_line(&mut line).unwrap() > 0, "{lines:?}");
+        let end = line.starts_with("{\"kind\":\"end\"");
+        lines.push(line);
+        if end {
+            break;
+        }
+    }
+    assert!(
+        lines.iter().any(|l| l.contains("\"kind\":\"session\""))
+            && !lines.iter().any(|l| l.contains("\"removed\"")),
+        "{lines:?}"
+    );
+    (&new).write_all(b"not taken\n").unwrap();
+    drop(r);
+    drop(new);
+    for at in [MIB, MIB + 3 * PAGE + 8] {
+        assert_eq!(vm.word(at), 0, "{at:#x}: removed");
+    }
+    assert_eq!(vm.word(2 * MIB), word(2 * MIB as u64));
+    vm.disconnect();
+    let (r, log) = srv.drain();
+    r.unwrap();
+    assert!(
+        log.contains("the new server did not take the hand-off"),
+        "{log}"
+    );
+}
+
 /// A VM that hung up, runs on, and then unmaps its memory has let go of it: when the
 /// server next fills a page there (here the drain's graduation) and finds no memory, the
 /// session ends as the VM's hang-up, the VM is not killed, and the drain does not wait.

@@ -168,16 +168,11 @@ impl StatusHandle {
                 }
                 let req = read_request(&mut s, |b| b.contains(&b'\n'), deadline);
                 let line = String::from_utf8_lossy(&req);
-                let handoff = match line.trim() {
-                    super::handoff::COMMAND_ACKNOWLEDGED => Some(true),
-                    super::handoff::COMMAND => Some(false),
-                    _ => None,
-                };
-                if let Some(acknowledged) = handoff {
+                if let Some(asked) = super::handoff::Asked::parse(line.trim()) {
                     // The connection is the new server's: the server answers it.
                     let _ = s.set_read_timeout(None);
                     let _ = s.set_write_timeout(None);
-                    drainer.hand_off(s, acknowledged);
+                    drainer.hand_off(s, asked);
                     continue;
                 }
                 let reply = match line.trim() {

@@ -38,9 +38,41 @@ use super::{Listener, ServeError};
 /// The command a new server of an earlier version sends: a hand-off with no
 /// acknowledgement.
 pub(super) const COMMAND: &str = "handoff";
-/// The command a new server sends: a hand-off it acknowledges once it knows it can serve
-/// everything.
+/// The command a new server of an earlier version sends: a hand-off it acknowledges once it
+/// knows it can serve everything.
 pub(super) const COMMAND_ACKNOWLEDGED: &str = "handoff acknowledged";
+/// The command a new server sends: as [`COMMAND_ACKNOWLEDGED`], and it takes each VM's
+/// removed pages (a second descriptor). A server of an earlier version, which knows only
+/// the commands before, answers it as unknown, and the new server asks again with those.
+pub(super) const COMMAND_REMOVED: &str = "handoff acknowledged removed";
+
+/// What a new server asked for, by the command it sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Asked {
+    /// [`COMMAND`]: everything at once, with the end mark.
+    AtOnce,
+    /// [`COMMAND_ACKNOWLEDGED`]: nothing given away until it says `taken`.
+    Acknowledged,
+    /// [`COMMAND_REMOVED`]: as that, each VM with its removed pages.
+    WithRemoved,
+}
+
+impl Asked {
+    /// The hand-off a control-socket line asks for, if it asks for one.
+    pub(super) fn parse(line: &str) -> Option<Asked> {
+        match line {
+            COMMAND => Some(Asked::AtOnce),
+            COMMAND_ACKNOWLEDGED => Some(Asked::Acknowledged),
+            COMMAND_REMOVED => Some(Asked::WithRemoved),
+            _ => None,
+        }
+    }
+
+    /// Whether the new server acknowledges what it takes.
+    pub(super) fn acknowledged(self) -> bool {
+        self != Asked::AtOnce
+    }
+}
 /// How long an old server waits, after its end mark, for the new server's `taken`; then it
 /// serves on.
 pub(super) const ACK_WAIT: Duration = Duration::from_secs(30);
@@ -553,15 +585,21 @@ impl Incoming {
 /// (with a server of an earlier version, already: then this waits, at most `wait`, for it
 /// to exit, as that server gives everything away with its end mark).
 pub fn take_over(control: &Path, wait: Duration) -> Result<TakeOver, ServeError> {
-    match receive(control, COMMAND_ACKNOWLEDGED, wait) {
-        Err(ServeError::Io { source, .. }) if source.kind() == io::ErrorKind::Unsupported => {
-            let mut t = receive(control, COMMAND, wait)?;
-            let from = t.t0;
-            t.wait_for_old(from, wait)?;
-            Ok(t)
-        }
-        r => r,
+    let unknown = |r: &Result<TakeOver, ServeError>| matches!(r, Err(ServeError::Io { source, .. }) if source.kind() == io::ErrorKind::Unsupported);
+    // Each server of an earlier version answers a command it does not know as unknown, and
+    // is asked again with the one before.
+    let r = receive(control, COMMAND_REMOVED, wait);
+    if !unknown(&r) {
+        return r;
     }
+    let r = receive(control, COMMAND_ACKNOWLEDGED, wait);
+    if !unknown(&r) {
+        return r;
+    }
+    let mut t = receive(control, COMMAND, wait)?;
+    let from = t.t0;
+    t.wait_for_old(from, wait)?;
+    Ok(t)
 }
 
 /// Sends `command` to the server whose control socket is `control`, and receives what it
@@ -653,7 +691,7 @@ mod tests {
         let Some(control) = std::env::var_os(EARLIER_SERVER) else {
             return;
         };
-        let l = std::os::unix::net::UnixListener::bind(&control).unwrap();
+        let l = listen_at(std::path::Path::new(&control));
         loop {
             let (mut c, _) = l.accept().unwrap();
             let mut line = String::new();
@@ -670,6 +708,15 @@ mod tests {
         }
     }
 
+    /// A socket listening at `path`, which appears only once it listens (bound under another
+    /// name, then renamed): a client that sees the path is never refused.
+    fn listen_at(path: &std::path::Path) -> std::os::unix::net::UnixListener {
+        let tmp = path.with_extension("binding");
+        let l = std::os::unix::net::UnixListener::bind(&tmp).unwrap();
+        std::fs::rename(&tmp, path).unwrap();
+        l
+    }
+
     /// Where the stand-in for a server of this version that ends its acknowledged
     /// hand-off its own way listens, and how (`exits`: once told `taken`, without a word;
     /// `refuses`: answers something other than `yours` and stays until the new server
@@ -677,8 +724,9 @@ mod tests {
     const ENDING_SERVER: &str = "GM_TEST_ENDING_SERVER";
 
     /// Not a test of its own: the stand-in run by
-    /// `a_take_over_is_the_new_servers_when_the_old_one_exits_without_a_word`. It hands
-    /// nothing but its end mark, byte for byte as this version sends it.
+    /// `a_take_over_is_the_new_servers_when_the_old_one_exits_without_a_word`: a server
+    /// of the version before removed pages went with a VM (it answers the newest command as
+    /// unknown). It hands nothing but its end mark, byte for byte as that version sent it.
     #[test]
     fn ending_server() {
         use std::io::{BufRead, BufReader, Read, Write};
@@ -686,10 +734,22 @@ mod tests {
             return;
         };
         let (how, control) = v.split_once(':').unwrap();
-        let l = std::os::unix::net::UnixListener::bind(control).unwrap();
+        let l = listen_at(std::path::Path::new(control));
+        // A server of the version before removed pages went with a VM: the newest command
+        // is unknown to it.
+        let (mut c, _) = l.accept().unwrap();
+        let mut line = String::new();
+        BufReader::new(&c).read_line(&mut line).unwrap();
+        assert_eq!(line, format!("{}\n", super::COMMAND_REMOVED));
+        let reply = format!(
+            "{{\"error\":\"unknown command {:?}: status, health, drain or metrics\"}}\n",
+            line.trim()
+        );
+        c.write_all(reply.as_bytes()).unwrap();
+        drop(c);
         let (c, _) = l.accept().unwrap();
         let mut r = BufReader::new(&c);
-        let mut line = String::new();
+        line.clear();
         r.read_line(&mut line).unwrap();
         assert_eq!(line, format!("{}\n", super::COMMAND_ACKNOWLEDGED));
         Outgoing { to: &c }.end(true, None).unwrap();

@@ -98,11 +98,11 @@ pub struct Drainer {
     handoff: Arc<HandoffSlot>,
 }
 
-/// A hand-off asked for: the new server's connection (and whether it acknowledges), and
-/// an eventfd that says so.
+/// A hand-off asked for: the new server's connection (and what it asked for), and an
+/// eventfd that says so.
 #[derive(Debug)]
 struct HandoffSlot {
-    to: Mutex<Option<(UnixStream, bool)>>,
+    to: Mutex<Option<(UnixStream, super::handoff::Asked)>>,
     ready: OwnedFd,
 }
 
@@ -112,10 +112,10 @@ impl Drainer {
         let _ = crate::sys::eventfd_signal(self.drain.as_fd());
     }
 
-    /// Asks the server to hand its sockets and VMs to the server on the other end of `to`;
-    /// `acknowledged`: only once it says it has taken them (else at once).
-    pub(super) fn hand_off(&self, to: UnixStream, acknowledged: bool) {
-        *self.handoff.to.lock().unwrap_or_else(|e| e.into_inner()) = Some((to, acknowledged));
+    /// Asks the server to hand its sockets and VMs to the server on the other end of `to`,
+    /// as it `asked`.
+    pub(super) fn hand_off(&self, to: UnixStream, asked: super::handoff::Asked) {
+        *self.handoff.to.lock().unwrap_or_else(|e| e.into_inner()) = Some((to, asked));
         let _ = crate::sys::eventfd_signal(self.handoff.ready.as_fd());
     }
 }

@@ -171,10 +171,26 @@ impl Session {
         self.resumed
     }
 
-    /// Keeps the pages its balloon removes in `file`, for a later server; `load`: the file
-    /// is the previous server's, read first. Returns the pages marked removed from it.
-    pub(super) fn keep_removes(&self, file: std::fs::File, load: bool) -> std::io::Result<u64> {
-        self.engine.keep_removes(file, load)
+    /// Marks removed the pages its balloon removed under a previous server (`file`: that
+    /// server's removed-pages file, or the memfd it handed over); returns how many.
+    pub(super) fn load_removes(&self, file: &std::fs::File) -> std::io::Result<u64> {
+        self.engine.load_removes(file)
+    }
+
+    /// Keeps the pages its balloon removes in `file` from now on, for a later server.
+    pub(super) fn log_removes_to(&self, file: std::fs::File) -> std::io::Result<()> {
+        self.engine.log_removes_to(file)
+    }
+
+    /// Reads nothing more from its userfaultfd until [`Session::resume_reading`] (it is
+    /// being handed over).
+    pub(super) fn stop_reading(&self) {
+        self.engine.stop_reading();
+    }
+
+    /// Reads again (a hand-off not taken).
+    pub(super) fn resume_reading(&self) {
+        self.engine.resume_reading();
     }
 
     /// Its removed pages in a memfd, for a server it is handed to (`None`: it removed none).

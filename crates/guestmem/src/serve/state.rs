@@ -141,33 +141,24 @@ impl StateDir {
 
     /// The removed-pages file beside the record at `record` (see the lazy engine's
     /// `removed_log.rs`), opened to read and write, never through a link: the one a previous
-    /// server left, unless `fresh` or there is none (then made empty, `0600`). Whether it
-    /// was there.
-    pub(crate) fn removed_file(
-        &self,
-        record: &Path,
-        fresh: bool,
-    ) -> std::io::Result<(std::fs::File, bool)> {
+    /// server left, or a new empty one (`0600`). Whether it was there.
+    pub(crate) fn removed_file(&self, record: &Path) -> std::io::Result<(std::fs::File, bool)> {
         use std::os::unix::fs::OpenOptionsExt;
         let path = removed_path(record);
         let open = |create: bool| {
             std::fs::OpenOptions::new()
                 .read(true)
                 .write(true)
-                .create(create)
-                .truncate(create)
+                .create_new(create)
                 .mode(0o600)
                 .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
                 .open(&path)
         };
-        if !fresh {
-            match open(false) {
-                Ok(f) => return Ok((f, true)),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e),
-            }
+        match open(false) {
+            Ok(f) => Ok((f, true)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((open(true)?, false)),
+            Err(e) => Err(e),
         }
-        Ok((open(true)?, false))
     }
 
     /// Every record in it, each read (capped) and parsed, or why not.

@@ -87,10 +87,35 @@ impl Uffd {
         self.reading.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// From now on (once a reader applying removes has finished), reads nothing: the
+    /// messages stay queued for another process that holds the descriptor (a page server
+    /// the VM is being handed to; a remove read here would be lost to it). Until
+    /// [`Uffd::resume_reading`].
+    pub(crate) fn stop_reading(&self) {
+        let _reading = self.reading();
+        self.stopped
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Reads again after [`Uffd::stop_reading`].
+    pub(crate) fn resume_reading(&self) {
+        let _reading = self.reading();
+        self.stopped
+            .store(false, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether reading has stopped ([`Uffd::stop_reading`]).
+    pub(crate) fn reading_stopped(&self) -> bool {
+        self.stopped.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// [`Uffd::read_pending`], with the removes read handed to `removes` under the read
-    /// lock (see [`Uffd::read_events`]).
+    /// lock (see [`Uffd::read_events`]); nothing once reading has stopped.
     fn read_applying(&self, out: &mut Vec<Event>, removes: &dyn Fn(u64, u64)) -> io::Result<()> {
         let _reading = self.reading();
+        if self.reading_stopped() {
+            return Ok(());
+        }
         self.read_pending(out)?;
         out.retain(|e| match *e {
             Event::Remove { start, end } => {

@@ -57,6 +57,8 @@ pub(crate) struct Uffd {
     /// Held by a reader from its read of the messages pending to the end of applying the
     /// removes among them ([`Uffd::read_events`]).
     reading: std::sync::Mutex<()>,
+    /// Set while this process must read nothing from it ([`Uffd::stop_reading`]).
+    stopped: std::sync::atomic::AtomicBool,
 }
 
 /// Memory a userfaultfd call may name: it turns `offset..offset + len` into the kernel's
@@ -156,6 +158,7 @@ impl Uffd {
                 features,
                 own: true,
                 reading: std::sync::Mutex::new(()),
+                stopped: std::sync::atomic::AtomicBool::new(false),
             },
             api.features,
         ))
@@ -193,6 +196,7 @@ impl Uffd {
             features,
             own: false,
             reading: std::sync::Mutex::new(()),
+            stopped: std::sync::atomic::AtomicBool::new(false),
         })
     }
 

@@ -66,12 +66,28 @@ impl RemoteRestore {
         self.0.regain_when_complete(job, handle);
     }
 
-    /// Keeps the peer's removed pages in `file` (beside its session record) for a server
-    /// that takes the VM back; `resumed`: the file is the previous server's, read first (see
-    /// `removed_log.rs`). Returns the pages it marked removed. Before the first fault is
-    /// served.
-    pub(crate) fn keep_removes(&self, file: std::fs::File, resumed: bool) -> std::io::Result<u64> {
-        self.0.lazy.keep_removes(file, resumed)
+    /// Marks removed the pages a previous server's removed-pages file (or the memfd a
+    /// hand-off sent) holds; returns how many. Before the first fault is served.
+    pub(crate) fn load_removes(&self, file: &std::fs::File) -> std::io::Result<u64> {
+        self.0.lazy.load_removes(file)
+    }
+
+    /// Keeps the peer's removed pages in `file` from now on (written whole first), for a
+    /// server that takes the VM back (see `removed_log.rs`).
+    pub(crate) fn log_removes_to(&self, file: std::fs::File) -> std::io::Result<()> {
+        self.0.lazy.log_removes_to(file)
+    }
+
+    /// From now on reads nothing from the peer's userfaultfd, until
+    /// [`RemoteRestore::resume_reading`]: the VM is being handed to another server, whose
+    /// messages they are (see `Uffd::stop_reading`).
+    pub(crate) fn stop_reading(&self) {
+        self.0.lazy.uffd.stop_reading();
+    }
+
+    /// Reads again (a hand-off the new server did not take).
+    pub(crate) fn resume_reading(&self) {
+        self.0.lazy.uffd.resume_reading();
     }
 
     /// The peer's removed pages in a memfd, as a removed-pages file holds them, for a

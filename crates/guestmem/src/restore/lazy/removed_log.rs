@@ -31,57 +31,71 @@ impl Lazy {
             .sum()
     }
 
-    /// Keeps this restore's removed pages in `file` from now on. `resumed`: the file is a
-    /// previous server's, and its pages are marked removed here first (a file of another
-    /// length is refused, naming both lengths, and nothing is read from it). Returns the
-    /// pages it marked.
-    pub(super) fn keep_removes(&self, file: File, resumed: bool) -> io::Result<u64> {
+    /// The removed pages now, as a removed-pages file holds them.
+    fn removed_now(&self) -> Vec<u8> {
+        self.regions
+            .iter()
+            .flat_map(|r| r.removed.iter())
+            .flat_map(|w| w.load(Ordering::Acquire).to_le_bytes())
+            .collect()
+    }
+
+    /// Marks removed the pages `file` holds: a previous server's removed-pages file, or
+    /// the memfd a server that handed this VM over sent. A file of another length is
+    /// refused, naming both lengths, and nothing is read from it. Returns the pages marked.
+    pub(super) fn load_removes(&self, file: &File) -> io::Result<u64> {
         let want = self.removed_bytes();
-        let mut marked = 0;
-        if resumed {
-            let len = file.metadata()?.len();
-            if len != want {
-                return Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    format!("it holds {len} bytes, where this VM's regions take {want}"),
-                ));
-            }
-            let mut buf = vec![0u8; want as usize];
-            file.read_exact_at(&mut buf, 0)?;
-            let mut words = buf.chunks_exact(8);
-            for lr in &self.regions {
-                let pages = lr.size / lr.page;
-                for (i, w) in lr.removed.iter().enumerate() {
-                    let mut v =
-                        u64::from_le_bytes(words.next().expect("sized").try_into().expect("8"));
-                    // Bits past the region's last page mean nothing.
-                    let first = i as u64 * 64;
-                    if pages < first + 64 {
-                        v &= (1u64 << (pages - first)) - 1;
-                    }
-                    marked += u64::from(v.count_ones());
-                    w.fetch_or(v, Ordering::AcqRel);
-                }
-            }
-        } else {
-            file.set_len(0)?;
-            file.set_len(want)?;
+        let len = file.metadata()?.len();
+        if len != want {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("it holds {len} bytes, where this VM's regions take {want}"),
+            ));
         }
-        let _ = self.removed_log.set(file);
+        let mut buf = vec![0u8; want as usize];
+        file.read_exact_at(&mut buf, 0)?;
+        let mut words = buf.chunks_exact(8);
+        let mut marked = 0;
+        for lr in &self.regions {
+            let pages = lr.size / lr.page;
+            for (i, w) in lr.removed.iter().enumerate() {
+                let word = words.next().expect("sized above");
+                let mut v = u64::from_le_bytes(word.try_into().expect("8 bytes"));
+                // Bits past the region's last page mean nothing.
+                let first = i as u64 * 64;
+                if pages < first + 64 {
+                    v &= (1u64 << (pages - first)) - 1;
+                }
+                marked += u64::from(v.count_ones());
+                w.fetch_or(v, Ordering::AcqRel);
+            }
+        }
         Ok(marked)
     }
 
+    /// Keeps this restore's removed pages in `file` from now on: sized, and written whole
+    /// first (what is marked now; a new file with nothing marked is left sparse). Under the
+    /// userfaultfd's read lock: no remove falls between what is written and the log.
+    pub(super) fn log_removes_to(&self, file: File) -> io::Result<()> {
+        let _reading = self.uffd.reading();
+        let was = file.metadata()?.len();
+        file.set_len(self.removed_bytes())?;
+        let now = self.removed_now();
+        if was != 0 || now.iter().any(|&b| b != 0) {
+            file.write_all_at(&now, 0)?;
+        }
+        let _ = self.removed_log.set(file);
+        Ok(())
+    }
+
     /// A memfd holding the removed pages as a removed-pages file does, for a server this
-    /// VM is handed to; `None` when no page was removed. Taken under the userfaultfd's read
-    /// lock: a remove being applied is in it whole or not at all.
+    /// VM is handed to; `None` when no page was removed. Taken under the read lock: a
+    /// remove being applied is in it whole or not at all (and none is read here once
+    /// reading has stopped: `Uffd::stop_reading`).
     pub(super) fn removed_memfd(&self) -> io::Result<Option<std::os::fd::OwnedFd>> {
-        let bytes: Vec<u8> = {
+        let bytes = {
             let _reading = self.uffd.reading();
-            self.regions
-                .iter()
-                .flat_map(|r| r.removed.iter())
-                .flat_map(|w| w.load(Ordering::Acquire).to_le_bytes())
-                .collect()
+            self.removed_now()
         };
         if bytes.iter().all(|&b| b == 0) {
             return Ok(None);

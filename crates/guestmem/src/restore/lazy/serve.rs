@@ -86,7 +86,13 @@ impl Lazy {
                 }
             }
         }
-        std::thread::yield_now();
+        if self.uffd.reading_stopped() {
+            // The events are another server's to read now (a hand-off): the copy waits
+            // for that one, without a spin.
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        } else {
+            std::thread::yield_now();
+        }
     }
 
     /// Serves the faults [`Lazy::drain`] queued.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::{RecordKey, Server};
 use crate::serve::files::MemoryFile;
-use crate::serve::handoff::Outgoing;
+use crate::serve::handoff::{Asked, Outgoing};
 use crate::serve::intake::Closed;
 use crate::serve::peer::PeerProcess;
 use crate::serve::report::SessionEnd;
@@ -229,22 +229,22 @@ impl Server {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        let Some((to, acknowledged)) = to else {
+        let Some((to, asked)) = to else {
             return Ok(false);
         };
         self.intake.settle(super::DRAIN_HANDSHAKE_GRACE);
-        if !acknowledged {
+        if !asked.acknowledged() {
             // An earlier version's hand-off: everything goes at once.
             for a in self.intake.close(Closed::Draining) {
                 let _ = self.arrive(a);
             }
-            self.hand_off(&to, false);
+            self.hand_off(&to, asked);
             return Ok(true);
         }
         // VMs whose handshakes ended are handed with the rest; the intake stays open in
         // case the new server does not take them.
         self.admit_arrivals()?;
-        if !self.hand_off(&to, true) {
+        if !self.hand_off(&to, asked) {
             return Ok(false);
         }
         // A handshake that ended since is not handed: ended as at a drain.
@@ -255,11 +255,13 @@ impl Server {
     }
 
     /// Hands every socket and VM to the server on `to` and stops serving them: none is
-    /// ended, none graduates (see `handoff.rs`); records stay on disk. `acknowledged`: only
-    /// once the new server says it has taken them; where it does not (or a message cannot
-    /// be sent), every VM is served on here, and this returns false. Without, everything
-    /// goes with the end mark (a new server of an earlier version).
-    pub(super) fn hand_off(&mut self, to: &UnixStream, acknowledged: bool) -> bool {
+    /// ended, none graduates (see `handoff.rs`); records stay on disk. Acknowledged (as the
+    /// new server `asked`): only once the new server says it has taken them; where it does
+    /// not (or a message cannot be sent), every VM is served on here, and this returns
+    /// false. Otherwise everything goes with the end mark (a new server of an earlier
+    /// version). Each VM's removed pages go with it where the new server asked for them.
+    pub(super) fn hand_off(&mut self, to: &UnixStream, asked: Asked) -> bool {
+        let acknowledged = asked.acknowledged();
         let out = Outgoing { to };
         let mut failed: Option<std::io::Error> = None;
         let mut sent = vec![false; self.sockets.len()];
@@ -291,12 +293,23 @@ impl Server {
             self.pool.remove(id);
             stopped.push(id);
             let s = &self.sessions[&id];
-            // Its removed pages go too, to a server of this version (an earlier one would
-            // take the second descriptor for the next VM's). Where they cannot, the VM goes
-            // without: the new server fills those pages, as one of an earlier version does.
-            let removed = acknowledged
-                .then(|| s.removed_memfd().ok().flatten())
-                .flatten();
+            // A thread of the pool still at work on it reads no more of its messages: they
+            // are the new server's (a remove read here would be lost to it).
+            s.stop_reading();
+            // Its removed pages go too, to a server that asked for them (an earlier one
+            // would take the second descriptor for the next VM's). Where they cannot, the VM
+            // goes without: the new server fills those pages, and the log says so.
+            let removed = match asked {
+                Asked::WithRemoved => s.removed_memfd().unwrap_or_else(|e| {
+                    self.ending.log.say(&format!(
+                        "peer {:?}: its removed pages cannot go with it ({e}): the new \
+                         server fills them with the snapshot's bytes",
+                        s.process().pid()
+                    ));
+                    None
+                }),
+                _ => None,
+            };
             let handed = record_of(s, &self.sockets[s.socket].memory, true)
                 .map_err(std::io::Error::other)
                 .and_then(|r| {
@@ -374,6 +387,7 @@ impl Server {
             let Some(s) = self.sessions.get(&id) else {
                 continue;
             };
+            s.resume_reading();
             if let Err(e) = self.pool.add(id, s.pooled()) {
                 let s = self.sessions.remove(&id).expect("looked up above");
                 let c = s.conclude(

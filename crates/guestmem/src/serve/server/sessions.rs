@@ -133,53 +133,49 @@ impl Server {
         Ok(id)
     }
 
-    /// Gives the session a removed-pages file beside its record (a resumed one's previous
-    /// file read first), if it has a record; where that fails, its removes are served as
-    /// ever but not kept for a later server, and the log says so. Without a state
-    /// directory, the pages a server that handed the VM over sent (`handed`) are marked
-    /// removed, and kept for the next hand-off.
+    /// The pages its balloon removed under a previous server marked removed (`handed`: the
+    /// memfd a server that handed it over sent; else, taken back, its record's file), and a
+    /// removed-pages file beside its record from now on, if it has a record. Where either
+    /// fails, the VM is served all the same (those pages filled with the snapshot's bytes),
+    /// and the log says so.
     fn keep_removes(&self, session: &Session, handed: Option<std::os::fd::OwnedFd>) {
         let pid = session
             .process()
             .pid()
             .map_or("?".into(), |p| p.to_string());
-        let kept = match (&self.state, &session.record) {
-            (Some(state), Some(path)) => {
-                let kept = state
-                    .removed_file(path, !session.resumed())
-                    .and_then(|(f, there)| Ok((session.keep_removes(f, there)?, there)));
-                match kept {
-                    Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
-                        self.ending.log.say(&format!(
-                            "peer {pid}: its removed-pages file is not this VM's ({e}); pages \
-                             its balloon removed before are filled with the snapshot's bytes"
-                        ));
-                        state
-                            .removed_file(path, true)
-                            .and_then(|(f, _)| session.keep_removes(f, false).map(|n| (n, false)))
-                    }
-                    k => k,
-                }
+        let record = self.state.as_ref().zip(session.record.as_ref());
+        let file = record.map(|(state, path)| state.removed_file(path));
+        let loaded = match (handed, &file) {
+            (Some(fd), _) => Some(session.load_removes(&std::fs::File::from(fd))),
+            (None, Some(Ok((f, true)))) if session.resumed() => Some(session.load_removes(f)),
+            (None, Some(Ok((_, false)))) if session.resumed() => {
+                self.ending.log.say(&format!(
+                    "peer {pid}: no removed-pages file (a server of an earlier version): \
+                     pages its balloon removed before are filled with the snapshot's bytes"
+                ));
+                None
             }
-            // No record: what a server that handed the VM over sent, kept for the next.
-            _ => match handed {
-                Some(fd) => session.keep_removes(fd.into(), true).map(|n| (n, true)),
-                None => return,
-            },
+            _ => None,
         };
-        match kept {
-            Ok((n, _)) if n > 0 => self.ending.log.say(&format!(
+        match loaded {
+            Some(Ok(0)) | None => {}
+            Some(Ok(n)) => self.ending.log.say(&format!(
                 "peer {pid}: {n} pages its balloon removed before stay removed"
             )),
-            Ok((_, false)) if session.resumed() => self.ending.log.say(&format!(
-                "peer {pid}: no removed-pages file (a server of an earlier version): pages \
-                 its balloon removed before are filled with the snapshot's bytes"
+            Some(Err(e)) => self.ending.log.say(&format!(
+                "peer {pid}: the pages its balloon removed before could not be read ({e}): \
+                 they are filled with the snapshot's bytes"
             )),
-            Ok(_) => {}
-            Err(e) => self.ending.log.say(&format!(
-                "peer {pid}: its removed pages are not kept ({e}): pages its balloon \
-                 removed may be filled with the snapshot's bytes (now, or by a later server)"
-            )),
+        }
+        let kept = match file {
+            None => return,
+            Some(f) => f.and_then(|(f, _)| session.log_removes_to(f)),
+        };
+        if let Err(e) = kept {
+            self.ending.log.say(&format!(
+                "peer {pid}: the pages its balloon removes are not kept for a later server \
+                 ({e}): one that takes it back fills them with the snapshot's bytes"
+            ));
         }
     }
 
