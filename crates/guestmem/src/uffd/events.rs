@@ -81,10 +81,10 @@ impl Uffd {
         self.read_applying(out, removes).map(|()| true)
     }
 
-    /// The read lock: held, no reader of this descriptor is between reading a remove and
-    /// applying it.
-    pub(crate) fn reading(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.reading.lock().unwrap_or_else(|e| e.into_inner())
+    /// The read lock, held whole: no reader of this descriptor is between reading a remove
+    /// and applying it, and no copy into memory that may be removed is under way.
+    pub(crate) fn reading(&self) -> std::sync::RwLockWriteGuard<'_, ()> {
+        self.reading.write().unwrap_or_else(|e| e.into_inner())
     }
 
     /// From now on (once a reader applying removes has finished), reads nothing: the
@@ -117,6 +117,11 @@ impl Uffd {
             return Ok(());
         }
         self.read_pending(out)?;
+        if out.iter().any(|e| matches!(e, Event::Remove { .. })) {
+            // Copies hold the lock from now on (see `Uffd::copy_from`).
+            self.removes_seen
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
         out.retain(|e| match *e {
             Event::Remove { start, end } => {
                 removes(start, end);

@@ -54,9 +54,15 @@ pub(crate) struct Uffd {
     /// addresses of our own mappings name memory of the descriptor's address space, which
     /// `UFFDIO_MOVE` needs for its source.
     own: bool,
-    /// Held by a reader from its read of the messages pending to the end of applying the
-    /// removes among them ([`Uffd::read_events`]).
-    reading: std::sync::Mutex<()>,
+    /// Held (written) by a reader from its read of the messages pending to the end of
+    /// applying the removes among them ([`Uffd::read_events`]); held (read) by each copy
+    /// once the memory's owner has removed pages ([`Uffd::copy_from`]), so that no remove
+    /// is read, and its zap let go, while a copy that did not know of it installs pages.
+    reading: std::sync::RwLock<()>,
+    /// Set (for good) when the first remove is read: from then on copies hold `reading`.
+    /// Before it, they do not (Firecracker enables remove events for every VM, and a VM
+    /// without a balloon never sends one: holding it there would cost every copy).
+    removes_seen: std::sync::atomic::AtomicBool,
     /// Set while this process must read nothing from it ([`Uffd::stop_reading`]).
     stopped: std::sync::atomic::AtomicBool,
 }
@@ -124,6 +130,40 @@ unsafe fn ioctl<T>(fd: &OwnedFd, request: u32, arg: &mut T) -> io::Result<()> {
     }
 }
 
+/// A copy stopped before a page a remove took since its source was read
+/// ([`Uffd::copy_checked`]): the bytes copied before it. Carried inside an [`io::Error`].
+#[derive(Debug)]
+pub(crate) struct RemovedMeanwhile {
+    /// Bytes copied (and so installed) before the copy stopped.
+    pub(crate) done: usize,
+}
+
+impl RemovedMeanwhile {
+    /// The error of a copy stopped `done` bytes in.
+    pub(crate) fn error(done: usize) -> io::Error {
+        io::Error::other(RemovedMeanwhile { done })
+    }
+
+    /// The bytes copied, if `e` is a copy stopped so.
+    pub(crate) fn of(e: &io::Error) -> Option<usize> {
+        e.get_ref()
+            .and_then(|i| i.downcast_ref::<RemovedMeanwhile>())
+            .map(|r| r.done)
+    }
+}
+
+impl std::fmt::Display for RemovedMeanwhile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "a remove came in over the pages being copied, {} bytes in",
+            self.done
+        )
+    }
+}
+
+impl std::error::Error for RemovedMeanwhile {}
+
 impl Uffd {
     /// Opens a non-blocking userfaultfd that sees kernel faults too (KVM's), and enables the
     /// API with the features wanted that the kernel offers.
@@ -157,7 +197,8 @@ impl Uffd {
                 fd,
                 features,
                 own: true,
-                reading: std::sync::Mutex::new(()),
+                reading: std::sync::RwLock::new(()),
+                removes_seen: std::sync::atomic::AtomicBool::new(false),
                 stopped: std::sync::atomic::AtomicBool::new(false),
             },
             api.features,
@@ -195,7 +236,8 @@ impl Uffd {
             fd,
             features,
             own: false,
-            reading: std::sync::Mutex::new(()),
+            reading: std::sync::RwLock::new(()),
+            removes_seen: std::sync::atomic::AtomicBool::new(false),
             stopped: std::sync::atomic::AtomicBool::new(false),
         })
     }
@@ -262,6 +304,7 @@ impl Uffd {
     ///
     /// `EAGAIN` without progress means the sender's address space is changing (a remove or
     /// unmap event waits to be read): `on_busy` runs (it reads events), then the copy goes on.
+    /// For bytes a remove cannot make stale (zeros): see [`Uffd::copy_checked`].
     pub(crate) fn copy(
         &self,
         target: &dyn Registered,
@@ -270,10 +313,40 @@ impl Uffd {
         on_busy: &dyn Fn(),
     ) -> io::Result<usize> {
         // SAFETY: `src` is live memory of its length, borrowed for the call.
-        unsafe { self.copy_from(target, offset, (src.as_ptr(), src.len()), on_busy) }
+        unsafe {
+            self.copy_from(target, offset, (src.as_ptr(), src.len()), on_busy, &|| {
+                false
+            })
+        }
     }
 
-    /// As [`Uffd::copy`], from `len` bytes at `src`, which only the kernel reads.
+    /// As [`Uffd::copy`], stopping before any page is installed over a remove the source
+    /// does not know of: `stale` says whether one was applied since the source was read
+    /// (asked before each attempt, with no remove being read meanwhile). Then it returns
+    /// [`RemovedMeanwhile`] with the bytes copied so far (those are zapped by the remove, if
+    /// it covers them, after the copy).
+    pub(crate) fn copy_checked(
+        &self,
+        target: &dyn Registered,
+        offset: usize,
+        src: &[u8],
+        on_busy: &dyn Fn(),
+        stale: &dyn Fn() -> bool,
+    ) -> io::Result<usize> {
+        // SAFETY: `src` is live memory of its length, borrowed for the call.
+        unsafe { self.copy_from(target, offset, (src.as_ptr(), src.len()), on_busy, stale) }
+    }
+
+    /// As [`Uffd::copy_checked`], from `len` bytes at `src`, which only the kernel reads.
+    ///
+    /// Once the owner has removed pages, each attempt holds the read lock shared: a remove
+    /// is read (and its zap let go) only between attempts, and `stale` is asked under the
+    /// lock first. So a page installed here either came before the remove's zap (which then
+    /// takes it) or after its pages were marked, when `stale` stops the copy. (The kernel
+    /// makes a remove wait, before it is queued, for a copy already under way, and fails a
+    /// copy that starts while one is queued: what is left is a copy that starts between
+    /// the remove's read and its marking, which the lock shuts out. For a VM's first
+    /// remove it is not held yet: that window stays.)
     ///
     /// # Safety
     /// `src..src + len` must stay mapped for the call. (A page of it the kernel cannot read,
@@ -284,6 +357,7 @@ impl Uffd {
         offset: usize,
         (src, len): (*const u8, usize),
         on_busy: &dyn Fn(),
+        stale: &dyn Fn() -> bool,
     ) -> io::Result<usize> {
         let r = target.uffd_range(offset, len)?;
         let mut done = 0usize;
@@ -295,12 +369,22 @@ impl Uffd {
                 mode: 0,
                 copy: 0,
             };
+            let guard = self
+                .removes_seen
+                .load(std::sync::atomic::Ordering::Acquire)
+                .then(|| self.reading.read().unwrap_or_else(|e| e.into_inner()));
+            if guard.is_some() && stale() {
+                return Err(RemovedMeanwhile::error(done));
+            }
             // SAFETY: a uffdio_copy for UFFDIO_COPY: `dst` lies in the target (checked above),
             // `src` is the rest of the source, mapped for the call (the caller's contract).
-            match unsafe { ioctl(&self.fd, nr::UFFDIO_COPY, &mut c) } {
+            let result = unsafe { ioctl(&self.fd, nr::UFFDIO_COPY, &mut c) };
+            drop(guard);
+            match result {
                 Ok(()) => done += c.copy as usize,
                 Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {
-                    // The mm changed under the copy: `copy` says how far it got.
+                    // The mm changed under the copy: `copy` says how far it got. The events
+                    // are read with the lock let go (above).
                     if c.copy <= 0 {
                         on_busy();
                     }

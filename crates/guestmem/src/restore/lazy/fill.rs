@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use super::{LRegion, Lazy, SCRATCH, STAGING};
 use crate::mmap::{Advice, Mapping};
 use crate::snapshot::SnapshotError;
+use crate::uffd::RemovedMeanwhile;
 
 /// A block being filled: where it is in its region, and whether it reads as zero.
 #[derive(Clone, Copy)]
@@ -71,27 +72,37 @@ impl Lazy {
 
     /// For memory a dead server partly filled: copies `src` (zeros when `None`) into
     /// `off..off + n` of `lr`, page by page past any page already present (`EEXIST`: never
-    /// overwritten).
+    /// overwritten). A copy of `src` stops with [`RemovedMeanwhile`] (its bytes counted from
+    /// `off`) where `stale` says a remove came in that `src` does not know of.
     fn copy_missing(
         &self,
         lr: &LRegion,
         off: usize,
         src: Option<&[u8]>,
         n: usize,
+        stale: &dyn Fn() -> bool,
     ) -> std::io::Result<()> {
         // The page size the peer declared is not trusted to step by: a present page is
         // skipped a base page at a time; memory of larger pages (hugetlb) refuses a copy
         // inside a page (EINVAL), and then the step goes on to the next declared page.
         let base = crate::sys::base_page_size() as usize;
         let page = lr.page as usize;
-        let copy = |src: &[u8]| {
+        let copy = |src: &[u8], stale: &dyn Fn() -> bool| {
             let mut done = 0;
             while done < n {
-                match self
-                    .uffd
-                    .copy(lr.target(), off + done, &src[done..n], &|| self.drain())
-                {
+                let copied = self.uffd.copy_checked(
+                    lr.target(),
+                    off + done,
+                    &src[done..n],
+                    &|| self.drain(),
+                    stale,
+                );
+                match copied {
                     Ok(k) => done += k,
+                    Err(e) if RemovedMeanwhile::of(&e).is_some() => {
+                        let k = RemovedMeanwhile::of(&e).unwrap_or(0);
+                        return Err(RemovedMeanwhile::error(done + k));
+                    }
                     Err(e)
                         if e.raw_os_error() == Some(libc::EINVAL)
                             && page > base
@@ -110,7 +121,7 @@ impl Lazy {
             Ok(())
         };
         match src {
-            Some(src) => copy(src),
+            Some(src) => copy(src, stale),
             None => with_staging(
                 n,
                 |e| e,
@@ -118,8 +129,11 @@ impl Lazy {
                     // SAFETY: this thread's own staging mapping, at least n bytes, borrowed for
                     // the copies only.
                     unsafe { std::ptr::write_bytes(staging.as_ptr(), 0, n) };
-                    // SAFETY: as above; just written.
-                    copy(unsafe { std::slice::from_raw_parts(staging.as_ptr(), n) })
+                    // SAFETY: as above; just written. Zeros: no remove makes them stale.
+                    copy(
+                        unsafe { std::slice::from_raw_parts(staging.as_ptr(), n) },
+                        &|| false,
+                    )
                 },
             ),
         }
@@ -149,7 +163,7 @@ impl Lazy {
             block, lr, off, n, ..
         } = *at;
         if at.zero && self.resumed {
-            self.copy_missing(lr, off, None, n)
+            self.copy_missing(lr, off, None, n, &|| false)
                 .map_err(at.mem_err("UFFDIO_COPY"))?;
             self.counters.zero.fetch_add(1, Ordering::Relaxed);
             return Ok(());
@@ -160,44 +174,72 @@ impl Lazy {
             self.counters.zero.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
+        // Where a copy below stopped for a remove its source did not know of: the rest
+        // comes through a staging copy with the removed pages zeroed.
+        let mut from = 0;
         if !self.resumed && !self.any_removed(lr, off, n) {
             if let Some(src) = self.image.mapped_block(block) {
                 // SAFETY: the image keeps its source mapping for as long as it lives, and
                 // `self` holds the image.
-                let copied =
-                    unsafe { self.uffd.copy_from(lr.target(), off, src, &|| self.drain()) }
-                        .map_err(|e| match e.raw_os_error() {
+                let copied = unsafe {
+                    self.uffd
+                        .copy_from(lr.target(), off, src, &|| self.drain(), &|| {
+                            self.any_removed(lr, off, n)
+                        })
+                };
+                self.image.release_mapped(block);
+                match copied {
+                    Err(e) if RemovedMeanwhile::of(&e).is_some() => {
+                        from = RemovedMeanwhile::of(&e).unwrap_or(0);
+                    }
+                    copied => {
+                        let copied = copied.map_err(|e| match e.raw_os_error() {
                             Some(libc::EFAULT) => self.image.mapped_copy_error(block, e),
                             _ => at.mem_err("UFFDIO_COPY")(e),
                         })?;
-                self.image.release_mapped(block);
-                if copied < n {
-                    return Err(at.present_before(copied));
+                        if copied < n {
+                            return Err(at.present_before(copied));
+                        }
+                        self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                        return Ok(());
+                    }
                 }
-                self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
-                return Ok(());
             }
         }
         // A block moved into a huge page (below) keeps it: it reads its frame (a staged one
         // too) into the huge staging buffer itself.
-        let moves = !self.resumed && self.movable(lr, off, n);
+        let moves = from == 0 && !self.resumed && self.movable(lr, off, n);
         if !moves && !self.any_removed(lr, off, n) {
             if let Some(src) = self.image.ready_block(block) {
                 // Read ahead and checked by the image's source (a frame from object storage,
                 // staged in memory): installed straight from there.
+                let stale = || self.any_removed(lr, off, n);
                 let placed = match self.resumed {
-                    true => self.copy_missing(lr, off, Some(&src), n).map(|()| n),
-                    false => self
-                        .uffd
-                        .copy(lr.target(), off, &src[..n], &|| self.drain()),
+                    true => self
+                        .copy_missing(lr, off, Some(&src), n, &stale)
+                        .map(|()| n),
+                    false => self.uffd.copy_checked(
+                        lr.target(),
+                        off,
+                        &src[..n],
+                        &|| self.drain(),
+                        &stale,
+                    ),
                 };
                 self.image.give_back(src);
-                let placed = placed.map_err(at.mem_err("UFFDIO_COPY"))?;
-                if placed < n {
-                    return Err(at.present_before(placed));
+                match placed {
+                    Err(e) if RemovedMeanwhile::of(&e).is_some() => {
+                        from = RemovedMeanwhile::of(&e).unwrap_or(0);
+                    }
+                    placed => {
+                        let placed = placed.map_err(at.mem_err("UFFDIO_COPY"))?;
+                        if placed < n {
+                            return Err(at.present_before(placed));
+                        }
+                        self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                        return Ok(());
+                    }
                 }
-                self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
-                return Ok(());
             }
         }
         if moves {
@@ -223,23 +265,42 @@ impl Lazy {
                     .read_block(block, staging.as_ptr(), false, &mut scratch)?
             };
             SCRATCH.set(scratch);
-            self.zero_removed(lr, off, n, staging);
-            // SAFETY: as above: the first n bytes of this thread's staging mapping, just
-            // written, borrowed only for the copies below.
-            let src = unsafe { std::slice::from_raw_parts(staging.as_ptr(), n) };
-            if self.resumed {
-                return self
-                    .copy_missing(lr, off, Some(src), n)
-                    .map_err(at.mem_err("UFFDIO_COPY"));
+            // The removed pages zeroed in the copy: a remove applied since makes it stale,
+            // and the copy stops before it installs any page of it; those pages are zeroed
+            // too, and the copy goes on where it stopped.
+            let zeroed = std::cell::Cell::new(self.zero_removed(lr, off, n, staging));
+            let stale = || self.removed_in(lr, off, n) > zeroed.get();
+            let mut from = from;
+            loop {
+                // SAFETY: as above: the first n bytes of this thread's staging mapping, just
+                // written, borrowed only for the copies below.
+                let src = unsafe { std::slice::from_raw_parts(staging.as_ptr(), n) };
+                let copied = match self.resumed {
+                    true => self
+                        .copy_missing(lr, off + from, Some(&src[from..]), n - from, &stale)
+                        .map(|()| n - from),
+                    false => self.uffd.copy_checked(
+                        lr.target(),
+                        off + from,
+                        &src[from..],
+                        &|| self.drain(),
+                        &stale,
+                    ),
+                };
+                match copied {
+                    Err(e) if RemovedMeanwhile::of(&e).is_some() => {
+                        from += RemovedMeanwhile::of(&e).unwrap_or(0);
+                        zeroed.set(self.zero_removed(lr, off, n, staging));
+                    }
+                    copied => {
+                        let copied = copied.map_err(at.mem_err("UFFDIO_COPY"))?;
+                        if copied < n - from {
+                            return Err(at.present_before(from + copied));
+                        }
+                        return Ok(());
+                    }
+                }
             }
-            let copied = self
-                .uffd
-                .copy(lr.target(), off, src, &|| self.drain())
-                .map_err(at.mem_err("UFFDIO_COPY"))?;
-            if copied < n {
-                return Err(at.present_before(copied));
-            }
-            Ok(())
         })?;
         self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
         Ok(())
@@ -284,20 +345,34 @@ impl Lazy {
             .any(|p| lr.removed[p / 64].load(Ordering::Acquire) >> (p % 64) & 1 != 0)
     }
 
-    /// Zeroes, in a block's staging copy (`off..off + n` of `lr`), the pages the peer has
-    /// removed: they must read as zero, not as the image holds them.
-    fn zero_removed(&self, lr: &LRegion, off: usize, n: usize, staging: &Mapping) {
+    /// How many pages of `off..off + n` of `lr` the peer has removed.
+    fn removed_in(&self, lr: &LRegion, off: usize, n: usize) -> u32 {
         if lr.removed.is_empty() {
-            return;
+            return 0;
         }
         let page = lr.page as usize;
+        (off / page..(off + n).div_ceil(page))
+            .filter(|&p| lr.removed[p / 64].load(Ordering::Acquire) >> (p % 64) & 1 != 0)
+            .count() as u32
+    }
+
+    /// Zeroes, in a block's staging copy (`off..off + n` of `lr`), the pages the peer has
+    /// removed: they must read as zero, not as the image holds them. Returns how many.
+    fn zero_removed(&self, lr: &LRegion, off: usize, n: usize, staging: &Mapping) -> u32 {
+        if lr.removed.is_empty() {
+            return 0;
+        }
+        let page = lr.page as usize;
+        let mut zeroed = 0;
         for p in off / page..(off + n).div_ceil(page) {
             if lr.removed[p / 64].load(Ordering::Acquire) >> (p % 64) & 1 != 0 {
+                zeroed += 1;
                 // SAFETY: page p of the block lies in the first n bytes of this thread's own
                 // staging mapping, which nothing else touches.
                 unsafe { std::ptr::write_bytes(staging.as_ptr().add(p * page - off), 0, page) };
             }
         }
+        zeroed
     }
 }
 
