@@ -54,7 +54,7 @@
 //! its ranges unregistered, so the VM depends on neither this server nor the memory file.
 //! With a state directory a server outlives its own crash (`state.rs`, `restart.rs`), and
 //! [`take_over`] hands a running server's sockets and VMs to a new one without downtime
-//! (`handoff.rs`).
+//! (`handoff.rs`, `takeover.rs`).
 //!
 //! # Memory
 //!
@@ -81,6 +81,7 @@ mod server;
 mod session;
 mod state;
 mod status;
+mod takeover;
 mod watch;
 
 pub(crate) use config::SessionEvent;
@@ -91,7 +92,6 @@ pub use config::{
 pub use error::{MemoryFileProblem, RecordProblem, ServeError, StateDirProblem, WorkingSetProblem};
 pub use expose::Exposed;
 pub use files::{MemoryFile, WorkingSetFile, MAX_WORKING_SET_BYTES};
-pub use handoff::{take_over, TakeOver};
 pub use handshake::{Handshake, HandshakeError, MAX_HANDSHAKE_BYTES};
 pub use listener::{Listener, SocketRefusal};
 pub use peer::PeerProcess;
@@ -100,3 +100,4 @@ pub use regions::{parse_regions, UffdRegion, HUGE_PAGE_BYTES, PAGE_SIZES, SMALL_
 pub use report::{SessionEnd, SessionReport};
 pub use server::{Drainer, Server, ServerReport, Socket};
 pub use status::{EndCounts, ServerStatus, SessionStatus, SocketStatus, StatusHandle};
+pub use takeover::{take_over, TakeOver};

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::config::{ServerConfig, Setting, Vms};
 use super::files::MemoryFile;
-use super::handoff::{self, TakeOver};
+use super::handoff;
 use super::handshake::HandshakeError;
 use super::intake::{Closed, Intake, MAX_PENDING_HANDSHAKES};
 use super::learn::Learnt;
@@ -23,6 +23,7 @@ use super::report::{SessionEnd, SessionReport};
 use super::session::Session;
 use super::state::{SessionRecord, StateDir};
 use super::status::{ServerStatus, StatusHandle};
+use super::takeover::TakeOver;
 use super::watch::FileWatch;
 use super::ServeError;
 use crate::restore::Regaining;
