@@ -91,9 +91,19 @@ impl Uffd {
     /// messages stay queued for another process that holds the descriptor (a page server
     /// the VM is being handed to; a remove read here would be lost to it). Until
     /// [`Uffd::resume_reading`].
+    /// Copies from then on stop before their next attempt (`ReadingStopped`): one that
+    /// retried after the new server read a remove would know nothing of it.
     pub(crate) fn stop_reading(&self) {
         let _reading = self.reading();
         self.stopped
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.note_removes();
+    }
+
+    /// From now on copies hold the read lock (`Uffd::copy_from`): the owner removes pages
+    /// (a remove was read, or a previous server's record says so), or reading stopped.
+    pub(crate) fn note_removes(&self) {
+        self.removes_seen
             .store(true, std::sync::atomic::Ordering::Release);
     }
 
@@ -119,8 +129,7 @@ impl Uffd {
         self.read_pending(out)?;
         if out.iter().any(|e| matches!(e, Event::Remove { .. })) {
             // Copies hold the lock from now on (see `Uffd::copy_from`).
-            self.removes_seen
-                .store(true, std::sync::atomic::Ordering::Release);
+            self.note_removes();
         }
         out.retain(|e| match *e {
             Event::Remove { start, end } => {

@@ -44,6 +44,27 @@ impl std::fmt::Display for RemovedMeanwhile {
 
 impl std::error::Error for RemovedMeanwhile {}
 
+/// A copy stopped because this process reads the descriptor no more (`Uffd::stop_reading`:
+/// the VM is being handed to another server, which may have read a remove this one never
+/// will). Carried inside an [`io::Error`]; the block is left to whoever serves the VM.
+#[derive(Debug)]
+pub(crate) struct ReadingStopped;
+
+impl ReadingStopped {
+    /// Whether `e` is a copy stopped so.
+    pub(crate) fn is(e: &io::Error) -> bool {
+        e.get_ref().is_some_and(|i| i.is::<ReadingStopped>())
+    }
+}
+
+impl std::fmt::Display for ReadingStopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the VM is being handed to another server: this one copies no more")
+    }
+}
+
+impl std::error::Error for ReadingStopped {}
+
 impl Uffd {
     /// Copies `src` into `offset..offset + src.len()` of `target` (pages that must not be
     /// present) and wakes the threads waiting there. Returns the bytes copied before a page
@@ -120,6 +141,9 @@ impl Uffd {
                 .removes_seen
                 .load(std::sync::atomic::Ordering::Acquire)
                 .then(|| self.reading.read().unwrap_or_else(|e| e.into_inner()));
+            if guard.is_some() && self.reading_stopped() {
+                return Err(io::Error::other(ReadingStopped));
+            }
             if guard.is_some() && stale() {
                 return Err(RemovedMeanwhile::error(done));
             }

@@ -21,7 +21,7 @@ use crate::mmap::Mapping;
 mod events;
 mod install;
 pub(crate) use events::Event;
-pub(crate) use install::RemovedMeanwhile;
+pub(crate) use install::{ReadingStopped, RemovedMeanwhile};
 
 /// `_IOWR(UFFDIO, _UFFDIO_POISON, struct uffdio_poison)`: linux-raw-sys 0.12 has the struct
 /// and the feature bit but not the ioctl number, which is computed here as the kernel's

@@ -85,9 +85,14 @@ impl RemoteRestore {
         self.0.lazy.uffd.stop_reading();
     }
 
-    /// Reads again (a hand-off the new server did not take).
+    /// Reads again (a hand-off the new server did not take), and wakes every range: a
+    /// fault whose block was left while reading had stopped comes again.
     pub(crate) fn resume_reading(&self) {
-        self.0.lazy.uffd.resume_reading();
+        let l = &self.0.lazy;
+        l.uffd.resume_reading();
+        for lr in &l.regions {
+            let _ = l.uffd.wake(lr.target(), 0, lr.size as usize);
+        }
     }
 
     /// The peer's removed pages in a memfd, as a removed-pages file holds them, for a

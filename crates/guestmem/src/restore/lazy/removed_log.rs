@@ -70,6 +70,10 @@ impl Lazy {
                 w.fetch_or(v, Ordering::AcqRel);
             }
         }
+        if marked > 0 {
+            // Its owner removes pages: copies hold the read lock from the start.
+            self.uffd.note_removes();
+        }
         Ok(marked)
     }
 

@@ -264,6 +264,12 @@ impl Lazy {
                 }
                 Some(!self.image.held_from(block, 0))
             }
+            Err(e) if stopped(&e) => {
+                // The VM is being handed to another server: the block is left (a hand-off
+                // not taken wakes every range, and its faults come again).
+                self.blocks.state[block as usize].store(EMPTY, Ordering::Release);
+                None
+            }
             Err(e)
                 if self.remote()
                     && (peer_gone(&e)
@@ -426,6 +432,12 @@ fn unmapped(e: &SnapshotError) -> bool {
 /// that registered the memory exited).
 fn peer_gone(e: &SnapshotError) -> bool {
     matches!(e, SnapshotError::Memory { source, .. } if source.raw_os_error() == Some(libc::ESRCH))
+}
+
+/// Whether a fill stopped because this process reads the VM's userfaultfd no more (it is
+/// being handed over).
+fn stopped(e: &SnapshotError) -> bool {
+    matches!(e, SnapshotError::Memory { source, .. } if crate::uffd::ReadingStopped::is(source))
 }
 
 #[cfg(test)]
