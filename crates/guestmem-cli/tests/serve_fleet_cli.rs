@@ -285,11 +285,7 @@ fn a_server_that_served_2000_vms_holds_what_it_held_after_100() {
                 vm.disconnect();
             }
             // Unmapped only once the server has ended their sessions (see above).
-            let t = Instant::now();
-            while !ctl(&control, "health").contains("\"vms\":0") {
-                assert!(t.elapsed() < Duration::from_secs(10), "sessions not ended");
-                std::thread::sleep(Duration::from_millis(2));
-            }
+            wait_no_vms(&control);
         }
     };
     let rss = || status_field(srv.id(), "VmRSS:");
@@ -350,11 +346,7 @@ fn a_server_lets_go_of_a_large_blocks_buffers_once_idle() {
     }
     let served = anon();
     vm.disconnect();
-    let t = Instant::now();
-    while !ctl(&control, "health").contains("\"vms\":0") {
-        assert!(t.elapsed() < Duration::from_secs(10), "session not ended");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_no_vms(&control);
     drop(vm);
     // Let go of after a second idle; a busy test host may take longer to run the thread.
     let t = Instant::now();

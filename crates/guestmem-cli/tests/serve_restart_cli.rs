@@ -19,17 +19,7 @@ fn a_kill_9_of_the_server_loses_no_vm_and_no_page() {
     let mem = memory_file(&d, SIZE, Some(9 * MIB));
     let socket = d.join("uffd.sock");
     let state = d.join("state");
-    // Faults alone, so that most of the memory is still to serve across the restart.
-    let args = [
-        "--threads",
-        "2",
-        "--prefetch-threads",
-        "0",
-        "--on-failure",
-        "leave",
-        "--state-dir",
-        state.to_str().unwrap(),
-    ];
+    let args = restart_args(&state);
     let mut first = server(&[(&socket, &mem)], &args);
     let mut vms: Vec<Standin> = (0..2)
         .map(|_| Standin::new(&[SIZE], false).unwrap())
@@ -408,16 +398,7 @@ fn pages_a_balloon_removed_stay_removed_across_a_kill_9() {
     let mem = memory_file(&d, SIZE, None);
     let socket = d.join("uffd.sock");
     let state = d.join("state");
-    let args = [
-        "--threads",
-        "2",
-        "--prefetch-threads",
-        "0",
-        "--on-failure",
-        "leave",
-        "--state-dir",
-        state.to_str().unwrap(),
-    ];
+    let args = restart_args(&state);
     let mut first = server(&[(&socket, &mem)], &args);
     let mut vm = Standin::new(&[SIZE], true).unwrap();
     vm.connect(&socket).unwrap();
@@ -473,4 +454,20 @@ fn removed_kept(state: &std::path::Path) -> u32 {
         })
         .map(|b| b.iter().map(|x| x.count_ones()).sum::<u32>())
         .sum()
+}
+
+/// A server's flags for a restart test on the state directory `state`: faults alone, so that
+/// most of the memory is still to serve across the restart; the stand-ins (threads of this
+/// process) left, not ended, on a failure.
+fn restart_args(state: &std::path::Path) -> [&str; 8] {
+    [
+        "--threads",
+        "2",
+        "--prefetch-threads",
+        "0",
+        "--on-failure",
+        "leave",
+        "--state-dir",
+        state.to_str().unwrap(),
+    ]
 }

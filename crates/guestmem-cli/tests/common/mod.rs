@@ -185,6 +185,15 @@ pub fn ctl(control: &Path, command: &str) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// Waits (at most 10 s) until the server on `control` serves no VM: every session ended.
+pub fn wait_no_vms(control: &Path) {
+    let t = Instant::now();
+    while !ctl(control, "health").contains("\"vms\":0") {
+        assert!(t.elapsed() < Duration::from_secs(10), "sessions not ended");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// `GET path` from 127.0.0.1:`port`; the whole response.
 pub fn http_get(port: u16, path: &str) -> String {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();

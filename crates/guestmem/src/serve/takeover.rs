@@ -447,22 +447,19 @@ mod tests {
         std::process::exit(0);
     }
 
-    /// Runs the stand-in of `ENDING_SERVER` the way `how`, and waits for its socket.
-    fn start_ending_server(
-        how: &str,
-        d: &guestmem_testkit::Scratch,
-    ) -> (std::path::PathBuf, guestmem_testkit::ChildGuard) {
-        let control = d.join("ctl.sock");
+    /// Runs the stand-in `test` (a test of this binary, named under `serve::takeover::tests`)
+    /// in a child with `var` set to `value`, and waits for its socket `control`.
+    fn start_stand_in(
+        test: &str,
+        var: &str,
+        value: &std::ffi::OsStr,
+        control: &std::path::Path,
+    ) -> guestmem_testkit::ChildGuard {
         let mut old = guestmem_testkit::ChildGuard::new(
             std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "serve::takeover::tests::ending_server",
-                    "--nocapture",
-                    "--test-threads",
-                    "1",
-                ])
-                .env(ENDING_SERVER, format!("{how}:{}", control.display()))
+                .args(["--exact", &format!("serve::takeover::tests::{test}")])
+                .args(["--nocapture", "--test-threads", "1"])
+                .env(var, value)
                 .stdout(std::process::Stdio::null())
                 .spawn()
                 .unwrap(),
@@ -472,6 +469,17 @@ mod tests {
             assert!(t0.elapsed() < std::time::Duration::from_secs(20) && old.running());
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
+        old
+    }
+
+    /// Runs the stand-in of `ENDING_SERVER` the way `how`, and waits for its socket.
+    fn start_ending_server(
+        how: &str,
+        d: &guestmem_testkit::Scratch,
+    ) -> (std::path::PathBuf, guestmem_testkit::ChildGuard) {
+        let control = d.join("ctl.sock");
+        let value = format!("{how}:{}", control.display());
+        let old = start_stand_in("ending_server", ENDING_SERVER, value.as_ref(), &control);
         (control, old)
     }
 
@@ -511,25 +519,7 @@ mod tests {
     fn a_server_of_an_earlier_version_is_taken_over_with_its_command() {
         let d = guestmem_testkit::Scratch::new("handoff-earlier");
         let control = d.join("ctl.sock");
-        let mut old = guestmem_testkit::ChildGuard::new(
-            std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "serve::takeover::tests::earlier_server",
-                    "--nocapture",
-                    "--test-threads",
-                    "1",
-                ])
-                .env(EARLIER_SERVER, &control)
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .unwrap(),
-        );
-        let t0 = std::time::Instant::now();
-        while !control.exists() {
-            assert!(t0.elapsed() < std::time::Duration::from_secs(20) && old.running());
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        let mut old = start_stand_in("earlier_server", EARLIER_SERVER, control.as_ref(), &control);
         let t = super::take_over(&control, std::time::Duration::from_secs(20)).unwrap();
         assert!(t.confirmed() && t.vms() == 0);
         assert_eq!(old.wait_exit(20).code(), Some(0));
