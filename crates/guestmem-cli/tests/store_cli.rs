@@ -253,6 +253,103 @@ fn gc_deletes_only_what_no_snapshot_names() {
     assert_eq!(mode, 0o600, "{mode:o}");
 }
 
+/// The frames under `frames/` in the bucket's directory, by name.
+fn frame_names(s3: &S3Server) -> std::collections::BTreeSet<String> {
+    std::fs::read_dir(s3.bucket_dir(BUCKET).join("frames"))
+        .map(|d| {
+            d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Sets the modification time s3s-fs reports as `LastModified` of `path` to `ago` before now.
+fn age(path: &Path, ago: Duration) {
+    let f = std::fs::File::options().write(true).open(path).unwrap();
+    f.set_modified(std::time::SystemTime::now() - ago).unwrap();
+}
+
+/// gc measures ages by the store's `LastModified`: of two frames no snapshot names, it
+/// deletes the one older than the grace and keeps the younger; a push's lease the store
+/// last saw renewed longer ago than a live push renews it holds nothing off, and a gc mark
+/// left as long ago (a gc killed mid-run) holds off no push.
+#[test]
+fn gc_ages_frames_and_leases_by_the_stores_clock() {
+    let d = Scratch::new("store-gc-ages");
+    let s3 = S3Server::start("gc-ages", &[BUCKET]);
+    let push = |src: &Path, to: &str| {
+        ok(
+            &s3,
+            &[
+                "snapshot",
+                "push",
+                "--frame-size",
+                "1M",
+                src.to_str().unwrap(),
+                to,
+            ],
+        )
+    };
+    let a = memory_file(&d, 4 * MIB, None);
+    push(&a, "s3://snaps/a");
+    let mut frames = frame_names(&s3);
+    let mut unnamed = Vec::new();
+    for (name, byte) in [("old", 7u8), ("young", 8u8)] {
+        let f = d.join(name);
+        std::fs::write(&f, vec![byte; MIB]).unwrap();
+        push(&f, &format!("s3://snaps/{name}"));
+        let now = frame_names(&s3);
+        let new: Vec<String> = now.difference(&frames).cloned().collect();
+        assert_eq!(new.len(), 1, "{name}: one new frame: {new:?}");
+        unnamed.push(new[0].clone());
+        frames = now;
+        std::fs::remove_dir_all(s3.bucket_dir(BUCKET).join("snapshots").join(name)).unwrap();
+    }
+    let bucket = s3.bucket_dir(BUCKET);
+    age(
+        &bucket.join("frames").join(&unnamed[0]),
+        Duration::from_secs(2 * 3600),
+    );
+    // A push's lease last renewed 20 minutes ago: its push died (live ones renew every
+    // minute, and count as gone after 10).
+    std::fs::create_dir_all(bucket.join("leases")).unwrap();
+    let lease = bucket.join("leases").join("x.1.1");
+    std::fs::write(&lease, b"{}").unwrap();
+    age(&lease, Duration::from_secs(20 * 60));
+    let r = json(&ok(
+        &s3,
+        &[
+            "snapshot",
+            "gc",
+            "s3://snaps",
+            "--grace-s",
+            "3600",
+            "--json",
+        ],
+    ));
+    assert_eq!(r["deleted"], 1, "{r}");
+    assert_eq!(r["young"], 1, "{r}");
+    let left = frame_names(&s3);
+    assert!(!left.contains(&unnamed[0]), "the old frame stayed");
+    assert!(left.contains(&unnamed[1]), "the young frame went");
+    // A gc mark as old (its gc was killed) does not hold off a push.
+    std::fs::create_dir_all(bucket.join("leases").join("gc")).unwrap();
+    let mark = bucket.join("leases").join("gc").join("dead");
+    std::fs::write(&mark, b"{}").unwrap();
+    age(&mark, Duration::from_secs(20 * 60));
+    let t = std::time::Instant::now();
+    push(&d.join("old"), "s3://snaps/again");
+    assert!(
+        t.elapsed() < Duration::from_secs(60),
+        "a push waited on a dead gc's mark for {:?}",
+        t.elapsed()
+    );
+    assert!(
+        frame_names(&s3).contains(&unnamed[0]),
+        "the frame came back"
+    );
+}
+
 /// A VM served straight from the store, every word checked, frames kept in the cache; a
 /// second server over the same cache serves the next VM with the store gone.
 #[test]
