@@ -102,9 +102,11 @@ impl LabReport for FirecrackerResult {
                  (min-max) of those ratios. `resident pass`: the same `t` pass sent again \
                  right after (for `guestmem-4k`, once its server's collapse to huge pages, \
                  which starts a second after all is in, has ended: a few seconds later, on \
-                 huge pages), every page in (the guest's own work, which huge pages do not \
-                 change on this host's emulating KVM); `restore cost`: first full touch less \
-                 that pass, round by round. `huge MiB after`: AnonHugePages (or hugetlb) just \
+                 huge pages), every page in: the guest's own work, which huge pages can \
+                 shorten (on the AMD host they did not; on the Intel hosts of 2026-11-29 \
+                 they halved it, so there `guestmem-4k`'s restore cost also counts a 4 KiB \
+                 first touch against a huge-page pass); `restore cost`: first full touch \
+                 less that pass, round by round. `huge MiB after`: AnonHugePages (or hugetlb) just \
                  before that pass. \
                  Every TOUCH said BAD 0; \
                  `checked`: a `g` pass also found every qword right.\n",
