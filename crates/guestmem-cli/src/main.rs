@@ -67,6 +67,11 @@ fn message(e: &anyhow::Error) -> String {
 }
 
 fn main() -> ExitCode {
+    // A write past a file-size limit (`ulimit -f`) fails with EFBIG instead of killing the
+    // process: a page server's frame cache then serves that frame uncached, a pull says
+    // which file it could not write.
+    // SAFETY: sets one signal's disposition to ignored, before any other thread runs.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bringup(args) => bringup::run(args),

@@ -119,8 +119,7 @@ impl Dir {
     pub(crate) fn check_private(&self) -> io::Result<()> {
         use std::os::unix::fs::MetadataExt;
         let meta = File::from(self.fd.try_clone()?).metadata()?;
-        // SAFETY: geteuid takes nothing and cannot fail.
-        let euid = unsafe { libc::geteuid() };
+        let euid = crate::sys::euid();
         if meta.uid() != euid || meta.mode() & 0o077 != 0 {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,

@@ -322,6 +322,12 @@ pub fn punch_hole(fd: BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
     })
 }
 
+/// This process's effective user id.
+pub(crate) fn euid() -> u32 {
+    // SAFETY: geteuid takes nothing and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
 /// 32 bytes no one else draws (`getrandom`): a move's placeholders' key, its nonces.
 #[cfg(feature = "store")]
 pub(crate) fn random_32() -> io::Result<[u8; 32]> {

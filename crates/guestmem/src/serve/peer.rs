@@ -248,8 +248,7 @@ fn live_thread(pid: i32) -> Option<i32> {
 /// Whether the process on the other end of `s` runs as this process's user, or as root
 /// (`SO_PEERCRED`): who may command a server, or hand it VMs.
 pub(crate) fn same_user(s: &UnixStream) -> bool {
-    // SAFETY: geteuid takes nothing and cannot fail.
-    let us = unsafe { libc::geteuid() };
+    let us = crate::sys::euid();
     peer_cred(s).is_some_and(|c| c.uid == us || c.uid == 0)
 }
 

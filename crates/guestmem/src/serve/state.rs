@@ -91,8 +91,7 @@ impl StateDir {
         // Its records make this server take descriptors from processes and end those it
         // cannot serve: only its owner may write them.
         let m = std::fs::metadata(path).map_err(io("stat"))?;
-        // SAFETY: geteuid takes nothing and cannot fail.
-        let euid = unsafe { libc::geteuid() };
+        let euid = crate::sys::euid();
         if m.uid() != euid || m.mode() & 0o022 != 0 {
             return Err(bad(StateDirProblem::NotPrivate {
                 uid: m.uid(),

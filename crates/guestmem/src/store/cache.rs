@@ -29,12 +29,11 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::manifest::MAX_FRAME_BYTES;
 use super::StoreError;
 
 mod index;
@@ -43,6 +42,8 @@ mod removals;
 #[cfg(test)]
 use index::MAX_OPEN;
 use index::{Entry, Index, Segment};
+#[cfg(test)]
+use record::{checksum, MAGIC};
 use record::{
     header, open_segment, parse_header, record_bytes, scan_from, sealed, DROPPED, HEADER,
 };
@@ -107,6 +108,30 @@ pub const MAX_CACHE_BYTES: u64 = 1 << 50;
 /// written: a cache opening leaves it.
 const YOUNG: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// Refuses `d` as a cache directory unless it is a directory itself (not a link to one:
+/// a cache removes files it does not know in its `segments/`) that this process's user
+/// owns and no one else may write to (anyone who can write there can plant records the
+/// server would read, and its checksum names no writer).
+fn own_dir(d: &Path) -> std::io::Result<()> {
+    let m = d.symlink_metadata()?;
+    let why = if !m.file_type().is_dir() {
+        "not a directory (a symbolic link?)".to_string()
+    } else if m.uid() != crate::sys::euid() {
+        format!("owned by uid {}, not this process's user", m.uid())
+    } else if m.mode() & 0o022 != 0 {
+        format!(
+            "others may write to it (mode {:o}): chmod go-w it",
+            m.mode() & 0o7777
+        )
+    } else {
+        return Ok(());
+    };
+    Err(std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        why,
+    ))
+}
+
 fn is_io_full(e: &std::io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
 }
@@ -129,7 +154,15 @@ impl FrameCache {
             let path = path.to_path_buf();
             move |source| StoreError::Io { op, path, source }
         };
-        std::fs::create_dir_all(&segdir).map_err(io("create the cache directory", &segdir))?;
+        // Made for this user alone (0700 before the umask); one found is checked below.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&segdir)
+            .map_err(io("create the cache directory", &segdir))?;
+        for d in [dir, segdir.as_path()] {
+            own_dir(d).map_err(io("use as the cache directory", d))?;
+        }
         let old = dir.join("frames");
         if old.symlink_metadata().is_ok_and(|m| m.is_dir()) {
             let _ = std::fs::remove_dir_all(&old);
@@ -350,7 +383,7 @@ impl FrameCache {
     pub(crate) fn put(&self, hash: &blake3::Hash, plain: &[u8]) {
         let h = *hash.as_bytes();
         let rec = record_bytes(plain.len() as u64);
-        if rec > self.cap || plain.len() as u64 > MAX_FRAME_BYTES {
+        if rec > self.cap || !record::frame_len_ok(plain.len() as u64) {
             self.counters.uncached.fetch_add(1, Ordering::Relaxed);
             return;
         }
@@ -433,6 +466,20 @@ impl FrameCache {
                     a.end = off;
                 } else {
                     *active = None;
+                    drop(active);
+                    // Given up with no record in it, it would stay for ever (an empty
+                    // segment frees nothing when evicted, so none ever is), and a disk
+                    // that stays full would make one a frame.
+                    let empty = {
+                        let mut ix = self.lock();
+                        match ix.segs.get(&id).is_some_and(|s| s.frames.is_empty()) {
+                            true => ix.remove_seg(id),
+                            false => None,
+                        }
+                    };
+                    if let Some((s, _)) = empty {
+                        let _ = std::fs::remove_file(&s.path);
+                    }
                 }
             }
             return Err(e);
@@ -1195,6 +1242,103 @@ mod tests {
             }
             assert_eq!(c.counters.corrupt.load(Ordering::Relaxed), 0);
         }
+    }
+
+    /// A cache directory someone else could plant files in is refused, naming why: a
+    /// `segments` that is a link (a cache removes what it does not know there, so the
+    /// link's target would lose its files), or a folder others may write to. Nothing at
+    /// the link's target is touched.
+    #[test]
+    fn a_cache_folder_others_could_plant_files_in_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let scratch = guestmem_testkit::Scratch::new("cache-planted");
+        let elsewhere = scratch.join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        std::fs::write(elsewhere.join("victim.txt"), b"mine").unwrap();
+        let linked = scratch.join("linked");
+        std::fs::create_dir(&linked).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, linked.join("segments")).unwrap();
+        let e = FrameCache::open(&linked, 1 << 20).err().expect("refused");
+        assert!(e.to_string().contains("not a directory"), "{e}");
+        assert!(
+            elsewhere.join("victim.txt").exists(),
+            "a file elsewhere went"
+        );
+        let open = scratch.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = FrameCache::open(&open, 1 << 20).err().expect("refused");
+        assert!(e.to_string().contains("mode 777"), "{e}");
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+        FrameCache::open(&open, 1 << 20).unwrap();
+        // The segments folder it makes is its user's alone.
+        let mode = std::fs::metadata(open.join("segments")).unwrap().mode();
+        assert_eq!(mode & 0o077, 0, "{mode:o}");
+    }
+
+    /// Headers of no length, or of a length no frame has (not whole pages), are not
+    /// records: a segment of 100,000 of them (6.4 MB) is opened with nothing indexed, where
+    /// each would have been an index entry.
+    #[test]
+    fn headers_of_no_length_or_part_of_a_page_are_not_records() {
+        let scratch = guestmem_testkit::Scratch::new("cache-empty-records");
+        std::fs::create_dir_all(scratch.join("segments")).unwrap();
+        let mut bytes = Vec::with_capacity(100_000 * HEADER);
+        for i in 0..100_000u64 {
+            let mut t = [0u8; HEADER];
+            t[..8].copy_from_slice(&MAGIC);
+            let mut h = [0u8; 32];
+            h[8..16].copy_from_slice(&i.to_le_bytes());
+            t[16..48].copy_from_slice(&h);
+            t[48..56].copy_from_slice(&sealed(&h, checksum(&[])).to_le_bytes());
+            bytes.extend_from_slice(&t);
+        }
+        std::fs::write(scratch.join("segments/planted.seg"), &bytes).unwrap();
+        let c = FrameCache::open(&scratch, 1 << 30).unwrap();
+        assert_eq!(c.frames(), 0);
+        // A whole frame's record is one; one of 100 bytes is not.
+        for (len, ok) in [(4096, true), (100, false), (0, false), (8192 + 512, false)] {
+            let mut t = header(&[1u8; 32], &[0u8; 4096]);
+            t[8..16].copy_from_slice(&(len as u64).to_le_bytes());
+            assert_eq!(parse_header(&t).is_some(), ok, "{len}");
+        }
+    }
+
+    /// Threads that find the disk full at once give their segments up with nothing in
+    /// them: each such segment goes (file and index entry), so a disk that stays full does
+    /// not leave a segment a frame behind. Before, every one stayed, and was never evicted.
+    #[test]
+    fn segments_given_up_empty_on_a_full_disk_go() {
+        let scratch = guestmem_testkit::Scratch::new("cache-full-threads");
+        let disk = match guestmem_testkit::Tmpfs::mount(scratch.join("disk"), "size=1m") {
+            Ok(t) => t,
+            Err(why) => return guestmem_testkit::skip(why),
+        };
+        let dir = disk.join("cache");
+        let c = FrameCache::open(&dir, 64 << 20).unwrap();
+        // Everything but the cache's folders goes to a filler.
+        let filler = disk.join("filler");
+        let mut f = File::create(&filler).unwrap();
+        let chunk = vec![1u8; 4096];
+        while std::io::Write::write_all(&mut f, &chunk).is_ok() {}
+        std::thread::scope(|s| {
+            for t in 0..4u32 {
+                let c = &c;
+                s.spawn(move || {
+                    for i in 0..50u32 {
+                        let mut frame = vec![0u8; 64 << 10];
+                        frame[..4].copy_from_slice(&t.to_le_bytes());
+                        frame[4..8].copy_from_slice(&i.to_le_bytes());
+                        c.put(&blake3::hash(&frame), &frame);
+                    }
+                });
+            }
+        });
+        assert_eq!(c.frames(), 0);
+        assert_eq!(c.counters.uncached.load(Ordering::Relaxed), 200);
+        let left = segments(&dir).len();
+        assert!(left <= 1, "{left} segments left behind");
+        assert!(c.lock().segs.len() <= 1, "{} indexed", c.lock().segs.len());
     }
 
     #[test]

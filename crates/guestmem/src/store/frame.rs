@@ -9,10 +9,12 @@ use bytes::{Buf, Bytes};
 /// A map keyed by frame hashes.
 pub(crate) type ByHash<V> = std::collections::HashMap<[u8; 32], V, HashKeyed>;
 
-/// Hashes a frame's BLAKE3 hash for a map: its first 8 bytes, folded with two keys drawn at
-/// random once per map, so that names ground to share bits (a snapshot made to slow a
-/// server's maps) do not share buckets. SipHash of 32-byte keys was 3.6% of a warm pass's
-/// prefetch thread.
+/// Hashes a frame's BLAKE3 hash for a map: each of its four words in turn, folded with two
+/// keys drawn at random once per map, so that names chosen to share bits (a cache file or
+/// a manifest made to slow a server's maps: the hashes in a cache's headers are bytes on a
+/// disk, not hashes of anything yet) do not share buckets. SipHash of 32-byte keys was 3.6%
+/// of a warm pass's prefetch thread. (Until 2026-11-29 only the first word was folded: names
+/// alike in it fell in one probe chain.)
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct HashKeyed(u64, u64);
 
@@ -43,11 +45,14 @@ pub(crate) struct KeyedHasher {
 
 impl std::hash::Hasher for KeyedHasher {
     fn write(&mut self, bytes: &[u8]) {
-        let mut w = [0u8; 8];
-        let n = bytes.len().min(8);
-        w[..n].copy_from_slice(&bytes[..n]);
-        let x = (u64::from_le_bytes(w) ^ self.h ^ self.keys.0) as u128 * self.keys.1 as u128;
-        self.h = (x as u64) ^ ((x >> 64) as u64);
+        // Every word of the hash: names read from a cache's files or a store are outside
+        // input, and names alike in their first word must not all land in one slot.
+        for c in bytes.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            let x = (u64::from_le_bytes(w) ^ self.h ^ self.keys.0) as u128 * self.keys.1 as u128;
+            self.h = (x as u64) ^ ((x >> 64) as u64);
+        }
     }
     fn write_usize(&mut self, _: usize) {
         // The length a slice's hash writes first: the same for every frame hash.
@@ -245,6 +250,24 @@ mod tests {
 
     fn b(x: &[u8]) -> Bytes {
         Bytes::copy_from_slice(x)
+    }
+
+    /// Names alike in any three of their four words still hash apart: a cache file or a
+    /// manifest cannot line its names up in one probe chain. (Until 2026-11-29 only the
+    /// first word was hashed: 1,000 names sharing it shared one hash.)
+    #[test]
+    fn names_alike_but_for_one_word_hash_apart() {
+        use std::hash::BuildHasher;
+        let keyed = HashKeyed::default();
+        for word in 0..4 {
+            let mut seen = std::collections::HashSet::new();
+            for i in 0..1000u64 {
+                let mut name = [0xabu8; 32];
+                name[word * 8..word * 8 + 8].copy_from_slice(&i.to_le_bytes());
+                seen.insert(keyed.hash_one(name));
+            }
+            assert_eq!(seen.len(), 1000, "names differing in word {word}");
+        }
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
+use crate::snapshot::IMAGE_PAGE_BYTES;
 use crate::store::manifest::MAX_FRAME_BYTES;
 
 /// A record's header: [`MAGIC`], the frame's length, its BLAKE3 hash, its checksum sealed
@@ -35,8 +36,15 @@ pub(super) fn header(h: &[u8; 32], plain: &[u8]) -> [u8; HEADER] {
 pub(super) fn parse_header(t: &[u8; HEADER]) -> Option<(u64, [u8; 32], bool)> {
     let len = u64::from_le_bytes(t[8..16].try_into().expect("8 bytes"));
     let dropped = t[56..] == DROPPED;
-    (t[..8] == MAGIC && len <= MAX_FRAME_BYTES && (dropped || t[56..] == [0u8; 8]))
+    (t[..8] == MAGIC && frame_len_ok(len) && (dropped || t[56..] == [0u8; 8]))
         .then(|| (len, t[16..48].try_into().expect("32 bytes"), dropped))
+}
+
+/// Whether a frame of `len` bytes can be a record's: a whole number of pages (every frame
+/// and diff piece is), none past [`MAX_FRAME_BYTES`]. A header naming another length is
+/// not one (an empty record would let 1 MiB of file stand for 16,384 index entries).
+pub(super) fn frame_len_ok(len: u64) -> bool {
+    len > 0 && len <= MAX_FRAME_BYTES && len.is_multiple_of(IMAGE_PAGE_BYTES)
 }
 
 /// A frame's checksum folded with the first 8 bytes of its hash, so that a record passes
