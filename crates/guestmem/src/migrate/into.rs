@@ -4,6 +4,7 @@
 
 use std::collections::HashSet;
 use std::net::TcpListener;
+use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -83,6 +84,12 @@ pub fn move_in(
     m: &MoveIn,
     frames_for: &mut dyn FnMut(&StoreUrl) -> Result<Arc<Frames>, StoreError>,
 ) -> Result<MoveInReport, MoveError> {
+    // Readable once the page server has returned (its VM no longer served).
+    let served_fd = Arc::new(crate::sys::eventfd().map_err(|source| MoveError::Io {
+        op: "make an eventfd for",
+        path: m.dir.clone(),
+        source,
+    })?);
     let (mut wire, token, offer) = super::offer::first_offer(listener, m.wait, m.key.as_ref())?;
     let (base_url, peer_url, name) = match offer {
         Msg::Offer {
@@ -284,9 +291,15 @@ pub fn move_in(
                 // Firecracker's load and the resume, the move's pause, do not share this
                 // host's CPUs with the VM's prefetch: it starts once the VM runs.
                 let hold = server.hold_prefetch();
+                let served = Arc::clone(&served_fd);
                 let run = std::thread::Builder::new()
                     .name("guestmem-move-in".into())
-                    .spawn(move || server.run())
+                    .spawn(move || {
+                        let r = server.run();
+                        // The VM is no longer served: the wait for the push ends.
+                        let _ = crate::sys::eventfd_signal(served.as_fd());
+                        r
+                    })
                     .map_err(|source| MoveError::Io {
                         op: "start the page server for",
                         path: sock.clone(),
@@ -397,7 +410,17 @@ pub fn move_in(
     // before then leaves them owed: a fault on one waits up to the deadline, then the VM
     // is ended with the reason.
     let mut released_ms = None;
-    match wire.recv(m.wait.max(Duration::from_secs(600))) {
+    // However long the push takes (retried, of a large diff, to a distant store), until
+    // the source says where it is, closes, or the VM is no longer served here.
+    let pushed = match wire.wait_readable_or(served_fd.as_fd()) {
+        Ok(true) => wire.recv(m.wait),
+        Ok(false) => Err(MoveError::Wire {
+            peer: wire.peer().into(),
+            reason: "the VM is no longer served here".into(),
+        }),
+        Err(e) => Err(e),
+    };
+    match pushed {
         Ok(Msg::Pushed { url }) => {
             match released(&frames, &url, &chain, &placeholders) {
                 Ok(()) => {

@@ -26,6 +26,8 @@
 //! connection's token, and the pieces it serves under placeholders are sealed (the `key`
 //! module). Nothing is encrypted.
 
+#[cfg(test)]
+mod failed;
 mod firecracker;
 mod into;
 mod key;

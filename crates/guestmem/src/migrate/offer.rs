@@ -58,8 +58,11 @@ pub(super) fn first_offer(
         };
         let _ = s.set_nonblocking(false);
         let mut wire = Wire::new(s)?;
-        let limit = HELLO_LIMIT.min(until.saturating_duration_since(Instant::now()));
-        let token = match wire.hello(Side::Destination, key, limit) {
+        // One limit for the hello and the offer both: a connection that says nothing
+        // holds the next one up HELLO_LIMIT, not twice that.
+        let by = Instant::now() + HELLO_LIMIT.min(until.saturating_duration_since(Instant::now()));
+        let left = || by.saturating_duration_since(Instant::now());
+        let token = match wire.hello(Side::Destination, key, left()) {
             Ok(Some(session)) => Some((session.read_token(), session.piece_key())),
             Ok(None) => {
                 tracing::warn!(
@@ -73,7 +76,7 @@ pub(super) fn first_offer(
                 continue;
             }
         };
-        match wire.recv(limit) {
+        match wire.recv(left()) {
             Ok(offer) => return Ok((wire, token, offer)),
             Err(e) => {
                 let peer = wire.peer().to_string();

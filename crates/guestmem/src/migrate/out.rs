@@ -240,16 +240,37 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             },
         )
     };
+    // Firecracker clears its dirty log at the Diff: a later move on the same base would miss
+    // the writes this one holds. So a move that fails past the Diff (before the commit or
+    // after it) pushes them as the base for the next, or keeps the file and says so.
+    let keep_writes = |files: &mut Removed| match push_diff() {
+        Ok(_) => format!(
+            "; its writes until the pause are in {} (a new move must use --base {})",
+            m.push_as, m.push_as
+        ),
+        Err(p) => {
+            files.0.clear();
+            format!(
+                "; its writes until the pause could not be pushed ({p}): they are kept in {} (push them with --base {} before a new move)",
+                memfile.display(),
+                m.base
+            )
+        }
+    };
 
     // The pause. Until the destination has the VM loaded and this side commits, any
     // failure resumes the VM here.
     let mut steps = PauseSteps::default();
     let t0 = Instant::now();
-    let mut snapshotted = false;
+    // Whether the Diff was asked for, and whether Firecracker said it wrote it: it reads
+    // (and so clears) its dirty log before it writes the pages, so a Diff that failed may
+    // have taken writes a later move on the same base would miss.
+    let (mut diff_asked, mut snapshotted) = (false, false);
     let mut paused = || -> Result<(u64, Vec<u8>), MoveError> {
         api.ok("PATCH", "vm", r#"{"state":"Paused"}"#, API_LIMIT)?;
         steps.pause_ms = ms(t0);
         let t = Instant::now();
+        diff_asked = true;
         api.ok(
             "PUT",
             "snapshot/create",
@@ -360,24 +381,13 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
                 &[],
             );
             tracing::warn!("move of {} failed after the pause: {e}", m.api.display());
-            // Firecracker cleared its dirty log at the Diff: a later move on the same base
-            // would miss these writes. They go to the store as the base for the next move.
-            let kept = match snapshotted {
-                false => String::new(),
-                true => match push_diff() {
-                    Ok(_) => format!(
-                        "; its writes until the pause are in {} (a new move must use --base {})",
-                        m.push_as, m.push_as
-                    ),
-                    Err(p) => {
-                        files.0.clear();
-                        format!(
-                            "; its writes until the pause could not be pushed ({p}): they are kept in {} (push them with --base {} before a new move)",
-                            memfile.display(),
-                            m.base
-                        )
-                    }
-                },
+            let kept = match (snapshotted, diff_asked) {
+                (true, _) => keep_writes(&mut files),
+                (false, true) => format!(
+                    "; Firecracker's Diff snapshot failed, and it may have cleared its dirty log first: a move on --base {} could miss writes made before this pause, so push a Full snapshot of the VM as its base before a new move",
+                    m.base
+                ),
+                (false, false) => String::new(),
             };
             return Err(MoveError::Failed {
                 reason: format!("{e}{kept}"),
@@ -408,8 +418,9 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         Ok(Msg::Refused { reason }) => {
             // The destination ended its copy: the source's is the only one.
             let resumed = api.ok("PATCH", "vm", r#"{"state":"Resumed"}"#, API_LIMIT);
+            let kept = keep_writes(&mut files);
             return Err(MoveError::Failed {
-                reason: format!("the destination could not resume the VM: {reason}"),
+                reason: format!("the destination could not resume the VM: {reason}{kept}"),
                 resumed: resumed.is_ok(),
                 resume: resumed.err().map_or(String::new(), |e| e.to_string()),
             });
@@ -424,9 +435,11 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             tracing::error!(
                 "move committed but the destination did not confirm ({why}); the source VM is left paused, not ended"
             );
+            // Whichever copy runs on, its base is this diff.
+            let kept = keep_writes(&mut files);
             return Err(MoveError::Wire {
                 peer: wire.peer().into(),
-                reason: format!("after the commit: {why}; the source VM is left paused (the destination may run it)"),
+                reason: format!("after the commit: {why}; the source VM is left paused (the destination may run it){kept}"),
             });
         }
     }

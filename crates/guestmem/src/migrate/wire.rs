@@ -11,6 +11,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
+use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
@@ -30,6 +31,13 @@ pub(crate) const MAX_PAYLOAD_BYTES: u64 = 64 << 20;
 /// The version of these messages: both sides must speak the same one, which is known
 /// before anything is paused (an Offer or a Ready without it, or with another, is refused).
 pub(crate) const WIRE_VERSION: u32 = 4;
+
+/// A connection idle this long is probed (TCP keepalive) ...
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+/// ... every this long ...
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// ... and reset after this many probes go unanswered.
+const KEEPALIVE_PROBES: u32 = 6;
 
 /// One message.
 #[derive(Debug, Serialize, Deserialize)]
@@ -119,6 +127,19 @@ impl Wire {
     pub(crate) fn new(s: TcpStream) -> Result<Wire, MoveError> {
         let peer = s.peer_addr().map_or("?".into(), |a| a.to_string());
         let _ = s.set_nodelay(true);
+        // Each side waits on the other without a limit at times (the source for the
+        // destination's word after its commit, the destination for the push): a peer whose
+        // host went away (no FIN, no RST) ends that wait within a minute and a half.
+        crate::sys::tcp_keepalive(
+            s.as_fd(),
+            KEEPALIVE_IDLE,
+            KEEPALIVE_INTERVAL,
+            KEEPALIVE_PROBES,
+        )
+        .map_err(|e| MoveError::Wire {
+            peer: peer.clone(),
+            reason: format!("set TCP keepalive: {e}"),
+        })?;
         let writer = s.try_clone().map_err(|e| MoveError::Wire {
             peer: peer.clone(),
             reason: e.to_string(),
@@ -294,6 +315,23 @@ impl Wire {
         self.reader.get_ref().set_read_timeout(Some(left))
     }
 
+    /// Waits, without a limit, until a message may be read (bytes came, or the connection
+    /// closed: true) or `other` turns readable (false).
+    pub(crate) fn wait_readable_or(
+        &self,
+        other: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<bool, MoveError> {
+        if !self.reader.buffer().is_empty() {
+            return Ok(true);
+        }
+        let mut fds = [
+            crate::sys::PollFd::readable(self.reader.get_ref().as_fd()),
+            crate::sys::PollFd::readable(other),
+        ];
+        crate::sys::poll(&mut fds, None).map_err(|e| self.err(format!("wait: {e}")))?;
+        Ok(fds[0].revents() != 0)
+    }
+
     /// The next message, waiting at most `limit` for all of it: a peer that trickles a
     /// message out a byte at a time does not stretch the wait.
     pub(crate) fn recv(&mut self, limit: Duration) -> Result<Msg, MoveError> {
@@ -420,6 +458,39 @@ fn write_by(mut s: &TcpStream, mut buf: &[u8], deadline: Instant) -> std::io::Re
 mod tests {
     use super::*;
     use std::net::TcpListener;
+
+    /// A move's connection is probed when idle (TCP keepalive, and a limit on data left
+    /// unacknowledged): the waits without a limit (the source's for the destination's word
+    /// after its commit, the destination's for the push) end when the other host went away
+    /// without closing. Before 2026-11-29 they waited for ever.
+    #[test]
+    fn a_moves_connection_is_probed_when_idle() {
+        use std::os::fd::AsRawFd;
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let w = Wire::new(c).unwrap();
+        let get = |level, opt| {
+            let mut v: libc::c_int = 0;
+            let mut n = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: an int option written to our stack, on a socket the wire owns.
+            let r = unsafe {
+                libc::getsockopt(
+                    w.writer.as_raw_fd(),
+                    level,
+                    opt,
+                    &mut v as *mut libc::c_int as *mut libc::c_void,
+                    &mut n,
+                )
+            };
+            assert_eq!(r, 0);
+            v
+        };
+        assert_eq!(get(libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
+        assert_eq!(get(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE), 30);
+        assert_eq!(get(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL), 10);
+        assert_eq!(get(libc::IPPROTO_TCP, libc::TCP_KEEPCNT), 6);
+        assert_eq!(get(libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT), 90_000);
+    }
 
     /// A peer that reads a little now and then (each write's own timeout met) cannot
     /// stretch a send past its deadline: here 64 MiB to a reader of 200 KiB/s, which a
