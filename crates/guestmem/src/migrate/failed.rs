@@ -203,7 +203,7 @@ impl Rig {
             threads: 1,
             key: None,
         };
-        let e = move_out(&m, &self.store).err().expect("the move failed");
+        let e = move_out(&m, &self.store).expect_err("the move failed");
         let seen = seen.lock().unwrap().clone();
         (e.to_string(), seen)
     }

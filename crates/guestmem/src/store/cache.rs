@@ -1258,7 +1258,9 @@ mod tests {
         let linked = scratch.join("linked");
         std::fs::create_dir(&linked).unwrap();
         std::os::unix::fs::symlink(&elsewhere, linked.join("segments")).unwrap();
-        let e = FrameCache::open(&linked, 1 << 20).err().expect("refused");
+        let Err(e) = FrameCache::open(&linked, 1 << 20) else {
+            panic!("a linked segments/ opened");
+        };
         assert!(e.to_string().contains("not a directory"), "{e}");
         assert!(
             elsewhere.join("victim.txt").exists(),
@@ -1267,7 +1269,9 @@ mod tests {
         let open = scratch.join("open");
         std::fs::create_dir(&open).unwrap();
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
-        let e = FrameCache::open(&open, 1 << 20).err().expect("refused");
+        let Err(e) = FrameCache::open(&open, 1 << 20) else {
+            panic!("a folder others may write to opened");
+        };
         assert!(e.to_string().contains("mode 777"), "{e}");
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
         FrameCache::open(&open, 1 << 20).unwrap();
