@@ -167,7 +167,8 @@ impl FrameCache {
         if old.symlink_metadata().is_ok_and(|m| m.is_dir()) {
             let _ = std::fs::remove_dir_all(&old);
         }
-        let mut found = Vec::new();
+        // The segments, newest first (ties, a coarse clock, by name: its creation time).
+        let mut listed = Vec::new();
         for f in std::fs::read_dir(&segdir).map_err(io("read the cache directory", &segdir))? {
             let Ok(f) = f else { continue };
             let path = f.path();
@@ -182,6 +183,15 @@ impl FrameCache {
                 let _ = std::fs::remove_file(&path);
                 continue;
             }
+            let mtime = i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec());
+            listed.push((mtime, path));
+        }
+        listed.sort_by(|a, b| (b.0, &b.1).cmp(&(a.0, &a.1)));
+        // Read newest first, and only while they fit the bound: the older ones would be
+        // evicted at once, and reading them first would cost memory for what the folder
+        // holds, not for the bound (a large cache reopened with a small one).
+        let (mut found, mut held) = (Vec::new(), 0u64);
+        for (_, path) in listed {
             let Ok(file) = open_segment(&path) else {
                 continue;
             };
@@ -189,28 +199,41 @@ impl FrameCache {
             if !meta.is_file() {
                 continue;
             }
-            let (records, headers, end) = scan_from(&file, 0, meta.len());
-            if records.is_empty() {
-                // No record to serve: removed, unless it has no header yet and may be
-                // another process's, just made (its first record's bytes go first).
-                let young = headers == 0
-                    && meta
-                        .modified()
-                        .ok()
-                        .and_then(|t| t.elapsed().ok())
-                        .is_none_or(|age| age < YOUNG);
-                if !young {
+            let young = || {
+                meta.modified()
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_none_or(|age| age < YOUNG)
+            };
+            if held >= cap {
+                // Past the bound, but for one that may be another process's, just made.
+                let mut t = [0u8; HEADER];
+                let headed = file.read_exact_at(&mut t, 0).is_ok() && parse_header(&t).is_some();
+                if headed || !young() {
                     let _ = std::fs::remove_file(&path);
                 }
                 continue;
             }
-            let mtime = i128::from(meta.mtime()) * 1_000_000_000 + i128::from(meta.mtime_nsec());
-            found.push((mtime, path, records, end));
+            let (records, headers, end) = scan_from(&file, 0, meta.len());
+            if records.is_empty() {
+                // No record to serve: removed, unless it has no header yet and may be
+                // another process's, just made (its first record's bytes go first).
+                if !(headers == 0 && young()) {
+                    let _ = std::fs::remove_file(&path);
+                }
+                continue;
+            }
+            if held + end > cap {
+                held = cap;
+                let _ = std::fs::remove_file(&path);
+                continue;
+            }
+            held += end;
+            found.push((path, records, end));
         }
-        // Ties (a coarse clock) by name: its creation time first.
-        found.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        // Indexed oldest first: the least recently used.
         let mut index = Index::default();
-        for (_, path, records, end) in found {
+        for (path, records, end) in found.into_iter().rev() {
             let id = index.add_seg(path, None, end);
             for (h, off, len) in records {
                 index.add(h, Entry { seg: id, off, len });
