@@ -636,6 +636,60 @@ fn a_take_over_dropped_before_it_is_confirmed_gives_nothing_away() {
     );
 }
 
+/// A new server that asks for the hand-off and then reads nothing (stopped, in a
+/// debugger) holds nothing up past the send's limit: its VM's record is larger than the
+/// socket's buffer (4,096 regions), so the send waits; it fails after 10 s, and the old
+/// server serves the VM on, every word right, and drains when told. Before, the old
+/// server's supervisor waited on that send for ever, the VM unserved.
+#[test]
+fn a_new_server_that_stops_reading_mid_hand_off_holds_nothing_up() {
+    use std::io::Write;
+    need_uffd!();
+    // A whole number of MiB: the memory file is made a MiB at a time.
+    const REGIONS: usize = 4096;
+    let d = dir("take-over-stalled");
+    let mem = memory_file(&d, REGIONS * PAGE, None);
+    let socket = d.join("uffd.sock");
+    let srv = Running::start(
+        &[(&socket, &mem)],
+        ServerConfig {
+            prefetch_threads: 0,
+            ..leave()
+        },
+    );
+    let (control, _control) = srv.control(&d.join("ctl.sock"));
+    let mut vm = Standin::new(&[PAGE; REGIONS], false).unwrap();
+    vm.connect(&socket).unwrap();
+    for p in 0..REGIONS / 2 {
+        assert_eq!(vm.word(p * PAGE), word((p * PAGE) as u64));
+    }
+    let mut stalled = std::os::unix::net::UnixStream::connect(&control).unwrap();
+    stalled
+        .write_all(b"handoff acknowledged removed\n")
+        .unwrap();
+    // The rest of the VM's pages, on a thread: a VM the server no longer serves would
+    // wait on its faults for ever.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let bad: Vec<usize> = (REGIONS / 2..REGIONS)
+            .filter(|p| vm.word(p * PAGE) != word((p * PAGE) as u64))
+            .collect();
+        let _ = tx.send((vm, bad));
+    });
+    let (mut vm, bad) = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the VM's faults went unserved past the hand-off's send limit");
+    assert!(bad.is_empty(), "pages {bad:?}");
+    vm.disconnect();
+    let (r, log) = srv.drain();
+    r.unwrap();
+    assert!(
+        log.contains("the new server did not take the hand-off"),
+        "{log}"
+    );
+    drop(stalled);
+}
+
 /// A new server of an earlier version sends `handoff` and no acknowledgement: it is
 /// handed everything at once, its end mark as that version's was, byte for byte, and the
 /// old server returns with the VM handed off.

@@ -171,7 +171,7 @@ impl StatusHandle {
                 if let Some(asked) = super::handoff::Asked::parse(line.trim()) {
                     // The connection is the new server's: the server answers it.
                     let _ = s.set_read_timeout(None);
-                    let _ = s.set_write_timeout(None);
+                    let _ = s.set_write_timeout(Some(super::handoff::SEND_WAIT));
                     drainer.hand_off(s, asked);
                     continue;
                 }

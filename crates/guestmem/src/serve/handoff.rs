@@ -76,6 +76,12 @@ impl Asked {
 /// How long an old server waits, after its end mark, for the new server's `taken`; then it
 /// serves on.
 pub(super) const ACK_WAIT: Duration = Duration::from_secs(30);
+/// How long one send of the hand-off may wait on a new server that reads nothing (stopped,
+/// in a debugger): then the send fails, and the old server serves on (or, for a new server
+/// of an earlier version, ends the VMs it could not send, as that version's hand-off does).
+/// Without it, the old server's supervisor waited for ever, the VMs taken off its pool
+/// unserved.
+pub(super) const SEND_WAIT: Duration = Duration::from_secs(10);
 /// How long a new server waits, once told `yours`, for the old one to exit (it stops its
 /// prefetch threads first, which may be waiting on a fetch up to its deadline) before it
 /// gives up and ends the VMs handed: no other server will serve them.

@@ -98,9 +98,18 @@ impl Client {
                 .find_map(|v| env(v))
                 .or_else(|| from_profile.clone())
         };
-        let key_id = pick(&["AWS_ACCESS_KEY_ID"], &profile.access_key_id);
-        let secret = pick(&["AWS_SECRET_ACCESS_KEY"], &profile.secret_access_key);
-        let token = pick(&["AWS_SESSION_TOKEN"], &profile.session_token);
+        // The key, secret and token come as one set from the first source that has a key
+        // and a secret (as the AWS SDKs take them): an environment's long-term key signed
+        // with a profile's temporary token is refused by the store.
+        let (key_id, secret, token) = match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY"))
+        {
+            (Some(k), Some(s)) => (Some(k), Some(s), env("AWS_SESSION_TOKEN")),
+            _ => (
+                profile.access_key_id.clone(),
+                profile.secret_access_key.clone(),
+                profile.session_token.clone(),
+            ),
+        };
         let region = pick(&["AWS_REGION", "AWS_DEFAULT_REGION"], &profile.region)
             .unwrap_or_else(|| "us-east-1".into());
         let endpoint = pick(
@@ -370,7 +379,7 @@ impl Client {
             Capped::TooBig(n) => StoreError::Request {
                 op: "GET",
                 url: self.url(key),
-                reason: format!("{n} bytes, past the {max} it can take"),
+                reason: format!("at least {n} bytes, past the {max} it can take"),
                 permanent: true,
             },
         }
@@ -497,11 +506,35 @@ async fn capped(
         return Err(Capped::TooBig(r.meta.size));
     }
     let first_byte = sent.elapsed();
-    match r.bytes().await {
-        Ok(b) if b.len() as u64 <= max => Ok(Some((b, first_byte))),
-        Ok(b) => Err(Capped::TooBig(b.len() as u64)),
-        Err(e) => Err(Capped::Store(e)),
+    // Counted as it comes, not trusted to its Content-Length: a chunked answer (whose
+    // length hyper does not hold it to) could otherwise send on until memory ran out, its
+    // size checked only once all of it was in.
+    let hint = r.meta.size.min(max);
+    let mut body = r.into_stream();
+    let too_big = |n: usize| Capped::TooBig(n as u64);
+    let first = match body.next().await {
+        None => return Ok(Some((Bytes::new(), first_byte))),
+        Some(c) => c.map_err(Capped::Store)?,
+    };
+    if first.len() as u64 > max {
+        return Err(too_big(first.len()));
     }
+    let Some(second) = body.next().await else {
+        // The whole body in one piece: kept as it is.
+        return Ok(Some((first, first_byte)));
+    };
+    let mut all = bytes::BytesMut::with_capacity(hint as usize);
+    all.extend_from_slice(&first);
+    let mut next = Some(second);
+    while let Some(c) = next {
+        let c = c.map_err(Capped::Store)?;
+        if (all.len() + c.len()) as u64 > max {
+            return Err(too_big(all.len() + c.len()));
+        }
+        all.extend_from_slice(&c);
+        next = body.next().await;
+    }
+    Ok(Some((all.freeze(), first_byte)))
 }
 
 /// A client's runtime of `threads` threads named `name`: its requests' I/O (the callers'
@@ -538,6 +571,63 @@ fn redact(secrets: &[String], mut s: String) -> String {
 #[cfg(test)]
 mod tests {
     use super::Client;
+
+    /// An answer that says 100 bytes but comes chunked, and goes on (a broken store, or
+    /// one in the middle of a plain `http://` endpoint), is cut off once past what the GET
+    /// can take: the client hangs up after at most that much, not after the whole body.
+    /// Before, the body was read whole (here 256 MiB) and refused after.
+    #[test]
+    fn a_chunked_answer_past_its_cap_is_cut_off_as_it_comes() {
+        use std::io::{BufRead, BufReader, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let store = std::thread::spawn(move || {
+            let (s, _) = l.accept().unwrap();
+            let mut r = BufReader::new(s.try_clone().unwrap());
+            loop {
+                let mut h = String::new();
+                if r.read_line(&mut h).unwrap() == 0 || h == "\r\n" {
+                    break;
+                }
+            }
+            let mut w = s;
+            w.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\ntransfer-encoding: chunked\r\n\
+                  etag: \"x\"\r\nlast-modified: Sun, 29 Nov 2026 00:00:00 GMT\r\n\r\n",
+            )
+            .unwrap();
+            let chunk = [b'x'; 1 << 16];
+            let mut sent = 0usize;
+            while sent < 256 << 20 {
+                let ok = w.write_all(b"10000\r\n").is_ok()
+                    && w.write_all(&chunk).is_ok()
+                    && w.write_all(b"\r\n").is_ok();
+                if !ok {
+                    break;
+                }
+                sent += chunk.len();
+            }
+            sent
+        });
+        let get = |k: &str| match k {
+            "AWS_ENDPOINT_URL" => Some(format!("http://{addr}")),
+            "AWS_ACCESS_KEY_ID" => Some("GMKEYID0".to_string()),
+            "AWS_SECRET_ACCESS_KEY" => Some("gmsecret0".to_string()),
+            _ => None,
+        };
+        let c = Client::connect_with("b", &get).unwrap();
+        let got = c.block_on(c.get_capped("frames/x", 1 << 20));
+        let e = got.expect_err("taken");
+        assert!(e.to_string().contains("past the 1048576"), "{e}");
+        drop(c);
+        let sent = store.join().unwrap();
+        // The socket's buffers hold a few MiB more than the client read.
+        assert!(
+            sent < 64 << 20,
+            "{} MiB sent before the client hung up",
+            sent >> 20
+        );
+    }
 
     /// A user and password in the endpoint's URL are secrets: left out of the endpoint
     /// shown, and redacted from any text the client lets out.

@@ -11,6 +11,9 @@ use super::url::StoreUrl;
 use super::StoreError;
 use crate::snapshot::{ManifestRegion, IMAGE_PAGE_BYTES};
 
+/// The largest page a region may have (1 GiB hugetlb pages).
+const MAX_PAGE_BYTES: u64 = 1 << 30;
+
 /// The format's name.
 pub const FORMAT: &str = "guestmem-store-snapshot";
 /// The format's version.
@@ -205,6 +208,14 @@ impl Snapshot {
                 "working set names frame {f}, the snapshot has {count}"
             )));
         }
+        if m.regions.len() > crate::layout::MAX_REGIONS {
+            return Err(bad(format!(
+                "{} regions; at most {}",
+                m.regions.len(),
+                crate::layout::MAX_REGIONS
+            )));
+        }
+        let mut prev_end = 0u64;
         for (i, r) in m.regions.iter().enumerate() {
             if r.file_offset
                 .checked_add(r.size)
@@ -215,6 +226,25 @@ impl Snapshot {
                     r.guest_addr, r.file_offset, r.size, m.memory_bytes
                 )));
             }
+            // As a local image's regions are held to: in order, apart, whole pages of a
+            // page size a mapping can have.
+            let page_ok = r.page_size.is_power_of_two()
+                && (IMAGE_PAGE_BYTES..=MAX_PAGE_BYTES).contains(&r.page_size);
+            let end = r.guest_addr.checked_add(r.size);
+            if !page_ok
+                || r.size == 0
+                || !r.size.is_multiple_of(r.page_size)
+                || !r.guest_addr.is_multiple_of(r.page_size)
+                || !r.file_offset.is_multiple_of(IMAGE_PAGE_BYTES)
+                || end.is_none()
+                || (i > 0 && r.guest_addr < prev_end)
+            {
+                return Err(bad(format!(
+                    "region {i} at {:#x} size {:#x} page {:#x}: empty, unaligned, overflowing, overlapping the one before, or of a page size no mapping has",
+                    r.guest_addr, r.size, r.page_size
+                )));
+            }
+            prev_end = end.unwrap_or(u64::MAX);
         }
         Ok(Snapshot {
             url: url.clone(),
@@ -389,5 +419,49 @@ mod tests {
         assert!(e.to_string().contains("control characters"), "{e}");
         m.base = Some("s3://b/base".into());
         assert!(Snapshot::parse(&url, &serde_json::to_vec(&m).unwrap()).is_ok());
+    }
+
+    /// A guestmem snapshot's regions are held to what a local image's are: a page size
+    /// of 0 (which once panicked where the image was laid out), one no mapping has,
+    /// overlapping or unaligned regions are refused, naming the region.
+    #[test]
+    fn a_manifests_regions_are_checked_before_use() {
+        let url = StoreUrl::parse("s3://bucket/x", false).unwrap();
+        let region =
+            |guest_addr: u64, size: u64, file_offset: u64, page_size: u64| ManifestRegion {
+                guest_addr,
+                size,
+                file_offset,
+                page_size,
+                backing: "anonymous".into(),
+                huge_bytes: 0,
+            };
+        let with = |regions: Vec<ManifestRegion>| {
+            let mut m: StoreManifest =
+                serde_json::from_slice(&manifest(vec![vec![]; 2], 2 << 20)).unwrap();
+            m.regions = regions;
+            Snapshot::parse(&url, &serde_json::to_vec(&m).unwrap())
+        };
+        let good = vec![
+            region(0, 1 << 20, 0, 4096),
+            region(4 << 20, 1 << 20, 1 << 20, 4096),
+        ];
+        assert!(with(good).is_ok());
+        for bad in [
+            vec![region(0, 1 << 20, 0, 0)],
+            vec![region(0, 1 << 20, 0, 12288)],
+            vec![region(0, 1 << 20, 0, 2 << 30)],
+            vec![region(0, 0, 0, 4096)],
+            vec![region(100, 4096, 0, 4096)],
+            vec![region(0, 1 << 20, 100, 4096)],
+            vec![
+                region(0, 1 << 20, 0, 4096),
+                region(4096, 4096, 1 << 20, 4096),
+            ],
+            vec![region(u64::MAX - 4095, 4096, 0, 4096)],
+        ] {
+            let e = with(bad.clone()).expect_err("refused");
+            assert!(e.to_string().contains("region"), "{bad:?}: {e}");
+        }
     }
 }
