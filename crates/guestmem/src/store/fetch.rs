@@ -229,7 +229,26 @@ impl Frames {
     }
 
     /// The frame of `hash`: from the cache, from a flight already fetching it, or fetched.
+    /// The deadline is this caller's own: one that joined a flight which ran out of its
+    /// time (it started earlier) and has time left fetches on with what it has left.
     pub(crate) async fn get_async(self: &Arc<Self>, hash: blake3::Hash, len: usize) -> Outcome {
+        let start = Instant::now();
+        loop {
+            match self.try_get(hash, len, start).await {
+                Err(e)
+                    if matches!(*e, StoreError::Deadline { .. })
+                        && start.elapsed() < self.policy.deadline =>
+                {
+                    // The flight it joined has landed (its error sent first): let it go.
+                    tokio::task::yield_now().await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// [`Frames::get_async`] once, its deadline counted from `start`.
+    async fn try_get(self: &Arc<Self>, hash: blake3::Hash, len: usize, start: Instant) -> Outcome {
         // A piece named later: under the hash it was served or named as, while known.
         let (hash, cached) = match self.later_of(&hash) {
             None => (hash, Some(hash)),
@@ -276,7 +295,7 @@ impl Frames {
             Ok(tx) => {
                 // A fault's own GET goes ahead of read-ahead (a prefetch thread's does not).
                 let _first = (!crate::restore::is_prefetcher()).then(|| self.faults.first());
-                self.lead(hash, len, tx, false).await
+                self.lead(hash, len, tx, false, start).await
             }
         }
     }
@@ -288,6 +307,7 @@ impl Frames {
         len: usize,
         tx: tokio::sync::watch::Sender<Option<Outcome>>,
         ahead: bool,
+        start: Instant,
     ) -> Outcome {
         // A flight that ended between our cache look-up and registering this one left the
         // frame in the cache.
@@ -298,7 +318,7 @@ impl Frames {
             .and_then(|c| c.contains(&kept).then(|| c.get(&kept, len)).flatten());
         let (out, keep) = match cached {
             Some(p) => (Ok(Arc::new(p)), None),
-            None => match self.fetch(hash, len, ahead).await {
+            None => match self.fetch(hash, len, ahead, start).await {
                 Ok((p, keep)) => {
                     let p = Arc::new(p);
                     if let Some(kept_as) = keep.filter(|_| ahead) {
@@ -348,8 +368,8 @@ impl Frames {
         asked: blake3::Hash,
         len: usize,
         ahead: bool,
+        t0: Instant,
     ) -> Result<(Vec<u8>, Option<blake3::Hash>), StoreError> {
-        let t0 = Instant::now();
         let mut backoff = FIRST_BACKOFF;
         let mut attempts = 0u32;
         let mut mismatched = false;
@@ -603,6 +623,51 @@ mod tests {
             took < AHEAD_DEFER_MAX * FRAMES as u32,
             "{took:?}: held back for the fault"
         );
+    }
+
+    /// A fault that joins another's GET of its frame keeps its own deadline: the store
+    /// stops answering, a fault starts a GET (deadline 4 s), a second fault on the same
+    /// frame joins it 3 s later, the store answers again after 4.2 s. The first fault gives
+    /// up at its deadline; the second, with 3 s of its own left, fetches on and gets the
+    /// frame. Before, it took the first's deadline as its own: a short store outage ended
+    /// every VM that came to a frame late.
+    #[test]
+    fn a_fault_that_joined_a_get_keeps_its_own_deadline() {
+        let (_scratch, s3, client, url) = pushed("joined-deadline");
+        let frames = Frames::new(
+            client,
+            None,
+            FetchPolicy {
+                deadline: Duration::from_secs(4),
+                attempt: Duration::from_millis(500),
+                ..policy(1)
+            },
+        );
+        let memory = StoreMemory::open(Arc::clone(&frames), &url).unwrap();
+        let hash = memory.snapshot().frames[3][0].hash;
+        s3.delay_gets(Duration::from_secs(60));
+        let t0 = Instant::now();
+        let get = |frames: Arc<Frames>| std::thread::spawn(move || frames.get(&hash, FB as usize));
+        let first = get(Arc::clone(&frames));
+        std::thread::sleep(Duration::from_secs(3));
+        let second = get(Arc::clone(&frames));
+        while t0.elapsed() < Duration::from_millis(4200) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        s3.delay_gets(Duration::ZERO);
+        let e = first.join().unwrap().expect_err("past its deadline");
+        assert!(
+            matches!(*e, crate::store::StoreError::Deadline { .. }),
+            "{e}"
+        );
+        let got = second
+            .join()
+            .unwrap()
+            .expect("served within its own deadline");
+        assert_eq!(got.len(), FB as usize);
+        let word = u64::from_le_bytes(got[..8].try_into().unwrap());
+        assert_eq!(word, 3 * FB + 1, "frame 3's first word");
+        assert!(t0.elapsed() < Duration::from_secs(7), "{:?}", t0.elapsed());
     }
 
     /// Read-ahead asked for by something that then goes (a VM's image, its VM ended)

@@ -117,7 +117,9 @@ impl Frames {
                     let me = Arc::clone(&me);
                     tokio::spawn(async move {
                         let _turn = turn;
-                        let _ = me.lead(hash, len, tx, true).await;
+                        let _ = me
+                            .lead(hash, len, tx, true, std::time::Instant::now())
+                            .await;
                     });
                 }
             });
