@@ -942,9 +942,13 @@ fn a_second_vm_at_a_one_vm_server_is_ended_not_left_hung() {
     assert!(alive.running(), "the VM being served is left alone");
     drop(std::mem::replace(alive, ChildGuard::none()));
     let (r, log) = srv.join();
-    assert!(r.is_ok(), "{log}");
+    let r = r.unwrap_or_else(|e| panic!("{e}: {log}"));
     if killed {
         assert!(log.contains("serves one VM and has it"), "{log}");
+        // Counted and logged as refused, as a VM refused at admission is (it was not
+        // before 2026-11-29).
+        assert_eq!(r.status.refused, 1, "{log}");
+        assert!(log.contains("refused:"), "{log}");
     }
 }
 

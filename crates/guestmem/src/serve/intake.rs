@@ -18,9 +18,11 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::config::SessionEvent;
 use super::handshake::{receive_checked, Handshake, HandshakeError, Refused};
 use super::listener::Listener;
 use super::peer::Ending;
+use super::status::StatusHandle;
 use super::ServeError;
 use crate::sys::PollFd;
 
@@ -87,17 +89,24 @@ pub(super) struct Intake {
     notify: Arc<OwnedFd>,
     timeout: Duration,
     ending: Ending,
+    /// Where a VM ended as late is counted as refused.
+    status: StatusHandle,
 }
 
 impl Intake {
     /// An intake giving each peer `timeout` for its whole handshake, and ending late VMs
-    /// as `ending` says.
-    pub(super) fn new(timeout: Duration, ending: Ending) -> Result<Intake, ServeError> {
+    /// as `ending` says (counted as refused in `status`).
+    pub(super) fn new(
+        timeout: Duration,
+        ending: Ending,
+        status: StatusHandle,
+    ) -> Result<Intake, ServeError> {
         Ok(Intake {
             inbox: Arc::default(),
             notify: Arc::new(crate::sys::eventfd().map_err(ServeError::io("make an eventfd"))?),
             timeout,
             ending,
+            status,
         })
     }
 
@@ -215,6 +224,7 @@ impl Intake {
             self.inbox.pending.fetch_add(1, Ordering::AcqRel);
             let (inbox, notify) = (self.inbox.clone(), self.notify.clone());
             let (timeout, ending) = (self.timeout, self.ending.clone());
+            let status = self.status.clone();
             let spawned = std::thread::Builder::new()
                 .name("guestmem-handshake".into())
                 .spawn(move || {
@@ -227,7 +237,7 @@ impl Intake {
                         match g.closed {
                             Some(why) => {
                                 drop(g);
-                                end_late(result, why, &ending);
+                                end_late(result, why, &ending, &status);
                             }
                             None => g.arrivals.push_back(Arrival { socket, result }),
                         }
@@ -290,12 +300,13 @@ impl Intake {
     /// Ends the VM of an arrival the server will not serve (told `why`); a connection that
     /// sent no userfaultfd is only dropped.
     pub(super) fn end(&self, a: Arrival, why: Closed) {
-        end_late(a.result, why, &self.ending);
+        end_late(a.result, why, &self.ending, &self.status);
     }
 }
 
-/// Ends a VM whose handshake completed after the server stopped taking them.
-fn end_late(r: Result<Handshake, Refused>, why: Closed, ending: &Ending) {
+/// Ends a VM whose handshake completed after the server stopped taking them, counted and
+/// logged as refused (as a VM refused at admission is).
+fn end_late(r: Result<Handshake, Refused>, why: Closed, ending: &Ending, status: &StatusHandle) {
     let late = match r {
         Ok(h) => Some((
             h.process,
@@ -308,5 +319,22 @@ fn end_late(r: Result<Handshake, Refused>, why: Closed, ending: &Ending) {
     };
     if let Some((p, why)) = late {
         ending.end(&p, &why);
+        status.refused();
+        let reason = why.to_string();
+        ending.log.session(
+            &SessionEvent {
+                event: "refused",
+                session: None,
+                pid: p.pid(),
+                socket: None,
+                bytes: 0,
+                reason: Some(&reason),
+                failed: true,
+            },
+            &format!(
+                "peer {} refused: {reason}",
+                p.pid().map_or("?".into(), |p| p.to_string())
+            ),
+        );
     }
 }

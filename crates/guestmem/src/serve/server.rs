@@ -225,7 +225,6 @@ impl Server {
             to: Mutex::new(None),
             ready: crate::sys::eventfd().map_err(ServeError::io("make an eventfd"))?,
         });
-        let intake = Intake::new(cfg.handshake_timeout, ending.clone())?;
         let pool = Pool::start(cfg.handler_threads, cfg.prefetch_threads)
             .map_err(ServeError::io("start the serving threads"))?;
         let state = cfg.state_dir.as_deref().map(StateDir::open).transpose()?;
@@ -256,6 +255,7 @@ impl Server {
                 .filter_map(|s| s.memory.frames().cloned())
                 .collect(),
         );
+        let intake = Intake::new(cfg.handshake_timeout, ending.clone(), status.clone())?;
         let one = match cfg.vms {
             Vms::Every => None,
             Vms::One { wait } => Some(One::Waiting(wait.map(|w| Instant::now() + w))),
