@@ -389,15 +389,12 @@ impl Server {
             };
             s.resume_reading();
             if let Err(e) = self.pool.add(id, s.pooled()) {
-                let s = self.sessions.remove(&id).expect("looked up above");
-                let c = s.conclude(
-                    id,
-                    SessionEnd::Failed(Arc::new(ServeError::Io {
-                        op: "serve a VM again after a hand-off not taken",
-                        source: e,
-                    })),
-                );
-                self.ended(c, "failed");
+                // Ended as any session: its bytes given back, its record forgotten.
+                let end = SessionEnd::Failed(Arc::new(ServeError::Io {
+                    op: "serve a VM again after a hand-off not taken",
+                    source: e,
+                }));
+                self.end_session(id, end, "failed");
             }
         }
         self.ending.log.say(&format!(
