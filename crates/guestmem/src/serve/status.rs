@@ -244,60 +244,67 @@ impl StatusHandle {
 
     /// The status now.
     pub fn snapshot(&self) -> ServerStatus {
-        self.with(|l| {
-            let sessions: Vec<SessionStatus> = l
+        // What the lock guards, copied; each VM's report (its latest fault times copied and
+        // sorted among them) is made after, so the supervisor's admissions and ends never
+        // wait on a scrape (until 2026-11-29 they waited for every VM's report).
+        let (live, ended, draining, refused, dropped) = self.with(|l| {
+            let live: Vec<(u64, usize, Option<i32>, u64, Instant, Pooled)> = l
                 .sessions
                 .iter()
-                .map(|(&id, s)| SessionStatus {
-                    id,
-                    socket: s.socket,
-                    pid: s.pid,
-                    bytes: s.bytes,
-                    age_secs: s.since.elapsed().as_secs_f64(),
-                    engine: s.pooled.report(),
-                })
+                .map(|(&id, s)| (id, s.socket, s.pid, s.bytes, s.since, s.pooled.clone()))
                 .collect();
-            let sockets = self
-                .sockets
-                .iter()
-                .enumerate()
-                .map(|(i, (path, mem))| {
-                    let mut t = l.ended.get(&i).cloned().unwrap_or_default();
-                    let live = sessions.iter().filter(|s| s.socket == i);
-                    let mut serving = 0;
-                    for s in live {
-                        serving += 1;
-                        t.sessions += 1;
-                        t.faults += s.engine.faults;
-                        t.bytes += s.engine.bytes_copied;
-                        t.latency = t.latency.merge(&s.engine.fault_latency);
-                    }
-                    SocketStatus {
-                        socket: i,
-                        path: path.clone(),
-                        mem_file: mem.clone(),
-                        serving,
-                        sessions: t.sessions,
-                        ended: t.ends,
-                        faults: t.faults,
-                        bytes_copied: t.bytes,
-                        fault_latency: t.latency,
-                    }
-                })
-                .collect();
-            ServerStatus {
-                uptime_secs: self.t0.elapsed().as_secs_f64(),
-                draining: l.draining,
-                pool_threads: self.threads.0,
-                prefetch_threads: self.threads.1,
-                sockets,
-                sessions,
-                refused: l.refused,
-                dropped: l.dropped,
-                #[cfg(feature = "store")]
-                store: (!self.frames.is_empty())
-                    .then(|| crate::store::StoreStatus::of(&self.frames)),
-            }
-        })
+            (live, l.ended.clone(), l.draining, l.refused, l.dropped)
+        });
+        let sessions: Vec<SessionStatus> = live
+            .into_iter()
+            .map(|(id, socket, pid, bytes, since, pooled)| SessionStatus {
+                id,
+                socket,
+                pid,
+                bytes,
+                age_secs: since.elapsed().as_secs_f64(),
+                engine: pooled.report(),
+            })
+            .collect();
+        let sockets = self
+            .sockets
+            .iter()
+            .enumerate()
+            .map(|(i, (path, mem))| {
+                let mut t = ended.get(&i).cloned().unwrap_or_default();
+                let live = sessions.iter().filter(|s| s.socket == i);
+                let mut serving = 0;
+                for s in live {
+                    serving += 1;
+                    t.sessions += 1;
+                    t.faults += s.engine.faults;
+                    t.bytes += s.engine.bytes_copied;
+                    t.latency = t.latency.merge(&s.engine.fault_latency);
+                }
+                SocketStatus {
+                    socket: i,
+                    path: path.clone(),
+                    mem_file: mem.clone(),
+                    serving,
+                    sessions: t.sessions,
+                    ended: t.ends,
+                    faults: t.faults,
+                    bytes_copied: t.bytes,
+                    fault_latency: t.latency,
+                }
+            })
+            .collect();
+        ServerStatus {
+            uptime_secs: self.t0.elapsed().as_secs_f64(),
+            draining,
+            pool_threads: self.threads.0,
+            prefetch_threads: self.threads.1,
+            sockets,
+            sessions,
+            refused,
+            dropped,
+            #[cfg(feature = "store")]
+            store: (!self.frames.is_empty()).then(|| crate::store::StoreStatus::of(&self.frames)),
+        }
     }
 }
