@@ -690,6 +690,34 @@ fn a_new_server_that_stops_reading_mid_hand_off_holds_nothing_up() {
     drop(stalled);
 }
 
+/// A command the control socket does not know is answered in JSON whatever it holds
+/// (quotes, control characters): before, the command was quoted as Rust quotes it, which
+/// is no JSON once it held either.
+#[test]
+fn an_unknown_command_is_answered_in_json() {
+    use std::io::{Read, Write};
+    need_uffd!();
+    let d = dir("unknown-command");
+    let mem = memory_file(&d, MIB, None);
+    let socket = d.join("uffd.sock");
+    let srv = Running::start(&[(&socket, &mem)], leave());
+    let (control, _control) = srv.control(&d.join("ctl.sock"));
+    let mut c = std::os::unix::net::UnixStream::connect(&control).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(b"st\x01a\"tus\n").unwrap();
+    let mut reply = String::new();
+    c.read_to_string(&mut reply).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(reply.trim()).unwrap_or_else(|e| panic!("{e}: {reply}"));
+    let e = v["error"].as_str().unwrap();
+    assert!(
+        e.starts_with("unknown command \"st\\u0001a\\\"tus\""),
+        "{e}"
+    );
+    let (r, log) = srv.drain();
+    r.unwrap_or_else(|e| panic!("{e}: {log}"));
+}
+
 /// A new server of an earlier version sends `handoff` and no acknowledgement: it is
 /// handed everything at once, its end mark as that version's was, byte for byte, and the
 /// old server returns with the VM handed off.

@@ -192,10 +192,15 @@ impl StatusHandle {
                     }
                     #[cfg(feature = "metrics")]
                     "metrics" => status.prometheus(),
-                    other => format!(
-                        "{{\"error\":\"unknown command {:?}: status, health, drain or metrics\"}}",
-                        other.chars().take(64).collect::<String>()
-                    ),
+                    // JSON whatever was sent (a control character as `\u0001`, not Rust's
+                    // `\u{1}`).
+                    other => serde_json::json!({
+                        "error": format!(
+                            "unknown command {}: status, health, drain or metrics",
+                            serde_json::Value::from(other.chars().take(64).collect::<String>())
+                        )
+                    })
+                    .to_string(),
                 };
                 write_reply(&mut s, format!("{reply}\n").as_bytes(), deadline);
             }
