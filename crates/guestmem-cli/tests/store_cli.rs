@@ -192,6 +192,21 @@ fn push_ls_pull_and_a_diff_on_a_base() {
     );
 }
 
+/// `guestmem snapshot push --frame-size 1M SRC TO`, which must succeed.
+fn push_1m(s3: &S3Server, src: &Path, to: &str) -> String {
+    ok(
+        s3,
+        &[
+            "snapshot",
+            "push",
+            "--frame-size",
+            "1M",
+            src.to_str().unwrap(),
+            to,
+        ],
+    )
+}
+
 /// gc deletes the frames no snapshot names (past the grace), and never one a snapshot
 /// still names; with a push's lease in the bucket it deletes nothing.
 #[test]
@@ -201,28 +216,8 @@ fn gc_deletes_only_what_no_snapshot_names() {
     let a = memory_file(&d, 4 * MIB, None);
     let b = d.join("b");
     std::fs::write(&b, vec![7u8; 2 * MIB]).unwrap();
-    ok(
-        &s3,
-        &[
-            "snapshot",
-            "push",
-            "--frame-size",
-            "1M",
-            a.to_str().unwrap(),
-            "s3://snaps/a",
-        ],
-    );
-    ok(
-        &s3,
-        &[
-            "snapshot",
-            "push",
-            "--frame-size",
-            "1M",
-            b.to_str().unwrap(),
-            "s3://snaps/b",
-        ],
-    );
+    push_1m(&s3, &a, "s3://snaps/a");
+    push_1m(&s3, &b, "s3://snaps/b");
     // b is deleted (its manifest): its one frame is named by nobody.
     std::fs::remove_dir_all(s3.bucket_dir(BUCKET).join("snapshots/b")).unwrap();
     let r = json(&ok(&s3, &["snapshot", "gc", "s3://snaps", "--json"]));
@@ -277,19 +272,7 @@ fn age(path: &Path, ago: Duration) {
 fn gc_ages_frames_and_leases_by_the_stores_clock() {
     let d = Scratch::new("store-gc-ages");
     let s3 = S3Server::start("gc-ages", &[BUCKET]);
-    let push = |src: &Path, to: &str| {
-        ok(
-            &s3,
-            &[
-                "snapshot",
-                "push",
-                "--frame-size",
-                "1M",
-                src.to_str().unwrap(),
-                to,
-            ],
-        )
-    };
+    let push = |src: &Path, to: &str| push_1m(&s3, src, to);
     let a = memory_file(&d, 4 * MIB, None);
     push(&a, "s3://snaps/a");
     let mut frames = frame_names(&s3);
@@ -358,17 +341,7 @@ fn a_vm_is_served_from_the_store_and_then_from_the_cache_alone() {
     let d = Scratch::new("store-serve");
     let mut s3 = S3Server::start("serve", &[BUCKET]);
     let mem = memory_file(&d, 16 * MIB, Some(9 * MIB));
-    ok(
-        &s3,
-        &[
-            "snapshot",
-            "push",
-            "--frame-size",
-            "1M",
-            mem.to_str().unwrap(),
-            "s3://snaps/vm",
-        ],
-    );
+    push_1m(&s3, &mem, "s3://snaps/vm");
     let cache = d.join("cache");
     let socket = d.join("uffd.sock");
     let extra = ["--cache-dir", cache.to_str().unwrap(), "--json"];
@@ -475,17 +448,7 @@ fn a_store_that_fails_mid_serve_ends_the_vm_with_the_reason() {
     let mem = memory_file(&d, 4 * MIB, None);
     for corrupt in [false, true] {
         let mut s3 = S3Server::start(if corrupt { "fail-hash" } else { "fail-gone" }, &[BUCKET]);
-        ok(
-            &s3,
-            &[
-                "snapshot",
-                "push",
-                "--frame-size",
-                "1M",
-                mem.to_str().unwrap(),
-                "s3://snaps/vm",
-            ],
-        );
+        push_1m(&s3, &mem, "s3://snaps/vm");
         if corrupt {
             // Every frame object's last byte flipped.
             for f in std::fs::read_dir(s3.bucket_dir(BUCKET).join("frames"))
@@ -534,17 +497,7 @@ fn many_vms_of_one_snapshot_fetch_each_frame_once() {
     let d = Scratch::new("store-fleet");
     let s3 = S3Server::start("fleet", &[BUCKET]);
     let mem = memory_file(&d, 8 * MIB, None);
-    ok(
-        &s3,
-        &[
-            "snapshot",
-            "push",
-            "--frame-size",
-            "1M",
-            mem.to_str().unwrap(),
-            "s3://snaps/vm",
-        ],
-    );
+    push_1m(&s3, &mem, "s3://snaps/vm");
     let socket = d.join("uffd.sock");
     let go = d.join("go");
     let cache = d.join("cache");
@@ -589,17 +542,7 @@ fn a_kill_9_mid_serve_from_the_store_loses_nothing_and_the_cache_is_reused() {
     let d = Scratch::new("store-kill9");
     let s3 = S3Server::start("kill9", &[BUCKET]);
     let mem = memory_file(&d, SIZE, None);
-    ok(
-        &s3,
-        &[
-            "snapshot",
-            "push",
-            "--frame-size",
-            "1M",
-            mem.to_str().unwrap(),
-            "s3://snaps/vm",
-        ],
-    );
+    push_1m(&s3, &mem, "s3://snaps/vm");
     let socket = d.join("uffd.sock");
     let (state, cache) = (d.join("state"), d.join("cache"));
     let args = [

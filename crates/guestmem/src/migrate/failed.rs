@@ -226,6 +226,13 @@ fn base_bytes() -> Vec<u8> {
     (0..MEM).map(|i| (i / 4096 % 251) as u8 + 1).collect()
 }
 
+/// What Firecracker is asked when a move fails past the Diff and the VM resumes here.
+const RESUMED: [&str; 3] = [
+    "PATCH /vm Paused",
+    "PUT /snapshot/create",
+    "PATCH /vm Resumed",
+];
+
 /// The base with the Diff's pages laid over.
 fn moved_bytes() -> Vec<u8> {
     let mut m = base_bytes();
@@ -243,15 +250,7 @@ fn a_move_refused_after_the_commit_pushes_its_writes_as_the_next_base() {
     let (e, seen) = rig.fail(Create::Writes, AfterCommit::Refuses, "moved");
     assert!(e.contains("could not resume"), "{e}");
     assert!(e.contains("--base s3://snaps/moved"), "{e}");
-    assert_eq!(
-        seen,
-        [
-            "PATCH /vm Paused",
-            "PUT /snapshot/create",
-            "PATCH /vm Resumed"
-        ],
-        "{e}"
-    );
+    assert_eq!(seen, RESUMED, "{e}");
     assert!(rig.pulled("moved") == moved_bytes(), "the pushed diff");
     assert!(
         !rig.dir.join("work/moved.mem").exists(),
@@ -268,7 +267,7 @@ fn a_move_unconfirmed_after_the_commit_stays_paused_and_pushes_its_writes() {
     let (e, seen) = rig.fail(Create::Writes, AfterCommit::Closes, "moved");
     assert!(e.contains("left paused"), "{e}");
     assert!(e.contains("--base s3://snaps/moved"), "{e}");
-    assert_eq!(seen, ["PATCH /vm Paused", "PUT /snapshot/create"], "{e}");
+    assert_eq!(seen, RESUMED[..2], "{e}");
     assert!(rig.pulled("moved") == moved_bytes(), "the pushed diff");
 }
 
@@ -280,14 +279,6 @@ fn a_diff_that_failed_midway_says_the_base_needs_a_full_snapshot() {
     let (e, seen) = rig.fail(Create::FailsMidway, AfterCommit::Closes, "moved");
     assert!(e.contains("push a Full snapshot"), "{e}");
     assert!(e.contains("s3://snaps/base"), "{e}");
-    assert_eq!(
-        seen,
-        [
-            "PATCH /vm Paused",
-            "PUT /snapshot/create",
-            "PATCH /vm Resumed"
-        ],
-        "{e}"
-    );
+    assert_eq!(seen, RESUMED, "{e}");
     assert!(!rig.dir.join("work/moved.mem").exists());
 }
