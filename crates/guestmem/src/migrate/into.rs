@@ -295,10 +295,12 @@ pub fn move_in(
                 let run = std::thread::Builder::new()
                     .name("guestmem-move-in".into())
                     .spawn(move || {
-                        let r = server.run();
-                        // The VM is no longer served: the wait for the push ends.
-                        let _ = crate::sys::eventfd_signal(served.as_fd());
-                        r
+                        // The VM is no longer served (the server returned, or panicked):
+                        // the wait for the push ends.
+                        let _signal = OnDrop(|| {
+                            let _ = crate::sys::eventfd_signal(served.as_fd());
+                        });
+                        server.run()
                     })
                     .map_err(|source| MoveError::Io {
                         op: "start the page server for",
@@ -558,5 +560,14 @@ struct RemovedOnDrop(PathBuf);
 impl Drop for RemovedOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Runs its function when dropped, a panic's unwinding included.
+struct OnDrop<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        (self.0)();
     }
 }

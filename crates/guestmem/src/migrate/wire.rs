@@ -130,16 +130,18 @@ impl Wire {
         // Each side waits on the other without a limit at times (the source for the
         // destination's word after its commit, the destination for the push): a peer whose
         // host went away (no FIN, no RST) ends that wait within a minute and a half.
-        crate::sys::tcp_keepalive(
+        let probed = crate::sys::tcp_keepalive(
             s.as_fd(),
             KEEPALIVE_IDLE,
             KEEPALIVE_INTERVAL,
             KEEPALIVE_PROBES,
-        )
-        .map_err(|e| MoveError::Wire {
-            peer: peer.clone(),
-            reason: format!("set TCP keepalive: {e}"),
-        })?;
+        );
+        if let Err(e) = probed {
+            tracing::warn!(
+                "move connection with {peer}: no TCP keepalive ({e}): a wait on it without a \
+                 limit of its own ends only when the other side closes"
+            );
+        }
         let writer = s.try_clone().map_err(|e| MoveError::Wire {
             peer: peer.clone(),
             reason: e.to_string(),

@@ -108,28 +108,40 @@ pub const MAX_CACHE_BYTES: u64 = 1 << 50;
 /// written: a cache opening leaves it.
 const YOUNG: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// Refuses `d` as a cache directory unless it is a directory itself (not a link to one:
-/// a cache removes files it does not know in its `segments/`) that this process's user
-/// owns and no one else may write to (anyone who can write there can plant records the
-/// server would read, and its checksum names no writer).
-fn own_dir(d: &Path) -> std::io::Result<()> {
-    let m = d.symlink_metadata()?;
-    let why = if !m.file_type().is_dir() {
-        "not a directory (a symbolic link?)".to_string()
-    } else if m.uid() != crate::sys::euid() {
-        format!("owned by uid {}, not this process's user", m.uid())
-    } else if m.mode() & 0o022 != 0 {
-        format!(
-            "others may write to it (mode {:o}): chmod go-w it",
-            m.mode() & 0o7777
-        )
-    } else {
-        return Ok(());
+/// Refuses `d` as a cache directory unless it is a directory that this process's user
+/// owns; one others may write to is made theirs no more (`chmod go-w`, said in the log):
+/// anyone who can write there can plant records the server would read, and its checksum
+/// names no writer. With `may_link` (the folder given) it may be a symbolic link to one;
+/// `segments/` may not (a cache removes files it does not know there: through a link, at
+/// the link's target).
+fn own_dir(d: &Path, may_link: bool) -> std::io::Result<()> {
+    let m = match may_link {
+        true => std::fs::metadata(d)?,
+        false => d.symlink_metadata()?,
     };
-    Err(std::io::Error::new(
-        std::io::ErrorKind::PermissionDenied,
-        why,
-    ))
+    let refuse = |why: String| {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            why,
+        ))
+    };
+    if !m.file_type().is_dir() {
+        return refuse("not a directory (a symbolic link?)".into());
+    }
+    if m.uid() != crate::sys::euid() {
+        return refuse(format!("owned by uid {}, not this process's user", m.uid()));
+    }
+    let mode = m.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode & !0o022))?;
+        tracing::warn!(
+            "cache directory {}: others could write to it (mode {mode:o}): made {:o}",
+            d.display(),
+            mode & !0o022
+        );
+    }
+    Ok(())
 }
 
 fn is_io_full(e: &std::io::Error) -> bool {
@@ -160,8 +172,8 @@ impl FrameCache {
             .mode(0o700)
             .create(&segdir)
             .map_err(io("create the cache directory", &segdir))?;
-        for d in [dir, segdir.as_path()] {
-            own_dir(d).map_err(io("use as the cache directory", d))?;
+        for (d, may_link) in [(dir, true), (segdir.as_path(), false)] {
+            own_dir(d, may_link).map_err(io("use as the cache directory", d))?;
         }
         let old = dir.join("frames");
         if old.symlink_metadata().is_ok_and(|m| m.is_dir()) {
@@ -1267,12 +1279,14 @@ mod tests {
         }
     }
 
-    /// A cache directory someone else could plant files in is refused, naming why: a
-    /// `segments` that is a link (a cache removes what it does not know there, so the
-    /// link's target would lose its files), or a folder others may write to. Nothing at
-    /// the link's target is touched.
+    /// A cache directory someone else could plant files in is refused, naming why, or made
+    /// the server's user's alone: a `segments` that is a link is refused (a cache removes
+    /// what it does not know there, so the link's target would lose its files), as is a
+    /// folder another user owns; one others may write to is made `go-w`. The folder given
+    /// may itself be a link (a cache on another disk). Nothing at the link's target is
+    /// touched.
     #[test]
-    fn a_cache_folder_others_could_plant_files_in_is_refused() {
+    fn a_cache_folder_others_could_plant_files_in_is_refused_or_made_private() {
         use std::os::unix::fs::PermissionsExt;
         let scratch = guestmem_testkit::Scratch::new("cache-planted");
         let elsewhere = scratch.join("elsewhere");
@@ -1292,15 +1306,27 @@ mod tests {
         let open = scratch.join("open");
         std::fs::create_dir(&open).unwrap();
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
-        let Err(e) = FrameCache::open(&open, 1 << 20) else {
-            panic!("a folder others may write to opened");
-        };
-        assert!(e.to_string().contains("mode 777"), "{e}");
-        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
         FrameCache::open(&open, 1 << 20).unwrap();
+        let mode = std::fs::metadata(&open).unwrap().mode() & 0o777;
+        assert_eq!(mode, 0o755, "{mode:o}");
         // The segments folder it makes is its user's alone.
         let mode = std::fs::metadata(open.join("segments")).unwrap().mode();
         assert_eq!(mode & 0o077, 0, "{mode:o}");
+        // A link to a folder of its own, given as the folder: taken.
+        let to_open = scratch.join("to-open");
+        std::os::unix::fs::symlink(&open, &to_open).unwrap();
+        FrameCache::open(&to_open, 1 << 20).unwrap();
+        // Another user's (root can make one): refused.
+        let theirs = scratch.join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        if std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).is_ok()
+            && crate::sys::euid() != 65534
+        {
+            let Err(e) = FrameCache::open(&theirs, 1 << 20) else {
+                panic!("another user's folder opened");
+            };
+            assert!(e.to_string().contains("owned by uid 65534"), "{e}");
+        }
     }
 
     /// Headers of no length, or of a length no frame has (not whole pages), are not

@@ -286,6 +286,8 @@ impl Server {
         // Those no longer served here: with an acknowledgement, the first failure stops
         // the hand-off, and only these are served again.
         let mut stopped = Vec::new();
+        // Why the connection failed, once a send on it did.
+        let mut broken: Option<String> = None;
         for &id in &ids {
             if acknowledged && failed.is_some() {
                 break;
@@ -310,12 +312,25 @@ impl Server {
                 }),
                 _ => None,
             };
-            let handed = record_of(s, &self.sockets[s.socket].memory, true)
-                .map_err(std::io::Error::other)
-                .and_then(|r| {
-                    let removed = removed.as_ref().map(|f| f.as_raw_fd());
-                    out.session(s.socket, r, s.uffd_fd().as_raw_fd(), removed)
-                });
+            // Once a send failed (a new server that stopped reading made it wait its
+            // SEND_WAIT), the connection is no good: the rest are not sent, each would wait
+            // as long again (reached only without an acknowledgement, which stops at the
+            // first failure).
+            let handed = match &broken {
+                Some(e) => Err(std::io::Error::other(format!(
+                    "not sent: an earlier send on this hand-off failed ({e})"
+                ))),
+                None => record_of(s, &self.sockets[s.socket].memory, true)
+                    .map_err(std::io::Error::other)
+                    .and_then(|r| {
+                        let removed = removed.as_ref().map(|f| f.as_raw_fd());
+                        let sent = out.session(s.socket, r, s.uffd_fd().as_raw_fd(), removed);
+                        if let Err(e) = &sent {
+                            broken = Some(e.to_string());
+                        }
+                        sent
+                    }),
+            };
             if handed.is_err() && s.process().pidfd().is_some_and(crate::sys::is_readable) {
                 exited.push(id);
                 continue;
