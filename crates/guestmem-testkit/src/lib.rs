@@ -23,6 +23,29 @@ use std::time::{Duration, Instant};
 pub mod firecracker;
 pub mod s3;
 
+/// A one-request HTTP server on 127.0.0.1 (a port of its own): it takes one connection,
+/// reads one request's head, and hands the connection to `answer` on its thread. Its
+/// address, and the thread (what `answer` returned).
+pub fn http_once<T: Send + 'static>(
+    answer: impl FnOnce(std::net::TcpStream) -> T + Send + 'static,
+) -> (std::net::SocketAddr, std::thread::JoinHandle<T>) {
+    use std::io::BufRead;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
+    let addr = l.local_addr().expect("its address");
+    let t = std::thread::spawn(move || {
+        let (s, _) = l.accept().expect("a connection");
+        let mut r = std::io::BufReader::new(s.try_clone().expect("a second handle"));
+        loop {
+            let mut h = String::new();
+            if r.read_line(&mut h).expect("the request's head") == 0 || h == "\r\n" {
+                break;
+            }
+        }
+        answer(s)
+    });
+    (addr, t)
+}
+
 static HOST: Mutex<()> = Mutex::new(());
 
 /// Takes the one lock for host-wide resources (held until the guard drops). A test that

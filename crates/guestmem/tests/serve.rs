@@ -115,6 +115,27 @@ impl Running {
     }
 }
 
+/// A server of a memory file of `size` bytes in `dir(name)` that only faults bring in
+/// (no prefetch), with a control socket: its folder, VM socket, the server, the control
+/// socket's path and what serves it.
+fn faults_only_with_control(
+    name: &str,
+    size: usize,
+) -> (Scratch, PathBuf, Running, PathBuf, guestmem::serve::Exposed) {
+    let d = dir(name);
+    let mem = memory_file(&d, size, None);
+    let socket = d.join("uffd.sock");
+    let srv = Running::start(
+        &[(&socket, &mem)],
+        ServerConfig {
+            prefetch_threads: 0,
+            ..leave()
+        },
+    );
+    let (control, exposed) = srv.control(&d.join("ctl.sock"));
+    (d, socket, srv, control, exposed)
+}
+
 /// A one-VM server's settings.
 fn one(cfg: ServerConfig) -> ServerConfig {
     ServerConfig {
@@ -583,17 +604,7 @@ fn served_until_it_exits(name: &str, does: ChildDoes) {
 fn a_take_over_dropped_before_it_is_confirmed_gives_nothing_away() {
     need_uffd!();
     const SIZE: usize = 8 * MIB;
-    let d = dir("take-over-dropped");
-    let mem = memory_file(&d, SIZE, None);
-    let socket = d.join("uffd.sock");
-    let srv = Running::start(
-        &[(&socket, &mem)],
-        ServerConfig {
-            prefetch_threads: 0,
-            ..leave()
-        },
-    );
-    let (control, _control) = srv.control(&d.join("ctl.sock"));
+    let (_d, socket, srv, control, _control) = faults_only_with_control("take-over-dropped", SIZE);
     let mut vm = Standin::new(&[SIZE], false).unwrap();
     vm.connect(&socket).unwrap();
     for p in 0..SIZE / 2 / PAGE {
@@ -647,17 +658,8 @@ fn a_new_server_that_stops_reading_mid_hand_off_holds_nothing_up() {
     need_uffd!();
     // A whole number of MiB: the memory file is made a MiB at a time.
     const REGIONS: usize = 4096;
-    let d = dir("take-over-stalled");
-    let mem = memory_file(&d, REGIONS * PAGE, None);
-    let socket = d.join("uffd.sock");
-    let srv = Running::start(
-        &[(&socket, &mem)],
-        ServerConfig {
-            prefetch_threads: 0,
-            ..leave()
-        },
-    );
-    let (control, _control) = srv.control(&d.join("ctl.sock"));
+    let (_d, socket, srv, control, _control) =
+        faults_only_with_control("take-over-stalled", REGIONS * PAGE);
     let mut vm = Standin::new(&[PAGE; REGIONS], false).unwrap();
     vm.connect(&socket).unwrap();
     for p in 0..REGIONS / 2 {
@@ -770,17 +772,8 @@ fn a_new_server_of_an_earlier_version_is_handed_everything_at_once() {
 fn a_new_server_of_the_version_before_is_sent_no_removed_pages() {
     use std::io::{BufRead, BufReader, Write};
     need_uffd!();
-    let d = dir("take-over-before-removed");
-    let mem = memory_file(&d, 4 * MIB, None);
-    let socket = d.join("uffd.sock");
-    let srv = Running::start(
-        &[(&socket, &mem)],
-        ServerConfig {
-            prefetch_threads: 0,
-            ..leave()
-        },
-    );
-    let (control, _control) = srv.control(&d.join("ctl.sock"));
+    let (_d, socket, srv, control, _control) =
+        faults_only_with_control("take-over-before-removed", 4 * MIB);
     let mut vm = Standin::new(&[4 * MIB], true).unwrap();
     vm.connect(&socket).unwrap();
     vm.remove(MIB, 4 * PAGE).unwrap();

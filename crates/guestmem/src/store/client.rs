@@ -578,19 +578,8 @@ mod tests {
     /// Before, the body was read whole (here 256 MiB) and refused after.
     #[test]
     fn a_chunked_answer_past_its_cap_is_cut_off_as_it_comes() {
-        use std::io::{BufRead, BufReader, Write};
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let store = std::thread::spawn(move || {
-            let (s, _) = l.accept().unwrap();
-            let mut r = BufReader::new(s.try_clone().unwrap());
-            loop {
-                let mut h = String::new();
-                if r.read_line(&mut h).unwrap() == 0 || h == "\r\n" {
-                    break;
-                }
-            }
-            let mut w = s;
+        use std::io::Write;
+        let (addr, store) = guestmem_testkit::http_once(|mut w| {
             w.write_all(
                 b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\ntransfer-encoding: chunked\r\n\
                   etag: \"x\"\r\nlast-modified: Sun, 29 Nov 2026 00:00:00 GMT\r\n\r\n",

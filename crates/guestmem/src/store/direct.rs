@@ -652,18 +652,7 @@ mod tests {
     #[test]
     fn an_answer_that_trickles_in_ends_at_its_deadline() {
         use std::io::Write;
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let source = std::thread::spawn(move || {
-            let (s, _) = l.accept().unwrap();
-            let mut r = BufReader::new(s.try_clone().unwrap());
-            loop {
-                let mut h = String::new();
-                if r.read_line(&mut h).unwrap() == 0 || h == "\r\n" {
-                    break;
-                }
-            }
-            let mut w = s;
+        let (addr, source) = guestmem_testkit::http_once(|mut w| {
             let _ = w.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 65536\r\n\r\n");
             for _ in 0..65536 {
                 if w.write_all(b"x").is_err() {
