@@ -20,7 +20,6 @@ use std::thread::JoinHandle;
 
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto::Builder as ConnBuilder;
-use s3s::auth::SimpleAuth;
 use s3s::dto::*;
 use s3s::service::S3ServiceBuilder;
 use s3s::stream::{ByteStream, RemainingLength};
@@ -42,6 +41,24 @@ struct Seen {
     head_delay_us: std::sync::atomic::AtomicU64,
     /// How long every GET waits before it is answered, microseconds (`delay_gets`).
     get_delay_us: std::sync::atomic::AtomicU64,
+    /// The one access key accepted and its secret, when not [`ACCESS_KEY`] (`rotate_key`).
+    key: std::sync::RwLock<Option<(String, String)>>,
+}
+
+/// The server's signature check: one access key, [`ACCESS_KEY`] until rotated.
+struct OneKey(std::sync::Arc<Seen>);
+
+#[async_trait::async_trait]
+impl s3s::auth::S3Auth for OneKey {
+    async fn get_secret_key(&self, access_key: &str) -> S3Result<s3s::auth::SecretKey> {
+        let key = self.0.key.read().expect("the server's key").clone();
+        let (k, secret) = key.unwrap_or_else(|| (ACCESS_KEY.into(), SECRET_KEY.into()));
+        if access_key == k {
+            Ok(secret.into())
+        } else {
+            Err(s3s::s3_error!(InvalidAccessKeyId, "no such access key"))
+        }
+    }
 }
 
 /// A running S3 server; stopped, joined and its folder removed on drop.
@@ -111,7 +128,7 @@ impl S3Server {
                         writes: std::array::from_fn(|_| tokio::sync::Mutex::new(())),
                         seen: std::sync::Arc::clone(&seen_here),
                     });
-                    b.set_auth(SimpleAuth::from_single(ACCESS_KEY, SECRET_KEY));
+                    b.set_auth(OneKey(std::sync::Arc::clone(&seen_here)));
                     let service = b.build();
                     let listener = tokio::net::TcpListener::from_std(listener).expect("to tokio");
                     let http = ConnBuilder::new(TokioExecutor::new());
@@ -207,6 +224,12 @@ impl S3Server {
             delay.as_micros() as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
+    }
+
+    /// From now on, requests are accepted signed with `key` and `secret` only (as a
+    /// temporary credential replaced by the next: the last one refused).
+    pub fn rotate_key(&self, key: &str, secret: &str) {
+        *self.seen.key.write().expect("the server's key") = Some((key.into(), secret.into()));
     }
 
     /// The keys of the GETs since [`S3Server::log_gets`], in the order they came.

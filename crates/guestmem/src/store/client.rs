@@ -18,10 +18,12 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ClientOptions, ObjectMeta, ObjectStore, ObjectStoreExt, RetryConfig};
 
 use super::manifest::MAX_MANIFEST_BYTES;
-use super::profile::Profile;
+use super::profile::ProfileFiles;
 use super::StoreError;
+use creds::{FromProfile, Secrets};
 use lane::Lane;
 
+mod creds;
 mod lane;
 mod write;
 
@@ -43,8 +45,12 @@ pub struct Client {
     shown_root: String,
     /// Where requests go, for messages (no credential in it).
     endpoint: String,
-    /// Strings never to let out: the secret key, the session token, the key id.
-    secrets: Vec<String>,
+    /// Strings never to let out: the secret key, the session token, the key id (the last
+    /// few sets, where they follow the profile files), the endpoint's password.
+    secrets: Arc<Secrets>,
+    /// The credentials, where they follow the profile files (a refusal then may pass once
+    /// the next are written: see `creds`).
+    creds: Option<Arc<FromProfile>>,
     /// A move's source, read by a faulting thread itself ([`super::direct`]).
     direct: Option<super::direct::Direct>,
     /// A locked move source's key for the seals of pieces named later.
@@ -92,7 +98,10 @@ impl Client {
         bucket: &str,
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Client, StoreError> {
-        let profile = Profile::from_files(env);
+        let files = ProfileFiles::locate(env);
+        // Before the read: a rewrite in between is seen at the first request.
+        let stamp = files.stamp();
+        let profile = files.read();
         let pick = |vars: &[&str], from_profile: &Option<String>| {
             vars.iter()
                 .find_map(|v| env(v))
@@ -101,15 +110,16 @@ impl Client {
         // The key, secret and token come as one set from the first source that has a key
         // and a secret (as the AWS SDKs take them): an environment's long-term key signed
         // with a profile's temporary token is refused by the store.
-        let (key_id, secret, token) = match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY"))
-        {
-            (Some(k), Some(s)) => (Some(k), Some(s), env("AWS_SESSION_TOKEN")),
-            _ => (
-                profile.access_key_id.clone(),
-                profile.secret_access_key.clone(),
-                profile.session_token.clone(),
-            ),
-        };
+        let (key_id, secret, token, from_profile) =
+            match (env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY")) {
+                (Some(k), Some(s)) => (Some(k), Some(s), env("AWS_SESSION_TOKEN"), false),
+                _ => (
+                    profile.access_key_id.clone(),
+                    profile.secret_access_key.clone(),
+                    profile.session_token.clone(),
+                    true,
+                ),
+            };
         let region = pick(&["AWS_REGION", "AWS_DEFAULT_REGION"], &profile.region)
             .unwrap_or_else(|| "us-east-1".into());
         let endpoint = pick(
@@ -123,12 +133,14 @@ impl Client {
             .as_deref()
             .and_then(|u| u.split_once(':'))
             .map(|(_, p)| p.to_string());
-        let secrets: Vec<String> = [&key_id, &secret, &token, &userinfo, &password]
-            .into_iter()
-            .flatten()
-            .filter(|s| s.len() >= 4)
-            .cloned()
-            .collect();
+        let secrets = Arc::new(Secrets::new(
+            [userinfo.clone(), password].into_iter().flatten().collect(),
+            [&key_id, &secret, &token]
+                .into_iter()
+                .flatten()
+                .cloned()
+                .collect(),
+        ));
         let options = ClientOptions::new()
             .with_allow_http(
                 endpoint
@@ -169,14 +181,54 @@ impl Client {
                 format!("https://{bucket}.s3.{region}.amazonaws.com")
             }
         };
+        let mut creds = None;
         match (&key_id, &secret) {
+            (Some(k), Some(s)) if from_profile => {
+                // Read again as the files change (a helper writes the next session token
+                // before the last expires): see `creds`.
+                let cred = object_store::aws::AwsCredential {
+                    key_id: k.clone(),
+                    secret_key: s.clone(),
+                    token: token.clone(),
+                };
+                let from = Arc::new(FromProfile::new(files, stamp, cred, Arc::clone(&secrets)));
+                creds = Some(Arc::clone(&from));
+                b = b.with_credentials(from);
+            }
             (Some(k), Some(s)) => {
                 b = b.with_access_key_id(k).with_secret_access_key(s);
                 if let Some(t) = &token {
                     b = b.with_token(t);
                 }
             }
-            (None, None) => {}
+            (None, None) => {
+                // No key here: object_store's providers that fetch and refresh their own
+                // (a web identity, as on EKS; a container's, as on ECS and EKS Pod
+                // Identity; else the instance's metadata service), configured as the AWS
+                // SDKs read them.
+                for (var, key) in [
+                    ("AWS_WEB_IDENTITY_TOKEN_FILE", AmazonS3ConfigKey::WebIdentityTokenFile),
+                    ("AWS_ROLE_ARN", AmazonS3ConfigKey::RoleArn),
+                    ("AWS_ROLE_SESSION_NAME", AmazonS3ConfigKey::RoleSessionName),
+                    ("AWS_ENDPOINT_URL_STS", AmazonS3ConfigKey::StsEndpoint),
+                    (
+                        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                        AmazonS3ConfigKey::ContainerCredentialsRelativeUri,
+                    ),
+                    (
+                        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                        AmazonS3ConfigKey::ContainerCredentialsFullUri,
+                    ),
+                    (
+                        "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
+                        AmazonS3ConfigKey::ContainerAuthorizationTokenFile,
+                    ),
+                ] {
+                    if let Some(v) = env(var) {
+                        b = b.with_config(key, v);
+                    }
+                }
+            }
             _ => {
                 return Err(StoreError::Config {
                     bucket: bucket.into(),
@@ -184,7 +236,7 @@ impl Client {
                 })
             }
         }
-        let redact = |s: String| redact(&secrets, s);
+        let redact = |s: String| secrets.redact(s);
         let build = |b: AmazonS3Builder| {
             b.build().map_err(|e| StoreError::Config {
                 bucket: bucket.into(),
@@ -198,6 +250,7 @@ impl Client {
             shown_root: format!("s3://{bucket}"),
             endpoint: shown,
             secrets,
+            creds,
             direct: None,
             seal: None,
             lane_from: Some(b),
@@ -268,7 +321,11 @@ impl Client {
             bucket: base.into(),
             shown_root: base.trim_end_matches('/').into(),
             endpoint: base.into(),
-            secrets: token.map(String::from).into_iter().collect(),
+            secrets: Arc::new(Secrets::new(
+                token.map(String::from).into_iter().collect(),
+                Vec::new(),
+            )),
+            creds: None,
             direct: super::direct::Direct::new(base, token),
             seal: None,
             lane_from: None,
@@ -285,7 +342,8 @@ impl Client {
             bucket: name.into(),
             shown_root: format!("mem://{name}"),
             endpoint: format!("mem://{name}"),
-            secrets: Vec::new(),
+            secrets: Arc::default(),
+            creds: None,
             direct: None,
             seal: None,
             lane_from: None,
@@ -310,7 +368,7 @@ impl Client {
 
     /// `s` with every credential replaced by `[redacted]`.
     pub(crate) fn redact(&self, s: String) -> String {
-        redact(&self.secrets, s)
+        self.secrets.redact(s)
     }
 
     /// Runs `f` to its end on the client's runtime, from a thread outside it.
@@ -332,12 +390,22 @@ impl Client {
     pub(crate) fn error(&self, op: &'static str, key: &str, e: object_store::Error) -> StoreError {
         // The client maps the store's 404, 403 and 401 to these; a listing's errors come
         // back generic, and are retried like any other (none is retried past its deadline).
-        let permanent = matches!(
+        // A refusal is final for keys that cannot change; for a profile's, the files are
+        // looked at again before the next request, and the fault asks again until its
+        // deadline (a helper late with the next session token; a key revoked for good
+        // costs the deadline, then the VM is ended as for a store gone away).
+        let refused = matches!(
             e,
-            object_store::Error::NotFound { .. }
-                | object_store::Error::PermissionDenied { .. }
+            object_store::Error::PermissionDenied { .. }
                 | object_store::Error::Unauthenticated { .. }
         );
+        if refused {
+            if let Some(c) = &self.creds {
+                c.look_again();
+            }
+        }
+        let permanent =
+            matches!(e, object_store::Error::NotFound { .. }) || (refused && self.creds.is_none());
         StoreError::Request {
             op,
             url: self.url(key),
@@ -559,15 +627,6 @@ fn userinfo(url: &str) -> Option<String> {
     authority.rsplit_once('@').map(|(u, _)| u.to_string())
 }
 
-fn redact(secrets: &[String], mut s: String) -> String {
-    for k in secrets {
-        if s.contains(k.as_str()) {
-            s = s.replace(k.as_str(), "[redacted]");
-        }
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::Client;
@@ -620,6 +679,112 @@ mod tests {
 
     /// A user and password in the endpoint's URL are secrets: left out of the endpoint
     /// shown, and redacted from any text the client lets out.
+    #[test]
+    fn a_profiles_credentials_are_read_again_when_its_files_change() {
+        use guestmem_testkit::s3::{S3Server, ACCESS_KEY, SECRET_KEY};
+        let s3 = S3Server::start("rotate", &["snaps"]);
+        std::fs::write(s3.bucket_dir("snaps").join("x"), b"frame").unwrap();
+        let scratch = guestmem_testkit::Scratch::new("rotate");
+        let creds = scratch.join("credentials");
+        let write = |key: &str, secret: &str, token: &str| {
+            format!(
+                "[default]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\naws_session_token = {token}\n"
+            )
+        };
+        std::fs::write(&creds, write(ACCESS_KEY, SECRET_KEY, "token-1")).unwrap();
+        let (endpoint, at, none) = (
+            s3.endpoint(),
+            creds.display().to_string(),
+            scratch.join("no-config").display().to_string(),
+        );
+        let env = move |k: &str| match k {
+            "AWS_ENDPOINT_URL" => Some(endpoint.clone()),
+            "AWS_SHARED_CREDENTIALS_FILE" => Some(at.clone()),
+            "AWS_CONFIG_FILE" => Some(none.clone()),
+            _ => None,
+        };
+        let c = Client::connect_with("snaps", &env).unwrap();
+        assert_eq!(c.get("x").unwrap().as_deref(), Some(&b"frame"[..]));
+
+        // The session ends: the store takes only the next key. A refusal is not final for a
+        // profile's keys, and has the files looked at again before the next request.
+        s3.rotate_key("GMROTATEDKEY2", "gm-rotated-secret-2");
+        let e = c.get("x").unwrap_err();
+        assert!(e.is_transient(), "{e}");
+        let said = e.to_string();
+        assert!(said.contains("403"), "{said}");
+        assert!(
+            !said.contains(SECRET_KEY) && !said.contains("token-1"),
+            "{said}"
+        );
+        // A helper writes the next key as a new file renamed over the old.
+        let next = scratch.join("credentials.new");
+        std::fs::write(
+            &next,
+            write("GMROTATEDKEY2", "gm-rotated-secret-2", "token-2"),
+        )
+        .unwrap();
+        std::fs::rename(&next, &creds).unwrap();
+        assert_eq!(c.get("x").unwrap().as_deref(), Some(&b"frame"[..]));
+        let said = c.redact("gm-rotated-secret-2 token-2 GMROTATEDKEY2".into());
+        assert_eq!(said, "[redacted] [redacted] [redacted]");
+
+        // With no refusal, a change is seen within `RECHECK`; here written in place.
+        s3.rotate_key("GMROTATEDKEY3", "gm-rotated-secret-3");
+        std::fs::write(
+            &creds,
+            write("GMROTATEDKEY3", "gm-rotated-secret-3", "token-3"),
+        )
+        .unwrap();
+        std::thread::sleep(super::creds::RECHECK + std::time::Duration::from_millis(100));
+        assert_eq!(c.get("x").unwrap().as_deref(), Some(&b"frame"[..]));
+
+        // Keys from the environment cannot change: their refusal is final.
+        let (endpoint, none) = (s3.endpoint(), scratch.join("none").display().to_string());
+        let env = move |k: &str| match k {
+            "AWS_ENDPOINT_URL" => Some(endpoint.clone()),
+            "AWS_ACCESS_KEY_ID" => Some(ACCESS_KEY.into()),
+            "AWS_SECRET_ACCESS_KEY" => Some(SECRET_KEY.into()),
+            "AWS_SHARED_CREDENTIALS_FILE" | "AWS_CONFIG_FILE" => Some(none.clone()),
+            _ => None,
+        };
+        let e = Client::connect_with("snaps", &env)
+            .unwrap()
+            .get("x")
+            .unwrap_err();
+        assert!(!e.is_transient(), "{e}");
+    }
+
+    /// With no key in the environment or the profile, the variables of the providers that
+    /// fetch their own reach object_store (whose `AmazonS3Builder::new` reads none).
+    #[test]
+    fn a_web_identity_or_a_containers_credentials_are_configured_from_the_environment() {
+        use object_store::aws::AmazonS3ConfigKey as K;
+        let env = |k: &str| match k {
+            "AWS_WEB_IDENTITY_TOKEN_FILE" => Some("/var/run/token".to_string()),
+            "AWS_ROLE_ARN" => Some("arn:aws:iam::1:role/gm".to_string()),
+            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI" => Some("/v2/creds".to_string()),
+            "AWS_SHARED_CREDENTIALS_FILE" | "AWS_CONFIG_FILE" => Some("/nonexistent".to_string()),
+            _ => None,
+        };
+        let c = Client::connect_with("b", &env).unwrap();
+        let b = c.lane_from.as_ref().unwrap();
+        assert_eq!(
+            b.get_config_value(&K::WebIdentityTokenFile).as_deref(),
+            Some("/var/run/token")
+        );
+        assert_eq!(
+            b.get_config_value(&K::RoleArn).as_deref(),
+            Some("arn:aws:iam::1:role/gm")
+        );
+        assert_eq!(
+            b.get_config_value(&K::ContainerCredentialsRelativeUri)
+                .as_deref(),
+            Some("/v2/creds")
+        );
+        assert_eq!(b.get_config_value(&K::AccessKeyId), None);
+    }
+
     #[test]
     fn an_endpoints_password_is_never_shown() {
         let get = |k: &str| match k {

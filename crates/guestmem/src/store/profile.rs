@@ -19,11 +19,20 @@ pub(crate) struct Profile {
 /// Largest profile file read.
 const MAX_FILE_BYTES: u64 = 1 << 20;
 
-impl Profile {
-    /// The profile `AWS_PROFILE` (or `default`) from the files `AWS_CONFIG_FILE` and
-    /// `AWS_SHARED_CREDENTIALS_FILE` name (else under `$HOME/.aws`); the credentials file wins
-    /// where both say. Files that are not there say nothing.
-    pub(crate) fn from_files(env: &dyn Fn(&str) -> Option<String>) -> Profile {
+/// Where a profile is read from: its name and the two files, as the environment said when
+/// the client was made (a process's environment does not change; the files may: a
+/// credential helper rewrites them before a session token expires).
+#[derive(Debug, Clone)]
+pub(crate) struct ProfileFiles {
+    name: String,
+    config: Option<PathBuf>,
+    credentials: Option<PathBuf>,
+}
+
+impl ProfileFiles {
+    /// The profile `AWS_PROFILE` (or `default`) in the files `AWS_CONFIG_FILE` and
+    /// `AWS_SHARED_CREDENTIALS_FILE` name (else under `$HOME/.aws`).
+    pub(crate) fn locate(env: &dyn Fn(&str) -> Option<String>) -> ProfileFiles {
         let name = env("AWS_PROFILE").unwrap_or_else(|| "default".into());
         let home = env("HOME").map(PathBuf::from);
         let at = |var: &str, file: &str| {
@@ -31,20 +40,50 @@ impl Profile {
                 .map(PathBuf::from)
                 .or_else(|| home.as_ref().map(|h| h.join(".aws").join(file)))
         };
+        ProfileFiles {
+            name,
+            config: at("AWS_CONFIG_FILE", "config"),
+            credentials: at("AWS_SHARED_CREDENTIALS_FILE", "credentials"),
+        }
+    }
+
+    /// What the files say now; the credentials file wins where both say. Files that are not
+    /// there say nothing.
+    pub(crate) fn read(&self) -> Profile {
         let mut p = Profile::default();
         // In the config file a profile other than default is `[profile NAME]`.
-        let config_section = if name == "default" {
+        let config_section = if self.name == "default" {
             "default".to_string()
         } else {
-            format!("profile {name}")
+            format!("profile {}", self.name)
         };
-        if let Some(text) = at("AWS_CONFIG_FILE", "config").and_then(read) {
+        if let Some(text) = self.config.clone().and_then(read) {
             p.apply(&parse_ini(&text), &config_section);
         }
-        if let Some(text) = at("AWS_SHARED_CREDENTIALS_FILE", "credentials").and_then(read) {
-            p.apply(&parse_ini(&text), &name);
+        if let Some(text) = self.credentials.clone().and_then(read) {
+            p.apply(&parse_ini(&text), &self.name);
         }
         p
+    }
+
+    /// What tells a rewrite of either file: each one's inode, length and change time (a
+    /// helper that writes a new file and renames it over the old gives a new inode; one
+    /// that writes in place, a new change time).
+    pub(crate) fn stamp(&self) -> [Option<(u64, u64, i64, i64)>; 2] {
+        use std::os::unix::fs::MetadataExt;
+        let one = |p: &Option<PathBuf>| {
+            let m = std::fs::metadata(p.as_ref()?).ok()?;
+            Some((m.ino(), m.len(), m.ctime(), m.ctime_nsec()))
+        };
+        [one(&self.config), one(&self.credentials)]
+    }
+}
+
+impl Profile {
+    /// [`ProfileFiles::locate`] and [`ProfileFiles::read`] at once.
+    #[cfg(test)]
+    pub(crate) fn from_files(env: &dyn Fn(&str) -> Option<String>) -> Profile {
+        ProfileFiles::locate(env).read()
     }
 
     fn apply(&mut self, ini: &BTreeMap<String, BTreeMap<String, String>>, section: &str) {
