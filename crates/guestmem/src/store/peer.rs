@@ -31,6 +31,22 @@ const IDLE_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 /// request written to it as it closes fails before its answer and is sent again).
 const FIRST_REQUEST_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// A connection whose reader stops taking what is sent (its window shut, or its host gone)
+/// is reset once data has waited this long to be taken (`TCP_USER_TIMEOUT`, with keepalive
+/// probes of an idle one): a request's answer half written holds its place no longer.
+#[cfg(not(test))]
+const STALL: (std::time::Duration, std::time::Duration, u32) = (
+    std::time::Duration::from_secs(10),
+    std::time::Duration::from_secs(5),
+    4,
+);
+#[cfg(test)]
+const STALL: (std::time::Duration, std::time::Duration, u32) = (
+    std::time::Duration::from_secs(1),
+    std::time::Duration::from_secs(1),
+    1,
+);
+
 /// What the source host served.
 #[derive(Debug, Default)]
 pub struct PeerCounters {
@@ -151,6 +167,12 @@ impl PeerServer {
                     }
                 };
                 let _ = stream.set_nodelay(true);
+                {
+                    use std::os::fd::AsFd;
+                    // Best effort: without it, a reader that stops holds its place until
+                    // it goes.
+                    let _ = crate::sys::tcp_keepalive(stream.as_fd(), STALL.0, STALL.1, STALL.2);
+                }
                 let (frames, objects, c, lock) = (
                     Arc::clone(&frames),
                     Arc::clone(&objects),
@@ -465,6 +487,47 @@ mod tests {
             up.starts_with("HTTP/1.1 404") || up.starts_with("HTTP/1.1 400"),
             "{up}"
         );
+    }
+
+    /// A reader that sends requests and takes none of their answers holds its connection
+    /// only until the answers have waited `STALL` to be taken: the connection is reset.
+    /// Before, hyper's write waited for ever (its timer covers reading a request's head),
+    /// and 256 such connections stopped the source serving anyone.
+    #[test]
+    fn a_reader_that_stops_taking_answers_is_let_go() {
+        use std::io::{Read, Write};
+        let held = Arc::new(Client::in_memory("source").unwrap());
+        held.put(
+            "snapshots/m/manifest.json",
+            Bytes::from(vec![b' '; 64 << 10]),
+        )
+        .unwrap();
+        let server = PeerServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::new(HeldFrames::new()),
+            held,
+        )
+        .unwrap();
+        let mut s = std::net::TcpStream::connect(server.addr()).unwrap();
+        // 2,000 requests for 64 KiB each, far past what the sockets' buffers hold.
+        let req = "GET /snapshots/m/manifest.json HTTP/1.1\r\nHost: x\r\n\r\n".repeat(2000);
+        s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = s.write_all(req.as_bytes());
+        let (idle, interval, probes) = STALL;
+        std::thread::sleep(idle + interval * probes + Duration::from_secs(3));
+        // What came is read; then the connection must be over, not waiting on the server.
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut got = 0usize;
+        let end = loop {
+            match s.read(&mut buf) {
+                Ok(0) => break "closed",
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break "reset",
+                Err(e) => panic!("the connection is still held after {got} bytes: {e}"),
+            }
+        };
+        assert!(got < 2000 * (64 << 10), "{end} after all {got} bytes");
     }
 
     /// A locked source holding one manifest, `snapshots/m/manifest.json` (`{}`), not
