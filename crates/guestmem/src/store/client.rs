@@ -99,8 +99,6 @@ impl Client {
         env: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Client, StoreError> {
         let files = ProfileFiles::locate(env);
-        // Before the read: a rewrite in between is seen at the first request.
-        let stamp = files.stamp();
         let profile = files.read();
         let pick = |vars: &[&str], from_profile: &Option<String>| {
             vars.iter()
@@ -191,7 +189,7 @@ impl Client {
                     secret_key: s.clone(),
                     token: token.clone(),
                 };
-                let from = Arc::new(FromProfile::new(files, stamp, cred, Arc::clone(&secrets)));
+                let from = Arc::new(FromProfile::new(files, cred, Arc::clone(&secrets)));
                 creds = Some(Arc::clone(&from));
                 b = b.with_credentials(from);
             }
@@ -729,7 +727,8 @@ mod tests {
         let said = c.redact("gm-rotated-secret-2 token-2 GMROTATEDKEY2".into());
         assert_eq!(said, "[redacted] [redacted] [redacted]");
 
-        // With no refusal, a change is seen within `RECHECK`; here written in place.
+        // With no refusal, a change is seen within `RECHECK`; here written in place, at
+        // the same length (its change time may not tell it).
         s3.rotate_key("GMROTATEDKEY3", "gm-rotated-secret-3");
         std::fs::write(
             &creds,

@@ -65,18 +65,6 @@ impl ProfileFiles {
         }
         p
     }
-
-    /// What tells a rewrite of either file: each one's inode, length and change time (a
-    /// helper that writes a new file and renames it over the old gives a new inode; one
-    /// that writes in place, a new change time).
-    pub(crate) fn stamp(&self) -> [Option<(u64, u64, i64, i64)>; 2] {
-        use std::os::unix::fs::MetadataExt;
-        let one = |p: &Option<PathBuf>| {
-            let m = std::fs::metadata(p.as_ref()?).ok()?;
-            Some((m.ino(), m.len(), m.ctime(), m.ctime_nsec()))
-        };
-        [one(&self.config), one(&self.credentials)]
-    }
 }
 
 impl Profile {

@@ -18,7 +18,9 @@ use object_store::CredentialProvider;
 
 use crate::store::profile::ProfileFiles;
 
-/// How often the files are looked at (a `stat` of each), at most: every request asks.
+/// How often the files are read again, at most: every request asks. (Read, not `stat`ed:
+/// a rewrite in place of the same length may keep its change time on a kernel with coarse
+/// timestamps; the files are small.)
 pub(super) const RECHECK: Duration = Duration::from_secs(1);
 /// Credential sets kept for redaction after they were replaced: an error from a request
 /// signed before a change may be told after it. Bounded: a server that runs for a year
@@ -92,10 +94,10 @@ pub(super) struct FromProfile {
 
 struct State {
     cred: Arc<AwsCredential>,
-    /// When the files were last looked at.
+    /// When the files were last read.
     checked: Instant,
-    /// What they were then ([`ProfileFiles::stamp`]).
-    stamp: [Option<(u64, u64, i64, i64)>; 2],
+    /// Whether what they held then had no key and secret (warned once a change).
+    lacking: bool,
 }
 
 impl std::fmt::Debug for FromProfile {
@@ -105,11 +107,9 @@ impl std::fmt::Debug for FromProfile {
 }
 
 impl FromProfile {
-    /// `cred`, read from `files` when they were as `stamp` says (taken before the read, so
-    /// that a rewrite in between is seen).
+    /// `cred`, just read from `files`.
     pub(super) fn new(
         files: ProfileFiles,
-        stamp: [Option<(u64, u64, i64, i64)>; 2],
         cred: AwsCredential,
         secrets: Arc<Secrets>,
     ) -> FromProfile {
@@ -119,7 +119,7 @@ impl FromProfile {
             state: Mutex::new(State {
                 cred: Arc::new(cred),
                 checked: Instant::now(),
-                stamp,
+                lacking: false,
             }),
         }
     }
@@ -137,11 +137,6 @@ impl FromProfile {
             return Arc::clone(&st.cred);
         }
         st.checked = Instant::now();
-        let stamp = self.files.stamp();
-        if stamp == st.stamp {
-            return Arc::clone(&st.cred);
-        }
-        st.stamp = stamp;
         let p = self.files.read();
         match (p.access_key_id, p.secret_access_key) {
             (Some(key_id), Some(secret_key)) => {
@@ -150,6 +145,7 @@ impl FromProfile {
                     secret_key,
                     token: p.session_token,
                 };
+                st.lacking = false;
                 if cred != *st.cred {
                     // Known secrets first: no request is signed with one not yet redacted.
                     self.secrets.add(secret_strings(&cred));
@@ -159,10 +155,15 @@ impl FromProfile {
                     );
                 }
             }
-            _ => tracing::warn!(
-                "the profile files changed and no longer hold both a key id and a secret key; \
-                 requests are signed with the credentials read before"
-            ),
+            _ if st.lacking => {}
+            _ => {
+                // Once, until they hold both again (a helper between writes, or gone).
+                st.lacking = true;
+                tracing::warn!(
+                    "the profile files no longer hold both a key id and a secret key; \
+                     requests are signed with the credentials read before"
+                );
+            }
         }
         Arc::clone(&st.cred)
     }
