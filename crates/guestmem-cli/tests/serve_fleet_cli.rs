@@ -82,15 +82,26 @@ fn json_logs_carry_one_structured_event_per_session_start_and_end() {
     let d = dir("json");
     let mem = memory_file(&d, 4 * MIB, None);
     let socket = d.join("uffd.sock");
+    let control = d.join("ctl.sock");
     let srv = server(
         &[(&socket, &mem)],
-        &["--log-format", "json", "--on-failure", "leave"],
+        &[
+            "--log-format",
+            "json",
+            "--on-failure",
+            "leave",
+            "--control",
+            control.to_str().unwrap(),
+        ],
     );
+    wait_for(&control);
     let mut vm = Standin::new(&[4 * MIB], false).unwrap();
     vm.connect(&socket).unwrap();
     assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
     vm.disconnect();
-    std::thread::sleep(Duration::from_millis(200));
+    // The hang-up seen before the stop: a drain that came first would end the session as
+    // graduated.
+    wait_no_vms(&control);
     let (code, _, err, _) = terminate(srv);
     assert_eq!(code, 0, "{err}");
     let events: Vec<serde_json::Value> = err
@@ -212,12 +223,25 @@ fn a_served_vm_gets_huge_pages_back_and_a_collapse_ends_before_its_server() {
         let socket = d.join(format!("uffd-{switch}.sock"));
         let srv = server(
             &[(&socket, &mem)],
-            &["--on-failure", "leave", "--regain-huge-pages", switch],
+            // Faults alone: all memory is in only once the last page is read.
+            &[
+                "--on-failure",
+                "leave",
+                "--regain-huge-pages",
+                switch,
+                "--prefetch-threads",
+                "0",
+            ],
         );
         let mut vm = Standin::new(&[SIZE], false).unwrap();
         vm.connect(&socket).unwrap();
-        vm.read_all(2);
+        // Every page but the last: not all in yet, so no collapse has started (it starts
+        // REGAIN_SETTLE after the last block comes in, which a held-up test may pass).
+        for p in 0..SIZE / PAGE - 1 {
+            vm.word(p * PAGE);
+        }
         assert_eq!(vm.anon_huge().unwrap(), 0, "UFFDIO_COPY fills 4 KiB pages");
+        vm.read_all(2);
         // The collapse runs a second after the last block is in: wait for it to start (at
         // least one chunk), then the VM goes, mid-collapse or after it.
         let t = Instant::now();

@@ -143,9 +143,10 @@ fn an_idle_server_blocks_instead_of_polling() {
     vm.connect(&socket).unwrap();
     vm.read_all(2);
     assert_eq!(vm.compare(&mem).unwrap(), Ok(()));
-    // Let the collapse to huge pages that starts a second later (REGAIN_SETTLE; 16 MiB
-    // takes it well under a second) end; then nothing is left to do.
-    std::thread::sleep(guestmem::restore::REGAIN_SETTLE + Duration::from_millis(1500));
+    // Let the collapse to huge pages that starts REGAIN_SETTLE later end; then nothing is
+    // left to do.
+    wait_collapse_over(&vm);
+    std::thread::sleep(Duration::from_millis(200));
     let (used, window) = cpu_over(srv.id(), Duration::from_secs(5));
     eprintln!(
         "idle server: {used} clock ticks of CPU in 5 s ({:.2}% of a core)",
@@ -193,7 +194,7 @@ fn a_socket_is_never_taken_from_another_server_or_replaced_if_not_a_socket() {
     let d = dir("sockets");
     let mem = memory_file(&d, 4 * MIB, None);
     let socket = d.join("uffd.sock");
-    let first = once(&socket, &mem, &["--accept-timeout-s", "3"]);
+    let first = once(&socket, &mem, &["--accept-timeout-s", "10"]);
     let (code, _, err) = finish(spawn(&[(&socket, &mem)], &["--once"]));
     assert_eq!(code, 1, "{err}");
     assert!(
@@ -212,7 +213,7 @@ fn a_socket_is_never_taken_from_another_server_or_replaced_if_not_a_socket() {
     let ino = std::fs::metadata(&socket).unwrap().ino();
     let (code, _, err) = finish(first);
     assert_eq!(code, 1, "{err}");
-    assert!(err.contains("no VM connected within 3.0 s"), "{err}");
+    assert!(err.contains("no VM connected within 10.0 s"), "{err}");
     assert_eq!(
         std::fs::metadata(&socket).unwrap().ino(),
         ino,

@@ -321,7 +321,9 @@ fn a_take_over_the_new_server_cannot_serve_leaves_every_vm_with_the_old_one() {
     assert_eq!(second.compare(&mem).unwrap(), Ok(()));
     // Idle again once a collapse to huge pages has had its time: the hand-off asked for is
     // not seen again and again (it was, a core's worth, until its eventfd was read).
-    std::thread::sleep(guestmem::restore::REGAIN_SETTLE + Duration::from_millis(1500));
+    wait_collapse_over(&second);
+    wait_collapse_over(&first);
+    std::thread::sleep(Duration::from_millis(200));
     let (used, window) = cpu_over(old.id(), Duration::from_secs(2));
     assert!(
         used * 10 < window,

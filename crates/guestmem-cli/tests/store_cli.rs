@@ -501,6 +501,7 @@ fn many_vms_of_one_snapshot_fetch_each_frame_once() {
     let socket = d.join("uffd.sock");
     let go = d.join("go");
     let cache = d.join("cache");
+    let control = d.join("ctl.sock");
     let srv = serve(
         &s3,
         &socket,
@@ -511,15 +512,40 @@ fn many_vms_of_one_snapshot_fetch_each_frame_once() {
             "--json",
             "--prefetch-threads",
             "0",
+            "--control",
+            control.to_str().unwrap(),
         ],
     );
+    wait_for(&control);
     let mut vms: Vec<Guard> = (0..8)
         .map(|_| vm_child(&socket, 8 * MIB, 0, ChildDoes::Handshake, &go))
         .collect();
-    std::thread::sleep(Duration::from_millis(500));
+    // All eight taken before any reads (exec'd test binaries, slow to start on a busy
+    // host): then they read at once.
+    let t = std::time::Instant::now();
+    while !ctl(&control, "health").contains("\"vms\":8") {
+        assert!(t.elapsed() < Duration::from_secs(30), "not every VM came");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     std::fs::write(&go, b"").unwrap();
-    // Each child reads every page, checks it against the file's pattern, and waits.
-    std::thread::sleep(Duration::from_secs(3));
+    // Each child reads every page, checks it against the file's pattern, and waits: with
+    // no prefetch, a VM's memory is all in once it has read its last page.
+    let all_in = || {
+        let st: serde_json::Value = serde_json::from_str(&ctl(&control, "status")).unwrap();
+        st["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["engine"]["complete_secs"].is_number())
+    };
+    while !all_in() {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "a VM did not read all its memory"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(500));
     for vm in &mut vms {
         assert!(vm.running(), "a VM failed its reads or was ended");
     }

@@ -170,10 +170,13 @@ fn a_collapse_stopped_while_it_settles_ends_at_once_and_collapses_nothing() {
     regain.stop();
     let rep = regain.wait();
     assert!(rep.stopped, "{rep:?}");
-    if stopped_at < REGAIN_SETTLE * 3 / 5 {
+    if stopped_at < REGAIN_SETTLE / 2 {
         assert_eq!(rep.collapsed, 0, "stopped while it waited: {rep:?}");
+        // Short of the whole settle, with room for the stop's wake-up on a busy host and
+        // for the time between the restore's completion (settle_secs counts from there)
+        // and this thread's seeing it.
         assert!(
-            rep.settle_secs < (REGAIN_SETTLE * 4 / 5).as_secs_f64(),
+            rep.settle_secs < (REGAIN_SETTLE * 19 / 20).as_secs_f64(),
             "the stop woke it: {rep:?}"
         );
         assert!(

@@ -194,6 +194,26 @@ pub fn wait_no_vms(control: &Path) {
     }
 }
 
+/// Waits, from `REGAIN_SETTLE` on, until a collapse of `vm`'s memory to huge pages is over:
+/// all of it huge, or no change for a second (a chunk the kernel refused, or memory not all
+/// in). Waited for, not slept for: on a busy host compaction can take seconds.
+pub fn wait_collapse_over(vm: &Standin) {
+    std::thread::sleep(guestmem::restore::REGAIN_SETTLE);
+    let t = Instant::now();
+    let mut last = (vm.anon_huge().unwrap(), Instant::now());
+    while last.0 < vm.size() as u64 && last.1.elapsed() < Duration::from_secs(1) {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the collapse went on"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+        let now = vm.anon_huge().unwrap();
+        if now != last.0 {
+            last = (now, Instant::now());
+        }
+    }
+}
+
 /// `GET path` from 127.0.0.1:`port`; the whole response.
 pub fn http_get(port: u16, path: &str) -> String {
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();

@@ -616,12 +616,21 @@ mod tests {
     #[test]
     fn collapses_stopped_or_gone_while_waiting_their_turn_leave_the_queue_at_once() {
         let (first, first_handle) = own_process();
+        let queued = std::time::Instant::now();
         first.queue();
         // The first waits out its settle (a second) on the one thread; behind it:
         let (waiting, waiting_handle) = own_process();
         waiting.queue();
         let (gone, gone_handle) = Job::new(Memory::Local(vec![Weak::new()]), None, Vec::new());
         gone.queue();
+        if queued.elapsed() > REGAIN_SETTLE / 2 {
+            // This thread was held up so long that the first may be done and the next
+            // taken off the queue: what the test is about cannot be seen this time.
+            eprintln!("not checked: held up {:?} while queueing", queued.elapsed());
+            waiting_handle.stop();
+            first_handle.stop();
+            return;
+        }
         waiting_handle.stop();
         // Ended by the stop itself, with its pidfd: not when its turn comes.
         let r = waiting_handle.report().expect("ended by the stop");

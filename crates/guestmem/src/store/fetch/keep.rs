@@ -325,15 +325,17 @@ mod tests {
         run(keeper.keep(f, false));
         run(keeper.keep(b, true));
         // The background frame is written; the fault's waits for the batch (counted, its
-        // flight open, so a look joins it rather than fetching it again).
+        // flight open, so a look joins it rather than fetching it again). The count drops
+        // only after the write (the writer, at a low priority, may be held in between):
+        // waited for first, it says the frame is in.
         let until = std::time::Instant::now() + Duration::from_secs(30);
-        while !cache.contains(&hb) && std::time::Instant::now() < until {
+        while *keeper.unkept.count.0.lock().unwrap() != 1 && std::time::Instant::now() < until {
             std::thread::sleep(Duration::from_millis(5));
         }
+        assert_eq!(*keeper.unkept.count.0.lock().unwrap(), 1);
         assert!(cache.contains(&hb));
         assert!(!cache.contains(&hf), "handed over before its batch ended");
         assert!(flights.lock().unwrap().contains_key(hf.as_bytes()));
-        assert_eq!(*keeper.unkept.count.0.lock().unwrap(), 1);
         drop(batch);
         keeper.wait(None);
         assert!(cache.contains(&hf));
