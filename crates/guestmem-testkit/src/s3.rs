@@ -41,9 +41,14 @@ struct Seen {
     head_delay_us: std::sync::atomic::AtomicU64,
     /// How long every GET waits before it is answered, microseconds (`delay_gets`).
     get_delay_us: std::sync::atomic::AtomicU64,
-    /// The one access key accepted and its secret, when not [`ACCESS_KEY`] (`rotate_key`).
-    key: std::sync::RwLock<Option<(String, String)>>,
+    /// The key accepted (`rotate_key`).
+    key: std::sync::RwLock<Keys>,
 }
+
+/// The one access key accepted and its secret, when not [`ACCESS_KEY`], and the keys
+/// rotated away.
+#[derive(Clone, Default)]
+struct Keys(Option<(String, String)>, Vec<String>);
 
 /// The server's signature check: one access key, [`ACCESS_KEY`] until rotated.
 struct OneKey(std::sync::Arc<Seen>);
@@ -51,10 +56,16 @@ struct OneKey(std::sync::Arc<Seen>);
 #[async_trait::async_trait]
 impl s3s::auth::S3Auth for OneKey {
     async fn get_secret_key(&self, access_key: &str) -> S3Result<s3s::auth::SecretKey> {
-        let key = self.0.key.read().expect("the server's key").clone();
+        let Keys(key, old) = self.0.key.read().expect("the server's key").clone();
         let (k, secret) = key.unwrap_or_else(|| (ACCESS_KEY.into(), SECRET_KEY.into()));
         if access_key == k {
             Ok(secret.into())
+        } else if old.iter().any(|o| o == access_key) {
+            // As AWS answers a session's key once its token has expired.
+            Err(s3s::s3_error!(
+                ExpiredToken,
+                "the provided token has expired"
+            ))
         } else {
             Err(s3s::s3_error!(InvalidAccessKeyId, "no such access key"))
         }
@@ -226,10 +237,15 @@ impl S3Server {
         );
     }
 
-    /// From now on, requests are accepted signed with `key` and `secret` only (as a
-    /// temporary credential replaced by the next: the last one refused).
+    /// From now on, requests are accepted signed with `key` and `secret` only, as a
+    /// session's credentials replaced by the next: one signed with a key rotated away is
+    /// answered as AWS answers an expired token (400 `ExpiredToken`), any other key 403
+    /// `InvalidAccessKeyId`.
     pub fn rotate_key(&self, key: &str, secret: &str) {
-        *self.seen.key.write().expect("the server's key") = Some((key.into(), secret.into()));
+        let mut k = self.seen.key.write().expect("the server's key");
+        let was = k.0.take().map_or(ACCESS_KEY.into(), |(was, _)| was);
+        k.1.push(was);
+        k.0 = Some((key.into(), secret.into()));
     }
 
     /// The keys of the GETs since [`S3Server::log_gets`], in the order they came.

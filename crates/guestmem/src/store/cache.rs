@@ -55,7 +55,8 @@ pub struct CacheCounters {
     pub hits: AtomicU64,
     /// Frames looked for and not there.
     pub misses: AtomicU64,
-    /// Frames removed to make room.
+    /// Frames removed to make room. Segments past the bound when the cache is opened (one
+    /// reopened smaller) are removed unread, and not counted.
     pub evictions: AtomicU64,
     /// Frames not kept: no room even after evicting (a full disk), larger than the cache, or
     /// a fault's frame with no room among the frames waiting to be written.

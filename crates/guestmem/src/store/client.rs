@@ -179,6 +179,28 @@ impl Client {
                 format!("https://{bucket}.s3.{region}.amazonaws.com")
             }
         };
+        if let (Some(k), Some(s)) = (&key_id, &secret) {
+            let set = object_store::aws::AwsCredential {
+                key_id: k.clone(),
+                secret_key: s.clone(),
+                token: token.clone(),
+            };
+            if !creds::usable(&set) {
+                return Err(StoreError::Config {
+                    bucket: bucket.into(),
+                    reason: format!(
+                        "the access key id, secret key or session token (from {}) is empty or \
+                         holds a byte a request header cannot carry (a space, a control \
+                         character or one past ASCII)",
+                        if from_profile {
+                            "the profile files"
+                        } else {
+                            "the environment"
+                        }
+                    ),
+                });
+            }
+        }
         let mut creds = None;
         match (&key_id, &secret) {
             (Some(k), Some(s)) if from_profile => {
@@ -388,26 +410,31 @@ impl Client {
     pub(crate) fn error(&self, op: &'static str, key: &str, e: object_store::Error) -> StoreError {
         // The client maps the store's 404, 403 and 401 to these; a listing's errors come
         // back generic, and are retried like any other (none is retried past its deadline).
-        // A refusal is final for keys that cannot change; for a profile's, the files are
-        // looked at again before the next request, and the fault asks again until its
-        // deadline (a helper late with the next session token; a key revoked for good
-        // costs the deadline, then the VM is ended as for a store gone away).
+        // A refusal is final, but one for a profile's credentials (an expired session
+        // token, AWS's 400 `ExpiredToken`; a key replaced, 403 `InvalidAccessKeyId`): the
+        // files are read again before the next request, and a fault asks again until its
+        // deadline (a helper late with the next token; a key revoked for good costs the
+        // deadline, then the VM is ended as for a store gone away). A policy's refusal
+        // (`AccessDenied`) stays final.
+        let text = e.to_string();
         let refused = matches!(
             e,
             object_store::Error::PermissionDenied { .. }
                 | object_store::Error::Unauthenticated { .. }
         );
-        if refused {
-            if let Some(c) = &self.creds {
+        let for_credentials = match &self.creds {
+            Some(c) if creds::refused_for_credentials(&text) => {
                 c.look_again();
+                true
             }
-        }
+            _ => false,
+        };
         let permanent =
-            matches!(e, object_store::Error::NotFound { .. }) || (refused && self.creds.is_none());
+            matches!(e, object_store::Error::NotFound { .. }) || (refused && !for_credentials);
         StoreError::Request {
             op,
             url: self.url(key),
-            reason: self.redact(e.to_string()),
+            reason: self.redact(text),
             permanent,
         }
     }
@@ -675,8 +702,9 @@ mod tests {
         );
     }
 
-    /// A user and password in the endpoint's URL are secrets: left out of the endpoint
-    /// shown, and redacted from any text the client lets out.
+    /// A profile's credentials are read again as its files change, at once after the store
+    /// refuses them for what they are (an expired token), and a refusal of them is not
+    /// final; a refusal of keys from the environment is.
     #[test]
     fn a_profiles_credentials_are_read_again_when_its_files_change() {
         use guestmem_testkit::s3::{S3Server, ACCESS_KEY, SECRET_KEY};
@@ -704,13 +732,16 @@ mod tests {
         let c = Client::connect_with("snaps", &env).unwrap();
         assert_eq!(c.get("x").unwrap().as_deref(), Some(&b"frame"[..]));
 
-        // The session ends: the store takes only the next key. A refusal is not final for a
-        // profile's keys, and has the files looked at again before the next request.
+        // The session ends: the store answers its key as AWS does an expired token (400
+        // `ExpiredToken`), which has the files read again before the next request.
         s3.rotate_key("GMROTATEDKEY2", "gm-rotated-secret-2");
         let e = c.get("x").unwrap_err();
         assert!(e.is_transient(), "{e}");
         let said = e.to_string();
-        assert!(said.contains("403"), "{said}");
+        assert!(
+            said.contains("400") && said.contains("ExpiredToken"),
+            "{said}"
+        );
         assert!(
             !said.contains(SECRET_KEY) && !said.contains("token-1"),
             "{said}"
@@ -723,6 +754,7 @@ mod tests {
         )
         .unwrap();
         std::fs::rename(&next, &creds).unwrap();
+        std::thread::sleep(super::creds::FORCED_GAP);
         assert_eq!(c.get("x").unwrap().as_deref(), Some(&b"frame"[..]));
         let said = c.redact("gm-rotated-secret-2 token-2 GMROTATEDKEY2".into());
         assert_eq!(said, "[redacted] [redacted] [redacted]");
@@ -738,11 +770,30 @@ mod tests {
         std::thread::sleep(super::creds::RECHECK + std::time::Duration::from_millis(100));
         assert_eq!(c.get("x").unwrap().as_deref(), Some(&b"frame"[..]));
 
+        // A key the store does not know (403 `InvalidAccessKeyId`): not final for a
+        // profile's, which a helper may be about to replace; the files are read again at
+        // once.
+        std::fs::write(
+            &creds,
+            write("GMUNKNOWNKEY4", "gm-unknown-secret", "token-4"),
+        )
+        .unwrap();
+        std::thread::sleep(super::creds::RECHECK + std::time::Duration::from_millis(100));
+        let e = c.get("x").unwrap_err();
+        assert!(e.is_transient() && e.to_string().contains("403"), "{e}");
+        std::fs::write(
+            &creds,
+            write("GMROTATEDKEY3", "gm-rotated-secret-3", "token-3"),
+        )
+        .unwrap();
+        std::thread::sleep(super::creds::FORCED_GAP);
+        assert_eq!(c.get("x").unwrap().as_deref(), Some(&b"frame"[..]));
+
         // Keys from the environment cannot change: their refusal is final.
         let (endpoint, none) = (s3.endpoint(), scratch.join("none").display().to_string());
         let env = move |k: &str| match k {
             "AWS_ENDPOINT_URL" => Some(endpoint.clone()),
-            "AWS_ACCESS_KEY_ID" => Some(ACCESS_KEY.into()),
+            "AWS_ACCESS_KEY_ID" => Some("GMUNKNOWNKEY5".into()),
             "AWS_SECRET_ACCESS_KEY" => Some(SECRET_KEY.into()),
             "AWS_SHARED_CREDENTIALS_FILE" | "AWS_CONFIG_FILE" => Some(none.clone()),
             _ => None,
@@ -752,6 +803,12 @@ mod tests {
             .get("x")
             .unwrap_err();
         assert!(!e.is_transient(), "{e}");
+
+        // A set a request header cannot carry (a file read while being written) is not
+        // taken: the last good one signs on.
+        std::fs::write(&creds, write("GMROTATEDKEY3", "gm-rotated\0\0", "token-3")).unwrap();
+        std::thread::sleep(super::creds::RECHECK + std::time::Duration::from_millis(100));
+        assert_eq!(c.get("x").unwrap().as_deref(), Some(&b"frame"[..]));
     }
 
     /// With no key in the environment or the profile, the variables of the providers that
@@ -784,6 +841,8 @@ mod tests {
         assert_eq!(b.get_config_value(&K::AccessKeyId), None);
     }
 
+    /// A user and password in the endpoint's URL are secrets: left out of the endpoint
+    /// shown, and redacted from any text the client lets out.
     #[test]
     fn an_endpoints_password_is_never_shown() {
         let get = |k: &str| match k {

@@ -232,9 +232,9 @@ impl Frames {
     /// The deadline is this caller's own: one that joined a flight which ran out of its
     /// time (it started earlier) and has time left fetches on with what it has left.
     pub(crate) async fn get_async(self: &Arc<Self>, hash: blake3::Hash, len: usize) -> Outcome {
-        let start = Instant::now();
+        let (start, mut joined) = (Instant::now(), false);
         loop {
-            match self.try_get(hash, len, start).await {
+            match self.try_get(hash, len, start, &mut joined).await {
                 Err(e)
                     if matches!(*e, StoreError::Deadline { .. })
                         && start.elapsed() < self.policy.deadline =>
@@ -247,8 +247,15 @@ impl Frames {
         }
     }
 
-    /// [`Frames::get_async`] once, its deadline counted from `start`.
-    async fn try_get(self: &Arc<Self>, hash: blake3::Hash, len: usize, start: Instant) -> Outcome {
+    /// [`Frames::get_async`] once, its deadline counted from `start`; `joined` once it has
+    /// joined a flight (counted once a caller, however many it joins in turn).
+    async fn try_get(
+        self: &Arc<Self>,
+        hash: blake3::Hash,
+        len: usize,
+        start: Instant,
+        joined: &mut bool,
+    ) -> Outcome {
         // A piece named later: under the hash it was served or named as, while known.
         let (hash, cached) = match self.later_of(&hash) {
             None => (hash, Some(hash)),
@@ -276,7 +283,9 @@ impl Frames {
         };
         match tx {
             Err(rx) => {
-                self.counters.joined.fetch_add(1, Ordering::Relaxed);
+                if !std::mem::replace(joined, true) {
+                    self.counters.joined.fetch_add(1, Ordering::Relaxed);
+                }
                 // A flight is shared by hash alone: one asked for with another length (a
                 // manifest that names one frame with two) is refused here, as its own GET's
                 // check would refuse it, never handed bytes of the wrong length (every other
@@ -668,6 +677,9 @@ mod tests {
         let word = u64::from_le_bytes(got[..8].try_into().unwrap());
         assert_eq!(word, 3 * FB + 1, "frame 3's first word");
         assert!(t0.elapsed() < Duration::from_secs(7), "{:?}", t0.elapsed());
+        // Once for the second fault, however many flights it joined (none, if it was held up
+        // past the first's deadline and led its own).
+        assert!(frames.counters.joined.load(Ordering::Relaxed) <= 1);
     }
 
     /// Read-ahead asked for by something that then goes (a VM's image, its VM ended)
