@@ -3,7 +3,9 @@
 //! `gc` deletes a frame only when no manifest names it, it is older than the grace period,
 //! and no push is in progress (a lease younger than `LEASE_STALE` in `leases/`), looked at
 //! again before every batch of deletes; ages are on the store's clock. It marks itself in
-//! `leases/gc/` while it runs, and a push that finds the mark once its own lease is written
+//! `leases/gc/` while it runs (written again every minute by a thread of its own, and no
+//! delete once it ever went unwritten for half of `LEASE_STALE`: a push would have taken it
+//! for a dead gc's), and a push that finds the mark once its own lease is written
 //! waits for it to go before it looks at any frame (`lease.rs`): a push that began after
 //! gc's last look at the leases cannot skip a frame gc is about to delete. A push also looks
 //! again at every frame it skipped as already there just before it writes its manifest,
@@ -132,6 +134,21 @@ pub fn gc(
             permanent: true,
         });
     }
+    match &mark {
+        Some(m) => m.renewed_while(|| collect(client, bucket, grace, now, dry_run, Some(m))),
+        None => collect(client, bucket, grace, now, dry_run, None),
+    }
+}
+
+/// gc's work once it holds the bucket: the frames no manifest names, then the deletes.
+fn collect(
+    client: &Client,
+    bucket: &StoreUrl,
+    grace: Duration,
+    now: i64,
+    dry_run: bool,
+    mark: Option<&GcMark<'_>>,
+) -> Result<GcReport, StoreError> {
     let root = bucket.sibling("");
     let mut named: HashSet<[u8; 32]> = HashSet::new();
     let mut snapshots = 0;
@@ -163,7 +180,8 @@ pub fn gc(
         }
     }
     for batch in doomed.chunks(BATCH) {
-        if let Some(m) = &mark {
+        if let Some(m) = mark {
+            m.check_held()?;
             let (now, leases) = m.renew()?;
             if live_push(&leases, now).is_some() {
                 r.stopped_for_push = true;

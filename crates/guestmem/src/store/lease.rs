@@ -55,26 +55,96 @@ pub(super) fn live_push(listed: &[Listed], now: i64) -> Option<String> {
         .map(|l| l.key.clone())
 }
 
-/// A running gc's mark in the bucket, deleted when dropped.
+/// A running gc's mark in the bucket, deleted when dropped. Like a push's lease, it must
+/// never go unwritten for longer than [`LEASE_HELD`]: a push that finds it stale goes on,
+/// and may skip a frame the gc then deletes. gc renews it every [`LEASE_RENEW`] from a
+/// thread of its own for the whole run (reading the manifests and listing the frames of a
+/// large bucket take minutes), and checks it was held before every batch of deletes.
 pub(super) struct GcMark<'a> {
     client: &'a Client,
     key: String,
+    held: Mutex<Held>,
 }
 
 impl<'a> GcMark<'a> {
     /// Writes it; with the leases as the store lists them just after, and its clock then.
     pub(super) fn take(client: &'a Client) -> Result<(GcMark<'a>, i64, Vec<Listed>), StoreError> {
         let key = format!("{GC_MARKS}{}.{}", std::process::id(), nanos());
-        let mark = GcMark { client, key };
+        let t = Instant::now();
+        let mark = GcMark {
+            client,
+            key,
+            held: Mutex::new(Held {
+                tried: t,
+                written: t,
+                longest_gap: Duration::ZERO,
+            }),
+        };
         let (now, listed) = mark.renew()?;
         Ok((mark, now, listed))
     }
 
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Writes it again: the leases as listed just after, and the store's clock then.
     pub(super) fn renew(&self) -> Result<(i64, Vec<Listed>), StoreError> {
+        let sent = Instant::now();
+        self.held().tried = sent;
         self.client
             .put(&self.key, Bytes::from_static(b"{\"gc\":true}"))?;
+        let mut h = self.held();
+        h.longest_gap = h.longest_gap.max(sent.saturating_duration_since(h.written));
+        h.written = sent;
+        drop(h);
         store_now(self.client, LEASES, &self.key)
+    }
+
+    /// Runs `work` while a thread writes the mark again every [`LEASE_RENEW`] (a failure
+    /// is left to [`GcMark::check_held`]).
+    pub(super) fn renewed_while<T>(&self, work: impl FnOnce() -> T) -> T {
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            let renewer = std::thread::Builder::new()
+                .name("guestmem-gc-mark".into())
+                .spawn_scoped(s, move || {
+                    while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                        stopped.recv_timeout(LEASE_RENEW)
+                    {
+                        let _ = self.renew();
+                    }
+                });
+            let out = work();
+            drop(stop);
+            if let Ok(r) = renewer {
+                let _ = r.join();
+            }
+            out
+        })
+    }
+
+    /// Whether the mark was never left unwritten for longer than [`LEASE_HELD`], up to
+    /// now: else a push may have taken it for a dead gc's and skipped frames this gc would
+    /// delete, and nothing more may be deleted.
+    pub(super) fn check_held(&self) -> Result<(), StoreError> {
+        let h = self.held();
+        let gap = h.longest_gap.max(h.written.elapsed());
+        if gap > LEASE_HELD {
+            return Err(StoreError::Request {
+                op: "gc",
+                url: self.client.url(&self.key),
+                reason: format!(
+                    "gc's mark went {} s without a renewal the store took (limit {} s): a push \
+                     may have gone on and skipped frames gc would delete, so nothing more was \
+                     deleted; run gc again",
+                    gap.as_secs(),
+                    LEASE_HELD.as_secs()
+                ),
+                permanent: true,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -244,7 +314,7 @@ mod tests {
 
     use guestmem_testkit::s3::S3Server;
 
-    use super::{Lease, LEASE_HELD};
+    use super::{GcMark, Lease, LEASE_HELD};
     use crate::store::{Client, StoreUrl};
 
     /// A lease left unwritten for longer than [`LEASE_HELD`] (a gc may have taken it for a
@@ -290,5 +360,35 @@ mod tests {
             c.list("leases/").unwrap().is_empty(),
             "a dropped lease left"
         );
+    }
+
+    /// A gc's mark left unwritten for longer than [`LEASE_HELD`] (a push may have taken it
+    /// for a dead gc's and skipped frames meanwhile) stops the deletes, naming the gap and
+    /// the limit, though written again since; the renewing thread ends with the work.
+    #[test]
+    fn a_gc_mark_left_unwritten_too_long_stops_the_deletes() {
+        let s3 = S3Server::start("gc-mark-gap", &["snaps"]);
+        let env = s3.env();
+        let get = move |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+        let c = Client::connect_with("snaps", &get).unwrap();
+        let (mark, _, _) = GcMark::take(&c).unwrap();
+        assert!(mark.renewed_while(|| mark.check_held().is_ok()));
+        {
+            let gap = LEASE_HELD + Duration::from_secs(60);
+            let mut h = mark.held();
+            match Instant::now().checked_sub(gap) {
+                Some(then) => h.written = then,
+                None => h.longest_gap = gap,
+            }
+        }
+        let e = mark.check_held().unwrap_err().to_string();
+        assert!(
+            e.contains("without a renewal") && e.contains("limit 300 s"),
+            "{e}"
+        );
+        mark.renew().unwrap();
+        assert!(mark.check_held().is_err(), "the gap stays known");
+        drop(mark);
+        assert!(c.list("leases/").unwrap().is_empty(), "a mark left");
     }
 }
