@@ -57,16 +57,20 @@ pub fn list(client: &Client, at: &StoreUrl) -> Result<Vec<Listing>, StoreError> 
 
 fn snapshots(client: &Client, at: &StoreUrl) -> Result<Vec<Snapshot>, StoreError> {
     let mut out = Vec::new();
-    each_snapshot(client, at, |s| out.push(s))?;
+    each_snapshot(client, at, |s| {
+        out.push(s);
+        true
+    })?;
     Ok(out)
 }
 
 /// Each snapshot in the bucket of `at` (under its name, if it has one), read and checked,
-/// handed to `f` one at a time (gc keeps only the names of their frames).
+/// handed to `f` one at a time (gc keeps only the names of their frames), until `f` says
+/// false.
 fn each_snapshot(
     client: &Client,
     at: &StoreUrl,
-    mut f: impl FnMut(Snapshot),
+    mut f: impl FnMut(Snapshot) -> bool,
 ) -> Result<(), StoreError> {
     let prefix = if at.name.is_empty() {
         SNAPSHOTS.to_string()
@@ -84,7 +88,9 @@ fn each_snapshot(
         let url = at.sibling(name);
         // A manifest deleted since the listing is no longer a snapshot.
         if let Some(text) = client.get(&o.key)? {
-            f(Snapshot::parse(&url, &text)?);
+            if !f(Snapshot::parse(&url, &text)?) {
+                break;
+            }
         }
     }
     Ok(())
@@ -152,15 +158,22 @@ fn collect(
     let root = bucket.sibling("");
     let mut named: HashSet<[u8; 32]> = HashSet::new();
     let mut snapshots = 0;
+    // A push that began meanwhile waits for this gc to go: it stops at once.
+    let push_began = || mark.is_some_and(GcMark::push_seen);
     each_snapshot(client, &root, |s| {
         snapshots += 1;
         named.extend(s.frames.iter().flatten().map(|p| *p.hash.as_bytes()));
+        !push_began()
     })?;
     let mut r = GcReport {
         snapshots,
         dry_run,
         ..GcReport::default()
     };
+    if push_began() {
+        r.stopped_for_push = true;
+        return Ok(r);
+    }
     let mut doomed = Vec::new();
     for o in client.list(FRAMES)? {
         r.frames += 1;

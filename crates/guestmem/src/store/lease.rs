@@ -64,6 +64,8 @@ pub(super) struct GcMark<'a> {
     client: &'a Client,
     key: String,
     held: Mutex<Held>,
+    /// A renewal found a push in progress: gc stops before it deletes anything more.
+    push_seen: std::sync::atomic::AtomicBool,
 }
 
 impl<'a> GcMark<'a> {
@@ -79,6 +81,7 @@ impl<'a> GcMark<'a> {
                 written: t,
                 longest_gap: Duration::ZERO,
             }),
+            push_seen: std::sync::atomic::AtomicBool::new(false),
         };
         let (now, listed) = mark.renew()?;
         Ok((mark, now, listed))
@@ -98,7 +101,17 @@ impl<'a> GcMark<'a> {
         h.longest_gap = h.longest_gap.max(sent.saturating_duration_since(h.written));
         h.written = sent;
         drop(h);
-        store_now(self.client, LEASES, &self.key)
+        let (now, listed) = store_now(self.client, LEASES, &self.key)?;
+        if live_push(&listed, now).is_some() {
+            self.push_seen
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok((now, listed))
+    }
+
+    /// Whether a renewal has found a push in progress (which waits for this gc to go).
+    pub(super) fn push_seen(&self) -> bool {
+        self.push_seen.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Runs `work` while a thread writes the mark again every [`LEASE_RENEW`] (a failure
