@@ -410,9 +410,14 @@ impl Tmpfs {
     /// Mounts one at `at` (made here) with `opts` (`size=1m`, `huge=always`); `Err(why)`
     /// where this host cannot (not root, no tmpfs): skip the test with it.
     pub fn mount(at: PathBuf, opts: &str) -> Result<Tmpfs, String> {
+        Tmpfs::mount_as("tmpfs", at, opts)
+    }
+
+    /// [`Tmpfs::mount`] of another memory file system (`ramfs`), unmounted the same way.
+    pub fn mount_as(fstype: &str, at: PathBuf, opts: &str) -> Result<Tmpfs, String> {
         std::fs::create_dir(&at).map_err(|e| format!("mkdir {}: {e}", at.display()))?;
         let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", opts, "guestmem-test"])
+            .args(["-t", fstype, "-o", opts, "guestmem-test"])
             .arg(&at)
             .output();
         match out {
@@ -420,7 +425,7 @@ impl Tmpfs {
             Ok(o) => {
                 let _ = std::fs::remove_dir(&at);
                 Err(format!(
-                    "mount -t tmpfs -o {opts} failed (needs root): {}",
+                    "mount -t {fstype} -o {opts} failed (needs root): {}",
                     String::from_utf8_lossy(&o.stderr).trim()
                 ))
             }

@@ -91,7 +91,8 @@ pub fn data_ranges(fd: BorrowedFd<'_>, start: u64, end: u64) -> io::Result<Vec<(
 }
 
 /// Why `SEEK_DATA` on files of `fd`'s filesystem may report more than the pages written,
-/// or `None`: a tmpfs whose files may take huge pages at a `write(2)` (mounted with `huge=`
+/// or `None`: a file system not known to report exactly the blocks written (see `EXACT`
+/// below), or a tmpfs whose files may take huge pages at a `write(2)` (mounted with `huge=`
 /// `always` or `within_size`, or every tmpfs where `shmem_enabled` is `force`) allocates
 /// 2 MiB at a 4 KiB write, and reports all of it as data. A tmpfs this process cannot see
 /// the mount of is taken as one that may. A sparse file read there as "pages written, holes
@@ -99,6 +100,32 @@ pub fn data_ranges(fd: BorrowedFd<'_>, start: u64, end: u64) -> io::Result<Vec<(
 /// (Diffs are read so only by pushes and moves.)
 #[cfg(feature = "store")]
 pub fn coarse_data_ranges(fd: BorrowedFd<'_>) -> io::Result<Option<String>> {
+    // File systems whose SEEK_DATA reports the blocks written, and no more. Others may
+    // report a whole file (NFSv3, FUSE without lseek, 9p: the kernel's generic lseek) or a
+    // whole record (ZFS, 128 KiB by default) as data.
+    const EXACT: [(libc::c_long, &str); 7] = [
+        (0xEF53, "ext2/3/4"),
+        (0x5846_5342, "xfs"),
+        (0x9123_683E, "btrfs"),
+        (0xF2F5_2010, "f2fs"),
+        (0xCA45_1A4E, "bcachefs"),
+        (0x0102_1994, "tmpfs"),
+        (0x794C_7630, "overlayfs"),
+    ];
+    // SAFETY: statfs is plain data, for which all zeros is a valid value.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs writes one statfs into a live struct; the descriptor is borrowed.
+    check(unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) })?;
+    let f_type = fs.f_type as libc::c_long;
+    if !EXACT.iter().any(|&(t, _)| t == f_type) {
+        return Ok(Some(format!(
+            "its file system (type {f_type:#x}) is not one known to report as data only the \
+             pages written ({}): NFS, FUSE, 9p or ZFS may report more, and the base's pages \
+             around each write would read as zeros (put it on a local disk, or a tmpfs with \
+             huge=never, as /dev/shm)",
+            EXACT.map(|(_, n)| n).join(", ")
+        )));
+    }
     Ok(huge_tmpfs(fd)?.map(|why| {
         format!(
             "{why}: a 4 KiB write there shows as 2 MiB of data, so the base's pages around it would read as zeros (use a tmpfs with huge=never, as /dev/shm, or a disk)"

@@ -919,4 +919,56 @@ pub(super) mod held_tests {
         );
         assert!(store.get(&to.manifest_key()).unwrap().is_none());
     }
+
+    /// A diff shorter than its base's memory (cut short, or another's) is refused naming
+    /// both lengths; one on a file system that reports more than the pages written as data
+    /// (ramfs: the kernel's generic lseek, the whole file) is refused naming it. Neither is
+    /// read with the base's pages taken for its holes, or zeros for the base's pages.
+    #[test]
+    fn a_diff_cut_short_or_on_a_file_system_that_reports_coarse_data_is_refused() {
+        let scratch = guestmem_testkit::Scratch::new("held-short");
+        let base_bytes = vec![0x77u8; MEM as usize];
+        let (store, base) = base_in_store(&scratch, &base_bytes);
+        let snap = read_snapshot(
+            &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
+            &base,
+        )
+        .unwrap();
+        let to = StoreUrl::parse("s3://bkt/diff", false).unwrap();
+        let push_diff = |path: &std::path::Path| {
+            let src = PushSource::RawDiff {
+                path: path.to_path_buf(),
+                base: base.clone(),
+            };
+            push(&store, &src, &to, &diff_config(&store, snap.clone()))
+                .unwrap_err()
+                .to_string()
+        };
+        let short = scratch.join("short");
+        diff_on(&base_bytes, &short);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&short)
+            .unwrap()
+            .set_len(MEM - 3 * PAGE)
+            .unwrap();
+        let e = push_diff(&short);
+        assert!(
+            e.contains(&format!("{:#x}", MEM - 3 * PAGE)) && e.contains(&format!("{MEM:#x}")),
+            "{e}"
+        );
+        match guestmem_testkit::Tmpfs::mount_as("ramfs", scratch.join("ramfs"), "mode=0700") {
+            Ok(ramfs) => {
+                let path = ramfs.join("diff");
+                diff_on(&base_bytes, &path);
+                let e = push_diff(&path);
+                assert!(
+                    e.contains("file system") && e.contains(&path.display().to_string()),
+                    "{e}"
+                );
+            }
+            Err(why) => guestmem_testkit::skip(why),
+        }
+        assert!(store.get(&to.manifest_key()).unwrap().is_none());
+    }
 }

@@ -398,11 +398,14 @@ pub(super) fn open_raw_diff(
             ),
         });
     }
-    if len > snap.memory_bytes() {
+    // Firecracker sizes a Diff to the whole of memory: a shorter file is another's, or
+    // one cut short (its lost tail would take the base's pages, stale).
+    if len != snap.memory_bytes() {
         return Err(StoreError::Base {
             url: base.to_string(),
             reason: format!(
-                "{} is {len:#x} bytes, the base's memory only {:#x}: not a diff of it",
+                "{} is {len:#x} bytes, the base's memory {:#x}: not a diff of it (a \
+                 Firecracker Diff is as long as the memory it was taken of)",
                 path.display(),
                 snap.memory_bytes()
             ),
@@ -427,6 +430,21 @@ pub(super) fn open_raw_diff(
     }
     let data = crate::sys::data_ranges(file.as_fd(), 0, len)
         .map_err(io("find the data (SEEK_DATA) of", path))?;
+    // Pages are written whole: data that starts or ends inside one is a file system that
+    // reports otherwise than it was written, or not a Diff.
+    const PAGE: u64 = 4096;
+    if let Some(&(at, end)) = data
+        .iter()
+        .find(|&&(at, end)| at % PAGE != 0 || (end % PAGE != 0 && end != len))
+    {
+        return Err(StoreError::Io {
+            op: "read as a diff (its holes are the base's pages)",
+            path: path.to_path_buf(),
+            source: std::io::Error::other(format!(
+                "data at {at:#x}..{end:#x} starts or ends inside a 4 KiB page"
+            )),
+        });
+    }
     Ok((file, len, data))
 }
 
