@@ -57,7 +57,7 @@ pub fn list(client: &Client, at: &StoreUrl) -> Result<Vec<Listing>, StoreError> 
 
 fn snapshots(client: &Client, at: &StoreUrl) -> Result<Vec<Snapshot>, StoreError> {
     let mut out = Vec::new();
-    each_snapshot(client, at, |s| {
+    each_snapshot(client, at, false, |s| {
         out.push(s);
         true
     })?;
@@ -66,10 +66,14 @@ fn snapshots(client: &Client, at: &StoreUrl) -> Result<Vec<Snapshot>, StoreError
 
 /// Each snapshot in the bucket of `at` (under its name, if it has one), read and checked,
 /// handed to `f` one at a time (gc keeps only the names of their frames), until `f` says
-/// false.
+/// false. A manifest listed and then not found is skipped (deleted since), but where
+/// `every` is asked (gc: what it names must not be deleted) it is an error: the key may be
+/// one this client names otherwise than the listing (a name made by another tool, with a
+/// character object_store escapes).
 fn each_snapshot(
     client: &Client,
     at: &StoreUrl,
+    every: bool,
     mut f: impl FnMut(Snapshot) -> bool,
 ) -> Result<(), StoreError> {
     let prefix = if at.name.is_empty() {
@@ -87,10 +91,25 @@ fn each_snapshot(
         };
         let url = at.sibling(name);
         // A manifest deleted since the listing is no longer a snapshot.
-        if let Some(text) = client.get(&o.key)? {
-            if !f(Snapshot::parse(&url, &text)?) {
-                break;
+        match client.get(&o.key)? {
+            Some(text) => {
+                if !f(Snapshot::parse(&url, &text)?) {
+                    break;
+                }
             }
+            None if every => {
+                return Err(StoreError::Request {
+                    op: "gc",
+                    url: client.url(&o.key),
+                    reason: "listed, then not found: deleted meanwhile, or a name this client \
+                             cannot ask for as listed; what it names cannot be known, so \
+                             nothing was deleted (run gc again; rename a snapshot named by \
+                             another tool)"
+                        .into(),
+                    permanent: true,
+                });
+            }
+            None => {}
         }
     }
     Ok(())
@@ -160,7 +179,7 @@ fn collect(
     let mut snapshots = 0;
     // A push that began meanwhile waits for this gc to go: it stops at once.
     let push_began = || mark.is_some_and(GcMark::push_seen);
-    each_snapshot(client, &root, |s| {
+    each_snapshot(client, &root, true, |s| {
         snapshots += 1;
         named.extend(s.frames.iter().flatten().map(|p| *p.hash.as_bytes()));
         !push_began()
@@ -317,5 +336,44 @@ mod tests {
             .filter(|e| e.file_name().to_string_lossy().ends_with(".pulling"))
             .collect();
         assert!(left.is_empty(), "{left:?}");
+    }
+
+    /// A manifest another tool wrote under a name with a character object_store escapes
+    /// (`~`) is listed, but not found when asked for as listed: gc stops, deleting nothing,
+    /// rather than take it for one deleted since the listing and delete what it names.
+    #[test]
+    fn a_manifest_gc_cannot_read_back_stops_it() {
+        let s3 = S3Server::start("gc-odd-name", &["snaps"]);
+        let c = client(&s3);
+        let page = vec![0x5au8; 4096];
+        let h = blake3::hash(&page);
+        let frame_key = format!("frames/{}", h.to_hex());
+        c.put(&frame_key, Bytes::from(frame::raw(&page))).unwrap();
+        let manifest = serde_json::json!({
+            "format": "guestmem-store-snapshot",
+            "version": 1,
+            "name": "web~old",
+            "created": 0,
+            "frame_bytes": 4096,
+            "memory_bytes": 4096,
+            "frames": [[{ "h": h.to_hex().to_string() }]],
+        });
+        let dir = s3.bucket_dir("snaps").join("snapshots/web~old");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("manifest.json"), manifest.to_string()).unwrap();
+        let url = StoreUrl::parse("s3://snaps/any", false).unwrap();
+        let listed = c.list("snapshots/").unwrap();
+        assert_eq!(listed.len(), 1, "{listed:?}");
+        let r = gc(&c, &url, Duration::ZERO, false);
+        assert!(
+            c.get(&frame_key).unwrap().is_some(),
+            "deleted a named frame: {r:?}"
+        );
+        assert!(
+            c.get(&listed[0].key).unwrap().is_none(),
+            "asked for as listed"
+        );
+        let e = r.expect_err("a manifest it could not read").to_string();
+        assert!(e.contains("listed, then not found"), "{e}");
     }
 }

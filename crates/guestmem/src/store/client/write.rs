@@ -37,11 +37,16 @@ impl Client {
         }
         let r = futures::future::try_join_all(parts).await;
         match r {
-            Ok(_) => up
-                .complete()
-                .await
-                .map(|_| ())
-                .map_err(|e| self.error("complete the multipart upload of", key, e)),
+            Ok(_) => match up.complete().await {
+                Ok(_) => Ok(()),
+                Err(e) => {
+                    // Its parts are stored, and billed, until aborted (a listing shows no
+                    // object, so gc would never find them). An upload that did complete,
+                    // its answer lost, is no longer there to abort: the object stays.
+                    let _ = up.abort().await;
+                    Err(self.error("complete the multipart upload of", key, e))
+                }
+            },
             Err(e) => {
                 let _ = up.abort().await;
                 Err(self.error("upload a part of", key, e))
