@@ -92,11 +92,8 @@ fn each_snapshot(
         let url = at.sibling(name);
         // A manifest deleted since the listing is no longer a snapshot.
         match client.get(&o.key)? {
-            Some(text) => {
-                if !f(Snapshot::parse(&url, &text)?) {
-                    break;
-                }
-            }
+            Some(text) if !f(Snapshot::parse(&url, &text)?) => break,
+            Some(_) => {}
             None if every => {
                 return Err(StoreError::Request {
                     op: "gc",
