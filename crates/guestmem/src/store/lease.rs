@@ -16,6 +16,39 @@ use super::client::{Client, Listed};
 use super::url::{StoreUrl, LEASES};
 use super::StoreError;
 
+/// A time on `CLOCK_BOOTTIME`: unlike `Instant` (`CLOCK_MONOTONIC`), it runs on while
+/// the host is suspended, as the store's clock does. A host suspended for longer than
+/// [`LEASE_STALE`] mid-push must see that gap, not a short one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Boot(Duration);
+
+impl Boot {
+    fn now() -> Boot {
+        // SAFETY: timespec is plain data, for which all zeros is a valid value.
+        let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+        // SAFETY: clock_gettime writes one timespec into a live struct; CLOCK_BOOTTIME is
+        // always there (Linux 2.6.39 and later).
+        unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+        Boot(Duration::new(
+            ts.tv_sec.max(0) as u64,
+            ts.tv_nsec.clamp(0, 999_999_999) as u32,
+        ))
+    }
+
+    fn elapsed(self) -> Duration {
+        Boot::now().0.saturating_sub(self.0)
+    }
+
+    fn saturating_duration_since(self, earlier: Boot) -> Duration {
+        self.0.saturating_sub(earlier.0)
+    }
+
+    #[cfg(test)]
+    fn checked_sub(self, d: Duration) -> Option<Boot> {
+        self.0.checked_sub(d).map(Boot)
+    }
+}
+
 /// How long a push's lease stays good without being renewed; gc treats an older one as a
 /// push that died.
 pub const LEASE_STALE: Duration = Duration::from_secs(600);
@@ -72,7 +105,7 @@ impl<'a> GcMark<'a> {
     /// Writes it; with the leases as the store lists them just after, and its clock then.
     pub(super) fn take(client: &'a Client) -> Result<(GcMark<'a>, i64, Vec<Listed>), StoreError> {
         let key = format!("{GC_MARKS}{}.{}", std::process::id(), nanos());
-        let t = Instant::now();
+        let t = Boot::now();
         let mark = GcMark {
             client,
             key,
@@ -93,7 +126,7 @@ impl<'a> GcMark<'a> {
 
     /// Writes it again: the leases as listed just after, and the store's clock then.
     pub(super) fn renew(&self) -> Result<(i64, Vec<Listed>), StoreError> {
-        let sent = Instant::now();
+        let sent = Boot::now();
         self.held().tried = sent;
         self.client
             .put(&self.key, Bytes::from_static(b"{\"gc\":true}"))?;
@@ -187,9 +220,9 @@ pub(super) struct Lease {
 /// at another rate, hence [`LEASE_HELD`]'s margin).
 struct Held {
     /// When the last renewal was tried.
-    tried: Instant,
+    tried: Boot,
     /// When the last write that the store took was sent: the lease is at least this old.
-    written: Instant,
+    written: Boot,
     /// The longest time between two writes the store took: past [`LEASE_HELD`], a gc may
     /// have taken the lease for a dead push's in between.
     longest_gap: Duration,
@@ -211,7 +244,7 @@ impl Lease {
         let body = Bytes::from(
             serde_json::json!({ "push": url.to_string(), "pid": std::process::id() }).to_string(),
         );
-        let sent = Instant::now();
+        let sent = Boot::now();
         client.put(&key, body.clone())?;
         Ok(Lease {
             client: Arc::clone(client),
@@ -231,7 +264,7 @@ impl Lease {
 
     /// Writes the lease again; notes the gap since the last write the store took.
     fn write(&self) -> Result<(), StoreError> {
-        let sent = Instant::now();
+        let sent = Boot::now();
         self.held().tried = sent;
         self.client.put(&self.key, self.body.clone())?;
         let mut h = self.held();
@@ -247,6 +280,29 @@ impl Lease {
         if self.held().tried.elapsed() >= LEASE_RENEW {
             let _ = self.write();
         }
+    }
+
+    /// Runs `work` (the manifest's PUT, which a degraded store may take minutes over, its
+    /// tries and their retries) while a thread renews the lease when due.
+    pub(super) fn renewed_while<T>(&self, work: impl FnOnce() -> T) -> T {
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            let renewer = std::thread::Builder::new()
+                .name("guestmem-lease".into())
+                .spawn_scoped(s, move || {
+                    while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                        stopped.recv_timeout(Duration::from_secs(5))
+                    {
+                        self.renew_if_due();
+                    }
+                });
+            let out = work();
+            drop(stop);
+            if let Ok(r) = renewer {
+                let _ = r.join();
+            }
+            out
+        })
     }
 
     /// Writes the lease once more, and checks that it was never left unwritten for longer
@@ -323,11 +379,11 @@ pub fn check_push(client: &Arc<Client>, url: &StoreUrl) -> Result<(), StoreError
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     use guestmem_testkit::s3::S3Server;
 
-    use super::{GcMark, Lease, LEASE_HELD};
+    use super::{Boot, GcMark, Lease, LEASE_HELD};
     use crate::store::{Client, StoreUrl};
 
     /// A lease left unwritten for longer than [`LEASE_HELD`] (a gc may have taken it for a
@@ -355,7 +411,7 @@ mod tests {
         {
             let gap = LEASE_HELD + Duration::from_secs(60);
             let mut h = lapsed.held();
-            match Instant::now().checked_sub(gap) {
+            match Boot::now().checked_sub(gap) {
                 Some(then) => h.written = then,
                 // A host up for less than the gap: the same as a renewal that came late.
                 None => h.longest_gap = gap,
@@ -389,7 +445,7 @@ mod tests {
         {
             let gap = LEASE_HELD + Duration::from_secs(60);
             let mut h = mark.held();
-            match Instant::now().checked_sub(gap) {
+            match Boot::now().checked_sub(gap) {
                 Some(then) => h.written = then,
                 None => h.longest_gap = gap,
             }

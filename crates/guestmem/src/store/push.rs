@@ -335,9 +335,10 @@ fn push_to(
     // Published only if no manifest of that name is there still, decided by the store in
     // the PUT itself: of two pushes to one new name at once, one fails (a store that does
     // not honour the condition leaves only the look above). The lease is confirmed just
-    // before: never left unwritten long enough for a gc to take it for a dead push's.
+    // before: never left unwritten long enough for a gc to take it for a dead push's; and
+    // renewed while the PUT runs.
     lease.confirm()?;
-    let r = client.put_new(&url.manifest_key(), Bytes::from(text.clone()));
+    let r = lease.renewed_while(|| client.put_new(&url.manifest_key(), Bytes::from(text.clone())));
     drop(lease);
     if !r? {
         return Err(StoreError::Exists {
