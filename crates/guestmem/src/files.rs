@@ -268,6 +268,68 @@ impl Dir {
         })
     }
 
+    /// A new file in this directory with no name (`O_TMPFILE`), readable and writable by
+    /// its owner only: nothing is left of it if the process ends before
+    /// [`Dir::link_unnamed`] names it. `Ok(None)` where the file system cannot make one.
+    #[cfg(feature = "store")]
+    pub(crate) fn create_unnamed(&self) -> Result<Option<File>, FileError> {
+        // SAFETY: "." is a NUL-terminated literal; the directory descriptor is ours.
+        let fd = unsafe {
+            libc::openat(
+                self.fd.as_raw_fd(),
+                c".".as_ptr(),
+                libc::O_TMPFILE | libc::O_RDWR | libc::O_CLOEXEC,
+                0o600 as libc::c_uint,
+            )
+        };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return match e.raw_os_error() {
+                // The file system (or an old kernel) does not make unnamed files.
+                Some(libc::EOPNOTSUPP) | Some(libc::EISDIR) | Some(libc::EINVAL) => Ok(None),
+                _ => Err(FileError {
+                    op: "create (unnamed, O_TMPFILE) in",
+                    path: self.path.clone(),
+                    source: e,
+                }),
+            };
+        }
+        // SAFETY: a descriptor the kernel just gave us, owned by nothing else.
+        Ok(Some(File::from(unsafe { OwnedFd::from_raw_fd(fd) })))
+    }
+
+    /// Names `file` (made by [`Dir::create_unnamed`]) `name` in this directory; fails with
+    /// `EEXIST`, never replacing, if something is there. Through `/proc/self/fd` (linking
+    /// the descriptor itself, `AT_EMPTY_PATH`, needs `CAP_DAC_READ_SEARCH`).
+    #[cfg(feature = "store")]
+    pub(crate) fn link_unnamed(&self, file: &File, name: &str) -> Result<(), FileError> {
+        let err = |source| FileError {
+            op: "name the file written as",
+            path: self.join(name),
+            source,
+        };
+        if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+            return Err(err(io::Error::from_raw_os_error(libc::EINVAL)));
+        }
+        let from = cstr(OsStr::new(&format!("/proc/self/fd/{}", file.as_raw_fd()))).map_err(err)?;
+        let to = cstr(OsStr::new(name)).map_err(err)?;
+        // SAFETY: both paths are NUL-terminated and live across the call; the directory
+        // descriptor is ours.
+        let r = unsafe {
+            libc::linkat(
+                libc::AT_FDCWD,
+                from.as_ptr(),
+                self.fd.as_raw_fd(),
+                to.as_ptr(),
+                libc::AT_SYMLINK_FOLLOW,
+            )
+        };
+        if r != 0 {
+            return Err(err(io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
     /// Syncs the directory (its entries: a create or rename in it reaches the disk).
     pub(crate) fn sync(&self) -> Result<(), FileError> {
         // SAFETY: fsync on a descriptor we own touches no memory.

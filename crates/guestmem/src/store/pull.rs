@@ -1,6 +1,6 @@
 //! Pulling a snapshot back into a raw memory file (for Firecracker's File backend): every
 //! frame fetched, checked and written by many threads at once, zero frames left as holes,
-//! the file published whole (written beside, synced, renamed).
+//! the file published whole (written unnamed, or beside, synced, then named).
 
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
@@ -78,13 +78,25 @@ pub fn pull(memory: &StoreMemory, out: &Path, threads: usize) -> Result<PullRepo
     })?;
     let tmp_name = format!(".{name}.{}.pulling", std::process::id());
     let tmp = parent.join(&tmp_name);
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(io("create"))?;
-    let mut pulling = Pulling(&tmp, false);
+    // Unnamed until whole where the file system can (nothing left behind however the pull
+    // ends: an error, Ctrl-C, kill -9); else beside the target, removed on an error.
+    let unnamed = dir.create_unnamed().map_err(|e| StoreError::Io {
+        op: e.op,
+        path: e.path,
+        source: e.source,
+    })?;
+    let (file, mut pulling) = match unnamed {
+        Some(f) => (f, None),
+        None => (
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(io("create"))?,
+            Some(Pulling(&tmp, false)),
+        ),
+    };
     file.set_len(snap.memory_bytes()).map_err(io("size"))?;
     let before = memory.frames().counters.bytes.load(Ordering::Relaxed);
     let next = AtomicU64::new(0);
@@ -125,13 +137,18 @@ pub fn pull(memory: &StoreMemory, out: &Path, threads: usize) -> Result<PullRepo
         return Err(e);
     }
     file.sync_all().map_err(io("sync"))?;
-    dir.rename(&tmp_name, name, false)
-        .map_err(|e| StoreError::Io {
-            op: "rename into place (a pull never overwrites a file)",
-            path: out.to_path_buf(),
-            source: e.source,
-        })?;
-    pulling.1 = true;
+    let placed = match &pulling {
+        None => dir.link_unnamed(&file, name),
+        Some(_) => dir.rename(&tmp_name, name, false),
+    };
+    placed.map_err(|e| StoreError::Io {
+        op: "put into place (a pull never overwrites a file)",
+        path: out.to_path_buf(),
+        source: e.source,
+    })?;
+    if let Some(p) = &mut pulling {
+        p.1 = true;
+    }
     let _ = dir.sync();
     Ok(PullReport {
         url: snap.url.to_string(),
@@ -140,4 +157,80 @@ pub fn pull(memory: &StoreMemory, out: &Path, threads: usize) -> Result<PullRepo
         bytes_fetched: memory.frames().counters.bytes.load(Ordering::Relaxed) - before,
         wall_secs: t0.elapsed().as_secs_f64(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use guestmem_testkit::s3::S3Server;
+    use guestmem_testkit::Scratch;
+
+    use crate::store::{
+        pull, push, Client, FetchPolicy, Frames, PushConfig, PushSource, StoreMemory, StoreUrl,
+    };
+
+    /// While a pull runs, nothing of it is in the folder it pulls into (its file has no
+    /// name until it is whole: a pull ended by Ctrl-C or kill -9 leaves nothing); once it
+    /// ends, the file is there whole, its owner's only.
+    #[test]
+    fn a_pull_names_its_file_only_once_it_is_whole() {
+        let scratch = Scratch::new("pull-unnamed");
+        let s3 = S3Server::start("pull-unnamed", &["snaps"]);
+        let env = s3.env();
+        let get = move |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+        let client = Arc::new(Client::connect_with("snaps", &get).unwrap());
+        let raw = scratch.join("mem");
+        let bytes: Vec<u8> = (0..(1u32 << 20))
+            .map(|i| (i / 4096 % 251) as u8 + 1)
+            .collect();
+        std::fs::write(&raw, &bytes).unwrap();
+        let url = StoreUrl::parse("s3://snaps/vm", false).unwrap();
+        let cfg = PushConfig {
+            frame_bytes: 64 << 10,
+            ..PushConfig::default()
+        };
+        push(&client, &PushSource::Raw(raw), &url, &cfg).unwrap();
+        let into = scratch.join("into");
+        std::fs::create_dir(&into).unwrap();
+        let memory =
+            StoreMemory::open(Frames::new(client, None, FetchPolicy::default()), &url).unwrap();
+        // 16 frames, each answered 50 ms late, one thread: the pull takes most of a second.
+        s3.delay_gets(Duration::from_millis(50));
+        let out = into.join("memory");
+        let pulling = {
+            let out = out.clone();
+            std::thread::spawn(move || pull(&memory, &out, 1))
+        };
+        // Looked at while it runs: nothing but the file itself, and that only whole.
+        let mut looked = 0;
+        while !pulling.is_finished() {
+            let names: Vec<_> = std::fs::read_dir(&into)
+                .unwrap()
+                .flatten()
+                .map(|e| e.file_name())
+                .collect();
+            match &names[..] {
+                [] => looked += 1,
+                [one] if one == "memory" => {
+                    assert_eq!(
+                        std::fs::read(&out).unwrap(),
+                        bytes,
+                        "named before it was whole"
+                    );
+                }
+                _ => panic!("{names:?} while pulling"),
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let r = pulling.join().unwrap().unwrap();
+        assert_eq!(r.memory_bytes, 1 << 20);
+        assert!(looked > 0, "the pull ended before it was looked at");
+        assert_eq!(std::fs::read(&out).unwrap(), bytes);
+        let mode = std::fs::metadata(&out).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        assert_eq!(std::fs::read_dir(&into).unwrap().count(), 1);
+    }
 }
