@@ -971,4 +971,31 @@ pub(super) mod held_tests {
         }
         assert!(store.get(&to.manifest_key()).unwrap().is_none());
     }
+
+    /// A diff whose base's manifest went after the base was read (deleted, so a gc may take
+    /// its frames) is not pushed naming them.
+    #[test]
+    fn a_diff_whose_base_went_since_it_was_read_is_refused() {
+        let scratch = guestmem_testkit::Scratch::new("held-base-gone");
+        let base_bytes = vec![0x33u8; MEM as usize];
+        let (store, base) = base_in_store(&scratch, &base_bytes);
+        let snap = read_snapshot(
+            &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
+            &base,
+        )
+        .unwrap();
+        let path = scratch.join("diff");
+        diff_on(&base_bytes, &path);
+        store.delete(&base.manifest_key()).unwrap();
+        let src = PushSource::RawDiff {
+            path,
+            base: base.clone(),
+        };
+        let to = StoreUrl::parse("s3://bkt/diff", false).unwrap();
+        let e = push(&store, &src, &to, &diff_config(&store, snap))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("deleted or replaced"), "{e}");
+        assert!(store.get(&to.manifest_key()).unwrap().is_none());
+    }
 }

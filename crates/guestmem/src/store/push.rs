@@ -242,6 +242,24 @@ fn push_to(
     // Deleted when dropped, on every way out (else it holds a gc off until it goes stale).
     let lease = Lease::take(client, url)?;
     lease.wait_for_gc()?;
+    // A diff's base read before the lease: its manifest deleted (or pushed anew) since, a
+    // gc may collect the frames this diff would name. Read again now the lease holds gc off.
+    if let Reader::File {
+        diff: Some(diff), ..
+    } = &reader
+    {
+        let base = &diff.0;
+        let from = cfg.base_from.as_ref().unwrap_or(client);
+        let now = from.get(&base.url.manifest_key())?;
+        if now.as_deref().map(blake3::hash) != Some(base.digest) {
+            return Err(StoreError::Base {
+                url: base.url.to_string(),
+                reason: "its manifest was deleted or replaced since it was read (a gc may \
+                         take the frames it named): nothing pushed"
+                    .into(),
+            });
+        }
+    }
     let job = Job {
         client,
         hold,

@@ -86,13 +86,17 @@ pub(super) fn read_file(
 ) -> Result<(), StoreError> {
     let n = (len.saturating_sub(offset)).min(dst.len() as u64) as usize;
     file.read_exact_at(&mut dst[..n], offset)
-        .map_err(|source| StoreError::Io {
-            op: "read the memory file at its frames",
-            path: PathBuf::from(format!(
+        .map_err(|source| {
+            // Named by the path it was opened at, as the kernel knows it (an error only).
+            let fd = PathBuf::from(format!(
                 "/proc/self/fd/{}",
                 std::os::fd::AsRawFd::as_raw_fd(file)
-            )),
-            source,
+            ));
+            StoreError::Io {
+                op: "read the memory file at its frames",
+                path: std::fs::read_link(&fd).unwrap_or(fd),
+                source,
+            }
         })?;
     dst[n..].fill(0);
     Ok(())
