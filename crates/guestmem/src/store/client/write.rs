@@ -106,6 +106,15 @@ impl Client {
                 Err(e) => return Err(self.error("PUT (only if none is there)", key, e)),
             };
             if tries >= PUT_NEW_TRIES {
+                // One last look: a try whose answer was lost may have landed (the push is
+                // then published; an error would say otherwise, and a push again would
+                // find the name taken).
+                let cap = bytes.len() as u64;
+                if let Ok(Some((there, _))) = self.block_on(capped(&*self.store, key, cap)) {
+                    if there == bytes {
+                        return Ok(true);
+                    }
+                }
                 return Err(match e {
                     Some(e) => self.error("PUT (only if none is there)", key, e),
                     None => StoreError::Request {
