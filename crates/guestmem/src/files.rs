@@ -270,7 +270,8 @@ impl Dir {
 
     /// A new file in this directory with no name (`O_TMPFILE`), readable and writable by
     /// its owner only: nothing is left of it if the process ends before
-    /// [`Dir::link_unnamed`] names it. `Ok(None)` where the file system cannot make one.
+    /// [`Dir::link_unnamed`] names it. `Ok(None)` where the file system cannot make one, or
+    /// it could not be named (no `/proc/self/fd` of this process).
     #[cfg(feature = "store")]
     pub(crate) fn create_unnamed(&self) -> Result<Option<File>, FileError> {
         // SAFETY: "." is a NUL-terminated literal; the directory descriptor is ours.
@@ -295,7 +296,20 @@ impl Dir {
             };
         }
         // SAFETY: a descriptor the kernel just gave us, owned by nothing else.
-        Ok(Some(File::from(unsafe { OwnedFd::from_raw_fd(fd) })))
+        let file = File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+        // Named later through /proc/self/fd: where that is not this process's (no /proc in
+        // a chroot, another PID namespace's), it could never be named, and all written to
+        // it would be lost at the end.
+        let proc_fd = format!("/proc/self/fd/{}", file.as_raw_fd());
+        let ours = |m: std::fs::Metadata| {
+            use std::os::unix::fs::MetadataExt;
+            file.metadata()
+                .is_ok_and(|f| f.ino() == m.ino() && f.dev() == m.dev())
+        };
+        if !std::fs::metadata(&proc_fd).is_ok_and(ours) {
+            return Ok(None);
+        }
+        Ok(Some(file))
     }
 
     /// Names `file` (made by [`Dir::create_unnamed`]) `name` in this directory; fails with

@@ -90,47 +90,102 @@ pub fn data_ranges(fd: BorrowedFd<'_>, start: u64, end: u64) -> io::Result<Vec<(
     Ok(out)
 }
 
-/// Why `SEEK_DATA` on files of `fd`'s filesystem may report more than the pages written,
-/// or `None`: a file system not known to report exactly the blocks written (see `EXACT`
-/// below), or a tmpfs whose files may take huge pages at a `write(2)` (mounted with `huge=`
-/// `always` or `within_size`, or every tmpfs where `shmem_enabled` is `force`) allocates
-/// 2 MiB at a 4 KiB write, and reports all of it as data. A tmpfs this process cannot see
-/// the mount of is taken as one that may. A sparse file read there as "pages written, holes
-/// not" (a Firecracker Diff on its base) would take the zeros around each write for data.
+/// Why `SEEK_DATA` on files in the directory `dir` may report more than the pages written,
+/// or `None`. A sparse file read there as "pages written, holes not" (a Firecracker Diff on
+/// its base) would take the zeros around each write for data. Asked of the file system
+/// itself: a page written into a sparse file made there must show as that page and no
+/// more (a tmpfs whose files take huge pages at a `write(2)` shows 2 MiB; NFS, FUSE or 9p
+/// through the kernel's generic lseek the whole file; ZFS a record); where no file can be
+/// made there, by its type. A tmpfs that may take huge pages (mounted with `huge=always`
+/// or `within_size`, or every tmpfs where `shmem_enabled` is `force`) is named as such.
 /// (Diffs are read so only by pushes and moves.)
 #[cfg(feature = "store")]
-pub fn coarse_data_ranges(fd: BorrowedFd<'_>) -> io::Result<Option<String>> {
-    // File systems whose SEEK_DATA reports the blocks written, and no more. Others may
-    // report a whole file (NFSv3, FUSE without lseek, 9p: the kernel's generic lseek) or a
-    // whole record (ZFS, 128 KiB by default) as data.
-    const EXACT: [(libc::c_long, &str); 7] = [
-        (0xEF53, "ext2/3/4"),
+pub fn coarse_data_ranges(dir: BorrowedFd<'_>) -> io::Result<Option<String>> {
+    if let Some(why) = huge_tmpfs(dir)? {
+        return Ok(Some(format!(
+            "{why}: a 4 KiB write there shows as 2 MiB of data, so the base's pages around it would read as zeros (use a tmpfs with huge=never, as /dev/shm, or a disk)"
+        )));
+    }
+    // SAFETY: statfs is plain data, for which all zeros is a valid value.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs writes one statfs into a live struct; the descriptor is borrowed.
+    check(unsafe { libc::fstatfs(dir.as_raw_fd(), &mut fs) })?;
+    // As u32: the magic numbers are 32 bits (f_type is a long, and signed where it is 32).
+    let f_type = fs.f_type as u32;
+    // Asked of the file system itself where a file can be made here: a page written into
+    // a sparse file must show as that page of data and no more. (By its type alone an
+    // overlayfs tells nothing of the file system under it, which answers SEEK_DATA.)
+    const PROBE_LEN: u64 = 4 << 20;
+    const PROBE_AT: u64 = (2 << 20) + 4096;
+    if let Some(found) = probe_data_ranges(dir, PROBE_LEN, PROBE_AT)? {
+        if found == [(PROBE_AT, PROBE_AT + 4096)] {
+            return Ok(None);
+        }
+        let shown: Vec<String> = found
+            .iter()
+            .map(|(a, b)| format!("{a:#x}..{b:#x}"))
+            .collect();
+        return Ok(Some(format!(
+            "a 4 KiB page written at {PROBE_AT:#x} into a sparse file here shows as data at \
+             [{}]: its file system (type {f_type:#x}) reports more than the pages written, and \
+             the base's pages around each write would read as zeros (put it on a local ext4, \
+             xfs or btrfs, or a tmpfs with huge=never, as /dev/shm)",
+            shown.join(", ")
+        )));
+    }
+    // No file can be made here (read-only, full, or no O_TMPFILE): by its type. Those
+    // whose SEEK_DATA reports the blocks written; others may report a whole file (NFSv3,
+    // FUSE without lseek, 9p: the kernel's generic lseek) or a record (ZFS) as data.
+    const EXACT: [(u32, &str); 6] = [
+        (0xEF53, "ext4"),
         (0x5846_5342, "xfs"),
         (0x9123_683E, "btrfs"),
         (0xF2F5_2010, "f2fs"),
         (0xCA45_1A4E, "bcachefs"),
         (0x0102_1994, "tmpfs"),
-        (0x794C_7630, "overlayfs"),
     ];
-    // SAFETY: statfs is plain data, for which all zeros is a valid value.
-    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: fstatfs writes one statfs into a live struct; the descriptor is borrowed.
-    check(unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) })?;
-    let f_type = fs.f_type as libc::c_long;
     if !EXACT.iter().any(|&(t, _)| t == f_type) {
         return Ok(Some(format!(
             "its file system (type {f_type:#x}) is not one known to report as data only the \
-             pages written ({}): NFS, FUSE, 9p or ZFS may report more, and the base's pages \
-             around each write would read as zeros (put it on a local disk, or a tmpfs with \
-             huge=never, as /dev/shm)",
+             pages written ({}), and no file could be made here to ask it: NFS, FUSE, 9p, ZFS \
+             or an overlayfs over one may report more, and the base's pages around each write \
+             would read as zeros (put it on a local disk, or a tmpfs with huge=never, as \
+             /dev/shm)",
             EXACT.map(|(_, n)| n).join(", ")
         )));
     }
-    Ok(huge_tmpfs(fd)?.map(|why| {
-        format!(
-            "{why}: a 4 KiB write there shows as 2 MiB of data, so the base's pages around it would read as zeros (use a tmpfs with huge=never, as /dev/shm, or a disk)"
+    Ok(None)
+}
+
+/// The data ranges `SEEK_DATA` reports of an unnamed file made in `dir`, `len` bytes long,
+/// with one 4 KiB page written at `at`; `None` where no such file can be made (read-only,
+/// full, no `O_TMPFILE`).
+#[cfg(feature = "store")]
+fn probe_data_ranges(
+    dir: BorrowedFd<'_>,
+    len: u64,
+    at: u64,
+) -> io::Result<Option<Vec<(u64, u64)>>> {
+    // SAFETY: "." is a NUL-terminated literal; the directory descriptor is borrowed.
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            c".".as_ptr(),
+            libc::O_TMPFILE | libc::O_RDWR | libc::O_CLOEXEC,
+            0o600 as libc::c_uint,
         )
-    }))
+    };
+    if fd < 0 {
+        return Ok(None);
+    }
+    // SAFETY: a descriptor the kernel just gave us, owned by nothing else.
+    let file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::FileExt;
+    if file.set_len(len).is_err() || file.write_all_at(&[0x5a; 4096], at).is_err() {
+        return Ok(None);
+    }
+    data_ranges(file.as_fd(), 0, len).map(Some)
 }
 
 /// Why `fd`'s filesystem is a tmpfs that may take huge pages at a `write(2)`, or `None`.

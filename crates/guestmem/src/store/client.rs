@@ -446,6 +446,23 @@ impl Client {
         self.block_on(self.get_async(key))
     }
 
+    /// [`Client::get`] of a key as a listing gave it ([`Client::list`]): asked for as the
+    /// store spells it, not escaped again (`Client::get` escapes what object_store's paths
+    /// may not hold, `~` `%` `#` `[` and others, so a name another tool wrote with one was
+    /// not found).
+    pub fn get_listed(&self, key: &str) -> Result<Option<Bytes>, StoreError> {
+        let path = ObjectPath::parse(key).map_err(|e| StoreError::Request {
+            op: "GET",
+            url: self.url(key),
+            reason: format!("a listed key this client cannot ask for: {e}"),
+            permanent: true,
+        })?;
+        let got = self.block_on(capped_at(&*self.store, &path, MAX_MANIFEST_BYTES));
+        Ok(got
+            .map_err(|e| self.capped_error(key, MAX_MANIFEST_BYTES, e))?
+            .map(|(b, _)| b))
+    }
+
     /// [`Client::get`], on the runtime.
     pub(crate) async fn get_async(&self, key: &str) -> Result<Option<Bytes>, StoreError> {
         Ok(self
@@ -589,8 +606,17 @@ async fn capped(
     key: &str,
     max: u64,
 ) -> Result<Option<(Bytes, Duration)>, Capped> {
+    capped_at(store, &ObjectPath::from(key), max).await
+}
+
+/// [`capped`] of an object named by its path as the store spells it.
+async fn capped_at(
+    store: &dyn ObjectStore,
+    path: &ObjectPath,
+    max: u64,
+) -> Result<Option<(Bytes, Duration)>, Capped> {
     let sent = std::time::Instant::now();
-    let r = match store.get(&ObjectPath::from(key)).await {
+    let r = match store.get(path).await {
         Ok(r) => r,
         Err(object_store::Error::NotFound { .. }) => return Ok(None),
         Err(e) => return Err(Capped::Store(e)),

@@ -57,7 +57,7 @@ pub fn list(client: &Client, at: &StoreUrl) -> Result<Vec<Listing>, StoreError> 
 
 fn snapshots(client: &Client, at: &StoreUrl) -> Result<Vec<Snapshot>, StoreError> {
     let mut out = Vec::new();
-    each_snapshot(client, at, false, |s| {
+    each_snapshot(client, at, |s| {
         out.push(s);
         true
     })?;
@@ -66,14 +66,10 @@ fn snapshots(client: &Client, at: &StoreUrl) -> Result<Vec<Snapshot>, StoreError
 
 /// Each snapshot in the bucket of `at` (under its name, if it has one), read and checked,
 /// handed to `f` one at a time (gc keeps only the names of their frames), until `f` says
-/// false. A manifest listed and then not found is skipped (deleted since), but where
-/// `every` is asked (gc: what it names must not be deleted) it is an error: the key may be
-/// one this client names otherwise than the listing (a name made by another tool, with a
-/// character object_store escapes).
+/// false. A manifest listed and then not found is skipped (deleted since).
 fn each_snapshot(
     client: &Client,
     at: &StoreUrl,
-    every: bool,
     mut f: impl FnMut(Snapshot) -> bool,
 ) -> Result<(), StoreError> {
     let prefix = if at.name.is_empty() {
@@ -91,22 +87,13 @@ fn each_snapshot(
         };
         let url = at.sibling(name);
         // A manifest deleted since the listing is no longer a snapshot.
-        match client.get(&o.key)? {
+        // Asked for as listed: a name another tool wrote with a character object_store
+        // escapes was asked for escaped, not found, and (to gc) taken for one deleted
+        // since, its frames deleted.
+        match client.get_listed(&o.key)? {
             Some(text) if !f(Snapshot::parse(&url, &text)?) => break,
-            Some(_) => {}
-            None if every => {
-                return Err(StoreError::Request {
-                    op: "gc",
-                    url: client.url(&o.key),
-                    reason: "listed, then not found: deleted meanwhile, or a name this client \
-                             cannot ask for as listed; what it names cannot be known, so \
-                             nothing was deleted (run gc again; rename a snapshot named by \
-                             another tool)"
-                        .into(),
-                    permanent: true,
-                });
-            }
-            None => {}
+            // Deleted since the listing: no longer a snapshot.
+            Some(_) | None => {}
         }
     }
     Ok(())
@@ -176,7 +163,7 @@ fn collect(
     let mut snapshots = 0;
     // A push that began meanwhile waits for this gc to go: it stops at once.
     let push_began = || mark.is_some_and(GcMark::push_seen);
-    each_snapshot(client, &root, true, |s| {
+    each_snapshot(client, &root, |s| {
         snapshots += 1;
         named.extend(s.frames.iter().flatten().map(|p| *p.hash.as_bytes()));
         !push_began()
@@ -219,6 +206,11 @@ fn collect(
         }
         for (key, size) in batch {
             if !dry_run {
+                // Before each (no request): on a store slow to delete, one batch can take
+                // longer than the mark may go unwritten.
+                if let Some(m) = mark {
+                    m.check_held()?;
+                }
                 client.delete(key)?;
             }
             r.deleted += 1;
@@ -336,10 +328,10 @@ mod tests {
     }
 
     /// A manifest another tool wrote under a name with a character object_store escapes
-    /// (`~`) is listed, but not found when asked for as listed: gc stops, deleting nothing,
-    /// rather than take it for one deleted since the listing and delete what it names.
+    /// (`~`) is read as listed: gc keeps what it names. (It was asked for escaped, not
+    /// found, taken for one deleted since the listing, and its frame deleted.)
     #[test]
-    fn a_manifest_gc_cannot_read_back_stops_it() {
+    fn a_manifest_named_with_a_character_object_store_escapes_is_read() {
         let s3 = S3Server::start("gc-odd-name", &["snaps"]);
         let c = client(&s3);
         let page = vec![0x5au8; 4096];
@@ -351,8 +343,8 @@ mod tests {
             "version": 1,
             "name": "web~old",
             "created": 0,
-            "frame_bytes": 4096,
-            "memory_bytes": 4096,
+            "frame_bytes": 65536,
+            "memory_bytes": 65536,
             "frames": [[{ "h": h.to_hex().to_string() }]],
         });
         let dir = s3.bucket_dir("snaps").join("snapshots/web~old");
@@ -361,16 +353,15 @@ mod tests {
         let url = StoreUrl::parse("s3://snaps/any", false).unwrap();
         let listed = c.list("snapshots/").unwrap();
         assert_eq!(listed.len(), 1, "{listed:?}");
-        let r = gc(&c, &url, Duration::ZERO, false);
+        assert!(
+            c.get(&listed[0].key).unwrap().is_none(),
+            "escaped, not found"
+        );
+        let r = gc(&c, &url, Duration::ZERO, false).unwrap();
         assert!(
             c.get(&frame_key).unwrap().is_some(),
             "deleted a named frame: {r:?}"
         );
-        assert!(
-            c.get(&listed[0].key).unwrap().is_none(),
-            "asked for as listed"
-        );
-        let e = r.expect_err("a manifest it could not read").to_string();
-        assert!(e.contains("listed, then not found"), "{e}");
+        assert_eq!((r.snapshots, r.named, r.deleted), (1, 1, 0), "{r:?}");
     }
 }

@@ -132,7 +132,8 @@ impl<'a> GcMark<'a> {
             .put(&self.key, Bytes::from_static(b"{\"gc\":true}"))?;
         let mut h = self.held();
         h.longest_gap = h.longest_gap.max(sent.saturating_duration_since(h.written));
-        h.written = sent;
+        // Two renewals at once (gc's thread and a batch's) may end out of order.
+        h.written = h.written.max(sent);
         drop(h);
         let (now, listed) = store_now(self.client, LEASES, &self.key)?;
         if live_push(&listed, now).is_some() {
@@ -269,7 +270,7 @@ impl Lease {
         self.client.put(&self.key, self.body.clone())?;
         let mut h = self.held();
         h.longest_gap = h.longest_gap.max(sent.saturating_duration_since(h.written));
-        h.written = sent;
+        h.written = h.written.max(sent);
         Ok(())
     }
 
@@ -303,6 +304,12 @@ impl Lease {
             }
             out
         })
+    }
+
+    /// The longest time the lease went unwritten, up to now.
+    pub(super) fn longest_gap(&self) -> Duration {
+        let h = self.held();
+        h.longest_gap.max(h.written.elapsed())
     }
 
     /// Writes the lease once more, and checks that it was never left unwritten for longer

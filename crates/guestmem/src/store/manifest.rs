@@ -293,9 +293,14 @@ fn frame_len(m: &StoreManifest, i: u64) -> u64 {
 pub fn check_frame_bytes(b: u64) -> Result<(), StoreError> {
     if !b.is_power_of_two() || !(MIN_FRAME_BYTES..=MAX_FRAME_BYTES).contains(&b) {
         return Err(StoreError::Limit {
-            what: "frame size (a power of two from 64 KiB), bytes",
+            what: "frame size (a power of two from 64 KiB to 16 MiB), bytes",
             value: b,
-            limit: MAX_FRAME_BYTES,
+            // The bound it is past.
+            limit: if b < MIN_FRAME_BYTES {
+                MIN_FRAME_BYTES
+            } else {
+                MAX_FRAME_BYTES
+            },
         });
     }
     Ok(())

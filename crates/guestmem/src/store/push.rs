@@ -17,7 +17,7 @@ use super::client::Client;
 use super::cut::{Counters, Job, Reader};
 use super::fetch::{FetchPolicy, Frames};
 use super::held::HeldFrames;
-use super::lease::Lease;
+use super::lease::{Lease, LEASE_HELD};
 use super::manifest::{
     check_frame_bytes, created_now, Piece, Snapshot, StoreManifest, FORMAT, VERSION,
 };
@@ -244,9 +244,14 @@ fn push_to(
     lease.wait_for_gc()?;
     // A diff's base read before the lease: its manifest deleted (or pushed anew) since, a
     // gc may collect the frames this diff would name. Read again now the lease holds gc off.
-    if let Reader::File {
-        diff: Some(diff), ..
-    } = &reader
+    // (Not for a move's diff held for its destination: its lease is on the held client,
+    // holds no gc of the store off, and the check would send a GET in the pause.)
+    if let (
+        None,
+        Reader::File {
+            diff: Some(diff), ..
+        },
+    ) = (hold, &reader)
     {
         let base = &diff.0;
         let from = cfg.base_from.as_ref().unwrap_or(client);
@@ -357,6 +362,17 @@ fn push_to(
     // renewed while the PUT runs.
     lease.confirm()?;
     let r = lease.renewed_while(|| client.put_new(&url.manifest_key(), Bytes::from(text.clone())));
+    if matches!(r, Ok(true)) && lease.longest_gap() > LEASE_HELD {
+        // Published, but the store took no renewal for a while as the PUT ran: a gc may
+        // have taken the lease for a dead push's meanwhile.
+        tracing::warn!(
+            "{url}: published, but the push's lease went {} s without a renewal the store \
+             took while its manifest was written (limit {} s): a gc running meanwhile may have \
+             deleted frames it names; pull it to check",
+            lease.longest_gap().as_secs(),
+            LEASE_HELD.as_secs()
+        );
+    }
     drop(lease);
     if !r? {
         return Err(StoreError::Exists {
@@ -438,8 +454,13 @@ pub(super) fn open_raw_diff(
     }
     // A hole is the base's page: data ranges coarser than the pages written would
     // take zeros for memory.
+    let folder = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let dir = File::open(folder).map_err(io("open the folder of", path))?;
     if let Some(why) =
-        crate::sys::coarse_data_ranges(file.as_fd()).map_err(io("find the filesystem of", path))?
+        crate::sys::coarse_data_ranges(dir.as_fd()).map_err(io("find the filesystem of", path))?
     {
         return Err(StoreError::Io {
             op: "read as a diff (its holes are the base's pages)",
