@@ -529,19 +529,37 @@ impl Client {
 
     /// Every object whose key starts with `prefix` (a folder: ends with `/`).
     pub fn list(&self, prefix: &str) -> Result<Vec<Listed>, StoreError> {
+        let mut out = Vec::new();
+        self.list_each(prefix, &mut |l| {
+            out.push(l);
+            true
+        })?;
+        Ok(out)
+    }
+
+    /// [`Client::list`], each object handed to `f` as its page of the listing comes, until
+    /// `f` says false (then `Ok(false)`): a bucket of a million frames is neither held
+    /// whole nor waited for whole.
+    pub(crate) fn list_each(
+        &self,
+        prefix: &str,
+        f: &mut dyn FnMut(Listed) -> bool,
+    ) -> Result<bool, StoreError> {
         self.block_on(async {
             let p = ObjectPath::from(prefix.trim_end_matches('/'));
             let mut s = self.store.list(Some(&p));
-            let mut out = Vec::new();
             while let Some(m) = s.next().await {
                 let m: ObjectMeta = m.map_err(|e| self.error("LIST", prefix, e))?;
-                out.push(Listed {
+                let go_on = f(Listed {
                     key: m.location.to_string(),
                     size: m.size,
                     modified: m.last_modified.timestamp(),
                 });
+                if !go_on {
+                    return Ok(false);
+                }
             }
-            Ok(out)
+            Ok(true)
         })
     }
 

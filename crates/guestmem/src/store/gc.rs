@@ -178,14 +178,14 @@ fn collect(
         return Ok(r);
     }
     let mut doomed = Vec::new();
-    for o in client.list(FRAMES)? {
+    let whole = client.list_each(FRAMES, &mut |o| {
         r.frames += 1;
         let Some(h) = o
             .key
             .strip_prefix(FRAMES)
             .and_then(|h| blake3::Hash::from_hex(h).ok())
         else {
-            continue;
+            return true;
         };
         if named.contains(h.as_bytes()) {
             r.named += 1;
@@ -194,6 +194,12 @@ fn collect(
         } else {
             doomed.push((o.key, o.size));
         }
+        // A push that began meanwhile waits for this gc: it stops at once.
+        !push_began()
+    })?;
+    if !whole {
+        r.stopped_for_push = true;
+        return Ok(r);
     }
     for batch in doomed.chunks(BATCH) {
         if let Some(m) = mark {
