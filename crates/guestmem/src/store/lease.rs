@@ -151,24 +151,7 @@ impl<'a> GcMark<'a> {
     /// Runs `work` while a thread writes the mark again every [`LEASE_RENEW`] (a failure
     /// is left to [`GcMark::check_held`]).
     pub(super) fn renewed_while<T>(&self, work: impl FnOnce() -> T) -> T {
-        let (stop, stopped) = std::sync::mpsc::channel::<()>();
-        std::thread::scope(|s| {
-            let renewer = std::thread::Builder::new()
-                .name("guestmem-gc-mark".into())
-                .spawn_scoped(s, move || {
-                    while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
-                        stopped.recv_timeout(LEASE_RENEW)
-                    {
-                        let _ = self.renew();
-                    }
-                });
-            let out = work();
-            drop(stop);
-            if let Ok(r) = renewer {
-                let _ = r.join();
-            }
-            out
-        })
+        while_renewing("guestmem-gc-mark", LEASE_RENEW, || drop(self.renew()), work)
     }
 
     /// Whether the mark was never left unwritten for longer than [`LEASE_HELD`], up to
@@ -200,6 +183,34 @@ impl Drop for GcMark<'_> {
         // Best effort: a mark left behind goes stale, and holds pushes off until then.
         let _ = self.client.delete(&self.key);
     }
+}
+
+/// Runs `work` on this thread while a thread of its own (named `name`) calls `renew` every
+/// `every`, until `work` returns.
+fn while_renewing<T>(
+    name: &str,
+    every: Duration,
+    renew: impl Fn() + Send,
+    work: impl FnOnce() -> T,
+) -> T {
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let renewer = std::thread::Builder::new()
+            .name(name.into())
+            .spawn_scoped(s, move || {
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    stopped.recv_timeout(every)
+                {
+                    renew();
+                }
+            });
+        let out = work();
+        drop(stop);
+        if let Ok(r) = renewer {
+            let _ = r.join();
+        }
+        out
+    })
 }
 
 fn nanos() -> u128 {
@@ -286,24 +297,12 @@ impl Lease {
     /// Runs `work` (the manifest's PUT, which a degraded store may take minutes over, its
     /// tries and their retries) while a thread renews the lease when due.
     pub(super) fn renewed_while<T>(&self, work: impl FnOnce() -> T) -> T {
-        let (stop, stopped) = std::sync::mpsc::channel::<()>();
-        std::thread::scope(|s| {
-            let renewer = std::thread::Builder::new()
-                .name("guestmem-lease".into())
-                .spawn_scoped(s, move || {
-                    while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
-                        stopped.recv_timeout(Duration::from_secs(5))
-                    {
-                        self.renew_if_due();
-                    }
-                });
-            let out = work();
-            drop(stop);
-            if let Ok(r) = renewer {
-                let _ = r.join();
-            }
-            out
-        })
+        while_renewing(
+            "guestmem-lease",
+            Duration::from_secs(5),
+            || self.renew_if_due(),
+            work,
+        )
     }
 
     /// The longest time the lease went unwritten, up to now.

@@ -682,6 +682,15 @@ pub(super) mod held_tests {
     }
 
     /// A move's push of a raw diff on `base` (raw frames, nothing looked up first).
+    /// The base's snapshot, read from `store` as a push reads it.
+    pub(in crate::store) fn read_base(store: &Arc<Client>, base: &StoreUrl) -> Snapshot {
+        read_snapshot(
+            &Frames::new(Arc::clone(store), None, FetchPolicy::default()),
+            base,
+        )
+        .unwrap()
+    }
+
     pub(in crate::store) fn diff_config(store: &Arc<Client>, base: Snapshot) -> PushConfig {
         PushConfig {
             frame_bytes: FB,
@@ -729,11 +738,7 @@ pub(super) mod held_tests {
             let (store, base) = base_in_store(scratch, base_bytes);
             let diff_path = scratch.join("diff");
             let want = diff_on(base_bytes, &diff_path);
-            let snap = read_snapshot(
-                &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
-                &base,
-            )
-            .unwrap();
+            let snap = read_base(&store, &base);
             BaseAndDiff {
                 store,
                 base,
@@ -899,11 +904,7 @@ pub(super) mod held_tests {
         f.set_len(MEM).unwrap();
         f.write_all_at(&[1u8; PAGE as usize], PAGE).unwrap();
         drop(f);
-        let snap = read_snapshot(
-            &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
-            &base,
-        )
-        .unwrap();
+        let snap = read_base(&store, &base);
         let src = PushSource::RawDiff {
             path: diff_path.clone(),
             base: base.clone(),
@@ -929,11 +930,7 @@ pub(super) mod held_tests {
         let scratch = guestmem_testkit::Scratch::new("held-short");
         let base_bytes = vec![0x77u8; MEM as usize];
         let (store, base) = base_in_store(&scratch, &base_bytes);
-        let snap = read_snapshot(
-            &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
-            &base,
-        )
-        .unwrap();
+        let snap = read_base(&store, &base);
         let to = StoreUrl::parse("s3://bkt/diff", false).unwrap();
         let push_diff = |path: &std::path::Path| {
             let src = PushSource::RawDiff {
@@ -981,11 +978,7 @@ pub(super) mod held_tests {
         let scratch = guestmem_testkit::Scratch::new("held-base-gone");
         let base_bytes = vec![0x33u8; MEM as usize];
         let (store, base) = base_in_store(&scratch, &base_bytes);
-        let snap = read_snapshot(
-            &Frames::new(Arc::clone(&store), None, FetchPolicy::default()),
-            &base,
-        )
-        .unwrap();
+        let snap = read_base(&store, &base);
         let path = scratch.join("diff");
         diff_on(&base_bytes, &path);
         store.delete(&base.manifest_key()).unwrap();
