@@ -71,7 +71,10 @@ impl Reservation {
     /// `MAP_FIXED`, readable and writable, and returns the mapping, which takes over the whole
     /// reservation: the parts not mapped stay `PROT_NONE` (guards) and are unmapped with it.
     ///
-    /// On failure the reservation is unmapped and nothing is left behind.
+    /// On failure the reservation is unmapped and nothing is left behind; but where the
+    /// kernel left a gap in the range and another thread mapped something into it before
+    /// this call could look, the range placed into is left reserved (address space leaked)
+    /// rather than that mapping unmapped.
     pub fn place(self, offset: usize, len: usize) -> Result<Mapping, MmapError> {
         // SAFETY: anonymous memory is backed for as long as it is mapped: nothing can shrink
         // it, so every byte of the mapping stays accessible.
@@ -127,11 +130,14 @@ impl Reservation {
             len,
             source: io::Error::from_raw_os_error(libc::EOVERFLOW),
         })?;
-        // On failure Linux 6.12+ restores the replaced pages rather than leaving a gap another
-        // mmap could take before our Drop unmaps the range; that the pages of the new mapping
-        // stay backed is the caller's contract.
+        // Out of Drop from here: a failed MAP_FIXED may have left a gap in the body (Linux
+        // before 6.12 unmaps the old range first; 6.12 and later still do where a file's
+        // own mmap fails, a hugetlb reservation say), which another thread's mmap can take
+        // before we look: only what is still ours is given back (`give_back_after_failure`).
+        let this = std::mem::ManuallyDrop::new(self);
         // SAFETY: body..body+len lies inside this reservation (checked above), which we own
-        // and no one can use (PROT_NONE); the Mapping returned owns the result.
+        // and no one can use (PROT_NONE); the Mapping returned owns the result. That the
+        // pages of the new mapping stay backed is the caller's contract.
         let p = unsafe {
             libc::mmap(
                 body as *mut libc::c_void,
@@ -143,14 +149,15 @@ impl Reservation {
             )
         };
         if p == libc::MAP_FAILED {
+            let source = io::Error::last_os_error();
+            give_back_after_failure(this.addr, this.len, body, len);
             return Err(MmapError::Sys {
                 op: "mmap(MAP_FIXED)",
                 addr: body,
                 len,
-                source: io::Error::last_os_error(),
+                source,
             });
         }
-        let this = std::mem::ManuallyDrop::new(self);
         Ok(Mapping {
             owned: (this.addr, this.len),
             addr: body,
@@ -159,10 +166,212 @@ impl Reservation {
     }
 }
 
+/// Gives back a reservation `addr..addr+total` whose `MAP_FIXED` over `body..body+len`
+/// failed. The parts around the body are ours still. The body is ours if it is a gap (taken
+/// back with `MAP_FIXED_NOREPLACE`, which fails where anything is mapped) or still wholly
+/// our `PROT_NONE` reservation (as `/proc/self/maps` shows it, the kernel having put it
+/// back); else something another thread mapped into the gap may be there, and the body is
+/// left mapped (address space leaked, never another owner's memory unmapped).
+fn give_back_after_failure(addr: usize, total: usize, body: usize, len: usize) {
+    let ours = {
+        // SAFETY: MAP_FIXED_NOREPLACE maps nothing over an existing mapping: it takes the
+        // range only where nothing is; the result is checked below.
+        let p = unsafe {
+            libc::mmap(
+                body as *mut libc::c_void,
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE
+                    | libc::MAP_ANONYMOUS
+                    | libc::MAP_NORESERVE
+                    | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        if p as usize == body {
+            true
+        } else {
+            if p != libc::MAP_FAILED {
+                // A kernel before 4.17 takes the flag for a hint and maps elsewhere: that
+                // mapping is ours, given back at once.
+                // SAFETY: a fresh mapping of ours that nothing else knows of.
+                let _ = unsafe { munmap(p as usize, len) };
+            }
+            reserved_only(body, len)
+        }
+    };
+    let (head, tail) = (body - addr, addr + total - (body + len));
+    if ours {
+        // SAFETY: the whole reservation is ours again (above), and goes.
+        let _ = unsafe { munmap(addr, total) };
+    } else {
+        // SAFETY: the head and the tail were never touched by the failed MAP_FIXED: ours.
+        let _ = unsafe { munmap(addr, head) };
+        // SAFETY: as above.
+        let _ = unsafe { munmap(body + len, tail) };
+    }
+}
+
+/// Whether `/proc/self/maps` shows `body..body+len` wholly covered by private anonymous
+/// `PROT_NONE` mappings (a reservation's). False when it cannot be read.
+fn reserved_only(body: usize, len: usize) -> bool {
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return false;
+    };
+    let end = body + len;
+    let mut covered = body;
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms), Some(_off), Some(_dev), Some(inode)) =
+            (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
+            continue;
+        };
+        let Some((a, b)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else {
+            continue;
+        };
+        if b <= body || a >= end {
+            continue;
+        }
+        let plain = perms == "---p" && inode == "0" && f.next().is_none();
+        if !plain || a > covered {
+            return false;
+        }
+        covered = covered.max(b);
+    }
+    covered >= end
+}
+
 impl Drop for Reservation {
     fn drop(&mut self) {
         // SAFETY: the reservation owns addr..addr+len and is going away. A failed munmap of
         // our own range could only leak address space.
         let _ = unsafe { munmap(self.addr, self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether nothing at all is mapped at `addr..addr+len` (taken with
+    /// `MAP_FIXED_NOREPLACE`, and given back at once).
+    fn nothing_at(addr: usize, len: usize) -> bool {
+        // SAFETY: maps only where nothing is; unmapped again at once if it did.
+        let p = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return false;
+        }
+        // SAFETY: the fresh mapping just made.
+        let _ = unsafe { munmap(p as usize, len) };
+        p as usize == addr
+    }
+
+    /// After a failed `MAP_FIXED` that left a gap in the body, another thread's mapping
+    /// there is never unmapped: the parts around it go, the mapping stays whole. Without
+    /// such a mapping (a gap, or the reservation put back) all of it goes.
+    #[test]
+    fn a_failed_placement_gives_back_only_what_is_still_its_own() {
+        let page = crate::sys::base_page_size() as usize;
+        for foreign in [true, false] {
+            let r = Reservation::new(8 * page).unwrap();
+            let (addr, total) = (r.addr(), r.len());
+            let this = std::mem::ManuallyDrop::new(r);
+            let (body, len) = (addr + 2 * page, 4 * page);
+            // The gap a kernel before 6.12 leaves, and another thread's mapping in it.
+            // SAFETY: the body is this test's reservation's.
+            unsafe { munmap(body, len) }.unwrap();
+            let other = foreign.then(|| {
+                // SAFETY: maps only where nothing is (the gap just made).
+                let p = unsafe {
+                    libc::mmap(
+                        (body + page) as *mut libc::c_void,
+                        page,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                        -1,
+                        0,
+                    )
+                };
+                assert_eq!(p as usize, body + page);
+                // SAFETY: the page just mapped, read and writable.
+                unsafe { *(p as *mut u64) = 0x5eed };
+                p as usize
+            });
+            give_back_after_failure(this.addr, this.len, body, len);
+            match other {
+                Some(p) => {
+                    // SAFETY: still mapped (the point of the test), ours to read.
+                    assert_eq!(unsafe { *(p as *const u64) }, 0x5eed);
+                    assert!(nothing_at(addr, 2 * page) && nothing_at(body + len, 2 * page));
+                    // SAFETY: the test's own foreign page, given back.
+                    unsafe { munmap(p, page) }.unwrap();
+                }
+                None => assert!(nothing_at(addr, total), "all of it given back"),
+            }
+        }
+        // And with the reservation whole (Linux 6.12 and later put it back on a failure).
+        let r = Reservation::new(8 * page).unwrap();
+        let (addr, total) = (r.addr(), r.len());
+        let _ = std::mem::ManuallyDrop::new(r);
+        assert!(reserved_only(addr + 2 * page, 4 * page));
+        give_back_after_failure(addr, total, addr + 2 * page, 4 * page);
+        assert!(nothing_at(addr, total), "all of it given back");
+    }
+
+    /// A placement the kernel refuses (a hugetlb file with no huge page to reserve: the
+    /// file's own mmap fails, after the range was unmapped) leaves nothing mapped.
+    #[test]
+    fn a_refused_placement_leaves_nothing_mapped() {
+        let _g = guestmem_testkit::host_lock();
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let free = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("HugePages_Free:"))
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        let over = std::fs::read_to_string("/proc/sys/vm/nr_overcommit_hugepages")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        if free != Some(0) || over != Some(0) {
+            return guestmem_testkit::skip(
+                "huge pages free or overcommitted here: a hugetlb mapping would not be refused",
+            );
+        }
+        // SAFETY: a NUL-terminated name; the flags ask for a hugetlb memfd.
+        let fd = unsafe { libc::memfd_create(c"gm-refused".as_ptr(), libc::MFD_HUGETLB) };
+        if fd < 0 {
+            return guestmem_testkit::skip(format!(
+                "no hugetlb memfd: {}",
+                io::Error::last_os_error()
+            ));
+        }
+        // SAFETY: a descriptor just made, owned by nothing else.
+        let file = std::fs::File::from(unsafe {
+            <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd)
+        });
+        file.set_len(2 << 20).unwrap();
+        let r = Reservation::new(8 << 20).unwrap();
+        let (addr, total) = (r.addr(), r.len());
+        let source = MapSource::SharedFile {
+            fd: std::os::fd::AsFd::as_fd(&file),
+            offset: 0,
+        };
+        // SAFETY: refused before anything is mapped (no huge page to reserve).
+        let e = unsafe { r.place_file(2 << 20, 2 << 20, source, Reserve::Reserve) };
+        assert!(e.is_err(), "placed with no huge page");
+        assert!(nothing_at(addr, total), "the reservation was left mapped");
     }
 }
