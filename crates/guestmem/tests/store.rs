@@ -144,3 +144,50 @@ fn a_guestmem_snapshot_is_restored_from_its_url_and_a_diff_shares_its_frames() {
         .unwrap_err();
     assert!(e.to_string().contains("no regions"), "{e}");
 }
+
+/// A VM whose memory is a memfd (shared: a vhost-user backend may map it) restored lazily
+/// from the store: each block is read into a buffer of the filling thread's own, then
+/// copied into the region's file (a remote image's block is read as a `&mut [u8]`, which
+/// memory others may reach must not be), and every byte reads back right.
+#[test]
+fn a_shared_memory_vm_is_restored_lazily_from_the_store() {
+    guestmem_testkit::skip_unless!(guestmem_testkit::firecracker::missing_uffd());
+    let d = Scratch::new("store-memfd");
+    let s3 = S3Server::start("memfd", &["snaps"]);
+    let specs =
+        vec![RegionSpec::new(GuestAddress(0), 4 * MIB)
+            .with_backing(guestmem::layout::Backing::Memfd)];
+    let map = GuestMap::from_specs(&specs).unwrap();
+    scribble(&map, 9, 2);
+    let dir = d.join("s0");
+    snapshot::save(&map.view(), &dir, &SaveConfig::default()).unwrap();
+    let c = client(&s3);
+    let url = StoreUrl::parse("s3://snaps/memfd/s0", false).unwrap();
+    push(&c, &PushSource::Guestmem(dir), &url, &PushConfig::default()).unwrap();
+    let want = contents(&map);
+    let frames = Frames::new(Arc::clone(&c), None, FetchPolicy::default());
+    let image = StoreMemory::open(frames, &url).unwrap().image(MIB).unwrap();
+    let cfg = RestoreConfig {
+        mode: RestoreMode::Lazy,
+        threads: 2,
+        handler_threads: 2,
+        prefetch: Prefetch::None,
+        ..RestoreConfig::default()
+    };
+    let specs = image.specs();
+    assert!(
+        specs
+            .iter()
+            .all(|s| matches!(s.backing(), guestmem::layout::Backing::Memfd)),
+        "restored as saved: {specs:?}"
+    );
+    let r = restore::restore(&image, &specs, &cfg).unwrap();
+    let got = contents(&r.map);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        if let Some(at) = g.iter().zip(w).position(|(a, b)| a != b) {
+            panic!("region {i} differs at offset {at:#x}");
+        }
+    }
+    let rep = r.lazy.expect("lazy").finish().unwrap();
+    assert!(rep.faults > 0, "{rep:?}");
+}

@@ -316,10 +316,36 @@ impl Lazy {
             crate::sys::fallocate(fo.file().as_fd(), fo.start() + off as u64, n as u64)
                 .map_err(at.mem_err("fallocate"))?;
             self.counters.zero.fetch_add(1, Ordering::Relaxed);
+        } else if self.image.is_remote() {
+            // A remote image's block is read as a `&mut [u8]`, which the alias may not be:
+            // it maps the region's file, which others may reach (its descriptor is lent for
+            // vhost-user). Read into this thread's staging buffer, then copied raw.
+            let bb = self.image.largest_block() as usize;
+            with_staging(bb, at.mem_err("map a staging buffer"), |staging| {
+                let mut scratch = SCRATCH.take();
+                // SAFETY: the staging mapping is this thread's own, at least a block long,
+                // page-aligned, and nothing else touches it.
+                let r = unsafe {
+                    self.image
+                        .read_block(block, staging.as_ptr(), false, &mut scratch)
+                };
+                SCRATCH.set(scratch);
+                r?;
+                // Only the thread that claimed the block writes it, and the registered
+                // mapping maps none of it before the UFFDIO_CONTINUE below.
+                // SAFETY: the block lies inside the alias (the region's length); the staging
+                // buffer holds its n bytes; the two never overlap.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(staging.as_ptr(), alias.as_ptr().add(off), n)
+                };
+                Ok::<(), SnapshotError>(())
+            })?;
+            self.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
         } else {
             let mut scratch = SCRATCH.take();
             // Only the thread that claimed the block writes it, and the registered mapping
-            // maps none of it before the UFFDIO_CONTINUE below.
+            // maps none of it before the UFFDIO_CONTINUE below; a local image's block is
+            // written through raw pointers only (file reads, zeroes).
             // SAFETY: the block lies inside the alias (the region's length), aligned.
             let r = unsafe {
                 self.image
