@@ -513,7 +513,15 @@ fn open_backing(spec: &RegionSpec, c: &Checked) -> Result<Opened, RegionError> {
                 }
                 Err(e) => return Err(file_err(e)),
             };
-            let file_len = f.metadata().map_err(file_err)?.len();
+            let meta = f.metadata().map_err(file_err)?;
+            // A device or special file (a PCI BAR's sysfs resource, say) may map, but its
+            // pages need not read and write as memory, nor stay: only regular files.
+            if !meta.is_file() {
+                return Err(file_err(io::Error::other(
+                    "not a regular file (a device or special file is not memory)",
+                )));
+            }
+            let file_len = meta.len();
             let needed = offset + c.size; // checked in check_spec
             if file_len < needed {
                 return Err(RegionError::FileTooShort {

@@ -231,3 +231,18 @@ fn only_a_shared_backing_is_shared() {
         assert_eq!(r.file_offset().is_some(), has_fd, "{backing:?}");
     }
 }
+
+/// Only a regular file backs a region: a device or special file may map, but its pages need
+/// not read and write as memory, nor stay (a PCI BAR's sysfs resource, `/dev/zero`).
+#[test]
+fn a_device_file_is_refused_as_a_backing() {
+    let spec = RegionSpec::new(GuestAddress(0), 4096).with_backing(Backing::File {
+        path: "/dev/zero".into(),
+        offset: 0,
+    });
+    let e = GuestMap::from_specs(&[spec]).unwrap_err().to_string();
+    assert!(
+        e.contains("/dev/zero") && e.contains("not a regular file"),
+        "{e}"
+    );
+}
