@@ -294,7 +294,10 @@ impl Mapping {
 
     /// A private anonymous mapping of `len` bytes of hugetlb pages of `size` (as Firecracker
     /// maps a `huge_pages` guest), wherever the kernel puts it; `len` must be a whole number
-    /// of pages, and the pool must have them free when they are touched (else `SIGBUS`).
+    /// of pages. Its pages are reserved from the pool as it is mapped (no `MAP_NORESERVE`):
+    /// a pool with too few free fails the map, not a touch. (A hugetlb cgroup limit charged
+    /// at fault time, on a kernel without reservation accounting, can still fail a touch
+    /// with `SIGBUS`, as for any hugetlb memory.)
     pub fn anonymous_huge(len: usize, size: HugePageSize) -> Result<Mapping, MmapError> {
         let page = size.bytes() as usize;
         if len == 0 || !len.is_multiple_of(page) {
