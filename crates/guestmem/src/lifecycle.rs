@@ -9,14 +9,18 @@
 //! ```text
 //!            begin              complete
 //!   Whole ──────────▶ Restoring ──────────▶ Whole
-//!     ▲                 │    │
-//!     └──── abort ──────┘    └── lose ──▶ Lost (for good)
+//!     ▲ │               │    │
+//!     │ └ populate ─┐   └── lose ──▶ Lost (for good)
+//!     │             ▼
+//!     └─ end ── Populating            (and abort: Restoring ──▶ Whole)
 //! ```
 //!
-//! `begin` is a compare-and-swap from `Whole`, so two restores cannot fill one region at
-//! once. Populate, bring-up and save read the state and refuse a region that is not
-//! `Whole`: populating memory a restore is filling could discard restored data, and saving
-//! it could save memory that has not arrived.
+//! `begin` and `populate` are compare-and-swaps from `Whole`, so two restores cannot fill
+//! one region at once, nor a restore begin while a populate runs on it (whose undo, after a
+//! failed chunk, would discard restored data), nor two populates run on one region (one's
+//! undo discarding the other's work). Bring-up and save read the state and refuse a region
+//! that is not `Whole`: saving memory a restore is filling could save memory that has not
+//! arrived.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Mutex;
@@ -43,6 +47,8 @@ pub enum RestoreState {
     Restoring,
     /// A restore failed: part of it never arrived and is poisoned (reads raise `SIGBUS`).
     Lost,
+    /// A populate is running on it (its memory is whole).
+    Populating,
 }
 
 impl RestoreState {
@@ -51,6 +57,7 @@ impl RestoreState {
             RestoreState::Whole => 0,
             RestoreState::Restoring => 1,
             RestoreState::Lost => 2,
+            RestoreState::Populating => 3,
         }
     }
 
@@ -58,6 +65,7 @@ impl RestoreState {
         match w {
             0 => RestoreState::Whole,
             1 => RestoreState::Restoring,
+            3 => RestoreState::Populating,
             _ => RestoreState::Lost,
         }
     }
@@ -70,6 +78,9 @@ impl RestoreState {
                 Some("a restore is still filling it: wait for it (LazyRestore::finish) first")
             }
             RestoreState::Lost => Some("a restore failed and part of it is lost"),
+            RestoreState::Populating => {
+                Some("a populate is running on it: wait for it to return first")
+            }
         }
     }
 }
@@ -101,6 +112,29 @@ impl RestoreCell {
         let _ = self.0.compare_exchange(
             RestoreState::Restoring.word(),
             to.word(),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
+    /// `Whole` to `Populating`; else the state that stood in the way.
+    pub(crate) fn populate(&self) -> Result<(), RestoreState> {
+        self.0
+            .compare_exchange(
+                RestoreState::Whole.word(),
+                RestoreState::Populating.word(),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .map(|_| ())
+            .map_err(RestoreState::from_word)
+    }
+
+    /// `Populating` to `Whole`: the populate returned.
+    pub(crate) fn end_populate(&self) {
+        let _ = self.0.compare_exchange(
+            RestoreState::Populating.word(),
+            RestoreState::Whole.word(),
             Ordering::AcqRel,
             Ordering::Acquire,
         );
@@ -153,5 +187,30 @@ mod tests {
         assert_eq!(c.get(), RestoreState::Lost, "lost is for good");
         assert!(RestoreState::Lost.refusal().is_some());
         assert!(RestoreState::Whole.refusal().is_none());
+
+        // A populate holds a region off restores and other populates until it ends.
+        let c = RestoreCell::default();
+        c.populate().unwrap();
+        assert_eq!(
+            c.begin(),
+            Err(RestoreState::Populating),
+            "no restore while populating"
+        );
+        assert_eq!(
+            c.populate(),
+            Err(RestoreState::Populating),
+            "one populate at a time"
+        );
+        assert!(RestoreState::Populating.refusal().is_some());
+        c.end_populate();
+        assert_eq!(c.get(), RestoreState::Whole);
+        c.begin().unwrap();
+        assert_eq!(
+            c.populate(),
+            Err(RestoreState::Restoring),
+            "no populate while restoring"
+        );
+        c.end_populate(); // not populating: no move
+        assert_eq!(c.get(), RestoreState::Restoring);
     }
 }

@@ -238,7 +238,8 @@ pub enum PopulateError {
         /// The address.
         addr: u64,
     },
-    /// A restore is filling the region (or failed to): its memory is the restore's.
+    /// A restore is filling the region (or failed to): its memory is the restore's; or
+    /// another populate runs on it.
     #[error("region at {region:#x}: not populated: {why}")]
     Restoring {
         /// Guest address of the region.
@@ -337,7 +338,8 @@ pub fn selected(snap: &MapView, selection: &Selection) -> Result<Vec<Arc<Region>
 pub fn populate(snap: &MapView, cfg: &PopulateConfig) -> Result<PopulateReport, PopulateError> {
     let regions = selected(snap, &cfg.regions)?;
     let regions = &regions[..];
-    refuse_restoring(regions)?;
+    // Held until this call returns, however it returns.
+    let _claimed = Claimed::take(regions)?;
     let before = Before::read(regions)?;
     let job = job_over(regions, cfg)?;
     let mem = match cfg.method {
@@ -370,18 +372,35 @@ pub fn populate(snap: &MapView, cfg: &PopulateConfig) -> Result<PopulateReport, 
     }
 }
 
-/// Memory a restore is filling is the restore's: populating it would fault blocks in out of
-/// order, and undoing a failed populate would discard restored data.
-fn refuse_restoring(regions: &[Arc<Region>]) -> Result<(), PopulateError> {
-    for r in regions {
-        if let Some(why) = r.lifecycle.restore.get().refusal() {
-            return Err(PopulateError::Restoring {
-                region: guest(r),
-                why,
-            });
+/// The regions a populate runs on, each moved from `Whole` to `Populating` (or none), and
+/// back when dropped. Memory a restore is filling is the restore's: populating it would
+/// fault blocks in out of order, and undoing a failed populate would discard restored data;
+/// and no restore may begin on memory a populate may yet undo.
+struct Claimed<'a>(&'a [Arc<Region>]);
+
+impl<'a> Claimed<'a> {
+    fn take(regions: &'a [Arc<Region>]) -> Result<Claimed<'a>, PopulateError> {
+        for (i, r) in regions.iter().enumerate() {
+            if let Err(state) = r.lifecycle.restore.populate() {
+                regions[..i]
+                    .iter()
+                    .for_each(|r| r.lifecycle.restore.end_populate());
+                return Err(PopulateError::Restoring {
+                    region: guest(r),
+                    why: state.refusal().unwrap_or("its restore state changed"),
+                });
+            }
         }
+        Ok(Claimed(regions))
     }
-    Ok(())
+}
+
+impl Drop for Claimed<'_> {
+    fn drop(&mut self) {
+        self.0
+            .iter()
+            .for_each(|r| r.lifecycle.restore.end_populate());
+    }
 }
 
 /// What each region held before the call: memory in use is never released on failure, and
