@@ -81,9 +81,10 @@
 //! Memory that could raise `SIGBUS` needs an `unsafe` promise: a file placed in a reservation
 //! (it must not shrink), a hugetlb region without a reservation (it must be populated before
 //! it is touched). One exception, as in every VMM: a region backed by a regular file the
-//! caller names (`Backing::File`) is checked to hold the region when mapped, but if anyone
-//! truncates that file later, a touch of the lost part raises `SIGBUS` (see `region`; memfds
-//! guestmem makes are sealed against it).
+//! caller names (`Backing::File`, `Backing::FilePrivate`) is checked to hold the region when
+//! mapped, but if anyone truncates that file later, a touch of the lost part raises
+//! `SIGBUS`, as does a write to a hole of a sparse file whose file system is full (see
+//! `region`; memfds guestmem makes are sealed against shrinking).
 //!
 //! ```
 //! # use guestmem::{Backing, GuestAddress, HugePageSize, RegionSpec, Reserve};

@@ -18,9 +18,9 @@
 //! `begin` and `populate` are compare-and-swaps from `Whole`, so two restores cannot fill
 //! one region at once, nor a restore begin while a populate runs on it (whose undo, after a
 //! failed chunk, would discard restored data), nor two populates run on one region (one's
-//! undo discarding the other's work). Bring-up and save read the state and refuse a region
-//! that is not `Whole`: saving memory a restore is filling could save memory that has not
-//! arrived.
+//! undo discarding the other's work). Bring-up reads the state and refuses a region that is
+//! not `Whole`; save refuses one a restore is filling or lost (it could save memory that has
+//! not arrived), and saves one being populated.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Mutex;
@@ -40,6 +40,7 @@ pub(crate) struct Lifecycle {
 /// Where a region stands with respect to restores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum RestoreState {
     /// Its memory is whole: never restored, or restored completely.
     Whole,

@@ -246,3 +246,24 @@ fn a_device_file_is_refused_as_a_backing() {
         "{e}"
     );
 }
+
+/// A pseudo-file system's regular file (sysfs reports 4096 bytes for an attribute, as a
+/// PCI BAR's `resourceN` reports its size) is refused, naming the file system.
+#[test]
+fn a_sysfs_file_is_refused_as_a_backing() {
+    let path = std::path::PathBuf::from("/sys/kernel/mm/transparent_hugepage/enabled");
+    match std::fs::metadata(&path) {
+        Ok(m) if m.is_file() && m.len() >= 4096 => {}
+        _ => {
+            return guestmem_testkit::skip(format!(
+                "{} is not here as a 4 KiB regular file",
+                path.display()
+            ))
+        }
+    }
+    let spec = RegionSpec::new(GuestAddress(0), 4096)
+        .with_access(guestmem::layout::Access::ReadOnly)
+        .with_backing(Backing::FilePrivate { path, offset: 0 });
+    let e = GuestMap::from_specs(&[spec]).unwrap_err().to_string();
+    assert!(e.contains("sysfs"), "{e}");
+}

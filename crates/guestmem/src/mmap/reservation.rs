@@ -114,6 +114,10 @@ impl Reservation {
         reserve: Reserve,
     ) -> Result<Mapping, MmapError> {
         check(offset, len, self.len, "reservation")?;
+        let source_kind = match source {
+            MapSource::Anonymous => Kind::Anonymous,
+            _ => Kind::File,
+        };
         let (flags, fd, file_offset) = match source {
             MapSource::Anonymous => (libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0),
             MapSource::SharedFile { fd, offset } => (libc::MAP_SHARED, fd.as_raw_fd(), offset),
@@ -150,7 +154,8 @@ impl Reservation {
         };
         if p == libc::MAP_FAILED {
             let source = io::Error::last_os_error();
-            give_back_after_failure(this.addr, this.len, body, len);
+            let anonymous = matches!(source_kind, Kind::Anonymous);
+            give_back_after_failure(this.addr, this.len, body, len, anonymous);
             return Err(MmapError::Sys {
                 op: "mmap(MAP_FIXED)",
                 addr: body,
@@ -166,14 +171,22 @@ impl Reservation {
     }
 }
 
+/// What a placement maps.
+enum Kind {
+    Anonymous,
+    File,
+}
+
 /// Gives back a reservation `addr..addr+total` whose `MAP_FIXED` over `body..body+len`
-/// failed. The parts around the body are ours still. The body is ours if it is a gap (taken
-/// back with `MAP_FIXED_NOREPLACE`, which fails where anything is mapped) or still wholly
-/// our `PROT_NONE` reservation (as `/proc/self/maps` shows it, the kernel having put it
-/// back); else something another thread mapped into the gap may be there, and the body is
-/// left mapped (address space leaked, never another owner's memory unmapped).
-fn give_back_after_failure(addr: usize, total: usize, body: usize, len: usize) {
-    let ours = {
+/// failed. The parts around the body are ours still. The body is ours if the kernel put the
+/// reservation back (Linux 6.12 and later do for private anonymous memory: nothing is
+/// unmapped before the new mapping is sure) or if it is a gap still (taken back with
+/// `MAP_FIXED_NOREPLACE`, which maps nothing where anything is). Else something another
+/// thread mapped into the gap may be there, and the body is left mapped: address space
+/// leaked, never another owner's memory unmapped (no look at `/proc/self/maps` can tell
+/// another's `PROT_NONE` mapping from ours).
+fn give_back_after_failure(addr: usize, total: usize, body: usize, len: usize, anonymous: bool) {
+    let ours = (anonymous && restored_on_failure()) || {
         // SAFETY: MAP_FIXED_NOREPLACE maps nothing over an existing mapping: it takes the
         // range only where nothing is; the result is checked below.
         let p = unsafe {
@@ -189,17 +202,13 @@ fn give_back_after_failure(addr: usize, total: usize, body: usize, len: usize) {
                 0,
             )
         };
-        if p as usize == body {
-            true
-        } else {
-            if p != libc::MAP_FAILED {
-                // A kernel before 4.17 takes the flag for a hint and maps elsewhere: that
-                // mapping is ours, given back at once.
-                // SAFETY: a fresh mapping of ours that nothing else knows of.
-                let _ = unsafe { munmap(p as usize, len) };
-            }
-            reserved_only(body, len)
+        if p != libc::MAP_FAILED && p as usize != body {
+            // A kernel before 4.17 takes the flag for a hint and maps elsewhere: that
+            // mapping is ours, given back at once.
+            // SAFETY: a fresh mapping of ours that nothing else knows of.
+            let _ = unsafe { munmap(p as usize, len) };
         }
+        p as usize == body
     };
     let (head, tail) = (body - addr, addr + total - (body + len));
     if ours {
@@ -213,37 +222,18 @@ fn give_back_after_failure(addr: usize, total: usize, body: usize, len: usize) {
     }
 }
 
-/// Whether `/proc/self/maps` shows `body..body+len` wholly covered by private anonymous
-/// `PROT_NONE` mappings (a reservation's). False when it cannot be read.
-fn reserved_only(body: usize, len: usize) -> bool {
-    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
-        return false;
-    };
-    let end = body + len;
-    let mut covered = body;
-    for line in maps.lines() {
-        let mut f = line.split_whitespace();
-        let (Some(range), Some(perms), Some(_off), Some(_dev), Some(inode)) =
-            (f.next(), f.next(), f.next(), f.next(), f.next())
-        else {
-            continue;
-        };
-        let Some((a, b)) = range.split_once('-') else {
-            continue;
-        };
-        let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) else {
-            continue;
-        };
-        if b <= body || a >= end {
-            continue;
+/// Whether this kernel puts a private anonymous mapping back when a `MAP_FIXED` over it
+/// fails (Linux 6.12 and later), as `/proc/sys/kernel/osrelease` says.
+fn restored_on_failure() -> bool {
+    static AT_LEAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AT_LEAST.get_or_init(|| {
+        let v = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        let mut parts = v.trim().split(['.', '-']).map(|p| p.parse::<u32>().ok());
+        match (parts.next().flatten(), parts.next().flatten()) {
+            (Some(major), Some(minor)) => (major, minor) >= (6, 12),
+            _ => false,
         }
-        let plain = perms == "---p" && inode == "0" && f.next().is_none();
-        if !plain || a > covered {
-            return false;
-        }
-        covered = covered.max(b);
-    }
-    covered >= end
+    })
 }
 
 impl Drop for Reservation {
@@ -280,56 +270,101 @@ mod tests {
         p as usize == addr
     }
 
+    /// Runs `try_once` until it says the range it checks was not taken meanwhile (`Some`),
+    /// at most 5 times: other threads of this test binary map memory where the kernel
+    /// chooses, which may be a range a test just freed. A real fault fails every try.
+    fn in_a_quiet_moment(mut try_once: impl FnMut() -> Option<()>) {
+        for _ in 0..5 {
+            if try_once().is_some() {
+                return;
+            }
+        }
+        panic!("5 tries, each with the range taken or left mapped");
+    }
+
     /// After a failed `MAP_FIXED` that left a gap in the body, another thread's mapping
-    /// there is never unmapped: the parts around it go, the mapping stays whole. Without
-    /// such a mapping (a gap, or the reservation put back) all of it goes.
+    /// there is never unmapped: the parts around it go, the mapping stays whole. A gap
+    /// with nothing in it is taken back and all of it goes.
     #[test]
     fn a_failed_placement_gives_back_only_what_is_still_its_own() {
         let page = crate::sys::base_page_size() as usize;
         for foreign in [true, false] {
-            let r = Reservation::new(8 * page).unwrap();
-            let (addr, total) = (r.addr(), r.len());
-            let this = std::mem::ManuallyDrop::new(r);
-            let (body, len) = (addr + 2 * page, 4 * page);
-            // The gap a kernel before 6.12 leaves, and another thread's mapping in it.
-            // SAFETY: the body is this test's reservation's.
-            unsafe { munmap(body, len) }.unwrap();
-            let other = foreign.then(|| {
-                // SAFETY: maps only where nothing is (the gap just made).
-                let p = unsafe {
-                    libc::mmap(
-                        (body + page) as *mut libc::c_void,
-                        page,
-                        libc::PROT_READ | libc::PROT_WRITE,
-                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
-                        -1,
-                        0,
-                    )
+            in_a_quiet_moment(|| {
+                let r = Reservation::new(8 * page).unwrap();
+                let (addr, total) = (r.addr(), r.len());
+                let this = std::mem::ManuallyDrop::new(r);
+                let (body, len) = (addr + 2 * page, 4 * page);
+                // The gap a kernel leaves, and another thread's mapping in it.
+                // SAFETY: the body is this test's reservation's.
+                unsafe { munmap(body, len) }.unwrap();
+                let other = if foreign {
+                    // SAFETY: maps only where nothing is (the gap just made).
+                    let p = unsafe {
+                        libc::mmap(
+                            (body + page) as *mut libc::c_void,
+                            page,
+                            libc::PROT_READ | libc::PROT_WRITE,
+                            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                            -1,
+                            0,
+                        )
+                    };
+                    if p as usize != body + page {
+                        // Another thread took the gap first: given back, tried again.
+                        if p != libc::MAP_FAILED {
+                            // SAFETY: the mapping just made.
+                            let _ = unsafe { munmap(p as usize, page) };
+                        }
+                        // SAFETY: head and tail are this test's.
+                        let _ = unsafe { munmap(addr, 2 * page) };
+                        // SAFETY: as above.
+                        let _ = unsafe { munmap(body + len, 2 * page) };
+                        return None;
+                    }
+                    // SAFETY: the page just mapped, read and writable.
+                    unsafe { *(p as *mut u64) = 0x5eed };
+                    Some(p as usize)
+                } else {
+                    None
                 };
-                assert_eq!(p as usize, body + page);
-                // SAFETY: the page just mapped, read and writable.
-                unsafe { *(p as *mut u64) = 0x5eed };
-                p as usize
-            });
-            give_back_after_failure(this.addr, this.len, body, len);
-            match other {
-                Some(p) => {
-                    // SAFETY: still mapped (the point of the test), ours to read.
-                    assert_eq!(unsafe { *(p as *const u64) }, 0x5eed);
-                    assert!(nothing_at(addr, 2 * page) && nothing_at(body + len, 2 * page));
-                    // SAFETY: the test's own foreign page, given back.
-                    unsafe { munmap(p, page) }.unwrap();
+                give_back_after_failure(this.addr, this.len, body, len, false);
+                match other {
+                    Some(p) => {
+                        // SAFETY: still mapped (what the test shows), this test's to read.
+                        assert_eq!(unsafe { *(p as *const u64) }, 0x5eed);
+                        // SAFETY: the test's own foreign page, given back.
+                        unsafe { munmap(p, page) }.unwrap();
+                        (nothing_at(addr, 2 * page) && nothing_at(body + len, 2 * page))
+                            .then_some(())
+                    }
+                    None => nothing_at(addr, total).then_some(()),
                 }
-                None => assert!(nothing_at(addr, total), "all of it given back"),
+            });
+        }
+    }
+
+    /// An anonymous placement past all the memory the kernel would promise (16 TiB, under
+    /// its heuristic overcommit) is refused, and the reservation is given back whole.
+    #[test]
+    fn a_refused_anonymous_placement_leaves_nothing_mapped() {
+        let mode = std::fs::read_to_string("/proc/sys/vm/overcommit_memory").unwrap_or_default();
+        if mode.trim() != "0" {
+            return guestmem_testkit::skip(format!(
+                "vm.overcommit_memory is {}: 16 TiB would be promised, not refused",
+                mode.trim()
+            ));
+        }
+        let mut left = true;
+        for _ in 0..5 {
+            let r = Reservation::new(1 << 44).unwrap();
+            let (addr, total) = (r.addr(), r.len());
+            assert!(r.place(0, 1 << 44).is_err(), "16 TiB promised");
+            left = !nothing_at(addr, total);
+            if !left {
+                break;
             }
         }
-        // And with the reservation whole (Linux 6.12 and later put it back on a failure).
-        let r = Reservation::new(8 * page).unwrap();
-        let (addr, total) = (r.addr(), r.len());
-        let _ = std::mem::ManuallyDrop::new(r);
-        assert!(reserved_only(addr + 2 * page, 4 * page));
-        give_back_after_failure(addr, total, addr + 2 * page, 4 * page);
-        assert!(nothing_at(addr, total), "all of it given back");
+        assert!(!left, "the reservation was left mapped, 5 tries");
     }
 
     /// A placement the kernel refuses (a hugetlb file with no huge page to reserve: the
@@ -372,6 +407,23 @@ mod tests {
         // SAFETY: refused before anything is mapped (no huge page to reserve).
         let e = unsafe { r.place_file(2 << 20, 2 << 20, source, Reserve::Reserve) };
         assert!(e.is_err(), "placed with no huge page");
-        assert!(nothing_at(addr, total), "the reservation was left mapped");
+        // Where another thread mapped into the range as it was freed, tried again.
+        let mut left = !nothing_at(addr, total);
+        for _ in 0..4 {
+            if !left {
+                break;
+            }
+            let r = Reservation::new(8 << 20).unwrap();
+            let (addr, total) = (r.addr(), r.len());
+            let source = MapSource::SharedFile {
+                fd: std::os::fd::AsFd::as_fd(&file),
+                offset: 0,
+            };
+            // SAFETY: as above.
+            let e = unsafe { r.place_file(2 << 20, 2 << 20, source, Reserve::Reserve) };
+            assert!(e.is_err(), "placed with no huge page");
+            left = !nothing_at(addr, total);
+        }
+        assert!(!left, "the reservation was left mapped, 5 tries");
     }
 }

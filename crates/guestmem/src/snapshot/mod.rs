@@ -279,7 +279,8 @@ pub enum SnapshotError {
         /// The faulting host address in the peer.
         addr: u64,
     },
-    /// The region's memory is not whole: a lazy restore is still filling it, or failed.
+    /// The region's memory is not whole: a lazy restore is still filling it, or failed; or,
+    /// to a restore, a populate runs on it.
     #[error("region at {region:#x}: {why}")]
     NotWhole {
         /// The region.

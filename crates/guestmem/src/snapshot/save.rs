@@ -185,10 +185,16 @@ fn write_and_publish(
     Ok((w, id, manifest.blocks.len() as u64))
 }
 
-/// Refuses regions a restore is filling or failed to fill.
+/// Refuses regions a restore is filling or failed to fill. A region being populated is
+/// whole (a populate faults zeros in, and its undo gives back only memory that held nothing
+/// before): saved as any other, a background bring-up's included.
 fn check_whole(regions: &[Arc<Region>]) -> Result<(), SnapshotError> {
     for r in regions {
-        if let Some(why) = r.lifecycle.restore.get().refusal() {
+        let state = r.lifecycle.restore.get();
+        if state == crate::lifecycle::RestoreState::Populating {
+            continue;
+        }
+        if let Some(why) = state.refusal() {
             return Err(SnapshotError::NotWhole {
                 region: r.guest_addr().0,
                 why,
