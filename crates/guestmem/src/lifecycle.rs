@@ -158,6 +158,31 @@ impl RestoreCell {
     }
 }
 
+/// Regions moved from `Whole` to `Populating` together, or none; back to `Whole` when
+/// dropped (a panic included).
+pub(crate) struct PopulateClaim<'a>(Vec<&'a RestoreCell>);
+
+impl<'a> PopulateClaim<'a> {
+    /// Claims every cell; else, none, and the index of the first that could not be claimed
+    /// with the state that stood in the way.
+    pub(crate) fn take(
+        cells: impl IntoIterator<Item = &'a RestoreCell>,
+    ) -> Result<PopulateClaim<'a>, (usize, RestoreState)> {
+        let mut claimed = PopulateClaim(Vec::new());
+        for (i, c) in cells.into_iter().enumerate() {
+            c.populate().map_err(|state| (i, state))?;
+            claimed.0.push(c);
+        }
+        Ok(claimed)
+    }
+}
+
+impl Drop for PopulateClaim<'_> {
+    fn drop(&mut self) {
+        self.0.iter().for_each(|c| c.end_populate());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,5 +238,25 @@ mod tests {
         );
         c.end_populate(); // not populating: no move
         assert_eq!(c.get(), RestoreState::Restoring);
+
+        // A claim takes every cell or none, and gives them back when dropped.
+        let (a, b) = (RestoreCell::default(), RestoreCell::default());
+        b.begin().unwrap();
+        assert_eq!(
+            PopulateClaim::take([&a, &b]).err(),
+            Some((1, RestoreState::Restoring))
+        );
+        assert_eq!(a.get(), RestoreState::Whole, "none taken");
+        b.complete();
+        let claim = PopulateClaim::take([&a, &b]).unwrap();
+        assert_eq!(
+            (a.get(), b.get()),
+            (RestoreState::Populating, RestoreState::Populating)
+        );
+        drop(claim);
+        assert_eq!(
+            (a.get(), b.get()),
+            (RestoreState::Whole, RestoreState::Whole)
+        );
     }
 }

@@ -51,6 +51,7 @@ use std::time::Instant;
 use crate::host::Host;
 use crate::jobs::{Chunk, Job, JobError, JobFailure, JobRange, JobStats, Numa};
 use crate::layout::{Backing, Reserve};
+use crate::lifecycle::PopulateClaim;
 use crate::map::MapView;
 use crate::mmap::ProcMem;
 
@@ -338,8 +339,16 @@ pub fn selected(snap: &MapView, selection: &Selection) -> Result<Vec<Arc<Region>
 pub fn populate(snap: &MapView, cfg: &PopulateConfig) -> Result<PopulateReport, PopulateError> {
     let regions = selected(snap, &cfg.regions)?;
     let regions = &regions[..];
-    // Held until this call returns, however it returns.
-    let _claimed = Claimed::take(regions)?;
+    // Each region from Whole to Populating (or none) until this call returns, however it
+    // returns. Memory a restore is filling is the restore's: populating it would fault
+    // blocks in out of order, and undoing a failed populate would discard restored data;
+    // and no restore may begin on memory a populate may yet undo.
+    let _claimed = PopulateClaim::take(regions.iter().map(|r| &r.lifecycle.restore)).map_err(
+        |(i, state)| PopulateError::Restoring {
+            region: guest(&regions[i]),
+            why: state.refusal().unwrap_or("its restore state changed"),
+        },
+    )?;
     let before = Before::read(regions)?;
     let job = job_over(regions, cfg)?;
     let mem = match cfg.method {
@@ -369,37 +378,6 @@ pub fn populate(snap: &MapView, cfg: &PopulateConfig) -> Result<PopulateReport, 
             populate_seconds,
         }),
         Err(failure) => Err(undo(regions, &before, &locked, cfg, failure)),
-    }
-}
-
-/// The regions a populate runs on, each moved from `Whole` to `Populating` (or none), and
-/// back when dropped. Memory a restore is filling is the restore's: populating it would
-/// fault blocks in out of order, and undoing a failed populate would discard restored data;
-/// and no restore may begin on memory a populate may yet undo.
-struct Claimed<'a>(&'a [Arc<Region>]);
-
-impl<'a> Claimed<'a> {
-    fn take(regions: &'a [Arc<Region>]) -> Result<Claimed<'a>, PopulateError> {
-        for (i, r) in regions.iter().enumerate() {
-            if let Err(state) = r.lifecycle.restore.populate() {
-                regions[..i]
-                    .iter()
-                    .for_each(|r| r.lifecycle.restore.end_populate());
-                return Err(PopulateError::Restoring {
-                    region: guest(r),
-                    why: state.refusal().unwrap_or("its restore state changed"),
-                });
-            }
-        }
-        Ok(Claimed(regions))
-    }
-}
-
-impl Drop for Claimed<'_> {
-    fn drop(&mut self) {
-        self.0
-            .iter()
-            .for_each(|r| r.lifecycle.restore.end_populate());
     }
 }
 

@@ -398,32 +398,21 @@ mod tests {
             <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd)
         });
         file.set_len(2 << 20).unwrap();
-        let r = Reservation::new(8 << 20).unwrap();
-        let (addr, total) = (r.addr(), r.len());
-        let source = MapSource::SharedFile {
-            fd: std::os::fd::AsFd::as_fd(&file),
-            offset: 0,
-        };
-        // SAFETY: refused before anything is mapped (no huge page to reserve).
-        let e = unsafe { r.place_file(2 << 20, 2 << 20, source, Reserve::Reserve) };
-        assert!(e.is_err(), "placed with no huge page");
-        // Where another thread mapped into the range as it was freed, tried again.
-        let mut left = !nothing_at(addr, total);
-        for _ in 0..4 {
-            if !left {
-                break;
-            }
+        // Whether the refused placement left its reservation mapped; tried again where
+        // another thread mapped into the range as it was freed.
+        let placed_and_left = || {
             let r = Reservation::new(8 << 20).unwrap();
             let (addr, total) = (r.addr(), r.len());
             let source = MapSource::SharedFile {
                 fd: std::os::fd::AsFd::as_fd(&file),
                 offset: 0,
             };
-            // SAFETY: as above.
+            // SAFETY: refused before anything is mapped (no huge page to reserve).
             let e = unsafe { r.place_file(2 << 20, 2 << 20, source, Reserve::Reserve) };
             assert!(e.is_err(), "placed with no huge page");
-            left = !nothing_at(addr, total);
-        }
+            !nothing_at(addr, total)
+        };
+        let left = (0..5).all(|_| placed_and_left());
         assert!(!left, "the reservation was left mapped, 5 tries");
     }
 }
