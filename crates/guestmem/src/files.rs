@@ -555,48 +555,6 @@ pub(crate) fn check_publishable(path: &Path) -> Result<(), FileError> {
     Ok(())
 }
 
-/// Why a caller's backing file is not memory, or `None`: not a regular file, or (with its
-/// descriptor) a file of a pseudo-file system (sysfs, proc, debugfs and the like), whose
-/// regular files are the kernel's objects, not data.
-pub(crate) fn not_memory(
-    regular: bool,
-    fd: Option<std::os::fd::BorrowedFd<'_>>,
-) -> Option<io::Error> {
-    if !regular {
-        return Some(io::Error::other(
-            "not a regular file (a device, FIFO or socket is not memory)",
-        ));
-    }
-    // The magic numbers of <linux/magic.h>.
-    const PSEUDO: [(u32, &str); 12] = [
-        (0x6265_6572, "sysfs"),
-        (0x9fa0, "proc"),
-        (0x6462_6720, "debugfs"),
-        (0x7472_6163, "tracefs"),
-        (0x7363_6673, "securityfs"),
-        (0x6265_6570, "configfs"),
-        (0xcafe_4a11, "bpf"),
-        (0x0027_e0eb, "cgroup"),
-        (0x6367_7270, "cgroup2"),
-        (0x1cd1, "devpts"),
-        (0xde5e_81e4, "efivarfs"),
-        (0x6165_676c, "pstore"),
-    ];
-    let fd = fd?;
-    // SAFETY: statfs is plain data, for which all zeros is a valid value.
-    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: fstatfs writes one statfs into a live struct; the descriptor is borrowed.
-    if unsafe { libc::fstatfs(std::os::fd::AsRawFd::as_raw_fd(&fd), &mut fs) } != 0 {
-        return Some(io::Error::last_os_error());
-    }
-    let f_type = fs.f_type as u32;
-    PSEUDO.iter().find(|&&(t, _)| t == f_type).map(|(_, name)| {
-        io::Error::other(format!(
-            "a file of {name}, a pseudo-file system: the kernel's object, not memory"
-        ))
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

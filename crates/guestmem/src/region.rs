@@ -20,13 +20,15 @@
 //!   names a short file instead of a bare `EFAULT`.
 
 use std::ffi::CString;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use vm_memory::{FileOffset, GuestAddress};
+
+mod backing;
 
 use crate::dirty::{DirtyBitmap, DIRTY_PAGE_BYTES};
 use crate::host::{Demand, Host, HostError, Stage};
@@ -491,45 +493,9 @@ fn open_backing(spec: &RegionSpec, c: &Checked) -> Result<Opened, RegionError> {
                 path: path.clone(),
                 source,
             };
-            // Only a regular file of a file system whose files are data: a device, a FIFO
-            // or a pseudo-file may map (a PCI BAR's sysfs resource is a regular file), but
-            // its pages need not read and write as memory, nor stay. Looked at before the
-            // open (opening a FIFO waits for a writer, a device may act on its open) and on
-            // what was opened (the path may have changed in between); never blocking on the
-            // open, nor taking a terminal.
-            std::fs::metadata(path).map_err(file_err).and_then(|m| {
-                crate::files::not_memory(m.is_file(), None).map_or(Ok(()), |w| Err(file_err(w)))
-            })?;
-            let open = |write: bool| {
-                use std::os::unix::fs::OpenOptionsExt;
-                OpenOptions::new()
-                    .read(true)
-                    .write(write)
-                    .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-                    .open(path)
-            };
-            // A private mapping only reads the file. A read-only region may come from a
-            // read-only file (a firmware image): map it private, so host writes (image
-            // loading) stay in this process.
-            let opened = if private {
-                open(false).map(|f| (f, false))
-            } else {
-                open(true).map(|f| (f, true))
-            };
-            let (f, shared) = match opened {
-                Ok(opened) => opened,
-                Err(e)
-                    if spec.access == Access::ReadOnly
-                        && e.kind() == io::ErrorKind::PermissionDenied =>
-                {
-                    (open(false).map_err(file_err)?, false)
-                }
-                Err(e) => return Err(file_err(e)),
-            };
+            let (f, shared) =
+                backing::open(path, !private, spec.access == Access::ReadOnly).map_err(file_err)?;
             let meta = f.metadata().map_err(file_err)?;
-            if let Some(why) = crate::files::not_memory(meta.is_file(), Some(f.as_fd())) {
-                return Err(file_err(why));
-            }
             let file_len = meta.len();
             let needed = offset + c.size; // checked in check_spec
             if file_len < needed {
