@@ -96,49 +96,31 @@ impl RestoreCell {
         RestoreState::from_word(self.0.load(Ordering::Acquire))
     }
 
-    /// `Whole` to `Restoring`; else the state that stood in the way.
-    pub(crate) fn begin(&self) -> Result<(), RestoreState> {
+    /// `from` to `to`; else the state that stood in the way.
+    fn swap(&self, from: RestoreState, to: RestoreState) -> Result<(), RestoreState> {
         self.0
-            .compare_exchange(
-                RestoreState::Whole.word(),
-                RestoreState::Restoring.word(),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            )
+            .compare_exchange(from.word(), to.word(), Ordering::AcqRel, Ordering::Acquire)
             .map(|_| ())
             .map_err(RestoreState::from_word)
     }
 
+    /// `Whole` to `Restoring`; else the state that stood in the way.
+    pub(crate) fn begin(&self) -> Result<(), RestoreState> {
+        self.swap(RestoreState::Whole, RestoreState::Restoring)
+    }
+
     fn leave_restoring(&self, to: RestoreState) {
-        let _ = self.0.compare_exchange(
-            RestoreState::Restoring.word(),
-            to.word(),
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
+        let _ = self.swap(RestoreState::Restoring, to);
     }
 
     /// `Whole` to `Populating`; else the state that stood in the way.
     pub(crate) fn populate(&self) -> Result<(), RestoreState> {
-        self.0
-            .compare_exchange(
-                RestoreState::Whole.word(),
-                RestoreState::Populating.word(),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            )
-            .map(|_| ())
-            .map_err(RestoreState::from_word)
+        self.swap(RestoreState::Whole, RestoreState::Populating)
     }
 
     /// `Populating` to `Whole`: the populate returned.
     pub(crate) fn end_populate(&self) {
-        let _ = self.0.compare_exchange(
-            RestoreState::Populating.word(),
-            RestoreState::Whole.word(),
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
+        let _ = self.swap(RestoreState::Populating, RestoreState::Whole);
     }
 
     /// `Restoring` to `Whole`: every byte arrived.

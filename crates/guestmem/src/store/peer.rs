@@ -691,6 +691,29 @@ pub(super) mod held_tests {
         .unwrap()
     }
 
+    /// A push of the raw diff at `path` on `base` (read as `snap`) to `s3://bkt/diff`, which
+    /// must be refused: the error's text, and nothing published.
+    fn refused_diff(
+        store: &Arc<Client>,
+        base: &StoreUrl,
+        snap: &Snapshot,
+        path: &std::path::Path,
+    ) -> String {
+        let src = PushSource::RawDiff {
+            path: path.to_path_buf(),
+            base: base.clone(),
+        };
+        let to = StoreUrl::parse("s3://bkt/diff", false).unwrap();
+        let e = push(store, &src, &to, &diff_config(store, snap.clone()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            store.get(&to.manifest_key()).unwrap().is_none(),
+            "published: {e}"
+        );
+        e
+    }
+
     pub(in crate::store) fn diff_config(store: &Arc<Client>, base: Snapshot) -> PushConfig {
         PushConfig {
             frame_bytes: FB,
@@ -905,20 +928,12 @@ pub(super) mod held_tests {
         f.write_all_at(&[1u8; PAGE as usize], PAGE).unwrap();
         drop(f);
         let snap = read_base(&store, &base);
-        let src = PushSource::RawDiff {
-            path: diff_path.clone(),
-            base: base.clone(),
-        };
-        let to = StoreUrl::parse("s3://bkt/diff", false).unwrap();
-        let e = push(&store, &src, &to, &diff_config(&store, snap))
-            .unwrap_err()
-            .to_string();
+        let e = refused_diff(&store, &base, &snap, &diff_path);
         // It names the option (or `shmem_enabled` where that forces every tmpfs) and the file.
         assert!(
             e.contains("huge") && e.contains(&diff_path.display().to_string()),
             "{e}"
         );
-        assert!(store.get(&to.manifest_key()).unwrap().is_none());
     }
 
     /// A diff shorter than its base's memory (cut short, or another's) is refused naming
@@ -931,16 +946,7 @@ pub(super) mod held_tests {
         let base_bytes = vec![0x77u8; MEM as usize];
         let (store, base) = base_in_store(&scratch, &base_bytes);
         let snap = read_base(&store, &base);
-        let to = StoreUrl::parse("s3://bkt/diff", false).unwrap();
-        let push_diff = |path: &std::path::Path| {
-            let src = PushSource::RawDiff {
-                path: path.to_path_buf(),
-                base: base.clone(),
-            };
-            push(&store, &src, &to, &diff_config(&store, snap.clone()))
-                .unwrap_err()
-                .to_string()
-        };
+        let push_diff = |path: &std::path::Path| refused_diff(&store, &base, &snap, path);
         let short = scratch.join("short");
         diff_on(&base_bytes, &short);
         std::fs::OpenOptions::new()
@@ -968,7 +974,6 @@ pub(super) mod held_tests {
             }
             Err(why) => guestmem_testkit::skip(why),
         }
-        assert!(store.get(&to.manifest_key()).unwrap().is_none());
     }
 
     /// A diff whose base's manifest went after the base was read (deleted, so a gc may take
@@ -982,15 +987,7 @@ pub(super) mod held_tests {
         let path = scratch.join("diff");
         diff_on(&base_bytes, &path);
         store.delete(&base.manifest_key()).unwrap();
-        let src = PushSource::RawDiff {
-            path,
-            base: base.clone(),
-        };
-        let to = StoreUrl::parse("s3://bkt/diff", false).unwrap();
-        let e = push(&store, &src, &to, &diff_config(&store, snap))
-            .unwrap_err()
-            .to_string();
+        let e = refused_diff(&store, &base, &snap, &path);
         assert!(e.contains("deleted or replaced"), "{e}");
-        assert!(store.get(&to.manifest_key()).unwrap().is_none());
     }
 }
