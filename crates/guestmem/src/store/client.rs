@@ -224,27 +224,11 @@ impl Client {
                 // (a web identity, as on EKS; a container's, as on ECS and EKS Pod
                 // Identity; else the instance's metadata service), configured as the AWS
                 // SDKs read them.
-                for (var, key) in [
-                    ("AWS_WEB_IDENTITY_TOKEN_FILE", AmazonS3ConfigKey::WebIdentityTokenFile),
-                    ("AWS_ROLE_ARN", AmazonS3ConfigKey::RoleArn),
-                    ("AWS_ROLE_SESSION_NAME", AmazonS3ConfigKey::RoleSessionName),
-                    ("AWS_ENDPOINT_URL_STS", AmazonS3ConfigKey::StsEndpoint),
-                    (
-                        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-                        AmazonS3ConfigKey::ContainerCredentialsRelativeUri,
-                    ),
-                    (
-                        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-                        AmazonS3ConfigKey::ContainerCredentialsFullUri,
-                    ),
-                    (
-                        "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
-                        AmazonS3ConfigKey::ContainerAuthorizationTokenFile,
-                    ),
-                ] {
-                    if let Some(v) = env(var) {
-                        b = b.with_config(key, v);
-                    }
+                for (key, v) in fetching_providers(env).map_err(|reason| StoreError::Config {
+                    bucket: bucket.into(),
+                    reason,
+                })? {
+                    b = b.with_config(key, v);
                 }
             }
             _ => {
@@ -482,6 +466,79 @@ fn userinfo(url: &str) -> Option<String> {
     authority.rsplit_once('@').map(|(u, _)| u.to_string())
 }
 
+/// The settings of object_store's providers that fetch credentials themselves, from the
+/// variables the AWS SDKs read. object_store takes the first that is complete (a web
+/// identity, a container's relative URI, a container's full URI with its token file) and
+/// otherwise asks the instance's metadata service, silently; a half-given provider is refused
+/// here instead, naming what is missing, so that it is not mistaken for the instance's role.
+fn fetching_providers(
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Vec<(AmazonS3ConfigKey, String)>, String> {
+    use AmazonS3ConfigKey as K;
+    let web = (env("AWS_WEB_IDENTITY_TOKEN_FILE"), env("AWS_ROLE_ARN"));
+    match &web {
+        (Some(_), None) => {
+            return Err("AWS_WEB_IDENTITY_TOKEN_FILE is set without AWS_ROLE_ARN (a web \
+                        identity needs the role to assume)"
+                .into())
+        }
+        (None, Some(_)) => {
+            return Err("AWS_ROLE_ARN is set without AWS_WEB_IDENTITY_TOKEN_FILE (without a \
+                        web identity token there is nothing to assume it with)"
+                .into())
+        }
+        _ => {}
+    }
+    let relative = env("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI");
+    let full = env("AWS_CONTAINER_CREDENTIALS_FULL_URI");
+    let token_file = env("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE");
+    if relative.is_none() && full.is_some() && token_file.is_none() {
+        return Err(if env("AWS_CONTAINER_AUTHORIZATION_TOKEN").is_some() {
+            "AWS_CONTAINER_CREDENTIALS_FULL_URI is set with AWS_CONTAINER_AUTHORIZATION_TOKEN: \
+             the store client reads the token only from a file; write it to one and name it \
+             in AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"
+        } else {
+            "AWS_CONTAINER_CREDENTIALS_FULL_URI is set without \
+             AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE, which the store client needs to ask it"
+        }
+        .into());
+    }
+    let chosen = web.0.is_some() || relative.is_some() || full.is_some();
+    if !chosen
+        && env("AWS_EC2_METADATA_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"))
+    {
+        return Err("no credentials: none in AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or \
+                    the profile, no web identity or container provider, and the instance's \
+                    metadata service is off (AWS_EC2_METADATA_DISABLED)"
+            .into());
+    }
+    let mut out = Vec::new();
+    for (var, key) in [
+        ("AWS_WEB_IDENTITY_TOKEN_FILE", K::WebIdentityTokenFile),
+        ("AWS_ROLE_ARN", K::RoleArn),
+        ("AWS_ROLE_SESSION_NAME", K::RoleSessionName),
+        ("AWS_ENDPOINT_URL_STS", K::StsEndpoint),
+        (
+            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+            K::ContainerCredentialsRelativeUri,
+        ),
+        (
+            "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+            K::ContainerCredentialsFullUri,
+        ),
+        (
+            "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
+            K::ContainerAuthorizationTokenFile,
+        ),
+        ("AWS_EC2_METADATA_SERVICE_ENDPOINT", K::MetadataEndpoint),
+    ] {
+        if let Some(v) = env(var) {
+            out.push((key, v));
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::Client;
@@ -650,6 +707,7 @@ mod tests {
             "AWS_WEB_IDENTITY_TOKEN_FILE" => Some("/var/run/token".to_string()),
             "AWS_ROLE_ARN" => Some("arn:aws:iam::1:role/gm".to_string()),
             "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI" => Some("/v2/creds".to_string()),
+            "AWS_EC2_METADATA_SERVICE_ENDPOINT" => Some("http://[fd00:ec2::254]".to_string()),
             "AWS_SHARED_CREDENTIALS_FILE" | "AWS_CONFIG_FILE" => Some("/nonexistent".to_string()),
             _ => None,
         };
@@ -668,7 +726,58 @@ mod tests {
                 .as_deref(),
             Some("/v2/creds")
         );
+        assert_eq!(
+            b.get_config_value(&K::MetadataEndpoint).as_deref(),
+            Some("http://[fd00:ec2::254]")
+        );
         assert_eq!(b.get_config_value(&K::AccessKeyId), None);
+    }
+
+    /// A provider given by halves is refused, naming what is missing, where object_store
+    /// would ask the instance's metadata service instead; one whose metadata service is
+    /// off is refused with no source left.
+    #[test]
+    fn a_half_given_provider_is_refused_naming_the_missing_variable() {
+        let refused = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .chain([(
+                    "AWS_SHARED_CREDENTIALS_FILE".to_string(),
+                    "/nonexistent".to_string(),
+                )])
+                .chain([("AWS_CONFIG_FILE".to_string(), "/nonexistent".to_string())])
+                .collect();
+            let env = move |k: &str| vars.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+            match Client::connect_with("b", &env) {
+                Ok(_) => String::new(),
+                Err(e) => e.to_string(),
+            }
+        };
+        let e = refused(&[("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/token")]);
+        assert!(e.contains("without AWS_ROLE_ARN") && e.contains("bucket b"), "{e}");
+        let e = refused(&[("AWS_ROLE_ARN", "arn:aws:iam::1:role/gm")]);
+        assert!(e.contains("without AWS_WEB_IDENTITY_TOKEN_FILE"), "{e}");
+        let full = ("AWS_CONTAINER_CREDENTIALS_FULL_URI", "http://169.254.170.23/v1/credentials");
+        let e = refused(&[full]);
+        assert!(e.contains("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"), "{e}");
+        let e = refused(&[full, ("AWS_CONTAINER_AUTHORIZATION_TOKEN", "gmtoken123")]);
+        assert!(e.contains("only from a file") && !e.contains("gmtoken123"), "{e}");
+        let e = refused(&[("AWS_EC2_METADATA_DISABLED", "true")]);
+        assert!(e.contains("no credentials"), "{e}");
+        // Complete ones are taken, and the metadata service's endpoint is passed on.
+        assert_eq!(
+            refused(&[full, ("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", "/var/run/t")]),
+            ""
+        );
+        assert_eq!(
+            refused(&[
+                ("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "/v2/creds"),
+                full,
+                ("AWS_EC2_METADATA_DISABLED", "true"),
+            ]),
+            ""
+        );
     }
 
     /// A user and password in the endpoint's URL are secrets: left out of the endpoint
