@@ -478,14 +478,18 @@ fn fetching_providers(
     let web = (env("AWS_WEB_IDENTITY_TOKEN_FILE"), env("AWS_ROLE_ARN"));
     match &web {
         (Some(_), None) => {
-            return Err("AWS_WEB_IDENTITY_TOKEN_FILE is set without AWS_ROLE_ARN (a web \
+            return Err(
+                "AWS_WEB_IDENTITY_TOKEN_FILE is set without AWS_ROLE_ARN (a web \
                         identity needs the role to assume)"
-                .into())
+                    .into(),
+            )
         }
         (None, Some(_)) => {
-            return Err("AWS_ROLE_ARN is set without AWS_WEB_IDENTITY_TOKEN_FILE (without a \
+            return Err(
+                "AWS_ROLE_ARN is set without AWS_WEB_IDENTITY_TOKEN_FILE (without a \
                         web identity token there is nothing to assume it with)"
-                .into())
+                    .into(),
+            )
         }
         _ => {}
     }
@@ -504,13 +508,13 @@ fn fetching_providers(
         .into());
     }
     let chosen = web.0.is_some() || relative.is_some() || full.is_some();
-    if !chosen
-        && env("AWS_EC2_METADATA_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"))
-    {
-        return Err("no credentials: none in AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or \
+    if !chosen && env("AWS_EC2_METADATA_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+        return Err(
+            "no credentials: none in AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or \
                     the profile, no web identity or container provider, and the instance's \
                     metadata service is off (AWS_EC2_METADATA_DISABLED)"
-            .into());
+                .into(),
+        );
     }
     let mut out = Vec::new();
     for (var, key) in [
@@ -755,19 +759,31 @@ mod tests {
             }
         };
         let e = refused(&[("AWS_WEB_IDENTITY_TOKEN_FILE", "/var/run/token")]);
-        assert!(e.contains("without AWS_ROLE_ARN") && e.contains("bucket b"), "{e}");
+        assert!(
+            e.contains("without AWS_ROLE_ARN") && e.contains("bucket b"),
+            "{e}"
+        );
         let e = refused(&[("AWS_ROLE_ARN", "arn:aws:iam::1:role/gm")]);
         assert!(e.contains("without AWS_WEB_IDENTITY_TOKEN_FILE"), "{e}");
-        let full = ("AWS_CONTAINER_CREDENTIALS_FULL_URI", "http://169.254.170.23/v1/credentials");
+        let full = (
+            "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+            "http://169.254.170.23/v1/credentials",
+        );
         let e = refused(&[full]);
         assert!(e.contains("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"), "{e}");
         let e = refused(&[full, ("AWS_CONTAINER_AUTHORIZATION_TOKEN", "gmtoken123")]);
-        assert!(e.contains("only from a file") && !e.contains("gmtoken123"), "{e}");
+        assert!(
+            e.contains("only from a file") && !e.contains("gmtoken123"),
+            "{e}"
+        );
         let e = refused(&[("AWS_EC2_METADATA_DISABLED", "true")]);
         assert!(e.contains("no credentials"), "{e}");
         // Complete ones are taken, and the metadata service's endpoint is passed on.
         assert_eq!(
-            refused(&[full, ("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", "/var/run/t")]),
+            refused(&[
+                full,
+                ("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", "/var/run/t")
+            ]),
             ""
         );
         assert_eq!(

@@ -211,6 +211,10 @@ fn collect(
             }
         }
         for (key, size) in batch {
+            if push_began() {
+                r.stopped_for_push = true;
+                return Ok(r);
+            }
             if !dry_run {
                 // Before each (no request): on a store slow to delete, one batch can take
                 // longer than the mark may go unwritten.

@@ -59,6 +59,15 @@ pub(super) const LEASE_RENEW: Duration = Duration::from_secs(60);
 pub(super) const GC_MARKS: &str = "leases/gc/";
 /// How often a push waiting on a gc looks again.
 const GC_POLL: Duration = Duration::from_secs(1);
+/// How long a gc's mark is renewed after a renewal found a push waiting: a gc stops at its
+/// next request once it has, so one that has not gone by then is held up (a request that
+/// does not return), and its mark is left to go stale so that the push can go on (a gc
+/// that then wakes finds its mark unwritten past [`LEASE_HELD`] and deletes nothing).
+pub(super) const GC_YIELD: Duration = LEASE_RENEW;
+/// The longest a push waits for a gc's mark to go: the gc's renewals for [`GC_YIELD`] after
+/// it saw the push, one renewal's period late, then [`LEASE_STALE`] until the mark is stale.
+const GC_WAIT: Duration =
+    Duration::from_secs(LEASE_STALE.as_secs() + GC_YIELD.as_secs() + 2 * LEASE_RENEW.as_secs());
 
 /// The store's clock now, seconds: the `LastModified` of `key`, just written, in a listing
 /// of `prefix`.
@@ -99,6 +108,8 @@ pub(super) struct GcMark<'a> {
     held: Mutex<Held>,
     /// A renewal found a push in progress: gc stops before it deletes anything more.
     push_seen: std::sync::atomic::AtomicBool,
+    /// When a renewal first found one ([`GC_YIELD`]).
+    push_seen_at: Mutex<Option<Boot>>,
 }
 
 impl<'a> GcMark<'a> {
@@ -115,6 +126,7 @@ impl<'a> GcMark<'a> {
                 longest_gap: Duration::ZERO,
             }),
             push_seen: std::sync::atomic::AtomicBool::new(false),
+            push_seen_at: Mutex::new(None),
         };
         let (now, listed) = mark.renew()?;
         Ok((mark, now, listed))
@@ -139,6 +151,8 @@ impl<'a> GcMark<'a> {
         if live_push(&listed, now).is_some() {
             self.push_seen
                 .store(true, std::sync::atomic::Ordering::Relaxed);
+            let mut at = self.push_seen_at.lock().unwrap_or_else(|e| e.into_inner());
+            at.get_or_insert_with(Boot::now);
         }
         Ok((now, listed))
     }
@@ -149,9 +163,26 @@ impl<'a> GcMark<'a> {
     }
 
     /// Runs `work` while a thread writes the mark again every [`LEASE_RENEW`] (a failure
-    /// is left to [`GcMark::check_held`]).
+    /// is left to [`GcMark::check_held`]), until [`GC_YIELD`] after a push was seen.
     pub(super) fn renewed_while<T>(&self, work: impl FnOnce() -> T) -> T {
-        while_renewing("guestmem-gc-mark", LEASE_RENEW, || drop(self.renew()), work)
+        self.renewed_every(LEASE_RENEW, GC_YIELD, work)
+    }
+
+    fn renewed_every<T>(
+        &self,
+        every: Duration,
+        yield_after: Duration,
+        work: impl FnOnce() -> T,
+    ) -> T {
+        let renew = || {
+            let seen = *self.push_seen_at.lock().unwrap_or_else(|e| e.into_inner());
+            if seen.is_some_and(|t| t.elapsed() >= yield_after) {
+                return false;
+            }
+            drop(self.renew());
+            true
+        };
+        while_renewing("guestmem-gc-mark", every, renew, work)
     }
 
     /// Whether the mark was never left unwritten for longer than [`LEASE_HELD`], up to
@@ -186,11 +217,11 @@ impl Drop for GcMark<'_> {
 }
 
 /// Runs `work` on this thread while a thread of its own (named `name`) calls `renew` every
-/// `every`, until `work` returns.
+/// `every`, until `work` returns or `renew` says to stop.
 fn while_renewing<T>(
     name: &str,
     every: Duration,
-    renew: impl Fn() + Send,
+    renew: impl Fn() -> bool + Send,
     work: impl FnOnce() -> T,
 ) -> T {
     let (stop, stopped) = std::sync::mpsc::channel::<()>();
@@ -201,7 +232,9 @@ fn while_renewing<T>(
                 while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
                     stopped.recv_timeout(every)
                 {
-                    renew();
+                    if !renew() {
+                        break;
+                    }
                 }
             });
         let out = work();
@@ -300,7 +333,10 @@ impl Lease {
         while_renewing(
             "guestmem-lease",
             Duration::from_secs(5),
-            || self.renew_if_due(),
+            || {
+                self.renew_if_due();
+                true
+            },
             work,
         )
     }
@@ -338,7 +374,7 @@ impl Lease {
     /// Waits while a gc runs (its mark younger than [`LEASE_STALE`] on the store's clock),
     /// writing this lease again each time it looks (the gc stops once it sees it, before
     /// its next batch of deletes). Called once the lease is written, before the push looks
-    /// at any frame. Gives up when the mark has not gone within [`LEASE_STALE`].
+    /// at any frame. Gives up when the mark has not gone within [`GC_WAIT`].
     pub(super) fn wait_for_gc(&self) -> Result<(), StoreError> {
         let t0 = Instant::now();
         loop {
@@ -349,11 +385,16 @@ impl Lease {
             let Some(gc) = gc else {
                 return Ok(());
             };
-            if t0.elapsed() > LEASE_STALE {
+            if t0.elapsed() > GC_WAIT {
                 return Err(StoreError::Request {
                     op: "push",
                     url: self.client.url(&gc.key),
-                    reason: "a gc has held the bucket for longer than 10 minutes".into(),
+                    reason: format!(
+                        "a gc's mark was still written {} minutes after this push began \
+                         waiting for it (a gc renews it for {} s once it sees a push)",
+                        GC_WAIT.as_secs() / 60,
+                        GC_YIELD.as_secs()
+                    ),
                     permanent: true,
                 });
             }
@@ -465,5 +506,58 @@ mod tests {
         assert!(mark.check_held().is_err(), "the gap stays known");
         drop(mark);
         assert!(c.list("leases/").unwrap().is_empty(), "a mark left");
+    }
+
+    /// A gc held up after it saw a push (its work does not return) stops renewing its mark
+    /// once the yield has passed, so that the mark goes stale and the push goes on; until
+    /// then it renews.
+    #[test]
+    fn a_held_up_gc_stops_renewing_its_mark_once_it_has_seen_a_push() {
+        let s3 = S3Server::start("gc-yield", &["snaps"]);
+        let env = s3.env();
+        let get = move |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+        let c = Arc::new(Client::connect_with("snaps", &get).unwrap());
+        let url = StoreUrl::parse("s3://snaps/vm", false).unwrap();
+        let push = Lease::take(&c, &url).unwrap();
+        let (mark, _, _) = GcMark::take(&c).unwrap();
+        assert!(mark.push_seen());
+        let every = Duration::from_millis(50);
+        let yield_after = Duration::from_millis(300);
+        let written = || mark.held().written;
+        let first = written();
+        // The work stands for a gc held up in a request: it returns only once no renewal
+        // has come for a while (or fails the test at a deadline).
+        let (renewed, quiet) = mark.renewed_every(every, yield_after, || {
+            let t0 = std::time::Instant::now();
+            let mut last = written();
+            let mut since = std::time::Instant::now();
+            let mut renewed = false;
+            while since.elapsed() < Duration::from_millis(800) {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(20),
+                    "the mark was still renewed 20 s after the push was seen"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+                let w = written();
+                if w != last {
+                    renewed = true;
+                    last = w;
+                    since = std::time::Instant::now();
+                }
+            }
+            (renewed, last)
+        });
+        assert!(
+            renewed && quiet > first,
+            "the mark was not renewed before the yield"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(
+            written(),
+            quiet,
+            "renewed after the renewing thread stopped"
+        );
+        drop(mark);
+        drop(push);
     }
 }
