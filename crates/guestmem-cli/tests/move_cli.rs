@@ -35,7 +35,15 @@ fn missing() -> Option<String> {
     if !fc.exists() {
         return Some(format!("no Firecracker build at {}", fc.display()));
     }
-    vmm::host_unavailable().or_else(vmm::guest_toolchain_missing)
+    vmm::host_unavailable()
+        .or_else(vmm::guest_toolchain_missing)
+        // The moves' work dirs are under the temporary folder: a Diff there keeps its
+        // holes page by page, or the move refuses before it pauses.
+        .or_else(|| {
+            guestmem::store::check_diff_folder(&std::env::temp_dir())
+                .err()
+                .map(|e| e.to_string())
+        })
 }
 
 fn guestmem() -> Command {

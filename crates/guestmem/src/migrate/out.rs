@@ -2,7 +2,6 @@
 //! the source VM, push the diff, release the destination.
 
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -141,9 +140,8 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         }
     }
     // Checked before the pause: Firecracker's Diff there keeps its holes page by page.
-    let dir = std::fs::File::open(&m.work_dir).map_err(io("open", &m.work_dir))?;
-    if let Some(why) =
-        crate::sys::coarse_data_ranges(dir.as_fd()).map_err(io("stat", &m.work_dir))?
+    if let Some(why) = crate::store::diff_folder_problem(&m.work_dir)
+        .map_err(io("find the file system of", &m.work_dir))?
     {
         return Err(MoveError::Refused {
             side: "source",

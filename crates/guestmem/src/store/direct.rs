@@ -718,10 +718,12 @@ mod tests {
     #[test]
     fn a_fault_reads_on_its_thread_only_when_the_rest_of_its_frame_is_here() {
         use crate::store::fetch::{FetchPolicy, Frames};
-        use crate::store::peer::held_tests::{BaseAndDiff, HeldDiff, FB, MEM, PAGE};
+        use crate::store::peer::held_tests::{diff_scratch, BaseAndDiff, HeldDiff, FB, MEM, PAGE};
         use crate::store::{FrameCache, StoreMemory};
 
-        let scratch = guestmem_testkit::Scratch::new("direct-here");
+        let Some(scratch) = diff_scratch("direct-here") else {
+            return;
+        };
         let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x3c).collect();
         let bd = BaseAndDiff::new(&scratch, &base_bytes);
         let (store, want) = (Arc::clone(&bd.store), &bd.want);

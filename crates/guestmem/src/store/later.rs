@@ -179,7 +179,7 @@ mod tests {
     use crate::snapshot::RemoteMemory;
     use crate::store::fetch::{FetchPolicy, Frames};
     use crate::store::peer::held_tests::{
-        base_in_store, diff_config, diff_on, BaseAndDiff, FB, MEM, PAGE,
+        base_in_store, diff_config, diff_on, diff_scratch, BaseAndDiff, FB, MEM, PAGE,
     };
     use crate::store::{
         push, read_snapshot, Client, FrameCache, HeldFrames, PeerServer, PushSource, Snapshot,
@@ -188,7 +188,9 @@ mod tests {
 
     #[test]
     fn a_diff_named_later_is_served_by_placeholder_then_named_by_the_push() {
-        let scratch = guestmem_testkit::Scratch::new("later");
+        let Some(scratch) = diff_scratch("later") else {
+            return;
+        };
         let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x5a).collect();
         let (store, base) = base_in_store(&scratch, &base_bytes);
         let diff_path = scratch.join("diff");
@@ -407,7 +409,9 @@ mod tests {
 
     #[test]
     fn a_piece_served_again_with_other_bytes_fails_closed() {
-        let scratch = guestmem_testkit::Scratch::new("later-changed");
+        let Some(scratch) = diff_scratch("later-changed") else {
+            return;
+        };
         let BaseAndDiff {
             store,
             snap,

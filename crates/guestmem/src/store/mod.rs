@@ -60,5 +60,6 @@ pub use manifest::{
 pub use memory::{read_snapshot, StoreMemory};
 pub use peer::{PeerCounters, PeerServer};
 pub use pull::{pull, PullReport};
-pub use push::{push, push_held, PushConfig, PushReport, PushSource};
+pub(crate) use push::diff_folder_problem;
+pub use push::{check_diff_folder, push, push_held, PushConfig, PushReport, PushSource};
 pub use url::StoreUrl;

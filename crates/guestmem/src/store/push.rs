@@ -46,6 +46,30 @@ pub enum PushSource {
     },
 }
 
+/// Checks that a Firecracker Diff written into `folder` can be pushed as one
+/// ([`PushSource::RawDiff`]) or taken by a move: its file system must report a sparse
+/// file's data page by page (a hole is the base's page, so data reported in coarser
+/// ranges, as a tmpfs with huge pages does, would read the base's pages around each write
+/// as zeros). Asked of the file system itself, by writing one page into a sparse file
+/// there that is never linked. An error names the folder and why.
+pub fn check_diff_folder(folder: &Path) -> Result<(), StoreError> {
+    let refused = |source| StoreError::Io {
+        op: "hold a Firecracker Diff in",
+        path: folder.to_path_buf(),
+        source,
+    };
+    match diff_folder_problem(folder).map_err(refused)? {
+        None => Ok(()),
+        Some(why) => Err(refused(std::io::Error::other(why))),
+    }
+}
+
+/// Why a Diff in `folder` would not read right, if it would not.
+pub(crate) fn diff_folder_problem(folder: &Path) -> std::io::Result<Option<String>> {
+    let dir = File::open(folder)?;
+    crate::sys::coarse_data_ranges(dir.as_fd())
+}
+
 /// How a push runs.
 #[derive(Debug, Clone)]
 pub struct PushConfig {
@@ -458,10 +482,7 @@ pub(super) fn open_raw_diff(
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let dir = File::open(folder).map_err(io("open the folder of", path))?;
-    if let Some(why) =
-        crate::sys::coarse_data_ranges(dir.as_fd()).map_err(io("find the filesystem of", path))?
-    {
+    if let Some(why) = diff_folder_problem(folder).map_err(io("find the filesystem of", path))? {
         return Err(StoreError::Io {
             op: "read as a diff (its holes are the base's pages)",
             path: path.to_path_buf(),
