@@ -30,7 +30,7 @@ pub(super) fn first_offer(
 ) -> Result<Offered, MoveError> {
     // Each connection is heard on a thread of its own, for its hello and offer within
     // HELLO_LIMIT (MACed when keyed): one that connects and says nothing, or the wrong
-    // thing, is dropped, and holds no other up (before 2026-11-29 they were heard in turn,
+    // thing, is dropped, and holds no other up (until 2026-11-29 they were heard in turn,
     // so each silent one kept the real source waiting up to HELLO_LIMIT). The first offer
     // wins; the others' threads end by their limit, their connections closed.
     let until = Instant::now() + wait;
