@@ -414,13 +414,17 @@ pub fn move_in(
     let mut released_ms = None;
     // However long the push takes (retried, of a large diff, to a distant store), until
     // the source says where it is, closes, or the VM is no longer served here.
+    let mut source_gone = false;
     let pushed = match wire.wait_readable_or(served_fd.as_fd()) {
-        Ok(true) => wire.recv(m.wait),
+        Ok(true) => wire.recv(m.wait).inspect_err(|_| source_gone = true),
         Ok(false) => Err(MoveError::Wire {
             peer: wire.peer().into(),
             reason: "the VM is no longer served here".into(),
         }),
-        Err(e) => Err(e),
+        Err(e) => {
+            source_gone = true;
+            Err(e)
+        }
     };
     match pushed {
         Ok(Msg::Pushed { url }) => {
@@ -444,6 +448,22 @@ pub fn move_in(
             tracing::error!("move: expected Pushed, got {other:?}; still following the source")
         }
         Err(e) => tracing::error!("move: {e}; the source still owes {owed_frames} frames"),
+    }
+    // A source that went without a word (the connection broke after the commit, or it
+    // failed to hear the VM runs here) pushes its diff as the move's name before it stops
+    // serving: it is looked for in the store, so that owed faults, retrying to their
+    // deadline, find it there.
+    if source_gone && released_ms.is_none() {
+        let t = Instant::now();
+        if look_in_store(&frames, &name_url, &chain, &placeholders, served_fd.as_fd()) {
+            frames.release();
+            released_ms = Some(t_run.elapsed().as_secs_f64() * 1e3);
+            tracing::info!(
+                "the diff of {} is in the store as {name_url} ({:.1} s after the source went): the source is no longer needed",
+                name_url.name,
+                t.elapsed().as_secs_f64()
+            );
+        }
     }
     // Once released, the source may go; while this side still follows it, the connection
     // stays open until the VM is no longer served (the source serves its frames until
@@ -545,6 +565,49 @@ fn released(
     frames.name_later_as(&names).map_err(refused)
 }
 
+/// How long a destination whose source went looks for the diff in the store.
+const STORE_LOOK_LIMIT: Duration = Duration::from_secs(600);
+
+/// Looks for the move's diff at `name` in the store, more slowly each time (0.25 s to 5 s),
+/// until it is there and names what `chain` does ([`released`]: true), the VM is no longer
+/// served (`served` readable) or [`STORE_LOOK_LIMIT`] has passed (false, said in the log).
+fn look_in_store(
+    frames: &Frames,
+    name: &StoreUrl,
+    chain: &Snapshot,
+    placeholders: &HashSet<[u8; 32]>,
+    served: std::os::fd::BorrowedFd<'_>,
+) -> bool {
+    let t0 = Instant::now();
+    let mut wait = Duration::from_millis(250);
+    let mut said = String::new();
+    loop {
+        match released(frames, &name.to_string(), chain, placeholders) {
+            Ok(()) => return true,
+            Err(e) => {
+                let e = e.to_string();
+                // A diff not there yet is the usual answer: said once, as any other.
+                if e != said {
+                    tracing::warn!("move: the source went; looking for {name} in the store: {e}");
+                    said = e;
+                }
+            }
+        }
+        if t0.elapsed() >= STORE_LOOK_LIMIT {
+            tracing::error!(
+                "move: {name} was not in the store within {STORE_LOOK_LIMIT:?} of the source going; faults on the frames it owed will fail at the fetch deadline"
+            );
+            return false;
+        }
+        // Waits on the VM's end, not a timer alone: a VM that ended stops the look.
+        let mut fds = [crate::sys::PollFd::readable(served)];
+        if crate::sys::poll(&mut fds, Some(wait)).map_or(true, |n| n > 0) {
+            return false;
+        }
+        wait = (wait * 2).min(Duration::from_secs(5));
+    }
+}
+
 /// Forgets the placeholders of a chain named later (those it holds) when dropped.
 struct ForgetLater<'a>(std::sync::Mutex<Vec<blake3::Hash>>, &'a Frames);
 
@@ -569,5 +632,92 @@ struct OnDrop<F: FnMut()>(F);
 impl<F: FnMut()> Drop for OnDrop<F> {
     fn drop(&mut self) {
         (self.0)();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::{look_in_store, owed};
+    use crate::store::held_tests::{base_in_store, diff_config, diff_on, diff_scratch, MEM, PAGE};
+    use crate::store::{
+        name_later, push, read_snapshot, FetchPolicy, Frames, HeldFrames, PushSource, Snapshot,
+        StoreUrl,
+    };
+
+    /// A destination whose source went without a word after the commit looks for the diff
+    /// in the store under the move's name, and finds it once the source has pushed it
+    /// (its pieces named, so owed faults go to the store); one whose VM is no longer served
+    /// stops looking at once.
+    #[test]
+    fn a_destination_whose_source_went_finds_the_diff_in_the_store() {
+        let Some(scratch) = diff_scratch("look-in-store") else {
+            return;
+        };
+        let base_bytes: Vec<u8> = (0..MEM).map(|i| (i / PAGE) as u8 ^ 0x6b).collect();
+        let (store, base) = base_in_store(&scratch, &base_bytes);
+        let diff_path = scratch.join("diff");
+        diff_on(&base_bytes, &diff_path);
+        let frames = Frames::new(Arc::clone(&store), None, FetchPolicy::default());
+        let snap = read_snapshot(&frames, &base).unwrap();
+        let name = StoreUrl::parse("s3://bkt/moved", false).unwrap();
+        let named = name_later(&diff_path, &snap, &name, &Arc::new(HeldFrames::new()))
+            .unwrap()
+            .unwrap();
+        let chain = Snapshot::parse(&name, &named.manifest).unwrap();
+        let owed: Vec<_> = owed(&snap, &chain)
+            .unwrap()
+            .into_iter()
+            .map(|(_, h)| h)
+            .collect();
+        let placeholders = owed.iter().map(|h| *h.as_bytes()).collect();
+        frames.name_later(owed.iter().copied());
+        // (The store stands in for the source, which owes the placeholders.)
+        frames.follow(Arc::clone(&store), owed.iter().copied());
+        assert!(owed.iter().all(|h| frames.owed_here(h)));
+        let served = crate::sys::eventfd().unwrap();
+
+        // The source pushes the diff a while after it went.
+        let pusher = {
+            let (store, path, base, cfg) = (
+                Arc::clone(&store),
+                diff_path.clone(),
+                base.clone(),
+                diff_config(&store, snap.clone()),
+            );
+            let name = name.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(600));
+                push(&store, &PushSource::RawDiff { path, base }, &name, &cfg).unwrap();
+            })
+        };
+        use std::os::fd::AsFd;
+        assert!(look_in_store(
+            &frames,
+            &name,
+            &chain,
+            &placeholders,
+            served.as_fd()
+        ));
+        pusher.join().unwrap();
+        assert!(
+            owed.iter().all(|h| !frames.owed_here(h)),
+            "a piece still waits for its name"
+        );
+
+        // The VM no longer served: the look ends at once, though nothing is there.
+        let gone = StoreUrl::parse("s3://bkt/never", false).unwrap();
+        crate::sys::eventfd_signal(served.as_fd()).unwrap();
+        let t0 = Instant::now();
+        assert!(!look_in_store(
+            &frames,
+            &gone,
+            &chain,
+            &placeholders,
+            served.as_fd()
+        ));
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
     }
 }

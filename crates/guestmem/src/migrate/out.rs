@@ -425,7 +425,9 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
         }
         other => {
             // Whether the destination runs the VM cannot be known from here: the source
-            // copy stays paused (never two copies running) and its frames stay served.
+            // copy stays paused (never two copies running). Its frames are served until the
+            // diff is pushed, as the move's name, where a destination that runs the VM and
+            // lost this connection looks for it (`into::look_in_store`).
             let why = match other {
                 Ok(m) => format!("expected Running, got {m:?}"),
                 Err(e) => e.to_string(),

@@ -58,6 +58,8 @@ pub use manifest::{
     MAX_MANIFEST_BYTES, MAX_PIECES, MIN_FRAME_BYTES,
 };
 pub use memory::{read_snapshot, StoreMemory};
+#[cfg(test)]
+pub(crate) use peer::held_tests;
 pub use peer::{PeerCounters, PeerServer};
 pub use pull::{pull, PullReport};
 pub(crate) use push::diff_folder_problem;

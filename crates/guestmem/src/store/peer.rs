@@ -648,7 +648,7 @@ mod tests {
 }
 
 #[cfg(test)]
-pub(super) mod held_tests {
+pub(crate) mod held_tests {
     use std::os::unix::fs::FileExt;
     use std::sync::atomic::Ordering;
     use std::sync::Arc;
@@ -660,14 +660,14 @@ pub(super) mod held_tests {
         StoreMemory, StoreUrl,
     };
 
-    pub(in crate::store) const PAGE: u64 = 4096;
-    pub(in crate::store) const FB: u64 = 64 << 10;
-    pub(in crate::store) const MEM: u64 = 8 * FB;
+    pub(crate) const PAGE: u64 = 4096;
+    pub(crate) const FB: u64 = 64 << 10;
+    pub(crate) const MEM: u64 = 8 * FB;
 
     /// A scratch folder for a test that writes a diff and reads its holes, or `None` (the
     /// skip recorded) where the temporary folder's file system reports a sparse file's
     /// data coarser than pages, as a tmpfs with huge pages does.
-    pub(in crate::store) fn diff_scratch(name: &str) -> Option<guestmem_testkit::Scratch> {
+    pub(crate) fn diff_scratch(name: &str) -> Option<guestmem_testkit::Scratch> {
         let scratch = guestmem_testkit::Scratch::new(name);
         match crate::store::check_diff_folder(&scratch) {
             Ok(()) => Some(scratch),
@@ -679,7 +679,7 @@ pub(super) mod held_tests {
     }
 
     /// `bytes` pushed to an in-memory store as `s3://bkt/base`, in frames of FB.
-    pub(in crate::store) fn base_in_store(
+    pub(crate) fn base_in_store(
         scratch: &std::path::Path,
         bytes: &[u8],
     ) -> (Arc<Client>, StoreUrl) {
@@ -697,7 +697,7 @@ pub(super) mod held_tests {
 
     /// A move's push of a raw diff on `base` (raw frames, nothing looked up first).
     /// The base's snapshot, read from `store` as a push reads it.
-    pub(in crate::store) fn read_base(store: &Arc<Client>, base: &StoreUrl) -> Snapshot {
+    pub(crate) fn read_base(store: &Arc<Client>, base: &StoreUrl) -> Snapshot {
         read_snapshot(
             &Frames::new(Arc::clone(store), None, FetchPolicy::default()),
             base,
@@ -728,7 +728,7 @@ pub(super) mod held_tests {
         e
     }
 
-    pub(in crate::store) fn diff_config(store: &Arc<Client>, base: Snapshot) -> PushConfig {
+    pub(crate) fn diff_config(store: &Arc<Client>, base: Snapshot) -> PushConfig {
         PushConfig {
             frame_bytes: FB,
             threads: 2,
@@ -742,7 +742,7 @@ pub(super) mod held_tests {
     /// The base's bytes, and a diff on them at `path`: frame 0 whole, pages 1, 2 and 5 of
     /// frame 2, frame 5 whole and all zero, the last page; the rest holes. The memory the
     /// diff stands for.
-    pub(in crate::store) fn diff_on(base: &[u8], path: &std::path::Path) -> Vec<u8> {
+    pub(crate) fn diff_on(base: &[u8], path: &std::path::Path) -> Vec<u8> {
         let f = std::fs::File::create(path).unwrap();
         f.set_len(MEM).unwrap();
         let mut want = base.to_vec();
