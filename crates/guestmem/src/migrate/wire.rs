@@ -22,6 +22,29 @@ use super::MoveError;
 /// The longest message line (a manifest of 16 TiB of memory is far longer; a move's is the
 /// manifest of one VM's memory: 4 MiB holds 16,000 frames' stacks).
 pub(crate) const MAX_LINE_BYTES: u64 = 64 << 20;
+/// The longest line read before the hellos (a hello is about 150 bytes; a refusal's reason
+/// a few hundred).
+const HELLO_LINE_BYTES: u64 = 16 << 10;
+/// The most of the other side's reason kept, in characters.
+const REASON_CHARS: usize = 1024;
+
+/// `reason`, as the other side gave it, fit for a log line: at most [`REASON_CHARS`]
+/// characters, control characters escaped.
+fn shown(reason: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in reason.chars().enumerate() {
+        if i == REASON_CHARS {
+            out.push_str(" [cut]");
+            break;
+        }
+        match c.is_control() {
+            true => out.extend(c.escape_default()),
+            false => out.push(c),
+        }
+    }
+    out
+}
+
 /// How long one send may block.
 const SEND_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
 /// The largest payload accepted: a vmstate (Firecracker's is tens of KiB) or a manifest
@@ -183,7 +206,8 @@ impl Wire {
         if side == Side::Source {
             self.send(&hello, &[])?;
         }
-        let theirs = match self.recv(limit)? {
+        // Nothing is MACed yet: a line that could come from anyone is read short.
+        let theirs = match self.recv_at_most(limit, HELLO_LINE_BYTES)? {
             Msg::Hello {
                 version,
                 nonce,
@@ -337,8 +361,13 @@ impl Wire {
     /// The next message, waiting at most `limit` for all of it: a peer that trickles a
     /// message out a byte at a time does not stretch the wait.
     pub(crate) fn recv(&mut self, limit: Duration) -> Result<Msg, MoveError> {
+        self.recv_at_most(limit, MAX_LINE_BYTES)
+    }
+
+    /// [`Wire::recv`] of a line of at most `max` bytes.
+    fn recv_at_most(&mut self, limit: Duration, max: u64) -> Result<Msg, MoveError> {
         let deadline = Instant::now() + limit;
-        let line = self.line(deadline, limit, MAX_LINE_BYTES)?;
+        let line = self.line(deadline, limit, max)?;
         if self.mac.is_some() {
             // 64 hex digits and a newline: nothing longer is read before the check.
             let mac = self.line(deadline, limit, 65)?;
@@ -347,7 +376,14 @@ impl Wire {
             })?;
             self.check_mac("message", &line, mac.as_bytes())?;
         }
-        serde_json::from_slice(&line).map_err(|e| self.err(format!("not a move message: {e}")))
+        let mut m: Msg = serde_json::from_slice(&line)
+            .map_err(|e| self.err(format!("not a move message: {e}")))?;
+        // The other side's words reach this host's log and errors: kept short, and
+        // without a line break or a terminal's escape of their own.
+        if let Msg::Refused { reason } | Msg::Abort { reason } = &mut m {
+            *reason = shown(reason);
+        }
+        Ok(m)
     }
 
     /// One line, whole, by `deadline`, of at most `max` bytes.
@@ -609,6 +645,39 @@ mod tests {
             };
             (r(s), r(d))
         })
+    }
+
+    /// Before the hellos a line is read short, and a refusal's reason from the other
+    /// side is kept short and escaped wherever it comes.
+    #[test]
+    fn the_other_sides_words_are_read_short_and_shown_escaped() {
+        use std::io::Write;
+        let (mut dst, mut src) = pair();
+        src.write_all(&vec![b'x'; (HELLO_LINE_BYTES + 10) as usize])
+            .unwrap();
+        src.write_all(b"\n").unwrap();
+        let e = dst
+            .hello(Side::Destination, None, Duration::from_secs(10))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a line longer than 16384 bytes"), "{e}");
+
+        let (mut dst, src) = pair();
+        let mut src = Wire::new(src).unwrap();
+        let reason = format!("no\n2026 FAKE LOG LINE\x1b[31m{}", "y".repeat(5000));
+        src.send(&Msg::Refused { reason }, &[]).unwrap();
+        let e = dst
+            .hello(Side::Destination, None, Duration::from_secs(10))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            !e.contains('\n')
+                && !e.contains('\x1b')
+                && e.contains("no\\n2026")
+                && e.ends_with("[cut]"),
+            "{e}"
+        );
+        assert!(e.len() < 1400, "{}", e.len());
     }
 
     fn key(b: u8) -> MoveKey {
