@@ -18,6 +18,10 @@ use crate::store::{read_snapshot, Client, Frames, Snapshot, StoreError, StoreMem
 
 /// How long Firecracker's `snapshot/load` (and resume) may take here.
 pub(super) const LOAD_LIMIT: Duration = Duration::from_secs(120);
+/// How long the destination Firecracker may take to exit once sent SIGKILL (a process
+/// exits once its threads have left the kernel: a guest's memory freed, milliseconds to
+/// seconds).
+const END_LIMIT: Duration = Duration::from_secs(10);
 /// How long the vmstate's bytes may take to arrive after their announcement.
 const PAYLOAD_LIMIT: Duration = Duration::from_secs(20);
 
@@ -375,14 +379,17 @@ pub fn move_in(
         // After a Commit its resume may have taken hold though it failed: the source is
         // told to resume its copy only once this one is surely ended (else it stays
         // paused: never two copies running).
+        // Surely: seen to have exited (its pidfd readable), not only sent SIGKILL, so
+        // that no thread of it runs on while the source's copy resumes.
         let ended = process
-            .kill()
-            .map_or_else(|k| k.raw_os_error() == Some(libc::ESRCH), |()| true);
+            .kill_and_wait(END_LIMIT)
+            .inspect_err(|k| tracing::error!("ending the destination Firecracker: {k}"))
+            .unwrap_or(false);
         let e = match ended {
             true => abandon(&mut wire, e),
             false => {
                 tracing::error!(
-                    "the destination Firecracker could not be ended after a failed resume; the source is not told to resume its copy"
+                    "the destination Firecracker was not seen to exit within {END_LIMIT:?} of a failed resume; the source is not told to resume its copy"
                 );
                 drainer.drain();
                 e

@@ -105,6 +105,21 @@ impl PeerProcess {
 }
 
 impl PeerProcess {
+    /// [`PeerProcess::kill`], then waits up to `limit` for it to have exited (its pidfd
+    /// readable): whether it has. A process already gone counts as ended.
+    pub(crate) fn kill_and_wait(&self, limit: std::time::Duration) -> io::Result<bool> {
+        if let Err(e) = self.kill() {
+            if e.raw_os_error() != Some(libc::ESRCH) {
+                return Err(e);
+            }
+        }
+        let Some(fd) = self.pidfd() else {
+            return Ok(false);
+        };
+        let mut fds = [crate::sys::PollFd::readable(fd)];
+        Ok(crate::sys::poll(&mut fds, Some(limit))? > 0)
+    }
+
     /// The process `pid` again, after a restart of the server, if it is still the one that
     /// started at `start_time` (clock ticks after boot, `/proc/PID/stat`): the pidfd is
     /// taken first and the start time read after, so a pid reused meanwhile is refused.
@@ -327,6 +342,34 @@ mod tests {
         );
         let e = p.kill().unwrap_err();
         assert!(e.to_string().contains("this process"), "{e}");
+    }
+
+    /// A process sent SIGKILL is seen to have exited (its pidfd readable) before the
+    /// wait returns true; one already gone counts as ended too.
+    #[test]
+    fn a_killed_process_is_waited_for_until_it_has_exited() {
+        let child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let mut guard = guestmem_testkit::ChildGuard::new(child);
+        let p = PeerProcess::reopen(pid, start_time_of(pid).unwrap()).unwrap();
+        assert!(p.kill_and_wait(std::time::Duration::from_secs(10)).unwrap());
+        // Exited: /proc says zombie (not yet reaped) or nothing.
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        assert!(
+            state.is_empty()
+                || state
+                    .rsplit(')')
+                    .next()
+                    .unwrap()
+                    .trim_start()
+                    .starts_with('Z'),
+            "{state}"
+        );
+        assert!(p.kill_and_wait(std::time::Duration::from_secs(1)).unwrap());
+        assert!(!guard.wait_exit(5).success(), "killed");
     }
 
     #[test]
