@@ -58,6 +58,11 @@ pub struct PeerCounters {
     pub not_found: AtomicU64,
     /// Requests refused for not carrying the move's token (a locked server).
     pub refused: AtomicU64,
+    /// Requests that failed here (a diff file that could not be read, the store behind
+    /// it): answered 500 with the reason, and logged at most every 10 s.
+    pub failed: AtomicU64,
+    /// When a failure was last logged, seconds on a clock of this process (0: never).
+    logged_at: AtomicU64,
 }
 
 /// What a locked server asks every request for ([`PeerServer::start_locked`]), and the key
@@ -344,7 +349,28 @@ async fn answer<B>(
             c.not_found.fetch_add(1, Ordering::Relaxed);
             status(StatusCode::NOT_FOUND)
         }
-        Err(_) => status(StatusCode::INTERNAL_SERVER_ERROR),
+        Err(e) => {
+            // Said on both hosts: here in the log, there in the answer's body (the fault
+            // that asked retries to its deadline, then ends its VM with it).
+            let n = c.failed.fetch_add(1, Ordering::Relaxed) + 1;
+            static T0: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+            let now = T0.get_or_init(std::time::Instant::now).elapsed().as_secs() + 1;
+            let last = c.logged_at.load(Ordering::Relaxed);
+            if (last == 0 || now >= last + 10)
+                && c.logged_at
+                    .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+            {
+                tracing::error!("move source: {key} could not be served ({n} failed so far): {e}");
+            }
+            let said: String = format!("the move's source could not serve {key}: {e}")
+                .chars()
+                .take(1024)
+                .collect();
+            let mut r = Response::new(Full::new(Bytes::from(said)));
+            *r.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+            r
+        }
     }
 }
 
@@ -898,8 +924,11 @@ pub(crate) mod held_tests {
             .unwrap();
         let key = crate::store::url::frame_key(&owed[0]);
         assert!(peer.block_on(peer.exists_async(&key)).unwrap());
-        assert!(peer.get(&key).is_err());
+        let e = peer.get(&key).unwrap_err().to_string();
         assert_eq!(server.counters.gets.load(Ordering::Relaxed), gets);
+        // The failure is counted here and said there, naming the frame.
+        assert!(server.counters.failed.load(Ordering::Relaxed) >= 1);
+        assert!(e.contains("could not serve") && e.contains(&key), "{e}");
     }
 
     #[test]
