@@ -22,10 +22,9 @@ impl Stores {
     /// after `deadline`.
     pub fn new(cache_dir: Option<&Path>, cache_size: u64, deadline: Duration) -> Result<Stores> {
         let cache = match cache_dir {
-            Some(d) => Some(Arc::new(
-                FrameCache::open(d, cache_size)
-                    .with_context(|| format!("--cache-dir {}", d.display()))?,
-            )),
+            Some(d) => FrameCache::open_or_none(d, cache_size)
+                .with_context(|| format!("--cache-dir {}", d.display()))?
+                .map(Arc::new),
             None => None,
         };
         Ok(Stores {

@@ -150,6 +150,30 @@ fn is_io_full(e: &std::io::Error) -> bool {
 }
 
 impl FrameCache {
+    /// [`FrameCache::open`], or `None` (said in the log) where the disk under `dir` cannot
+    /// take it now (full, out of quota, read-only, failing): a server then fetches every
+    /// frame from the store, uncached, rather than serve no VM. Other refusals (a folder
+    /// another user owns, a link, a bound past the limit) are the operator's to fix, and
+    /// returned.
+    pub fn open_or_none(dir: &Path, cap: u64) -> Result<Option<FrameCache>, StoreError> {
+        match FrameCache::open(dir, cap) {
+            Ok(c) => Ok(Some(c)),
+            Err(StoreError::Io { op, path, source })
+                if matches!(
+                    source.raw_os_error(),
+                    Some(libc::ENOSPC | libc::EDQUOT | libc::EROFS | libc::EIO)
+                ) =>
+            {
+                tracing::warn!(
+                    "frame cache: could not {op} {}: {source}; serving uncached (every frame from the store)",
+                    path.display()
+                );
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// Opens (or makes) the cache in `dir`, bounded by `cap` bytes: the segments a server
     /// left there are indexed (oldest use first, by modification time), every record whose
     /// header is whole, and segments past `cap` removed. A cache in the layout before
@@ -707,6 +731,31 @@ impl FrameCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cache folder on a disk that cannot take it (read-only here) serves uncached; one
+    /// the operator must fix (a file where the folder goes) is refused naming it.
+    #[test]
+    fn a_cache_on_a_disk_that_cannot_take_it_serves_uncached() {
+        let scratch = guestmem_testkit::Scratch::new("cache-ro");
+        let ro = match guestmem_testkit::Tmpfs::mount(scratch.join("ro"), "ro,size=1m") {
+            Ok(t) => t,
+            Err(why) => return guestmem_testkit::skip(why),
+        };
+        let e = FrameCache::open(&ro.join("cache"), 16 << 20).err().unwrap();
+        assert!(e.to_string().contains("Read-only"), "{e}");
+        assert!(FrameCache::open_or_none(&ro.join("cache"), 16 << 20)
+            .unwrap()
+            .is_none());
+        std::fs::write(scratch.join("file"), b"x").unwrap();
+        let e = FrameCache::open_or_none(&scratch.join("file"), 16 << 20)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("file"), "{e}");
+        assert!(FrameCache::open_or_none(&scratch.join("ok"), 16 << 20)
+            .unwrap()
+            .is_some());
+    }
 
     /// The segment files in a cache's folder, by name.
     fn segments(dir: &Path) -> Vec<PathBuf> {
