@@ -74,8 +74,9 @@ pub struct In {
     #[arg(long)]
     cache_dir: Option<PathBuf>,
     /// Its bound.
-    #[arg(long, default_value = "16G", value_parser = size, requires = "cache_dir")]
-    cache_size: u64,
+    /// [default: the bound the folder was last opened with, else 16G]
+    #[arg(long, value_parser = size, requires = "cache_dir")]
+    cache_size: Option<u64>,
     /// How long a fault waits for its frame (from the store or the source), retries
     /// included, before the VM is ended with the reason.
     #[arg(long, default_value = "30", value_parser = secs)]

@@ -32,8 +32,9 @@ pub struct Args {
     #[arg(long)]
     cache_dir: Option<PathBuf>,
     /// Most bytes --cache-dir holds (least recently used frames go first).
-    #[arg(long, default_value = "16G", value_parser = size, requires = "cache_dir")]
-    cache_size: u64,
+    /// [default: the bound the folder was last opened with, else 16G]
+    #[arg(long, value_parser = size, requires = "cache_dir")]
+    cache_size: Option<u64>,
     /// For s3:// snapshots: how long a fault waits for its frame (retries with backoff
     /// included) before serving the VM is given up and the VM ended with the reason.
     #[arg(long, default_value = "30", value_parser = secs)]

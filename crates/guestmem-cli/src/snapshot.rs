@@ -177,7 +177,7 @@ fn push(p: Push) -> Result<()> {
 }
 
 fn pull(p: Pull) -> Result<()> {
-    let mut stores = Stores::new(None, 0, Duration::from_secs(30))?;
+    let mut stores = Stores::new(None, None, Duration::from_secs(30))?;
     let memory = stores.open_memory(&p.url)?;
     let r = store::pull(&memory, &p.file, p.threads as usize)
         .with_context(|| format!("pull {} into {}", p.url, p.file.display()))?;

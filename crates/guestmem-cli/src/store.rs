@@ -18,11 +18,16 @@ pub struct Stores {
 }
 
 impl Stores {
-    /// Frames kept in `cache_dir` (at most `cache_size` bytes), when given; fetches give up
+    /// Frames kept in `cache_dir` (at most `cache_size` bytes, else [`cache_bound`]'s),
+    /// when given; fetches give up
     /// after `deadline`.
-    pub fn new(cache_dir: Option<&Path>, cache_size: u64, deadline: Duration) -> Result<Stores> {
+    pub fn new(
+        cache_dir: Option<&Path>,
+        cache_size: Option<u64>,
+        deadline: Duration,
+    ) -> Result<Stores> {
         let cache = match cache_dir {
-            Some(d) => FrameCache::open_or_none(d, cache_size)
+            Some(d) => FrameCache::open_or_none(d, cache_bound(d, cache_size))
                 .with_context(|| format!("--cache-dir {}", d.display()))?
                 .map(Arc::new),
             None => None,
@@ -61,3 +66,14 @@ impl Stores {
         Ok(MemoryFile::from_store(self.open_memory(url)?))
     }
 }
+
+/// A cache's bound where `--cache-size` is not given: the one its folder was last opened
+/// with (a `move` beside a server keeps the server's), else 16 GiB.
+pub fn cache_bound(dir: &Path, given: Option<u64>) -> u64 {
+    given
+        .or_else(|| FrameCache::recorded_bound(dir))
+        .unwrap_or(DEFAULT_CACHE_BYTES)
+}
+
+/// The bound of a cache folder given none and saying none.
+const DEFAULT_CACHE_BYTES: u64 = 16 << 30;

@@ -149,7 +149,24 @@ fn is_io_full(e: &std::io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
 }
 
+/// The file in a cache's folder that holds the bound it was last opened with.
+const BOUND_FILE: &str = "bound";
+
 impl FrameCache {
+    /// The bound the cache in `dir` was last opened with, if it says: the one to take where
+    /// none is given, so that a process given none does not shrink the folder under a
+    /// server with a larger one.
+    pub fn recorded_bound(dir: &Path) -> Option<u64> {
+        use std::io::Read;
+        let mut text = String::new();
+        std::fs::File::open(dir.join(BOUND_FILE))
+            .ok()?
+            .take(64)
+            .read_to_string(&mut text)
+            .ok()?;
+        text.trim().parse().ok().filter(|&b| b <= MAX_CACHE_BYTES)
+    }
+
     /// [`FrameCache::open`], or `None` (said in the log) where the disk under `dir` cannot
     /// take it now (full, out of quota, read-only, failing): a server then fetches every
     /// frame from the store, uncached, rather than serve no VM. Other refusals (a folder
@@ -199,6 +216,23 @@ impl FrameCache {
             .map_err(io("create the cache directory", &segdir))?;
         for (d, may_link) in [(dir, true), (segdir.as_path(), false)] {
             own_dir(d, may_link).map_err(io("use as the cache directory", d))?;
+        }
+        // The bound, kept for the next process over this folder that is given none (a
+        // `move` beside a server, a successor): one opened with a smaller bound evicts the
+        // others' segments down to it.
+        match FrameCache::recorded_bound(dir) {
+            Some(was) if was != cap => tracing::warn!(
+                "frame cache {}: opened with a bound of {cap} bytes, last opened with {was}: while processes with both run, the folder keeps the smaller",
+                dir.display()
+            ),
+            _ => {}
+        }
+        let bound = dir.join(BOUND_FILE);
+        let tmp = dir.join(format!("{BOUND_FILE}.{}.tmp", std::process::id()));
+        let kept =
+            std::fs::write(&tmp, format!("{cap}\n")).and_then(|()| std::fs::rename(&tmp, &bound));
+        if kept.is_err() {
+            let _ = std::fs::remove_file(&tmp);
         }
         let old = dir.join("frames");
         if old.symlink_metadata().is_ok_and(|m| m.is_dir()) {
@@ -731,6 +765,30 @@ impl FrameCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bound a cache was last opened with is kept in its folder, for a process given
+    /// none; a folder that says nothing, or nonsense, gives none.
+    #[test]
+    fn a_caches_bound_is_kept_for_the_next_process() {
+        let scratch = guestmem_testkit::Scratch::new("cache-bound");
+        let dir = scratch.join("cache");
+        assert_eq!(FrameCache::recorded_bound(&dir), None);
+        drop(FrameCache::open(&dir, 64 << 20).unwrap());
+        assert_eq!(FrameCache::recorded_bound(&dir), Some(64 << 20));
+        drop(FrameCache::open(&dir, 32 << 20).unwrap());
+        assert_eq!(FrameCache::recorded_bound(&dir), Some(32 << 20));
+        std::fs::write(dir.join(BOUND_FILE), "lots\n").unwrap();
+        assert_eq!(FrameCache::recorded_bound(&dir), None);
+        std::fs::write(dir.join(BOUND_FILE), format!("{}", MAX_CACHE_BYTES + 1)).unwrap();
+        assert_eq!(FrameCache::recorded_bound(&dir), None);
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .map(|f| f.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".tmp"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
 
     /// A cache folder on a disk that cannot take it (read-only here) serves uncached; one
     /// the operator must fix (a file where the folder goes) is refused naming it.
