@@ -3,6 +3,7 @@
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -110,8 +111,42 @@ fn secs(s: &str) -> Result<f64, String> {
     }
 }
 
+/// SIGINT and SIGTERM blocked in this thread and every thread made after (call it first),
+/// and taken by a thread of their own: the first says `first` in the log and writes `stop`
+/// (when given); a second ends the process at once, exit status 130.
+fn watch_signals(first: &'static str, stop: Option<Arc<OwnedFd>>) -> Result<()> {
+    let signals = crate::serve_uffd::block_drain_signals()?;
+    std::thread::Builder::new()
+        .name("guestmem-signals".into())
+        .spawn(move || {
+            let mut sig: libc::c_int = 0;
+            // SAFETY: `signals` is an initialised sigset; sigwait writes one int.
+            if unsafe { libc::sigwait(&signals, &mut sig) } != 0 {
+                return;
+            }
+            tracing::warn!("signal {sig}: {first}; a second signal ends guestmem at once");
+            if let Some(fd) = &stop {
+                let one = 1u64.to_ne_bytes();
+                // SAFETY: writes 8 bytes from a live buffer to an eventfd this thread holds.
+                unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), 8) };
+            }
+            // SAFETY: as above.
+            if unsafe { libc::sigwait(&signals, &mut sig) } == 0 {
+                tracing::error!("signal {sig} again: ending now, the move where it stands");
+                std::process::exit(130);
+            }
+        })?;
+    Ok(())
+}
+
 /// `guestmem move`.
 pub fn run_out(a: Out) -> Result<()> {
+    // Not ended mid-pause by a Ctrl-C: every step of a move is bounded, and it ends with
+    // the VM resumed here or running there (docs/move.md).
+    watch_signals(
+        "the move goes on to its end (each step is bounded; the VM resumes here or runs there)",
+        None,
+    )?;
     let base = StoreUrl::parse(&a.base, false).context("--base")?;
     let push_as = base.sibling(&a.name);
     StoreUrl::parse(&push_as.to_string(), false).context("--as")?;
@@ -158,6 +193,17 @@ pub fn run_out(a: Out) -> Result<()> {
 
 /// `guestmem move-in`.
 pub fn run_in(a: In) -> Result<()> {
+    // SAFETY: eventfd takes flags only and returns a new descriptor or -1.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error()).context("make an eventfd");
+    }
+    // SAFETY: a new descriptor nothing else owns.
+    let stop = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
+    watch_signals(
+        "stopping: a move not yet run here is refused (the source resumes its VM); a VM running here is drained (its memory brought in whole, then it runs on without this server)",
+        Some(Arc::clone(&stop)),
+    )?;
     let mut stores = crate::store::Stores::new(
         a.cache_dir.as_deref(),
         a.cache_size,
@@ -181,6 +227,7 @@ pub fn run_in(a: In) -> Result<()> {
         },
         wait,
         key: a.key_file.as_deref().map(MoveKey::from_file).transpose()?,
+        stop: Some(stop),
     };
     eprintln!("waiting for a move on {}", listener.local_addr()?);
     let r = migrate::move_in(&listener, &m, &mut |u| {

@@ -368,7 +368,7 @@ fn server_config(a: &Args) -> ServerConfig {
 
 /// Blocks SIGTERM and SIGINT in this thread (and so in every thread it starts): they are
 /// taken by `sigwait`, as a request to drain, not by the default action.
-fn block_drain_signals() -> Result<libc::sigset_t> {
+pub(crate) fn block_drain_signals() -> Result<libc::sigset_t> {
     // SAFETY: sigemptyset initialises the set; sigaddset and pthread_sigmask read it.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();

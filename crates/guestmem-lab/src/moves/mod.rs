@@ -417,6 +417,7 @@ impl Lab<'_> {
             },
             wait: Duration::from_secs(300),
             key: Some(key.clone()),
+            stop: None,
         };
         std::fs::create_dir_all(&into.dir).map_err(err)?;
         let dst_frames = frames_at("cache-dst")?;

@@ -43,6 +43,11 @@ pub struct MoveIn {
     /// The move key both hosts hold (`None`: the move is not authenticated; the source
     /// must have none either). See [`super::MoveKey`].
     pub key: Option<super::MoveKey>,
+    /// Readable once the move is to stop (an eventfd a signal's watcher writes, say):
+    /// before the VM runs here the move is refused and this side's copy ended (the source
+    /// resumes its own); once it runs, the server drains: the rest of its memory is
+    /// brought in, and the VM runs on without it. `None`: never.
+    pub stop: Option<Arc<std::os::fd::OwnedFd>>,
 }
 
 /// What a move into this host did.
@@ -94,7 +99,14 @@ pub fn move_in(
         path: m.dir.clone(),
         source,
     })?);
-    let (mut wire, token, offer) = super::offer::first_offer(listener, m.wait, m.key.as_ref())?;
+    let stop = m.stop.as_ref().map(|f| f.as_fd());
+    let stopped = || stop.is_some_and(crate::sys::is_readable);
+    let asked_to_stop = || MoveError::Refused {
+        side: "destination",
+        reason: "asked to stop (a signal) before the VM ran here; nothing moved".into(),
+    };
+    let (mut wire, token, offer) =
+        super::offer::first_offer(listener, m.wait, m.key.as_ref(), stop)?;
     let (base_url, peer_url, name) = match offer {
         Msg::Offer {
             version,
@@ -138,6 +150,7 @@ pub fn move_in(
         Ok((base_url, name_url, frames, base, peer, api, process))
     })();
     let (base_url, name_url, frames, base, peer, api, process) = match checked {
+        Ok(_) if stopped() => return Err(wire.refuse(asked_to_stop())),
         Ok(v) => v,
         Err(e) => return Err(wire.refuse(e)),
     };
@@ -363,6 +376,11 @@ pub fn move_in(
         let _ = run.join();
         return Err(e);
     }
+    if stopped() {
+        let e = abandon(&mut wire, asked_to_stop());
+        let _ = run.join();
+        return Err(e);
+    }
     let go = match wire.recv(LOAD_LIMIT) {
         Ok(Msg::Commit) => api.ok("PATCH", "vm", r#"{"state":"Resumed"}"#, LOAD_LIMIT),
         Ok(Msg::Abort { reason }) => Err(MoveError::Refused {
@@ -400,6 +418,23 @@ pub fn move_in(
     }
     // The VM runs here: from now on it is served, and ends only as a served VM ends.
     drop(end_on_panic);
+    // Asked to stop from now on: the server drains (the VM's memory brought in whole; it
+    // runs on without this server), not a VM left waiting on a server gone.
+    let stop_watch = m.stop.as_ref().map(|stop| {
+        let (stop, served, drainer) = (Arc::clone(stop), Arc::clone(&served_fd), drainer.clone());
+        std::thread::spawn(move || {
+            let mut fds = [
+                crate::sys::PollFd::readable(stop.as_fd()),
+                crate::sys::PollFd::readable(served.as_fd()),
+            ];
+            if crate::sys::poll(&mut fds, None).is_ok() && fds[0].ready() && !fds[1].ready() {
+                tracing::warn!(
+                    "asked to stop: draining (the VM's memory brought in whole; it runs on without this server)"
+                );
+                drainer.drain();
+            }
+        })
+    });
     if let Err(e) = wire.send(&Msg::Running, &[]) {
         // The VM runs here: it is served on whatever the source does now.
         tracing::error!("the VM runs here, but telling the source failed: {e}");
@@ -482,7 +517,12 @@ pub fn move_in(
         }
         None => Some(wire),
     };
-    let server = run.join().map_err(|_| MoveError::Io {
+    let server = run.join();
+    if let Some(w) = stop_watch {
+        // The server has returned, so `served` is readable: the watch has ended or ends.
+        let _ = w.join();
+    }
+    let server = server.map_err(|_| MoveError::Io {
         op: "serve (its thread panicked)",
         path: m.dir.clone(),
         source: std::io::Error::other("page server thread panicked"),

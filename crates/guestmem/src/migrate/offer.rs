@@ -22,11 +22,12 @@ const HEARD_AT_ONCE: usize = 16;
 pub(super) type Offered = (Wire, Option<(String, [u8; 32])>, Msg);
 
 /// Takes connections on `listener` until one says hello (proving it holds `key`, where
-/// there is one) and offers a move, within `wait` in all.
+/// there is one) and offers a move, within `wait` in all, or `stop` turns readable.
 pub(super) fn first_offer(
     listener: &TcpListener,
     wait: Duration,
     key: Option<&super::MoveKey>,
+    stop: Option<std::os::fd::BorrowedFd<'_>>,
 ) -> Result<Offered, MoveError> {
     // Each connection is heard on a thread of its own, for its hello and offer within
     // HELLO_LIMIT (MACed when keyed): one that connects and says nothing, or the wrong
@@ -55,12 +56,19 @@ pub(super) fn first_offer(
         let mut fds = [
             crate::sys::PollFd::readable(listener.as_fd()),
             crate::sys::PollFd::readable(done.as_fd()),
+            crate::sys::PollFd::readable(stop.unwrap_or(done.as_fd())),
         ];
         let ready = crate::sys::poll(&mut fds, Some(left)).map_err(|e| MoveError::Io {
             op: "wait for a move on",
             path: where_(),
             source: e,
         })?;
+        if stop.is_some_and(crate::sys::is_readable) {
+            return Err(MoveError::Refused {
+                side: "destination",
+                reason: "asked to stop (a signal) while waiting for a source; nothing moved".into(),
+            });
+        }
         if ready == 0 {
             if let Ok(offered) = rx.try_recv() {
                 return Ok(offered);
@@ -199,7 +207,8 @@ mod tests {
         );
         let real = source(addr, key.clone(), "moved");
         let t0 = Instant::now();
-        let (wire, token, offer) = first_offer(&l, Duration::from_secs(60), Some(&key)).unwrap();
+        let (wire, token, offer) =
+            first_offer(&l, Duration::from_secs(60), Some(&key), None).unwrap();
         assert!(
             t0.elapsed() < HELLO_LIMIT,
             "the offer waited {:?}, behind the silent connections",
@@ -216,12 +225,34 @@ mod tests {
         drop(silent);
     }
 
+    /// Asked to stop while waiting, the wait ends at once, saying so.
+    #[test]
+    fn a_wait_asked_to_stop_ends_at_once() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let stop = crate::sys::eventfd().unwrap();
+        let t0 = Instant::now();
+        let asker = {
+            let stop = stop.try_clone().unwrap();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                crate::sys::eventfd_signal(stop.as_fd()).unwrap();
+            })
+        };
+        let e = first_offer(&l, Duration::from_secs(60), None, Some(stop.as_fd()))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("asked to stop"), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+        asker.join().unwrap();
+    }
+
     /// With no source, the wait ends at its limit, naming it.
     #[test]
     fn no_source_in_time_is_said() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let _silent = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let e = first_offer(&l, Duration::from_millis(300), None)
+        let e = first_offer(&l, Duration::from_millis(300), None, None)
             .err()
             .unwrap()
             .to_string();
