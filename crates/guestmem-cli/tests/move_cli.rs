@@ -251,11 +251,10 @@ fn a_running_firecracker_vm_moves_between_page_servers_and_reads_every_qword_rig
     assert!(pass.ends_with(" BAD 0"), "{pass}");
     // SIGTERM to move-in drains it: the VM's memory brought in whole, and the VM runs on
     // without it, every qword still right.
+    let pid = mi.child().id() as i32;
     // SAFETY: kill sends a signal to our own child's pid, which is alive (not yet reaped).
-    assert_eq!(
-        unsafe { libc::kill(mi.child().id() as i32, libc::SIGTERM) },
-        0
-    );
+    let sent = unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert_eq!(sent, 0);
     let st = mi.wait_exit(60);
     let mut text = String::new();
     let _ = mi.child().stdout.take().unwrap().read_to_string(&mut text);
