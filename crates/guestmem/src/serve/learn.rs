@@ -128,6 +128,10 @@ impl Learnt {
                 }
                 l.vms = s.vms;
                 l.changed = false;
+                // Marked used (its modification time now): a frame cache keeps the learnt
+                // working sets used lately, not those written lately (one that has stopped
+                // growing is written no more).
+                touch(&path);
                 (l, None)
             }
             Err(LearnError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
@@ -201,8 +205,60 @@ impl Learnt {
     }
 }
 
+/// Sets `path`'s modification time to now (best effort; a link is not followed).
+fn touch(path: &std::path::Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return;
+    };
+    let times = [
+        libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_OMIT,
+        },
+        libc::timespec {
+            tv_sec: 0,
+            tv_nsec: libc::UTIME_NOW,
+        },
+    ];
+    // SAFETY: a NUL-terminated path and two timespecs, all live for the call.
+    unsafe {
+        libc::utimensat(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            times.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
+}
+
 #[cfg(test)]
 mod tests {
+
+    /// `touch` marks a file used now; a missing one is no error.
+    #[test]
+    fn touch_sets_the_modification_time_to_now() {
+        let scratch = guestmem_testkit::Scratch::new("learnt-touch");
+        let p = scratch.join("x.guestmem-ws.json");
+        std::fs::write(&p, b"{}").unwrap();
+        let long_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(86_400 * 40);
+        std::fs::File::options()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_modified(long_ago)
+            .unwrap();
+        super::touch(&p);
+        let age = p
+            .metadata()
+            .unwrap()
+            .modified()
+            .unwrap()
+            .elapsed()
+            .unwrap_or_default();
+        assert!(age < std::time::Duration::from_secs(3600), "{age:?}");
+        super::touch(&scratch.join("missing"));
+    }
     use super::*;
 
     #[test]

@@ -33,6 +33,7 @@ use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
 
 use super::StoreError;
 
@@ -149,6 +150,41 @@ fn is_io_full(e: &std::io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
 }
 
+/// Learnt working sets (`DIR/learnt/`, one a snapshot served) kept: those used within
+/// [`LEARNT_KEEP`], at most [`LEARNT_MAX`] of them, the most recently used. Each is at most
+/// a few MiB (`serve::learn`), so this bounds what they take by what is served lately, not
+/// by every snapshot the host ever served.
+const LEARNT_KEEP: std::time::Duration = std::time::Duration::from_secs(30 * 24 * 3600);
+/// See [`LEARNT_KEEP`].
+const LEARNT_MAX: usize = 1024;
+
+/// Removes the learnt working sets in `dir` past [`LEARNT_KEEP`] at `now` or past the
+/// newest [`LEARNT_MAX`] (by modification time: a server marks one used when it loads it).
+fn prune_learnt(dir: &Path, now: SystemTime) {
+    let Ok(listing) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut files: Vec<(SystemTime, PathBuf)> = listing
+        .flatten()
+        .filter(|f| {
+            f.file_name()
+                .to_string_lossy()
+                .ends_with(".guestmem-ws.json")
+        })
+        .filter_map(|f| {
+            let m = f.path().symlink_metadata().ok().filter(|m| m.is_file())?;
+            Some((m.modified().ok()?, f.path()))
+        })
+        .collect();
+    files.sort_by(|a, b| b.cmp(a));
+    for (i, (t, path)) in files.iter().enumerate() {
+        let old = now.duration_since(*t).is_ok_and(|age| age > LEARNT_KEEP);
+        if old || i >= LEARNT_MAX {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
 /// The file in a cache's folder that holds the bound it was last opened with.
 const BOUND_FILE: &str = "bound";
 
@@ -234,6 +270,7 @@ impl FrameCache {
         if kept.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }
+        prune_learnt(&dir.join("learnt"), SystemTime::now());
         let old = dir.join("frames");
         if old.symlink_metadata().is_ok_and(|m| m.is_dir()) {
             let _ = std::fs::remove_dir_all(&old);
@@ -765,6 +802,43 @@ impl FrameCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Learnt working sets unused for longer than the keep, or past the newest kept, go
+    /// when a cache is opened; other files there stay.
+    #[test]
+    fn learnt_working_sets_unused_for_long_go_when_a_cache_opens() {
+        let scratch = guestmem_testkit::Scratch::new("cache-learnt");
+        let dir = scratch.join("learnt");
+        std::fs::create_dir_all(&dir).unwrap();
+        let day = std::time::Duration::from_secs(24 * 3600);
+        let now = SystemTime::now();
+        let made = |name: &str, age: std::time::Duration| {
+            let p = dir.join(name);
+            std::fs::write(&p, b"{}").unwrap();
+            std::fs::File::options()
+                .write(true)
+                .open(&p)
+                .unwrap()
+                .set_modified(now - age)
+                .unwrap();
+            p
+        };
+        let old = made("a.guestmem-ws.json", 31 * day);
+        let recent = made("b.guestmem-ws.json", 2 * day);
+        let other = made("notes.txt", 90 * day);
+        prune_learnt(&dir, now);
+        assert!(!old.exists() && recent.exists() && other.exists());
+        // Past the most kept, the least recently used go.
+        for i in 0..LEARNT_MAX + 2 {
+            let age = 3 * day + std::time::Duration::from_secs(i as u64);
+            made(&format!("{i:05}.guestmem-ws.json"), age);
+        }
+        prune_learnt(&dir, now);
+        let left = std::fs::read_dir(&dir).unwrap().count();
+        assert_eq!(left, LEARNT_MAX + 1, "the newest kept, and notes.txt");
+        let nth = |i: usize| dir.join(format!("{i:05}.guestmem-ws.json"));
+        assert!(recent.exists() && nth(LEARNT_MAX - 2).exists() && !nth(LEARNT_MAX - 1).exists());
+    }
 
     /// The bound a cache was last opened with is kept in its folder, for a process given
     /// none; a folder that says nothing, or nonsense, gives none.
