@@ -337,12 +337,12 @@ impl FrameCache {
                 continue;
             }
             held += end;
-            found.push((path, records, end));
+            found.push((path, records, end, meta.modified().ok()));
         }
         // Indexed oldest first: the least recently used.
         let mut index = Index::default();
-        for (path, records, end) in found.into_iter().rev() {
-            let id = index.add_seg(path, None, end);
+        for (path, records, end, marked) in found.into_iter().rev() {
+            let id = index.add_seg(path, None, end, marked);
             for (h, off, len) in records {
                 index.add(h, Entry { seg: id, off, len });
             }
@@ -489,6 +489,12 @@ impl FrameCache {
         if let Ok(true) = checked {
             if hit {
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
+            }
+            // Its use marked on the file (at most a minute apart), for a restart's order
+            // and other processes' (best effort).
+            let now = SystemTime::now();
+            if self.lock().mark_due(at.seg, now) {
+                let _ = file.set_modified(now);
             }
             return true;
         }
@@ -675,19 +681,27 @@ impl FrameCache {
             let file = open_segment(path).ok()?;
             let meta = file.metadata().ok().filter(|m| m.is_file())?;
             let (records, _, end) = scan_from(&file, from, meta.len());
-            Some((records, end))
+            Some((records, end, meta.modified().ok()))
         };
-        let fresh: Vec<_> = there
+        let mut fresh: Vec<_> = there
             .iter()
             .filter(|p| !known.contains(*p))
             .filter_map(|p| Some((p.clone(), scan_on(p, 0)?)))
-            .filter(|(_, (records, _))| !records.is_empty())
+            .filter(|(_, (records, ..))| !records.is_empty())
             .collect();
+        // Taken in least recently used first: by when each was last used (or written).
+        fresh.sort_by_key(|(p, (_, _, t))| (*t, p.clone()));
         let grown: Vec<_> = foreign
             .iter()
             .filter(|(p, _)| listed.contains(p))
             .filter_map(|(p, from)| Some((p.clone(), scan_on(p, *from)?)))
-            .filter(|(_, (records, _))| !records.is_empty())
+            .filter(|(_, (records, ..))| !records.is_empty())
+            .collect();
+        // When each segment known here was last marked used, by whichever process.
+        let seen: Vec<(PathBuf, SystemTime)> = there
+            .iter()
+            .filter(|p| known.contains(*p))
+            .filter_map(|p| Some((p.clone(), p.symlink_metadata().ok()?.modified().ok()?)))
             .collect();
         let evicted = {
             let mut ix = self.lock();
@@ -705,18 +719,23 @@ impl FrameCache {
                 .iter()
                 .map(|(&id, s)| (s.path.clone(), id))
                 .collect();
-            for (path, (records, end)) in fresh {
+            let seen = seen
+                .into_iter()
+                .filter_map(|(p, t)| Some((t, *ids.get(&p)?)))
+                .collect();
+            ix.used_elsewhere(seen);
+            for (path, (records, end, marked)) in fresh {
                 // One this cache made since it looked, or evicted and is removing.
                 if ids.contains_key(&path) || ix.removing.contains(&path) {
                     continue;
                 }
-                let id = ix.add_seg(path.clone(), None, end);
+                let id = ix.add_seg(path.clone(), None, end, marked);
                 ids.insert(path, id);
                 for (h, off, len) in records {
                     ix.add(h, Entry { seg: id, off, len });
                 }
             }
-            for (path, (records, end)) in grown {
+            for (path, (records, end, _)) in grown {
                 let Some(&id) = ids.get(&path) else { continue };
                 match ix.segs.get_mut(&id) {
                     Some(s) if s.scanned < end => s.scanned = end,
@@ -757,7 +776,8 @@ impl FrameCache {
             .custom_flags(libc::O_NOFOLLOW)
             .open(&path)?;
         let reader = file.try_clone()?;
-        let id = self.lock().add_seg(path, Some(reader), 0);
+        let made = reader.metadata().ok().and_then(|m| m.modified().ok());
+        let id = self.lock().add_seg(path, Some(reader), 0, made);
         Ok(Active {
             id,
             file: Arc::new(file),
@@ -1048,6 +1068,54 @@ mod tests {
         let c = FrameCache::open(&dir, cap).unwrap();
         assert_eq!(c.frames(), 253);
         assert_eq!(c.counters.corrupt.load(Ordering::Relaxed), 0);
+    }
+
+    /// Which segments were used lately is kept on their files: a restarted cache evicts the
+    /// least recently used, not the least recently written, and a second cache over the
+    /// folder sees the first one's reads.
+    #[test]
+    fn the_least_recently_used_order_outlives_a_restart_and_is_shared() {
+        let scratch = guestmem_testkit::Scratch::new("cache-lru-kept");
+        let dir = scratch.to_path_buf();
+        let cap = SEGMENTS * 4 * record_bytes(4096);
+        let frame = |i: u32| {
+            let mut f = vec![0u8; 4096];
+            f[..4].copy_from_slice(&i.to_le_bytes());
+            (blake3::hash(&f), f)
+        };
+        let c = FrameCache::open(&dir, cap).unwrap();
+        for i in 0..256 {
+            let (h, f) = frame(i);
+            c.put(&h, &f);
+        }
+        // Frames 0-3's segment, the first written, is read last.
+        assert!(c.get(&frame(0).0, 4096).is_some());
+        drop(c);
+        let c = FrameCache::open(&dir, cap).unwrap();
+        let (h, f) = frame(256);
+        c.put(&h, &f);
+        assert!(
+            c.get(&frame(0).0, 4096).is_some(),
+            "the segment read last went"
+        );
+        assert!(c.get(&frame(4).0, 4096).is_none(), "frames 4-7's stayed");
+        drop(c);
+
+        // Two caches over one folder: what one reads, the other keeps.
+        let a = FrameCache::open(&dir, cap).unwrap();
+        let b = FrameCache::open(&dir, cap).unwrap();
+        // The least recently used segment now holds frames 8-11; `a` reads it.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert!(a.get(&frame(8).0, 4096).is_some());
+        // `b` starts segments (it looks at the folder as it does), and evicts.
+        for i in 300..304 {
+            let (h, f) = frame(i);
+            b.put(&h, &f);
+        }
+        let (h, f) = frame(304);
+        b.put(&h, &f);
+        assert!(b.get(&frame(8).0, 4096).is_some(), "what `a` read went");
+        assert!(b.get(&frame(12).0, 4096).is_none(), "frames 12-15's stayed");
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use super::record::record_bytes;
 
@@ -35,7 +36,16 @@ pub(super) struct Segment {
     pub(super) ours: bool,
     /// Where a scan of it stopped.
     pub(super) scanned: u64,
+    /// Its file's modification time as last seen or set: a use is marked there (at most
+    /// every [`MARK_EVERY`]), so that a restart, and other processes over the folder, see
+    /// which segments were used lately, not only which were written.
+    pub(super) marked: Option<SystemTime>,
+    /// When this cache last marked a use on it (none yet: the next use is marked).
+    pub(super) last_mark: Option<SystemTime>,
 }
+
+/// How often a segment's use is marked on its file at most.
+pub(super) const MARK_EVERY: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Default)]
 pub(super) struct Index {
@@ -109,8 +119,14 @@ impl Index {
     }
 
     /// Adds a segment: this cache's own, just made, with its file (`Some`); another's, or
-    /// one found at a start, scanned up to `scanned`.
-    pub(super) fn add_seg(&mut self, path: PathBuf, file: Option<File>, scanned: u64) -> u64 {
+    /// one found at a start, scanned up to `scanned`; `marked`, its modification time.
+    pub(super) fn add_seg(
+        &mut self,
+        path: PathBuf,
+        file: Option<File>,
+        scanned: u64,
+        marked: Option<SystemTime>,
+    ) -> u64 {
         self.serial += 1;
         let id = self.serial;
         self.open += usize::from(file.is_some());
@@ -122,6 +138,8 @@ impl Index {
             frames: Vec::new(),
             used: 0,
             scanned,
+            marked,
+            last_mark: None,
         };
         let t = self.tick;
         self.tick += 1;
@@ -129,6 +147,40 @@ impl Index {
         self.order.insert(t, id);
         self.close_over(id);
         id
+    }
+
+    /// Whether a use of segment `id` at `now` is to be marked on its file: at most once
+    /// every [`MARK_EVERY`] (noted as done).
+    pub(super) fn mark_due(&mut self, id: u64, now: SystemTime) -> bool {
+        let Some(s) = self.segs.get_mut(&id) else {
+            return false;
+        };
+        let due = s
+            .last_mark
+            .is_none_or(|t| now.duration_since(t).is_ok_and(|d| d >= MARK_EVERY));
+        if due {
+            s.marked = Some(now);
+            s.last_mark = Some(now);
+        }
+        due
+    }
+
+    /// Segments whose files were marked since this index last saw them (used by another
+    /// process over the folder), by their modification times `seen`: made the most
+    /// recently used, in the order of those times.
+    pub(super) fn used_elsewhere(&mut self, mut seen: Vec<(SystemTime, u64)>) {
+        seen.retain(|(t, id)| {
+            self.segs
+                .get(id)
+                .is_some_and(|s| s.marked.is_some_and(|m| *t > m))
+        });
+        seen.sort();
+        for (t, id) in seen {
+            self.use_seg(id);
+            if let Some(s) = self.segs.get_mut(&id) {
+                s.marked = Some(t);
+            }
+        }
     }
 
     /// Records a frame written to segment `seg`; false when the segment has left the cache
