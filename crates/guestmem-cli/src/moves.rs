@@ -124,7 +124,9 @@ fn watch_signals(first: &'static str, stop: Option<Arc<OwnedFd>>) -> Result<()> 
             if unsafe { libc::sigwait(&signals, &mut sig) } != 0 {
                 return;
             }
-            tracing::warn!("signal {sig}: {first}; a second signal ends guestmem at once");
+            // Said on standard error whatever the log's form: the operator who pressed
+            // Ctrl-C reads it there.
+            eprintln!("guestmem: signal {sig}: {first}; a second signal ends guestmem at once");
             if let Some(fd) = &stop {
                 let one = 1u64.to_ne_bytes();
                 // SAFETY: writes 8 bytes from a live buffer to an eventfd this thread holds.
@@ -132,7 +134,7 @@ fn watch_signals(first: &'static str, stop: Option<Arc<OwnedFd>>) -> Result<()> 
             }
             // SAFETY: as above.
             if unsafe { libc::sigwait(&signals, &mut sig) } == 0 {
-                tracing::error!("signal {sig} again: ending now, the move where it stands");
+                eprintln!("guestmem: signal {sig} again: ending now, the move where it stands");
                 std::process::exit(130);
             }
         })?;
@@ -141,6 +143,7 @@ fn watch_signals(first: &'static str, stop: Option<Arc<OwnedFd>>) -> Result<()> 
 
 /// `guestmem move`.
 pub fn run_out(a: Out) -> Result<()> {
+    crate::serve_uffd::init_logs(crate::serve_uffd::LogFormat::Text);
     // Not ended mid-pause by a Ctrl-C: every step of a move is bounded, and it ends with
     // the VM resumed here or running there (docs/move.md).
     watch_signals(
@@ -193,6 +196,7 @@ pub fn run_out(a: Out) -> Result<()> {
 
 /// `guestmem move-in`.
 pub fn run_in(a: In) -> Result<()> {
+    crate::serve_uffd::init_logs(crate::serve_uffd::LogFormat::Text);
     // SAFETY: eventfd takes flags only and returns a new descriptor or -1.
     let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
     if fd < 0 {

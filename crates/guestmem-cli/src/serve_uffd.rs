@@ -134,7 +134,7 @@ enum OnFailure {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum LogFormat {
+pub(crate) enum LogFormat {
     /// Human-readable lines.
     Text,
     /// One JSON object a line.
@@ -142,7 +142,7 @@ enum LogFormat {
 }
 
 /// Sends the library's and this command's `tracing` events to standard error.
-fn init_logs(format: LogFormat) {
+pub(crate) fn init_logs(format: LogFormat) {
     let b = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_target(false)

@@ -139,13 +139,18 @@ fn move_in(env: &[(&'static str, String)], api: &Path, dir: &Path, key: &Path) -
             .unwrap(),
     );
     let mut err = BufReader::new(g.child().stderr.take().unwrap());
-    let mut line = String::new();
-    err.read_line(&mut line).unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("waiting for a move on ")
-        .unwrap_or_else(|| panic!("move-in said {line:?}"))
-        .to_string();
+    // Its log lines may come first (a cache's warning, say).
+    let mut said = String::new();
+    let addr = loop {
+        let mut line = String::new();
+        if err.read_line(&mut line).unwrap() == 0 {
+            panic!("move-in said {said:?}");
+        }
+        if let Some(a) = line.trim().strip_prefix("waiting for a move on ") {
+            break a.to_string();
+        }
+        said.push_str(&line);
+    };
     // The rest of its stderr, drained so that it never blocks on a full pipe.
     let rest = std::thread::spawn(move || {
         let mut s = String::new();

@@ -45,8 +45,9 @@ pub struct MoveIn {
     pub key: Option<super::MoveKey>,
     /// Readable once the move is to stop (an eventfd a signal's watcher writes, say):
     /// before the VM runs here the move is refused and this side's copy ended (the source
-    /// resumes its own); once it runs, the server drains: the rest of its memory is
-    /// brought in, and the VM runs on without it. `None`: never.
+    /// resumes its own), at once while it waits on the source, after the step under way
+    /// otherwise (Firecracker's load: at most 120 s); once it runs, the server drains: the
+    /// rest of its memory is brought in, and the VM runs on without it. `None`: never.
     pub stop: Option<Arc<std::os::fd::OwnedFd>>,
 }
 
@@ -103,7 +104,7 @@ pub fn move_in(
     let stopped = || stop.is_some_and(crate::sys::is_readable);
     let asked_to_stop = || MoveError::Refused {
         side: "destination",
-        reason: "asked to stop (a signal) before the VM ran here; nothing moved".into(),
+        reason: "asked to stop before the VM ran here; nothing moved".into(),
     };
     let (mut wire, token, offer) =
         super::offer::first_offer(listener, m.wait, m.key.as_ref(), stop)?;
@@ -160,7 +161,10 @@ pub fn move_in(
         },
         &[],
     )?;
-    let vmstate_bytes = match wire.recv(m.wait)? {
+    let Some(said) = wire.recv_unless(m.wait, stop)? else {
+        return Err(wire.refuse(asked_to_stop()));
+    };
+    let vmstate_bytes = match said {
         Msg::State { vmstate_bytes } => vmstate_bytes,
         Msg::Abort { reason } => {
             return Err(MoveError::Refused {
@@ -376,12 +380,16 @@ pub fn move_in(
         let _ = run.join();
         return Err(e);
     }
-    if stopped() {
-        let e = abandon(&mut wire, asked_to_stop());
-        let _ = run.join();
-        return Err(e);
-    }
-    let go = match wire.recv(LOAD_LIMIT) {
+    let said = match wire.recv_unless(LOAD_LIMIT, stop) {
+        Ok(None) => {
+            let e = abandon(&mut wire, asked_to_stop());
+            let _ = run.join();
+            return Err(e);
+        }
+        Ok(Some(m)) => Ok(m),
+        Err(e) => Err(e),
+    };
+    let go = match said {
         Ok(Msg::Commit) => api.ok("PATCH", "vm", r#"{"state":"Resumed"}"#, LOAD_LIMIT),
         Ok(Msg::Abort { reason }) => Err(MoveError::Refused {
             side: "source",
@@ -497,7 +505,15 @@ pub fn move_in(
     // deadline, find it there.
     if source_gone && released_ms.is_none() {
         let t = Instant::now();
-        if look_in_store(&frames, &name_url, &chain, &placeholders, served_fd.as_fd()) {
+        let served = served_fd.as_fd();
+        if look_in_store(
+            &frames,
+            &name_url,
+            &chain,
+            &placeholders,
+            served,
+            STORE_LOOK_LIMIT,
+        ) {
             frames.release();
             released_ms = Some(t_run.elapsed().as_secs_f64() * 1e3);
             tracing::info!(
@@ -617,13 +633,14 @@ const STORE_LOOK_LIMIT: Duration = Duration::from_secs(600);
 
 /// Looks for the move's diff at `name` in the store, more slowly each time (0.25 s to 5 s),
 /// until it is there and names what `chain` does ([`released`]: true), the VM is no longer
-/// served (`served` readable) or [`STORE_LOOK_LIMIT`] has passed (false, said in the log).
+/// served (`served` readable) or `limit` has passed (false, said in the log).
 fn look_in_store(
     frames: &Frames,
     name: &StoreUrl,
     chain: &Snapshot,
     placeholders: &HashSet<[u8; 32]>,
     served: std::os::fd::BorrowedFd<'_>,
+    limit: Duration,
 ) -> bool {
     let t0 = Instant::now();
     let mut wait = Duration::from_millis(250);
@@ -640,9 +657,9 @@ fn look_in_store(
                 }
             }
         }
-        if t0.elapsed() >= STORE_LOOK_LIMIT {
+        if t0.elapsed() >= limit {
             tracing::error!(
-                "move: {name} was not in the store within {STORE_LOOK_LIMIT:?} of the source going; faults on the frames it owed will fail at the fetch deadline"
+                "move: {name} was not in the store within {limit:?} of the source going; faults on the frames it owed will fail at the fetch deadline"
             );
             return false;
         }
@@ -746,7 +763,8 @@ mod tests {
             &name,
             &chain,
             &placeholders,
-            served.as_fd()
+            served.as_fd(),
+            Duration::from_secs(60)
         ));
         pusher.join().unwrap();
         assert!(
@@ -763,7 +781,8 @@ mod tests {
             &gone,
             &chain,
             &placeholders,
-            served.as_fd()
+            served.as_fd(),
+            Duration::from_secs(60)
         ));
         assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
     }

@@ -13,8 +13,8 @@ use super::MoveError;
 /// How long a connection has to say hello and offer its move before it is dropped (a
 /// source does both as it connects).
 const HELLO_LIMIT: Duration = Duration::from_secs(10);
-/// Connections heard at once: past it, a new one is closed at once. Each is heard on a
-/// thread of its own for at most [`HELLO_LIMIT`].
+/// Connections heard at once: past it, new ones wait in the listen backlog until one of
+/// these is done. Each is heard on a thread of its own for at most [`HELLO_LIMIT`].
 const HEARD_AT_ONCE: usize = 16;
 
 /// What a source that offered a move left: the connection, the read token and piece key
@@ -53,8 +53,14 @@ pub(super) fn first_offer(
             return Ok(offered);
         }
         let left = until.saturating_duration_since(Instant::now());
+        // At the cap, new connections wait in the listen backlog until a thread is free
+        // (each is at most HELLO_LIMIT): none is closed unheard.
+        let room = heard.load(Ordering::Acquire) < HEARD_AT_ONCE;
         let mut fds = [
-            crate::sys::PollFd::readable(listener.as_fd()),
+            crate::sys::PollFd::readable(match room {
+                true => listener.as_fd(),
+                false => done.as_fd(),
+            }),
             crate::sys::PollFd::readable(done.as_fd()),
             crate::sys::PollFd::readable(stop.unwrap_or(done.as_fd())),
         ];
@@ -66,7 +72,7 @@ pub(super) fn first_offer(
         if stop.is_some_and(crate::sys::is_readable) {
             return Err(MoveError::Refused {
                 side: "destination",
-                reason: "asked to stop (a signal) while waiting for a source; nothing moved".into(),
+                reason: "asked to stop while waiting for a source; nothing moved".into(),
             });
         }
         if ready == 0 {
@@ -92,13 +98,6 @@ pub(super) fn first_offer(
                 continue;
             }
         };
-        if heard.load(Ordering::Acquire) >= HEARD_AT_ONCE {
-            tracing::warn!(
-                "move: closed a connection from {}: {HEARD_AT_ONCE} others are being heard",
-                s.peer_addr().map_or("?".into(), |a| a.to_string())
-            );
-            continue;
-        }
         let _ = s.set_nonblocking(false);
         let by = Instant::now() + HELLO_LIMIT.min(until.saturating_duration_since(Instant::now()));
         heard.fetch_add(1, Ordering::AcqRel);
@@ -114,11 +113,11 @@ pub(super) fn first_offer(
                 if let Some(offered) = hear(s, key.as_ref(), by) {
                     // Sent first, then signalled: the waiting side reads the channel once
                     // woken. (Gone: another offer won, and this connection closes.)
-                    if tx.send(offered).is_ok() {
-                        let _ = crate::sys::eventfd_signal(signal.as_fd());
-                    }
+                    let _ = tx.send(offered);
                 }
+                // Then a thread free: the waiting side looks at the listener again.
                 count.fetch_sub(1, Ordering::AcqRel);
+                let _ = crate::sys::eventfd_signal(signal.as_fd());
             });
         if let Err(e) = spawned {
             tracing::warn!("move: no thread to hear a connection on: {e}");
@@ -222,6 +221,38 @@ mod tests {
         drop(wire);
         real.join().unwrap().unwrap();
         let _ = wrong.join().unwrap();
+        drop(silent);
+    }
+
+    /// Past the connections heard at once, the next waits in the backlog (not closed) and
+    /// is heard as soon as one of those is done.
+    #[test]
+    fn past_the_cap_a_source_waits_its_turn_and_is_heard() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let key = super::super::MoveKey::from_secret(&[9u8; 32]).unwrap();
+        let mut silent: Vec<TcpStream> = (0..HEARD_AT_ONCE)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        let waiter = std::thread::spawn({
+            let key = key.clone();
+            move || {
+                let got = first_offer(&l, Duration::from_secs(30), Some(&key), None);
+                got.map(|(_, _, offer)| offer)
+            }
+        });
+        // Every silent one taken before the source connects, then one lets go.
+        std::thread::sleep(Duration::from_millis(300));
+        let real = source(addr, key, "turn");
+        std::thread::sleep(Duration::from_millis(300));
+        let t0 = Instant::now();
+        silent.pop();
+        match waiter.join().unwrap() {
+            Ok(Msg::Offer { name, .. }) => assert_eq!(name, "turn"),
+            other => panic!("{other:?}"),
+        }
+        assert!(t0.elapsed() < HELLO_LIMIT, "{:?}", t0.elapsed());
+        let _ = real.join().unwrap();
         drop(silent);
     }
 

@@ -358,6 +358,29 @@ impl Wire {
         Ok(fds[0].revents() != 0)
     }
 
+    /// [`Wire::recv`], unless `other` (when given) turns readable first: `None` then.
+    pub(crate) fn recv_unless(
+        &mut self,
+        limit: Duration,
+        other: Option<std::os::fd::BorrowedFd<'_>>,
+    ) -> Result<Option<Msg>, MoveError> {
+        if let (Some(other), true) = (other, self.reader.buffer().is_empty()) {
+            let mut fds = [
+                crate::sys::PollFd::readable(self.reader.get_ref().as_fd()),
+                crate::sys::PollFd::readable(other),
+            ];
+            let n = crate::sys::poll(&mut fds, Some(limit))
+                .map_err(|e| self.err(format!("wait: {e}")))?;
+            if n > 0 && fds[1].ready() {
+                return Ok(None);
+            }
+            if n == 0 {
+                return Err(self.err(format!("no whole message within {limit:?}")));
+            }
+        }
+        self.recv(limit).map(Some)
+    }
+
     /// The next message, waiting at most `limit` for all of it: a peer that trickles a
     /// message out a byte at a time does not stretch the wait.
     pub(crate) fn recv(&mut self, limit: Duration) -> Result<Msg, MoveError> {

@@ -107,6 +107,7 @@ impl PeerProcess {
 impl PeerProcess {
     /// [`PeerProcess::kill`], then waits up to `limit` for it to have exited (its pidfd
     /// readable): whether it has. A process already gone counts as ended.
+    #[cfg(feature = "store")]
     pub(crate) fn kill_and_wait(&self, limit: std::time::Duration) -> io::Result<bool> {
         if let Err(e) = self.kill() {
             if e.raw_os_error() != Some(libc::ESRCH) {
@@ -346,6 +347,7 @@ mod tests {
 
     /// A process sent SIGKILL is seen to have exited (its pidfd readable) before the
     /// wait returns true; one already gone counts as ended too.
+    #[cfg(feature = "store")]
     #[test]
     fn a_killed_process_is_waited_for_until_it_has_exited() {
         let child = std::process::Command::new("sleep")

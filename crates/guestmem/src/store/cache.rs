@@ -195,11 +195,17 @@ impl FrameCache {
     pub fn recorded_bound(dir: &Path) -> Option<u64> {
         use std::io::Read;
         let mut text = String::new();
-        std::fs::File::open(dir.join(BOUND_FILE))
-            .ok()?
-            .take(64)
-            .read_to_string(&mut text)
+        // Read before the folder's checks (a process given no bound asks first): a link or
+        // a FIFO planted there is not followed or waited on.
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(dir.join(BOUND_FILE))
             .ok()?;
+        if !f.metadata().ok()?.is_file() {
+            return None;
+        }
+        f.take(64).read_to_string(&mut text).ok()?;
         text.trim().parse().ok().filter(|&b| b <= MAX_CACHE_BYTES)
     }
 
@@ -264,7 +270,12 @@ impl FrameCache {
             _ => {}
         }
         let bound = dir.join(BOUND_FILE);
-        let tmp = dir.join(format!("{BOUND_FILE}.{}.tmp", std::process::id()));
+        static SERIAL: AtomicU64 = AtomicU64::new(0);
+        let tmp = dir.join(format!(
+            "{BOUND_FILE}.{}.{}.tmp",
+            std::process::id(),
+            SERIAL.fetch_add(1, Ordering::Relaxed)
+        ));
         let kept =
             std::fs::write(&tmp, format!("{cap}\n")).and_then(|()| std::fs::rename(&tmp, &bound));
         if kept.is_err() {
@@ -875,6 +886,14 @@ mod tests {
         assert_eq!(FrameCache::recorded_bound(&dir), None);
         std::fs::write(dir.join(BOUND_FILE), format!("{}", MAX_CACHE_BYTES + 1)).unwrap();
         assert_eq!(FrameCache::recorded_bound(&dir), None);
+        // A FIFO there is not waited on.
+        std::fs::remove_file(dir.join(BOUND_FILE)).unwrap();
+        let fifo =
+            std::ffi::CString::new(dir.join(BOUND_FILE).into_os_string().into_encoded_bytes())
+                .unwrap();
+        // SAFETY: a NUL-terminated path, live for the call.
+        assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        assert_eq!(FrameCache::recorded_bound(&dir), None);
         let left: Vec<_> = std::fs::read_dir(&dir)
             .unwrap()
             .flatten()
@@ -1088,7 +1107,9 @@ mod tests {
             let (h, f) = frame(i);
             c.put(&h, &f);
         }
-        // Frames 0-3's segment, the first written, is read last.
+        // Frames 0-3's segment, the first written, is read last (past a second: a file
+        // system's times may be that coarse).
+        std::thread::sleep(std::time::Duration::from_millis(1100));
         assert!(c.get(&frame(0).0, 4096).is_some());
         drop(c);
         let c = FrameCache::open(&dir, cap).unwrap();
@@ -1105,7 +1126,7 @@ mod tests {
         let a = FrameCache::open(&dir, cap).unwrap();
         let b = FrameCache::open(&dir, cap).unwrap();
         // The least recently used segment now holds frames 8-11; `a` reads it.
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::thread::sleep(std::time::Duration::from_millis(1100));
         assert!(a.get(&frame(8).0, 4096).is_some());
         // `b` starts segments (it looks at the folder as it does), and evicts.
         for i in 300..304 {

@@ -476,7 +476,14 @@ fn fetching_providers(
 ) -> Result<Vec<(AmazonS3ConfigKey, String)>, String> {
     use AmazonS3ConfigKey as K;
     let web = (env("AWS_WEB_IDENTITY_TOKEN_FILE"), env("AWS_ROLE_ARN"));
+    let relative = env("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI");
+    let full = env("AWS_CONTAINER_CREDENTIALS_FULL_URI");
+    let token_file = env("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE");
+    // A complete container provider is taken past a web identity given by halves, as the
+    // AWS SDKs skip one (a stray AWS_ROLE_ARN in an ECS task, say).
+    let container = relative.is_some() || (full.is_some() && token_file.is_some());
     match &web {
+        _ if container => {}
         (Some(_), None) => {
             return Err(
                 "AWS_WEB_IDENTITY_TOKEN_FILE is set without AWS_ROLE_ARN (a web \
@@ -493,9 +500,6 @@ fn fetching_providers(
         }
         _ => {}
     }
-    let relative = env("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI");
-    let full = env("AWS_CONTAINER_CREDENTIALS_FULL_URI");
-    let token_file = env("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE");
     if relative.is_none() && full.is_some() && token_file.is_none() {
         return Err(if env("AWS_CONTAINER_AUTHORIZATION_TOKEN").is_some() {
             "AWS_CONTAINER_CREDENTIALS_FULL_URI is set with AWS_CONTAINER_AUTHORIZATION_TOKEN: \
@@ -517,6 +521,9 @@ fn fetching_providers(
         );
     }
     let mut out = Vec::new();
+    // A web identity given by halves (past a container provider) is not passed on:
+    // object_store would take the half for a whole one's.
+    let whole_web = web.0.is_some() && web.1.is_some();
     for (var, key) in [
         ("AWS_WEB_IDENTITY_TOKEN_FILE", K::WebIdentityTokenFile),
         ("AWS_ROLE_ARN", K::RoleArn),
@@ -536,7 +543,8 @@ fn fetching_providers(
         ),
         ("AWS_EC2_METADATA_SERVICE_ENDPOINT", K::MetadataEndpoint),
     ] {
-        if let Some(v) = env(var) {
+        let web_var = matches!(var, "AWS_WEB_IDENTITY_TOKEN_FILE" | "AWS_ROLE_ARN");
+        if let (Some(v), false) = (env(var), web_var && !whole_web) {
             out.push((key, v));
         }
     }
@@ -791,6 +799,14 @@ mod tests {
                 ("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "/v2/creds"),
                 full,
                 ("AWS_EC2_METADATA_DISABLED", "true"),
+            ]),
+            ""
+        );
+        // A stray role past a complete container provider is skipped, as the SDKs do.
+        assert_eq!(
+            refused(&[
+                ("AWS_ROLE_ARN", "arn:aws:iam::1:role/gm"),
+                ("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "/v2/creds"),
             ]),
             ""
         );
