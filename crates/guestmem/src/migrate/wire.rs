@@ -703,6 +703,27 @@ mod tests {
         assert!(e.len() < 1400, "{}", e.len());
     }
 
+    /// A wait that another descriptor may end: a message there is read; the other turned
+    /// readable ends it with none; neither within the limit is an error.
+    #[test]
+    fn a_wait_for_a_message_ends_when_asked_to() {
+        use std::os::fd::AsFd;
+        let (mut dst, src) = pair();
+        let mut src = Wire::new(src).unwrap();
+        let stop = crate::sys::eventfd().unwrap();
+        let limit = Duration::from_millis(300);
+        let e = dst.recv_unless(limit, Some(stop.as_fd())).unwrap_err();
+        assert!(e.to_string().contains("no whole message"), "{e}");
+        src.send(&Msg::Commit, &[]).unwrap();
+        let got = dst.recv_unless(Duration::from_secs(10), Some(stop.as_fd()));
+        assert!(matches!(got, Ok(Some(Msg::Commit))), "{got:?}");
+        crate::sys::eventfd_signal(stop.as_fd()).unwrap();
+        let t0 = Instant::now();
+        let got = dst.recv_unless(Duration::from_secs(30), Some(stop.as_fd()));
+        assert!(matches!(got, Ok(None)), "{got:?}");
+        assert!(t0.elapsed() < Duration::from_secs(10));
+    }
+
     fn key(b: u8) -> MoveKey {
         MoveKey::from_secret(&[b; 32]).unwrap()
     }
