@@ -691,7 +691,19 @@ impl FrameCache {
         let scan_on = |path: &Path, from: u64| {
             let file = open_segment(path).ok()?;
             let meta = file.metadata().ok().filter(|m| m.is_file())?;
-            let (records, _, end) = scan_from(&file, from, meta.len());
+            let (records, headers, end) = scan_from(&file, from, meta.len());
+            // No record to serve, and no writer's (a header written, or a minute since
+            // its last write): a killed process's leftover, removed as a start would.
+            let young = || {
+                meta.modified()
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_none_or(|age| age < YOUNG)
+            };
+            if from == 0 && records.is_empty() && (headers > 0 || !young()) {
+                let _ = std::fs::remove_file(path);
+                return None;
+            }
             Some((records, end, meta.modified().ok()))
         };
         let mut fresh: Vec<_> = there
@@ -1137,6 +1149,40 @@ mod tests {
         b.put(&h, &f);
         assert!(b.get(&frame(8).0, 4096).is_some(), "what `a` read went");
         assert!(b.get(&frame(12).0, 4096).is_none(), "frames 12-15's stayed");
+    }
+
+    /// What a killed process left in the folder without a whole record (a record's bytes,
+    /// no header), a minute old, is removed when a running cache next looks; a young one
+    /// (perhaps another process's, being written) stays.
+    #[test]
+    fn a_killed_writers_headerless_segment_goes_at_the_next_look() {
+        let scratch = guestmem_testkit::Scratch::new("cache-leftover");
+        let dir = scratch.to_path_buf();
+        let cap = SEGMENTS * 4 * record_bytes(4096);
+        let c = FrameCache::open(&dir, cap).unwrap();
+        let left = |name: &str, age: std::time::Duration| {
+            let p = dir.join("segments").join(name);
+            std::fs::write(&p, vec![7u8; 4096]).unwrap();
+            File::options()
+                .write(true)
+                .open(&p)
+                .unwrap()
+                .set_modified(SystemTime::now() - age)
+                .unwrap();
+            p
+        };
+        let old = left(
+            "0000000000000001-999999-0.seg",
+            std::time::Duration::from_secs(120),
+        );
+        let young = left("0000000000000002-999999-0.seg", std::time::Duration::ZERO);
+        // Frames enough to start a second segment: the cache looks at its folder.
+        for i in 0..5u32 {
+            let f = vec![i as u8 + 1; 4096];
+            c.put(&blake3::hash(&f), &f);
+        }
+        assert!(!old.exists(), "the leftover stayed");
+        assert!(young.exists(), "a young segment went");
     }
 
     #[test]
