@@ -33,6 +33,7 @@ mod into;
 mod key;
 mod offer;
 mod out;
+mod owed;
 mod wire;
 
 pub use into::{move_in, MoveIn, MoveInReport};
