@@ -112,7 +112,7 @@ fn secs(s: &str) -> Result<f64, String> {
 }
 
 /// SIGINT and SIGTERM blocked in this thread and every thread made after (call it first),
-/// and taken by a thread of their own: the first says `first` in the log and writes `stop`
+/// and taken by a thread of their own: the first says `first` on stderr and writes `stop`
 /// (when given); a second ends the process at once, exit status 130.
 fn watch_signals(first: &'static str, stop: Option<Arc<OwnedFd>>) -> Result<()> {
     let signals = crate::serve_uffd::block_drain_signals()?;
