@@ -141,14 +141,26 @@ fn watch_signals(first: &'static str, stop: Option<Arc<OwnedFd>>) -> Result<()> 
     Ok(())
 }
 
+/// An eventfd for a move's stop.
+fn stop_fd() -> Result<Arc<OwnedFd>> {
+    // SAFETY: eventfd takes flags only and returns a new descriptor or -1.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error()).context("make an eventfd");
+    }
+    // SAFETY: a new descriptor nothing else owns.
+    Ok(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
 /// `guestmem move`.
 pub fn run_out(a: Out) -> Result<()> {
     crate::serve_uffd::init_logs(crate::serve_uffd::LogFormat::Text);
     // Not ended mid-pause by a Ctrl-C: every step of a move is bounded, and it ends with
     // the VM resumed here or running there (docs/move.md).
+    let stop = stop_fd()?;
     watch_signals(
-        "the move goes on to its end (each step is bounded; the VM resumes here or runs there)",
-        None,
+        "stopping: a move not yet paused ends; one in its pause goes on to its end (each step is bounded; the VM resumes here or runs there); past a commit the destination did not answer, the wait for its word ends (the VM left paused here, its writes pushed)",
+        Some(Arc::clone(&stop)),
     )?;
     let base = StoreUrl::parse(&a.base, false).context("--base")?;
     let push_as = base.sibling(&a.name);
@@ -164,6 +176,7 @@ pub fn run_out(a: Out) -> Result<()> {
         work_dir: a.work_dir,
         threads: a.threads as usize,
         key: a.key_file.as_deref().map(MoveKey::from_file).transpose()?,
+        stop: Some(stop),
     };
     let r = migrate::move_out(&m, &store)?;
     if a.json {
@@ -197,13 +210,7 @@ pub fn run_out(a: Out) -> Result<()> {
 /// `guestmem move-in`.
 pub fn run_in(a: In) -> Result<()> {
     crate::serve_uffd::init_logs(crate::serve_uffd::LogFormat::Text);
-    // SAFETY: eventfd takes flags only and returns a new descriptor or -1.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error()).context("make an eventfd");
-    }
-    // SAFETY: a new descriptor nothing else owns.
-    let stop = Arc::new(unsafe { OwnedFd::from_raw_fd(fd) });
+    let stop = stop_fd()?;
     watch_signals(
         "stopping: a move not yet run here is refused (the source resumes its VM); a VM running here is drained (its memory brought in whole, then it runs on without this server)",
         Some(Arc::clone(&stop)),

@@ -434,6 +434,7 @@ impl Lab<'_> {
             work_dir: cfg.diff_dir.clone(),
             threads: 16,
             key: Some(key),
+            stop: None,
         };
         // A profile's window (`GUESTMEM_LAB_PERF_CTL`): the move, from the pause until the
         // store holds the diff and the destination let go (the window of risk, when remote

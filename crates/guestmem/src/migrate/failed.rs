@@ -196,6 +196,17 @@ impl Rig {
     /// Moves the VM behind a stand-in API that answers `create` to a stand-in destination
     /// that does `after`, as `push_as`: the move's error, and the API's requests.
     fn fail(&self, create: Create, after: AfterCommit, push_as: &str) -> (String, Vec<String>) {
+        self.fail_or_stop(create, after, push_as, None)
+    }
+
+    /// [`Rig::fail`], with the move's stop.
+    fn fail_or_stop(
+        &self,
+        create: Create,
+        after: AfterCommit,
+        push_as: &str,
+        stop: Option<Arc<std::os::fd::OwnedFd>>,
+    ) -> (String, Vec<String>) {
         let api = self.dir.join(format!("{push_as}.api.sock"));
         let seen = firecracker_api(&api, create);
         let m = MoveOut {
@@ -208,6 +219,7 @@ impl Rig {
             work_dir: self.dir.join("work"),
             threads: 1,
             key: None,
+            stop,
         };
         let e = move_out(&m, &self.store).expect_err("the move failed");
         let seen = seen.lock().unwrap().clone();
@@ -246,6 +258,19 @@ fn moved_bytes() -> Vec<u8> {
         m[at..at + 4096].fill(b);
     }
     m
+}
+
+/// A move asked to stop before its pause pauses nothing, and says so to both sides.
+#[test]
+fn a_move_asked_to_stop_before_the_pause_pauses_nothing() {
+    let Some(rig) = Rig::new("move-stopped") else {
+        return;
+    };
+    let stop = Arc::new(crate::sys::eventfd().unwrap());
+    crate::sys::eventfd_signal(std::os::fd::AsFd::as_fd(&*stop)).unwrap();
+    let (e, seen) = rig.fail_or_stop(Create::Writes, AfterCommit::Closes, "moved", Some(stop));
+    assert!(e.contains("asked to stop before the pause"), "{e}");
+    assert!(seen.is_empty(), "{seen:?}");
 }
 
 /// The destination could not resume the VM after the commit: the source resumes its copy,

@@ -54,6 +54,12 @@ pub struct MoveOut {
     /// The move key both hosts hold (`None`: the move is not authenticated; the
     /// destination must have none either). See [`MoveKey`].
     pub key: Option<MoveKey>,
+    /// Readable once the move is to stop (an eventfd a signal's watcher writes, say):
+    /// before the pause, nothing is paused and the move ends; in the pause, every step is
+    /// bounded and the move goes on to its end; after a commit the destination did not
+    /// answer in time, the wait for its late word ends (the VM left paused here, as when
+    /// the destination closes, and its writes pushed). `None`: never.
+    pub stop: Option<Arc<std::os::fd::OwnedFd>>,
 }
 
 /// The pause, step by step (milliseconds).
@@ -219,6 +225,23 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             })
         }
         other => return Err(unexpected(&wire, "Ready", &other)),
+    }
+    let stop = m.stop.as_ref().map(|f| {
+        use std::os::fd::AsFd;
+        f.as_fd()
+    });
+    if stop.is_some_and(crate::sys::is_readable) {
+        let reason = "asked to stop before the pause; nothing paused".to_string();
+        let _ = wire.send(
+            &Msg::Abort {
+                reason: reason.clone(),
+            },
+            &[],
+        );
+        return Err(MoveError::Refused {
+            side: "source",
+            reason,
+        });
     }
 
     // The diff to the store, as a layer on the base (after the move, or after a failed one).
@@ -407,7 +430,14 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             tracing::error!(
                 "move committed but the destination did not answer within {COMMIT_LIMIT:?} ({e}); the source VM stays paused until it does"
             );
-            wire.recv(Duration::from_secs(u32::MAX as u64))
+            match wire.recv_unless(Duration::from_secs(u32::MAX as u64), stop) {
+                Ok(Some(m)) => Ok(m),
+                Ok(None) => Err(MoveError::Wire {
+                    peer: wire.peer().into(),
+                    reason: "asked to stop while waiting for the destination's word".into(),
+                }),
+                Err(e) => Err(e),
+            }
         }
         answer => answer,
     };
