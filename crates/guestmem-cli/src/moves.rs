@@ -113,8 +113,8 @@ fn secs(s: &str) -> Result<f64, String> {
 
 /// SIGINT and SIGTERM blocked in this thread and every thread made after (call it first),
 /// and taken by a thread of their own: the first says `first` on stderr and writes `stop`
-/// (when given); a second ends the process at once, exit status 130.
-fn watch_signals(first: &'static str, stop: Option<Arc<OwnedFd>>) -> Result<()> {
+/// (a move's stop); a second ends the process at once, exit status 130.
+fn watch_signals(first: &'static str, stop: Arc<OwnedFd>) -> Result<()> {
     let signals = crate::serve_uffd::block_drain_signals()?;
     std::thread::Builder::new()
         .name("guestmem-signals".into())
@@ -127,11 +127,9 @@ fn watch_signals(first: &'static str, stop: Option<Arc<OwnedFd>>) -> Result<()> 
             // Said on standard error whatever the log's form: the operator who pressed
             // Ctrl-C reads it there.
             eprintln!("guestmem: signal {sig}: {first}; a second signal ends guestmem at once");
-            if let Some(fd) = &stop {
-                let one = 1u64.to_ne_bytes();
-                // SAFETY: writes 8 bytes from a live buffer to an eventfd this thread holds.
-                unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), 8) };
-            }
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writes 8 bytes from a live buffer to an eventfd this thread holds.
+            unsafe { libc::write(stop.as_raw_fd(), one.as_ptr().cast(), 8) };
             // SAFETY: as above.
             if unsafe { libc::sigwait(&signals, &mut sig) } == 0 {
                 eprintln!("guestmem: signal {sig} again: ending now, the move where it stands");
@@ -139,6 +137,15 @@ fn watch_signals(first: &'static str, stop: Option<Arc<OwnedFd>>) -> Result<()> 
             }
         })?;
     Ok(())
+}
+
+/// What `move` and `move-in` set up first: their log on stderr, and a move's stop, which
+/// the first SIGINT or SIGTERM writes (saying `first`; see [`watch_signals`]).
+fn logs_and_stop(first: &'static str) -> Result<Arc<OwnedFd>> {
+    crate::serve_uffd::init_logs(crate::serve_uffd::LogFormat::Text);
+    let stop = stop_fd()?;
+    watch_signals(first, Arc::clone(&stop))?;
+    Ok(stop)
 }
 
 /// An eventfd for a move's stop.
@@ -154,13 +161,10 @@ fn stop_fd() -> Result<Arc<OwnedFd>> {
 
 /// `guestmem move`.
 pub fn run_out(a: Out) -> Result<()> {
-    crate::serve_uffd::init_logs(crate::serve_uffd::LogFormat::Text);
     // Not ended mid-pause by a Ctrl-C: every step of a move is bounded, and it ends with
     // the VM resumed here or running there (docs/move.md).
-    let stop = stop_fd()?;
-    watch_signals(
+    let stop = logs_and_stop(
         "stopping: a move not yet paused ends; one in its pause goes on to its end (each step is bounded; the VM resumes here or runs there); past a commit the destination did not answer, the wait for its word ends (the VM left paused here, its writes pushed)",
-        Some(Arc::clone(&stop)),
     )?;
     let base = StoreUrl::parse(&a.base, false).context("--base")?;
     let push_as = base.sibling(&a.name);
@@ -209,11 +213,8 @@ pub fn run_out(a: Out) -> Result<()> {
 
 /// `guestmem move-in`.
 pub fn run_in(a: In) -> Result<()> {
-    crate::serve_uffd::init_logs(crate::serve_uffd::LogFormat::Text);
-    let stop = stop_fd()?;
-    watch_signals(
+    let stop = logs_and_stop(
         "stopping: a move not yet run here is refused (the source resumes its VM); a VM running here is drained (its memory brought in whole, then it runs on without this server)",
-        Some(Arc::clone(&stop)),
     )?;
     let mut stores = crate::store::Stores::new(
         a.cache_dir.as_deref(),

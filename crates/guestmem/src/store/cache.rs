@@ -448,7 +448,15 @@ impl FrameCache {
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
             }
         };
-        let Some((at, file)) = self.lock().touch(h) else {
+        // Whether its use is to be marked on the file (see `mark_due`), asked under the
+        // same lock as the look-up.
+        let now = SystemTime::now();
+        let found = {
+            let mut ix = self.lock();
+            ix.touch(h)
+                .map(|(at, file)| (at, file, ix.mark_due(at.seg, now)))
+        };
+        let Some((at, file, mark)) = found else {
             count_miss();
             return false;
         };
@@ -503,8 +511,7 @@ impl FrameCache {
             }
             // Its use marked on the file (at most a minute apart), for a restart's order
             // and other processes' (best effort).
-            let now = SystemTime::now();
-            if self.lock().mark_due(at.seg, now) {
+            if mark {
                 let _ = file.set_modified(now);
             }
             return true;
