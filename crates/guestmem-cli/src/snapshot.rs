@@ -45,6 +45,12 @@ struct Push {
     /// this snapshot.
     #[arg(long)]
     base: Option<String>,
+    /// Push a Diff whose file was there long before Firecracker last wrote it. Firecracker
+    /// merges a Diff into a file of the memory's size that is there already, so the pages
+    /// that file held before are pushed as changed: only right where they were this VM's
+    /// on this base (an earlier diff of it on this base, written to the same path).
+    #[arg(long, requires = "base")]
+    reused_file: bool,
     /// Bytes per frame: a power of two from 64K to 16M (a diff takes its base's).
     #[arg(long, default_value = "256K", value_parser = size)]
     frame_size: u64,
@@ -136,6 +142,7 @@ fn push(p: Push) -> Result<()> {
         &PushConfig {
             frame_bytes: p.frame_size,
             threads: p.threads as usize,
+            reused_file_ok: p.reused_file,
             ..PushConfig::default()
         },
     )

@@ -158,20 +158,43 @@ fn push_ls_pull_and_a_diff_on_a_base() {
         f.write_all_at(&page, at as u64).unwrap();
     }
     f.write_all_at(&vec![0xcd; MIB], 5 * MIB as u64).unwrap();
-    drop(f);
     let durl = format!("s3://{BUCKET}/vm/diff1");
-    let r = json(&ok(
-        &s3,
-        &[
-            "snapshot",
-            "push",
-            diff.to_str().unwrap(),
-            &durl,
-            "--base",
-            &url,
-            "--json",
-        ],
-    ));
+    // Last written two hours after it was made: Firecracker merged this Diff into a file
+    // that was there (it does not truncate one of the memory's size), so the pages the
+    // file held before would go as changed. Refused, naming the file and the way out.
+    let mut push_args = vec![
+        "snapshot",
+        "push",
+        diff.to_str().unwrap(),
+        &durl,
+        "--base",
+        &url,
+        "--json",
+    ];
+    if f.metadata().unwrap().created().is_ok() {
+        f.set_modified(std::time::SystemTime::now() + Duration::from_secs(7200))
+            .unwrap();
+        let (code, _, err) = gm(&s3, &push_args);
+        assert_ne!(code, 0, "a reused Diff file was pushed");
+        assert!(
+            err.contains(diff.to_str().unwrap()) && err.contains("--reused-file"),
+            "{err}"
+        );
+        let listed = ok(&s3, &["snapshot", "ls", &format!("s3://{BUCKET}")]);
+        assert!(
+            listed.contains("vm/") && !listed.contains("diff1"),
+            "{listed}"
+        );
+        // Told it held only this VM's pages on this base, the push takes it.
+        push_args.push("--reused-file");
+    } else {
+        eprintln!(
+            "{} keeps no birth time: the reused-file check not tried",
+            d.display()
+        );
+    }
+    drop(f);
+    let r = json(&ok(&s3, &push_args));
     assert_eq!(r["base_frames"], 5, "{r}");
     // Two pieces of pages (frames 1 and 3) and one whole frame (5, compressed).
     assert_eq!(r["objects_stored"], 3, "{r}");

@@ -64,6 +64,7 @@ fn bench(c: &mut Criterion) {
         base_from: Some(Arc::clone(&store)),
         base: Some(Arc::clone(&snap)),
         look_first: false,
+        reused_file_ok: false,
     };
     let src = PushSource::RawDiff {
         path: diff_file.clone(),

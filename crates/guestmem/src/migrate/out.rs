@@ -330,6 +330,7 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
                         base_from: Some(Arc::clone(store)),
                         base: Some(Arc::clone(&base)),
                         look_first: false,
+                        reused_file_ok: false,
                     };
                     let cut = push_held(
                         &held,

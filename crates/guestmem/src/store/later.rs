@@ -46,7 +46,8 @@ pub fn name_later(
     url: &StoreUrl,
     held: &HeldFrames,
 ) -> Result<Option<NamedLater>, StoreError> {
-    let (file, len, data) = open_raw_diff(path, &base.url, base)?;
+    // A move's Diff is written to a path it made sure was new.
+    let (file, len, data) = open_raw_diff(path, &base.url, base, false)?;
     let (fb, mb) = (base.frame_bytes(), base.memory_bytes());
     let key = crate::sys::random_32().map_err(|source| StoreError::Io {
         op: "draw a key (getrandom) for the placeholders of",

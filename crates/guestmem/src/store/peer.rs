@@ -762,6 +762,7 @@ pub(crate) mod held_tests {
             base_from: Some(Arc::clone(store)),
             base: Some(Arc::new(base)),
             look_first: false,
+            reused_file_ok: false,
         }
     }
 

@@ -38,6 +38,11 @@ pub enum PushSource {
     /// A raw memory file as Firecracker writes a Diff snapshot's: a sparse file whose holes
     /// take the base's pages. Only its pages are stored; the manifest names the base's
     /// frames for the rest.
+    ///
+    /// Firecracker writes a Diff into a file that is there already, if it has the memory's
+    /// size, without truncating it (it merges the diff into it), so every page the file
+    /// held before is data too, pushed as changed. Write each Diff to a new path. A file
+    /// born long before its last write ([`PushConfig::reused_file_ok`]) is refused.
     RawDiff {
         /// The diff file.
         path: PathBuf,
@@ -89,6 +94,11 @@ pub struct PushConfig {
     /// Ask the bucket whether it holds a frame before uploading it (a HEAD each); a push
     /// into an empty place (a move's frames in memory) skips that.
     pub look_first: bool,
+    /// Push a Diff whose file was there long before Firecracker last wrote it. Firecracker
+    /// merges a Diff into a file of the memory's size that is there already (it does not
+    /// truncate it), so such a file holds pages from before as data, and they would be
+    /// pushed as changed: refused unless this is set (see [`PushSource::RawDiff`]).
+    pub reused_file_ok: bool,
 }
 
 impl Default for PushConfig {
@@ -100,6 +110,7 @@ impl Default for PushConfig {
             base_from: None,
             base: None,
             look_first: true,
+            reused_file_ok: false,
         }
     }
 }
@@ -234,7 +245,7 @@ fn push_to(
                     read_snapshot(&frames, base)?
                 }
             };
-            let (file, len, data) = open_raw_diff(path, base, &snap)?;
+            let (file, len, data) = open_raw_diff(path, base, &snap, cfg.reused_file_ok)?;
             let (mb, fb) = (snap.memory_bytes(), snap.frame_bytes());
             (
                 Reader::File {
@@ -426,23 +437,68 @@ fn push_to(
     })
 }
 
+/// The slowest a Firecracker Diff is taken to be written (bytes a second, of the memory's
+/// length): a file born longer before its last write than the whole memory takes at this
+/// rate, and at least a minute, was there before the Diff.
+const DIFF_WRITE_MIN_BYTES_PER_SEC: u64 = 32 << 20;
+
+/// How long before its last write a Diff file of `len` bytes may have been made: writing
+/// the whole memory at [`DIFF_WRITE_MIN_BYTES_PER_SEC`], and at least a minute.
+fn diff_write_limit(len: u64) -> std::time::Duration {
+    std::time::Duration::from_secs((len / DIFF_WRITE_MIN_BYTES_PER_SEC).max(60))
+}
+
+/// Why a Diff file looks written into a file that was there before, if it does: born
+/// (`statx`'s birth time) more than `limit` before its last write. Firecracker opens a
+/// Diff's path without truncating a file of the memory's size (it merges into it), so the
+/// pages such a file held before read as the diff's. A file system that keeps no birth
+/// time, or a file modified before its birth (copied keeping its times), is taken as it is.
+fn written_into_older(meta: &std::fs::Metadata, limit: std::time::Duration) -> Option<String> {
+    let (born, written) = (meta.created().ok()?, meta.modified().ok()?);
+    let apart = written.duration_since(born).ok()?;
+    (apart > limit).then(|| {
+        format!(
+            "it was made {}s before its last write (writing the whole memory takes under \
+             {}s): Firecracker writes a Diff into a file of the memory's size that is there \
+             already without truncating it, so every page it held before would be pushed as \
+             changed (stale where a later layer changed it). Write each Diff to a new path; \
+             if this file held only pages of this VM on this base before (an earlier diff \
+             of it on this base), push with --reused-file",
+            apart.as_secs(),
+            limit.as_secs()
+        )
+    })
+}
+
 /// The ranges (offset, end) of a file that hold data.
 pub(super) type DataRanges = Vec<(u64, u64)>;
 
 /// Opens the raw diff at `path` as a diff on `snap` (the snapshot at `base`): checked that it
-/// fits the base and that its holes are the base's pages; its length and the ranges of it
+/// fits the base, that its holes are the base's pages and, unless `reused_ok`, that it was
+/// not written into a file that was there long before; its length and the ranges of it
 /// that hold data.
 pub(super) fn open_raw_diff(
     path: &Path,
     base: &StoreUrl,
     snap: &Snapshot,
+    reused_ok: bool,
 ) -> Result<(File, u64, DataRanges), StoreError> {
     let io = |op, path: &Path| {
         let path = path.to_path_buf();
         move |source| StoreError::Io { op, path, source }
     };
     let file = File::open(path).map_err(io("open", path))?;
-    let len = file.metadata().map_err(io("stat", path))?.len();
+    let meta = file.metadata().map_err(io("stat", path))?;
+    let len = meta.len();
+    if !reused_ok {
+        if let Some(why) = written_into_older(&meta, diff_write_limit(len)) {
+            return Err(StoreError::Io {
+                op: "read as a diff (Firecracker merges a Diff into a file already there)",
+                path: path.to_path_buf(),
+                source: std::io::Error::other(why),
+            });
+        }
+    }
     // A base handed in is checked as one read from the store is (its manifest's
     // fields are public): the frames are cut to its frame size.
     check_frame_bytes(snap.frame_bytes())?;
@@ -512,11 +568,43 @@ pub(super) fn open_raw_diff(
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::time::Duration;
 
     use bytes::Bytes;
     use guestmem_testkit::s3::S3Server;
 
     use crate::store::Client;
+
+    /// A Diff file made well before its last write (Firecracker merged into a file that
+    /// was there: it does not truncate one of the memory's size) is taken as reused; one
+    /// written as it is made is not. The limit is a minute at least, and the time the
+    /// whole memory takes at 32 MiB/s.
+    #[test]
+    fn a_diff_file_made_long_before_its_last_write_is_taken_as_reused() {
+        use std::io::Write;
+        let scratch = guestmem_testkit::Scratch::new("diff-reused");
+        let path = scratch.join("diff");
+        let mut f = std::fs::File::create(&path).unwrap();
+        f.write_all(&[1u8; 4096]).unwrap();
+        let Ok(born) = f.metadata().unwrap().created() else {
+            eprintln!("skipped: {} keeps no birth time", scratch.display());
+            return;
+        };
+        let meta = f.metadata().unwrap();
+        assert!(super::written_into_older(&meta, Duration::from_millis(500)).is_none());
+        // Written again past the limit: the file was there before this write.
+        while born.elapsed().unwrap() < Duration::from_millis(700) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        f.write_all(&[2u8; 4096]).unwrap();
+        let meta = f.metadata().unwrap();
+        let why = super::written_into_older(&meta, Duration::from_millis(500))
+            .expect("a file made before the limit is taken as reused");
+        assert!(why.contains("--reused-file"), "{why}");
+        assert!(super::written_into_older(&meta, Duration::from_secs(60)).is_none());
+        assert_eq!(super::diff_write_limit(1 << 30), Duration::from_secs(60));
+        assert_eq!(super::diff_write_limit(64 << 30), Duration::from_secs(2048));
+    }
 
     /// A manifest is written only where none is: the real S3 server decides from the PUT's
     /// `If-None-Match`, so a name taken between a push's look and its write is refused and
