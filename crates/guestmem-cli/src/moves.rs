@@ -256,7 +256,7 @@ pub fn run_in(a: In) -> Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
-        "VM {} from {}: open {:.1} ms, load {:.1} ms; {} frames owed, {} in {} GETs from the source (p50 {:.0} us, p99 {:.0} us); {}",
+        "VM {} from {}: open {:.1} ms, load {:.1} ms; {} frames owed, {} in {} GETs from the source (p50 {:.0} us, p99 {:.0} us); {} remote faults (waited p50 {:.0} us, p99 {:.0} us); {}",
         r.name,
         r.base,
         r.open_ms,
@@ -266,6 +266,9 @@ pub fn run_in(a: In) -> Result<()> {
         r.peer_gets,
         r.peer_latency.p50_us,
         r.peer_latency.p99_us,
+        r.peer_fault_wait.count,
+        r.peer_fault_wait.p50_us,
+        r.peer_fault_wait.p99_us,
         match r.released_ms {
             Some(ms) => format!("source released {ms:.0} ms after the VM ran"),
             None => "the source was never released".into(),

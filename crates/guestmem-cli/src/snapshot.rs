@@ -31,7 +31,7 @@ enum Command {
     Pull(Pull),
     /// List the snapshots in a bucket (under a name, when given).
     Ls(Ls),
-    /// Delete the frames no snapshot names, older than --grace; nothing while a push runs.
+    /// Delete the frames no snapshot names, older than --grace-s; nothing while a push runs.
     Gc(Gc),
 }
 
@@ -230,6 +230,14 @@ fn ls(l: Ls) -> Result<()> {
 
 fn gc(g: Gc) -> Result<()> {
     let url = StoreUrl::parse(&g.url, true)?;
+    if !url.name.is_empty() {
+        bail!(
+            "gc {}: gc takes a whole bucket (s3://{}), where every snapshot shares its frames; \
+             a name or prefix would not narrow it",
+            g.url,
+            url.bucket
+        );
+    }
     let client = Client::connect(&url.bucket)?;
     client.check()?;
     let r = store::gc(&client, &url, Duration::from_secs(g.grace_s), g.dry_run)?;

@@ -68,7 +68,7 @@ impl Stores {
 }
 
 /// A cache's bound where `--cache-size` is not given: the one its folder was last opened
-/// with (a `move` beside a server keeps the server's), else 16 GiB.
+/// with (a `move-in` beside a server keeps the server's), else 16 GiB.
 pub fn cache_bound(dir: &Path, given: Option<u64>) -> u64 {
     given
         .or_else(|| FrameCache::recorded_bound(dir))

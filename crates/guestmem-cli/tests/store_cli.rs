@@ -250,6 +250,10 @@ fn gc_deletes_only_what_no_snapshot_names() {
     std::fs::remove_dir_all(s3.bucket_dir(BUCKET).join("snapshots/b")).unwrap();
     let r = json(&ok(&s3, &["snapshot", "gc", "s3://snaps", "--json"]));
     assert_eq!(r["deleted"], 0, "young frames are kept: {r}");
+    // gc takes a whole bucket: a name would look like it narrowed it.
+    let (code, _, err) = gm(&s3, &["snapshot", "gc", "s3://snaps/a", "--grace-s", "0"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("takes a whole bucket (s3://snaps)"), "{err}");
     // A push in progress holds off gc.
     let lease = s3.bucket_dir(BUCKET).join("leases");
     std::fs::create_dir_all(&lease).unwrap();

@@ -260,7 +260,7 @@ impl FrameCache {
             own_dir(d, may_link).map_err(io("use as the cache directory", d))?;
         }
         // The bound, kept for the next process over this folder that is given none (a
-        // `move` beside a server, a successor): one opened with a smaller bound evicts the
+        // `move-in` beside a server, a successor): one opened with a smaller bound evicts the
         // others' segments down to it.
         match FrameCache::recorded_bound(dir) {
             Some(was) if was != cap => tracing::warn!(
@@ -645,7 +645,7 @@ impl FrameCache {
 
     /// Brings the index level with the folder, as a segment is started (once every 64th of
     /// the bound written): the segments other processes over the folder made since this
-    /// one looked (a hand-over's old server, a `snapshot pull` beside a server) come in
+    /// one looked (a hand-over's old server, a `move-in` beside a server) come in
     /// with their whole records, records appended since to those it knows come in too,
     /// those removed behind its back go out, and the least recently used go until the
     /// bound holds. So the bound is kept on what the folder holds, give or take what the
