@@ -8,6 +8,7 @@ mod moves;
 mod report;
 mod serve_ctl;
 mod serve_uffd;
+mod signals;
 mod snapshot;
 mod store;
 

@@ -76,7 +76,7 @@ pub struct In {
     cache_dir: Option<PathBuf>,
     /// Its bound.
     /// [default: the bound the folder was last opened with, else 16G]
-    #[arg(long, value_parser = size, requires = "cache_dir")]
+    #[arg(long, value_parser = crate::store::cache_size, requires = "cache_dir")]
     cache_size: Option<u64>,
     /// How long a fault waits for its frame (from the store or the source), retries
     /// included, before the VM is ended with the reason.
@@ -100,43 +100,21 @@ pub struct In {
     json: bool,
 }
 
-fn size(s: &str) -> Result<u64, String> {
-    guestmem::plan::parse_size(s).map_err(|e| e.to_string())
-}
-
 fn secs(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
-        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
-        _ => Err(format!("{s:?}: seconds, a positive number")),
+        Ok(v) if v.is_finite() && (1e-3..=1e9).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?}: a number of seconds from 0.001 to 1e9")),
     }
 }
 
-/// SIGINT and SIGTERM blocked in this thread and every thread made after (call it first),
-/// and taken by a thread of their own: the first says `first` on stderr and writes `stop`
-/// (a move's stop); a second ends the process at once, exit status 130.
+/// SIGINT and SIGTERM taken as [`crate::signals::watch`] takes them: the first writes
+/// `stop` (a move's stop).
 fn watch_signals(first: &'static str, stop: Arc<OwnedFd>) -> Result<()> {
-    let signals = crate::serve_uffd::block_drain_signals()?;
-    std::thread::Builder::new()
-        .name("guestmem-signals".into())
-        .spawn(move || {
-            let mut sig: libc::c_int = 0;
-            // SAFETY: `signals` is an initialised sigset; sigwait writes one int.
-            if unsafe { libc::sigwait(&signals, &mut sig) } != 0 {
-                return;
-            }
-            // Said on standard error whatever the log's form: the operator who pressed
-            // Ctrl-C reads it there.
-            eprintln!("guestmem: signal {sig}: {first}; a second signal ends guestmem at once");
-            let one = 1u64.to_ne_bytes();
-            // SAFETY: writes 8 bytes from a live buffer to an eventfd this thread holds.
-            unsafe { libc::write(stop.as_raw_fd(), one.as_ptr().cast(), 8) };
-            // SAFETY: as above.
-            if unsafe { libc::sigwait(&signals, &mut sig) } == 0 {
-                eprintln!("guestmem: signal {sig} again: ending now, the move where it stands");
-                std::process::exit(130);
-            }
-        })?;
-    Ok(())
+    crate::signals::watch(first, "the move where it stands", move || {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to an eventfd this closure holds.
+        unsafe { libc::write(stop.as_raw_fd(), one.as_ptr().cast(), 8) };
+    })
 }
 
 /// What `move` and `move-in` set up first: their log on stderr, and a move's stop, which

@@ -33,7 +33,7 @@ pub struct Args {
     cache_dir: Option<PathBuf>,
     /// Most bytes --cache-dir holds (least recently used frames go first).
     /// [default: the bound the folder was last opened with, else 16G]
-    #[arg(long, value_parser = size, requires = "cache_dir")]
+    #[arg(long, value_parser = crate::store::cache_size, requires = "cache_dir")]
     cache_size: Option<u64>,
     /// For s3:// snapshots: how long a fault waits for its frame (retries with backoff
     /// included) before serving the VM is given up and the VM ended with the reason.
@@ -159,8 +159,8 @@ fn size(s: &str) -> Result<u64, String> {
 
 fn secs(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 && v <= 1e9 => Ok(v),
-        _ => Err(format!("{s:?}: a number of seconds above 0 (at most 1e9)")),
+        Ok(v) if v.is_finite() && (1e-3..=1e9).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?}: a number of seconds from 0.001 to 1e9")),
     }
 }
 

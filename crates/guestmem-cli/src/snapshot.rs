@@ -2,6 +2,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -101,6 +102,15 @@ struct Gc {
     json: bool,
 }
 
+/// A stop the first SIGINT or SIGTERM sets (saying `first`); a second ends the process
+/// at once, leaving what `left` says ([`crate::signals::watch`]).
+fn stop_on_signal(first: &'static str, left: &'static str) -> Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let set = Arc::clone(&stop);
+    crate::signals::watch(first, left, move || set.store(true, Ordering::Relaxed))?;
+    Ok(stop)
+}
+
 fn size(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
 }
@@ -134,6 +144,11 @@ fn push(p: Push) -> Result<()> {
         None if p.src.is_dir() => PushSource::Guestmem(p.src.clone()),
         None => PushSource::Raw(p.src.clone()),
     };
+    // Before the client: its runtime's threads must block the signals too.
+    let stop = stop_on_signal(
+        "stopping: the push ends once the frames under way are up; nothing is published, its lease is given back",
+        "its lease left in the bucket (gc waits until it is 10 minutes old)",
+    )?;
     let client = Arc::new(Client::connect(&url.bucket)?);
     let r = store::push(
         &client,
@@ -143,6 +158,7 @@ fn push(p: Push) -> Result<()> {
             frame_bytes: p.frame_size,
             threads: p.threads as usize,
             reused_file_ok: p.reused_file,
+            stop: Some(stop),
             ..PushConfig::default()
         },
     )
@@ -238,9 +254,20 @@ fn gc(g: Gc) -> Result<()> {
             url.bucket
         );
     }
+    // Before the client: its runtime's threads must block the signals too.
+    let stop = stop_on_signal(
+        "stopping: gc ends before its next delete, its mark given back",
+        "its mark left in the bucket (a push waits until it is 5 minutes old)",
+    )?;
     let client = Client::connect(&url.bucket)?;
     client.check()?;
-    let r = store::gc(&client, &url, Duration::from_secs(g.grace_s), g.dry_run)?;
+    let r = store::gc(
+        &client,
+        &url,
+        Duration::from_secs(g.grace_s),
+        g.dry_run,
+        Some(&stop),
+    )?;
     let mut out = std::io::stdout().lock();
     if g.json {
         return write_json(&mut out, &r);
@@ -259,10 +286,10 @@ fn gc(g: Gc) -> Result<()> {
             "deleted"
         },
         bytes(r.bytes_deleted),
-        if r.stopped_for_push {
-            "; stopped: a push began"
-        } else {
-            ""
+        match (r.stopped_for_push, r.stopped) {
+            (true, _) => "; stopped: a push began",
+            (_, true) => "; stopped: asked to",
+            _ => "",
         }
     )?;
     Ok(())

@@ -68,11 +68,28 @@ impl Stores {
 }
 
 /// A cache's bound where `--cache-size` is not given: the one its folder was last opened
-/// with (a `move-in` beside a server keeps the server's), else 16 GiB.
+/// with (a `move-in` beside a server keeps the server's), else 16 GiB. One recorded below
+/// [`MIN_CACHE_BYTES`] (a library caller's) is not taken.
 pub fn cache_bound(dir: &Path, given: Option<u64>) -> u64 {
     given
-        .or_else(|| FrameCache::recorded_bound(dir))
+        .or_else(|| FrameCache::recorded_bound(dir).filter(|&b| b >= MIN_CACHE_BYTES))
         .unwrap_or(DEFAULT_CACHE_BYTES)
+}
+
+/// The smallest `--cache-size`: a bound takes effect on every process over the folder (the
+/// smaller wins while they run, and it is recorded for the next), so a slip such as
+/// `--cache-size 16` (bytes) would empty a host's cache and cache nothing.
+const MIN_CACHE_BYTES: u64 = 64 << 20;
+
+/// `--cache-size`: a size of at least 64M.
+pub fn cache_size(s: &str) -> Result<u64, String> {
+    let v = guestmem::plan::parse_size(s).map_err(|e| e.to_string())?;
+    if v < MIN_CACHE_BYTES {
+        return Err(format!(
+            "{s:?} is {v} bytes: a frame cache is at least 64M (a size without a suffix is bytes)"
+        ));
+    }
+    Ok(v)
 }
 
 /// The bound of a cache folder given none and saying none.

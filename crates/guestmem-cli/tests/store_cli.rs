@@ -250,6 +250,30 @@ fn gc_deletes_only_what_no_snapshot_names() {
     std::fs::remove_dir_all(s3.bucket_dir(BUCKET).join("snapshots/b")).unwrap();
     let r = json(&ok(&s3, &["snapshot", "gc", "s3://snaps", "--json"]));
     assert_eq!(r["deleted"], 0, "young frames are kept: {r}");
+    // A FIFO is refused at once, not waited on for a writer.
+    let fifo = d.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path, live for the call.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let (code, _, err) = gm(
+        &s3,
+        &["snapshot", "push", fifo.to_str().unwrap(), "s3://snaps/f"],
+    );
+    assert_eq!(code, 1);
+    assert!(err.contains("a FIFO") && err.contains("fifo"), "{err}");
+    // The longest grace keeps every frame (it wrapped to a negative age: none kept).
+    let r = json(&ok(
+        &s3,
+        &[
+            "snapshot",
+            "gc",
+            "s3://snaps",
+            "--grace-s",
+            &u64::MAX.to_string(),
+            "--json",
+        ],
+    ));
+    assert_eq!(r["deleted"], 0, "the longest grace keeps all: {r}");
     // gc takes a whole bucket: a name would look like it narrowed it.
     let (code, _, err) = gm(&s3, &["snapshot", "gc", "s3://snaps/a", "--grace-s", "0"]);
     assert_eq!(code, 1);
@@ -675,4 +699,59 @@ fn whole_records(seg: &Path) -> usize {
         n += 1;
     }
     n
+}
+
+/// A push interrupted (SIGINT) ends once the frames under way are up: nothing published,
+/// its lease given back, so a gc after it is not held off; the signal is said on stderr.
+#[test]
+fn an_interrupted_push_publishes_nothing_and_gives_back_its_lease() {
+    use std::process::Stdio;
+    let d = Scratch::new("store-push-int");
+    let s3 = S3Server::start("push-int", &[BUCKET]);
+    let mem = memory_file(&d, 16 * MIB, None);
+    // A HEAD a frame, 100 ms each, one thread: the push takes over a second and a half.
+    s3.delay_heads(Duration::from_millis(100));
+    let mut g = guestmem_testkit::ChildGuard::new(
+        Command::new(env!("CARGO_BIN_EXE_guestmem"))
+            .args(["snapshot", "push", "--threads", "1", "--frame-size", "1M"])
+            .arg(&mem)
+            .arg("s3://snaps/int")
+            .envs(s3.env())
+            .env_remove("AWS_PROFILE")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let leases = s3.bucket_dir(BUCKET).join("leases");
+    let held = |p: &Path| std::fs::read_dir(p).map(|r| r.count()).unwrap_or(0);
+    let t0 = std::time::Instant::now();
+    while held(&leases) == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(30), "no lease taken");
+        assert!(g.running(), "the push ended before its lease was seen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: kill takes a pid and a signal; the child is ours and not reaped.
+    assert_eq!(unsafe { libc::kill(g.id() as i32, libc::SIGINT) }, 0);
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = g.child().try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the push did not end"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(g.child().stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("signal 2: stopping") && err.contains("asked to stop"),
+        "{err}"
+    );
+    assert_eq!(held(&leases), 0, "its lease was left");
+    let listed = ok(&s3, &["snapshot", "ls", &format!("s3://{BUCKET}")]);
+    assert!(!listed.contains("int"), "{listed}");
 }

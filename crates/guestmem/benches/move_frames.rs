@@ -65,6 +65,7 @@ fn bench(c: &mut Criterion) {
         base: Some(Arc::clone(&snap)),
         look_first: false,
         reused_file_ok: false,
+        stop: None,
     };
     let src = PushSource::RawDiff {
         path: diff_file.clone(),

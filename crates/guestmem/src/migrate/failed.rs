@@ -207,7 +207,10 @@ impl Rig {
         push_as: &str,
         stop: Option<Arc<std::os::fd::OwnedFd>>,
     ) -> (String, Vec<String>) {
-        let api = self.dir.join(format!("{push_as}.api.sock"));
+        // (A socket's path is at most 107 bytes: a name's first 16 bytes.)
+        let api = self
+            .dir
+            .join(format!("{}.api.sock", &push_as[..push_as.len().min(16)]));
         let seen = firecracker_api(&api, create);
         let m = MoveOut {
             api,
@@ -270,6 +273,22 @@ fn a_move_asked_to_stop_before_the_pause_pauses_nothing() {
     crate::sys::eventfd_signal(std::os::fd::AsFd::as_fd(&*stop)).unwrap();
     let (e, seen) = rig.fail_or_stop(Create::Writes, AfterCommit::Closes, "moved", Some(stop));
     assert!(e.contains("asked to stop before the pause"), "{e}");
+    assert!(seen.is_empty(), "{seen:?}");
+}
+
+/// A name the store takes but a file here cannot (past 255 bytes) is refused before the
+/// pause: Firecracker's Diff would have failed in it, its dirty log spent.
+#[test]
+fn a_name_too_long_for_a_file_here_is_refused_before_the_pause() {
+    let Some(rig) = Rig::new("move-long-name") else {
+        return;
+    };
+    let name = "n".repeat(300);
+    let (e, seen) = rig.fail(Create::Writes, AfterCommit::Closes, &name);
+    assert!(
+        e.contains("write a diff to") && e.contains("too long"),
+        "{e}"
+    );
     assert!(seen.is_empty(), "{seen:?}");
 }
 

@@ -149,9 +149,43 @@ pub fn move_in(
                 reason: format!("the source's frames at {peer_url} do not answer: {e}"),
             })?;
         let (api, process) = Api::open(&m.api, "destination")?;
-        Ok((base_url, name_url, frames, base, peer, api, process))
+        // This host's files, made before anything is paused: a name too long for a file
+        // here, or a folder that cannot take them, refuses the move now, not in the pause.
+        // The name may hold '/' (never a '..' part): one file name of it here.
+        let vmstate = m
+            .dir
+            .join(format!("{}.vmstate", name_url.name.replace('/', "_")));
+        let state_file = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&vmstate)
+                .map_err(|source| MoveError::Io {
+                    op: "write (a new file)",
+                    path: vmstate.clone(),
+                    source,
+                })?
+        };
+        // Ours from here (a file that was there already is another move's: left alone).
+        let removed = RemovedOnDrop(vmstate.clone());
+        // Named by this process (one move a move-in), not by the move: a socket's path is
+        // at most 107 bytes.
+        let sock = m.dir.join(format!("uffd-{}.sock", std::process::id()));
+        let listener = Listener::bind(&sock)?;
+        Ok((
+            base_url,
+            name_url,
+            frames,
+            base,
+            peer,
+            api,
+            process,
+            (vmstate, state_file, removed, sock, listener),
+        ))
     })();
-    let (base_url, name_url, frames, base, peer, api, process) = match checked {
+    let (base_url, name_url, frames, base, peer, api, process, local) = match checked {
         Ok(_) if stopped() => return Err(wire.refuse(asked_to_stop())),
         Ok(v) => v,
         Err(e) => return Err(wire.refuse(e)),
@@ -182,36 +216,21 @@ pub fn move_in(
     };
     let state = wire.payload("vmstate", vmstate_bytes, PAYLOAD_LIMIT)?;
     let t_load = Instant::now();
-    // The name may hold '/' (never a '..' part): one file name of it here.
-    let local = name_url.name.replace('/', "_");
-    let vmstate = m.dir.join(format!("{local}.vmstate"));
-    let sock = m.dir.join(format!("{local}.uffd.sock"));
-    let prepared = (|| -> Result<(RemovedOnDrop, Listener), MoveError> {
+    let (vmstate, mut state_file, _vmstate_removed, sock, listener) = local;
+    let written = {
         use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&vmstate)
+        state_file
+            .write_all(&state)
             .map_err(|source| MoveError::Io {
-                op: "write (a new file)",
+                op: "write",
                 path: vmstate.clone(),
                 source,
-            })?;
-        // Ours from here (a file that was there already is another move's: left alone).
-        let removed = RemovedOnDrop(vmstate.clone());
-        f.write_all(&state).map_err(|source| MoveError::Io {
-            op: "write",
-            path: vmstate.clone(),
-            source,
-        })?;
-        Ok((removed, Listener::bind(&sock)?))
-    })();
-    let (_vmstate_removed, listener) = match prepared {
-        Ok(l) => l,
-        Err(e) => return Err(wire.refuse(e)),
+            })
     };
+    drop(state_file);
+    if let Err(e) = written {
+        return Err(wire.refuse(e));
+    }
     // Firecracker loads the VM (paused) while the source cuts its diff into frames. Its
     // connection to the page server's socket waits in the listen backlog, and is taken once
     // the chain is here; a touch of memory before that waits for it (a userfault).
@@ -228,15 +247,29 @@ pub fn move_in(
         tracing::error!("move-in panicked before the VM ran here; ending its copy");
         let _ = process.kill();
     });
+    // Readable once Firecracker's load has answered, so that a stop is seen while it runs.
+    let load_done = crate::sys::eventfd().map_err(|source| MoveError::Io {
+        op: "make an eventfd for",
+        path: m.dir.clone(),
+        source,
+    });
+    let load_done = match load_done {
+        Ok(fd) => fd,
+        Err(e) => return Err(wire.refuse(e)),
+    };
     let (opened, loaded, load_ms, open_ms) = std::thread::scope(|scope| {
         let load = scope.spawn(|| {
+            let _done = OnDrop(|| {
+                let _ = crate::sys::eventfd_signal(load_done.as_fd());
+            });
             let r = api.ok("PUT", "snapshot/load", &load_body, LOAD_LIMIT);
             (r, t_load.elapsed().as_secs_f64() * 1e3)
         });
         // The chain: checked as any manifest, then against the base this host read itself.
         let mut t_open = Instant::now();
         let opened = wire
-            .recv(LOAD_LIMIT)
+            .recv_unless(LOAD_LIMIT, stop)
+            .and_then(|msg| msg.ok_or_else(asked_to_stop))
             .and_then(|msg| match msg {
                 Msg::Diff {
                     manifest_bytes,
@@ -340,8 +373,20 @@ pub fn move_in(
                 ))
             });
         let open_ms = t_open.elapsed().as_secs_f64() * 1e3;
-        if opened.is_err() {
-            // Nothing serves this copy: it is ended (it never ran), which ends its load.
+        // Asked to stop while Firecracker loads (its load bounded only by LOAD_LIMIT): this
+        // copy is ended, which ends its load, and the move refused.
+        let stopped_in_load = opened.is_ok()
+            && stop.is_some_and(|stop| {
+                let mut fds = [
+                    crate::sys::PollFd::readable(load_done.as_fd()),
+                    crate::sys::PollFd::readable(stop),
+                ];
+                // No limit: the load's own requests end within LOAD_LIMIT.
+                matches!(crate::sys::poll(&mut fds, None), Ok(n) if n > 0 && fds[1].ready() && !fds[0].ready())
+            });
+        if opened.is_err() || stopped_in_load {
+            // Nothing serves this copy, or it is not to run: it is ended (it never ran),
+            // which ends its load.
             if let Err(k) = process.kill() {
                 tracing::error!("ending the destination Firecracker failed: {k}");
             }
@@ -355,6 +400,10 @@ pub fn move_in(
                 0.0,
             )
         });
+        let loaded = match stopped_in_load {
+            true => Err(asked_to_stop()),
+            false => loaded,
+        };
         (opened, loaded, load_ms, open_ms)
     });
     let (chain, owed_frames, ahead, drainer, run, placeholders, hold) = match opened {

@@ -137,12 +137,25 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
     let vmstate = m.work_dir.join(format!("{local}.vmstate"));
     let memfile = m.work_dir.join(format!("{local}.mem"));
     for f in [&vmstate, &memfile] {
-        if f.exists() {
-            return Err(MoveError::Io {
-                op: "write a diff to (a file is there already)",
-                path: f.clone(),
-                source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
-            });
+        match f.symlink_metadata() {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            // Firecracker merges a Diff into a file of the memory's size that is there.
+            Ok(_) => {
+                return Err(MoveError::Io {
+                    op: "write a diff to (a file is there already)",
+                    path: f.clone(),
+                    source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+                })
+            }
+            // A name too long for a file here (ENAMETOOLONG), say: refused before the
+            // pause, where Firecracker's Diff would fail in it.
+            Err(source) => {
+                return Err(MoveError::Io {
+                    op: "write a diff to",
+                    path: f.clone(),
+                    source,
+                })
+            }
         }
     }
     // Checked before the pause: Firecracker's Diff there keeps its holes page by page.
@@ -331,6 +344,7 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
                         base: Some(Arc::clone(&base)),
                         look_first: false,
                         reused_file_ok: false,
+                        stop: None,
                     };
                     let cut = push_held(
                         &held,

@@ -96,7 +96,11 @@ impl Listener {
         let tmp = format!(".{name}.{}", unique_suffix());
         let tmp_path = dir.join(&tmp);
         let socket = UnixListener::bind(&tmp_path).map_err(|e| {
-            if e.raw_os_error() == Some(libc::EINVAL) {
+            // The kernel's EINVAL, or std's own refusal before it asks (InvalidInput, no
+            // errno: "path must be shorter than SUN_LEN").
+            if e.raw_os_error() == Some(libc::EINVAL)
+                || (e.raw_os_error().is_none() && e.kind() == io::ErrorKind::InvalidInput)
+            {
                 refuse(SocketRefusal::TooLong)
             } else {
                 io("bind a socket beside it")(e)
@@ -226,5 +230,27 @@ impl Drop for Listener {
         if !self.keep_path {
             self.unpublish();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A path too long for a socket (with the temporary name beside it) is refused as
+    /// such, whether std or the kernel says so, and leaves nothing.
+    #[test]
+    fn a_socket_path_too_long_is_refused_as_too_long() {
+        let scratch = guestmem_testkit::Scratch::new("listener-long");
+        let long = scratch.join("s".repeat(100));
+        match Listener::bind(&long) {
+            Err(ServeError::SocketPath {
+                refusal: SocketRefusal::TooLong,
+                ..
+            }) => {}
+            Err(e) => panic!("not refused as too long: {e}"),
+            Ok(_) => panic!("a socket path past 107 bytes was bound"),
+        }
+        assert_eq!(std::fs::read_dir(&*scratch).unwrap().count(), 0);
     }
 }

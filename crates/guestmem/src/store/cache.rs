@@ -146,6 +146,51 @@ fn own_dir(d: &Path, may_link: bool) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The cache directory tag (<https://bford.info/cachedir/>): marks a folder as a guestmem
+/// frame cache, so that a later open knows the folder is one to manage (and backup tools
+/// skip it).
+const TAG_FILE: &str = "CACHEDIR.TAG";
+/// See [`TAG_FILE`]: the standard signature, then what guestmem looks for.
+const TAG: &str = "Signature: 8a477f597d28d172789f06886806bc55\n\
+    # This file is a cache directory tag created by guestmem: a guestmem frame cache\n\
+    # (frames of VM snapshots in object storage; fetched again once removed).\n";
+/// What a folder's tag must say for guestmem to take it as its own.
+const TAG_MARK: &str = "guestmem frame cache";
+
+/// Why `dir` is not to be taken as a frame cache, if it is not: a folder that holds
+/// anything but what a frame cache keeps, and no guestmem cache tag. A cache removes files
+/// it does not know in its folder (`frames/`, stray files in `segments/`) and changes the
+/// folder's mode: a folder given by mistake (a home, `/tmp`) must be refused, not managed.
+fn foreign_entry(dir: &Path) -> std::io::Result<Option<String>> {
+    use std::io::Read;
+    let entries = match std::fs::read_dir(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        r => r?,
+    };
+    let mut tag = String::new();
+    let tagged = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(dir.join(TAG_FILE))
+        .and_then(|f| f.take(4096).read_to_string(&mut tag))
+        .is_ok_and(|_| tag.contains(TAG_MARK));
+    if tagged {
+        return Ok(None);
+    }
+    for e in entries {
+        let name = e?.file_name();
+        let name = name.to_string_lossy();
+        let ours = matches!(
+            &*name,
+            "segments" | "frames" | "learnt" | BOUND_FILE | TAG_FILE
+        ) || (name.starts_with("bound.") && name.ends_with(".tmp"));
+        if !ours {
+            return Ok(Some(name.into_owned()));
+        }
+    }
+    Ok(None)
+}
+
 fn is_io_full(e: &std::io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
 }
@@ -250,6 +295,19 @@ impl FrameCache {
             let path = path.to_path_buf();
             move |source| StoreError::Io { op, path, source }
         };
+        if let Some(name) = foreign_entry(dir).map_err(io("look into the cache directory", dir))? {
+            return Err(StoreError::Io {
+                op: "use as the cache directory",
+                path: dir.to_path_buf(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    format!(
+                        "not a guestmem frame cache: it holds {name:?} (a cache removes what it \
+                         does not know in its folder; give a new or empty folder)"
+                    ),
+                ),
+            });
+        }
         // Made for this user alone (0700 before the umask); one found is checked below.
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -258,6 +316,12 @@ impl FrameCache {
             .map_err(io("create the cache directory", &segdir))?;
         for (d, may_link) in [(dir, true), (segdir.as_path(), false)] {
             own_dir(d, may_link).map_err(io("use as the cache directory", d))?;
+        }
+        // Tagged as a guestmem cache (best effort: an untagged folder of only the cache's
+        // own names is taken all the same).
+        let tag = dir.join(TAG_FILE);
+        if tag.symlink_metadata().is_err() {
+            let _ = std::fs::write(&tag, TAG);
         }
         // The bound, kept for the next process over this folder that is given none (a
         // `move-in` beside a server, a successor): one opened with a smaller bound evicts the
@@ -920,6 +984,45 @@ mod tests {
             .filter(|n| n.ends_with(".tmp"))
             .collect();
         assert!(left.is_empty(), "{left:?}");
+    }
+
+    /// A folder given by mistake (a home, `/tmp`: it holds anything but a cache's own
+    /// names) is refused naming what it holds, and left as it was: its `frames/`, its mode.
+    /// An empty one, and a cache of before the tag (its own names only), are taken and
+    /// tagged; a tagged one is taken whatever else it holds.
+    #[test]
+    fn a_folder_that_is_not_a_cache_is_refused_and_left_as_it_was() {
+        use std::os::unix::fs::PermissionsExt;
+        let scratch = guestmem_testkit::Scratch::new("cache-foreign");
+        let home = scratch.join("home");
+        std::fs::create_dir_all(home.join("frames")).unwrap();
+        std::fs::write(home.join("frames/photo"), b"mine").unwrap();
+        std::fs::write(home.join("notes.txt"), b"mine").unwrap();
+        std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = FrameCache::open(&home, 64 << 20).err().unwrap().to_string();
+        assert!(
+            e.contains("not a guestmem frame cache") && e.contains("home"),
+            "{e}"
+        );
+        assert_eq!(std::fs::read(home.join("frames/photo")).unwrap(), b"mine");
+        let mode = std::fs::metadata(&home).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o777, "the folder's mode was changed");
+        assert!(!home.join("segments").exists() && !home.join(BOUND_FILE).exists());
+        // Empty: taken, and tagged.
+        let empty = scratch.join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        drop(FrameCache::open(&empty, 64 << 20).unwrap());
+        let tag = std::fs::read_to_string(empty.join(TAG_FILE)).unwrap();
+        assert!(tag.starts_with("Signature: 8a477f597d28d172789f06886806bc55"));
+        // Tagged: taken with a file of the operator's beside it.
+        std::fs::write(empty.join("README"), b"the host's frame cache").unwrap();
+        drop(FrameCache::open(&empty, 64 << 20).unwrap());
+        assert!(empty.join("README").exists());
+        // A cache made before the tag: its own names only.
+        std::fs::remove_file(empty.join(TAG_FILE)).unwrap();
+        std::fs::remove_file(empty.join("README")).unwrap();
+        drop(FrameCache::open(&empty, 64 << 20).unwrap());
+        assert!(empty.join(TAG_FILE).exists());
     }
 
     /// A cache folder on a disk that cannot take it (read-only here) serves uncached; one
@@ -1738,13 +1841,10 @@ mod tests {
         let old = scratch.join("frames").join("ab");
         std::fs::create_dir_all(&old).unwrap();
         std::fs::write(old.join("ab01"), b"x").unwrap();
-        std::fs::write(scratch.join("segments.note"), b"kept").unwrap();
         let c = FrameCache::open(&scratch, 1 << 20).unwrap();
         assert_eq!(c.frames(), 0);
         assert!(!scratch.join("frames").exists());
-        assert!(
-            scratch.join("segments.note").exists(),
-            "only the cache's own"
-        );
+        // A folder with anything else in it is not taken for a cache at all
+        // (a_folder_that_is_not_a_cache_is_refused_and_left_as_it_was).
     }
 }

@@ -14,7 +14,7 @@ use super::client::Client;
 use super::fetch::{FetchPolicy, Frames};
 use super::held::HeldFrames;
 use super::lease::Lease;
-use super::manifest::{Piece, Snapshot, MAX_PIECES};
+use super::manifest::{Piece, Snapshot, MAX_MANIFEST_BYTES, MAX_PIECES};
 use super::memory::overlay;
 use super::source::{is_zero, mask_runs, pack, read_file, read_image, read_runs};
 use super::url::frame_key;
@@ -71,7 +71,24 @@ pub(super) struct Job<'a> {
     pub(super) counters: Counters,
     pub(super) failed: Mutex<Option<StoreError>>,
     pub(super) stop: AtomicBool,
+    /// The caller's stop ([`super::PushConfig::stop`]), and the push's URL.
+    pub(super) asked_to_stop: Option<(&'a AtomicBool, &'a super::url::StoreUrl)>,
     pub(super) next: AtomicU64,
+    /// The manifest's bytes, as the frames cut so far will write it.
+    pub(super) manifest_bytes: AtomicU64,
+}
+
+/// A frame's bytes in a manifest, as JSON writes its stack (`[{"h":"…"},{"h":"…","p":"…"}],`).
+pub(super) fn entry_bytes(stack: &[Piece]) -> u64 {
+    // `[`, `]` and the comma after it; 72 a piece (`{"h":"` 64 hex `"}`), a comma between
+    // two; a piece's pages `,"p":"` and 16 hex a word `"`.
+    let pieces = stack.len() as u64;
+    3 + 72 * pieces
+        + pieces.saturating_sub(1)
+        + stack
+            .iter()
+            .map(|p| p.pages.as_ref().map_or(0, |m| 7 + 16 * m.len() as u64))
+            .sum::<u64>()
 }
 
 fn timed<T>(ns: &AtomicU64, f: impl FnOnce() -> T) -> T {
@@ -110,6 +127,20 @@ impl Job<'_> {
                     let mut scratch = Vec::new();
                     loop {
                         if self.stop.load(Ordering::Relaxed) {
+                            return;
+                        }
+                        if let Some((_, url)) = self
+                            .asked_to_stop
+                            .filter(|(s, _)| s.load(Ordering::Relaxed))
+                        {
+                            self.stop.store(true, Ordering::Relaxed);
+                            self.failed
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .get_or_insert(StoreError::Stopped {
+                                    op: "push",
+                                    url: url.to_string(),
+                                });
                             return;
                         }
                         lease.renew_if_due();
@@ -172,6 +203,18 @@ impl Job<'_> {
         };
         if stack.is_empty() {
             self.counters.zero.fetch_add(1, Ordering::Relaxed);
+        }
+        // The manifest's bytes so far, as JSON writes this frame's stack (`[{"h":"…"},
+        // {"h":"…","p":"…"}],`): past the limit a reader takes, the push ends now, not
+        // once every frame is up.
+        let entry = entry_bytes(&stack);
+        let so_far = self.manifest_bytes.fetch_add(entry, Ordering::Relaxed) + entry;
+        if so_far > MAX_MANIFEST_BYTES {
+            return Err(StoreError::Limit {
+                what: "manifest bytes, from the frames cut so far (a larger --frame-size names fewer frames)",
+                value: so_far,
+                limit: MAX_MANIFEST_BYTES,
+            });
         }
         self.stacks.lock().unwrap_or_else(|e| e.into_inner())[i as usize] = stack;
         Ok(())

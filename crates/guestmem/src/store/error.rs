@@ -100,6 +100,15 @@ pub enum StoreError {
         /// Why it does not fit.
         reason: String,
     },
+    /// Asked to stop by its caller (a push or a gc): nothing published, its lease or mark
+    /// in the bucket given back.
+    #[error("{op} {url}: asked to stop; nothing published, its lease given back")]
+    Stopped {
+        /// What was stopped.
+        op: &'static str,
+        /// The snapshot or bucket.
+        url: String,
+    },
     /// A limit of the format or of this host.
     #[error("{what}: {value} is past the limit of {limit}")]
     Limit {

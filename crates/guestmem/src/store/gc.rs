@@ -12,6 +12,7 @@
 //! and uploads any that went: so a manifest never names a frame that is not there.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use super::client::Client;
@@ -116,6 +117,8 @@ pub struct GcReport {
     pub bytes_deleted: u64,
     /// Whether it stopped early because a push began.
     pub stopped_for_push: bool,
+    /// Its caller asked it to stop before it was done.
+    pub stopped: bool,
     /// With `dry_run`, nothing was deleted (`deleted` says what would have been).
     pub dry_run: bool,
 }
@@ -127,11 +130,14 @@ const BATCH: usize = 100;
 /// clock). Refuses while a push is in progress, and stops before its next batch of deletes
 /// when one begins. A manifest that fails its checks stops it (what it names cannot be
 /// known). A dry run marks itself only for as long as it takes to read the store's clock.
+/// `stop`, once set (a signal's handler, say), ends it before its next delete or listed
+/// object, its mark given back (`stopped` in the report).
 pub fn gc(
     client: &Client,
     bucket: &StoreUrl,
     grace: Duration,
     dry_run: bool,
+    stop: Option<&AtomicBool>,
 ) -> Result<GcReport, StoreError> {
     let (mark, now, leases) = GcMark::take(client)?;
     let mark = (!dry_run).then_some(mark);
@@ -144,8 +150,8 @@ pub fn gc(
         });
     }
     match &mark {
-        Some(m) => m.renewed_while(|| collect(client, bucket, grace, now, dry_run, Some(m))),
-        None => collect(client, bucket, grace, now, dry_run, None),
+        Some(m) => m.renewed_while(|| collect(client, bucket, grace, now, dry_run, Some(m), stop)),
+        None => collect(client, bucket, grace, now, dry_run, None, stop),
     }
 }
 
@@ -157,12 +163,19 @@ fn collect(
     now: i64,
     dry_run: bool,
     mark: Option<&GcMark<'_>>,
+    stop: Option<&AtomicBool>,
 ) -> Result<GcReport, StoreError> {
     let root = bucket.sibling("");
     let mut named: HashSet<[u8; 32]> = HashSet::new();
     let mut snapshots = 0;
-    // A push that began meanwhile waits for this gc to go: it stops at once.
-    let push_began = || mark.is_some_and(GcMark::push_seen);
+    let asked = || stop.is_some_and(|s| s.load(Ordering::Relaxed));
+    // A push that began meanwhile waits for this gc to go: it stops at once (as it does
+    // when its caller asks).
+    let push_began = || asked() || mark.is_some_and(GcMark::push_seen);
+    let stopped = |r: &mut GcReport| match asked() {
+        true => r.stopped = true,
+        false => r.stopped_for_push = true,
+    };
     each_snapshot(client, &root, |s| {
         snapshots += 1;
         named.extend(s.frames.iter().flatten().map(|p| *p.hash.as_bytes()));
@@ -174,7 +187,7 @@ fn collect(
         ..GcReport::default()
     };
     if push_began() {
-        r.stopped_for_push = true;
+        stopped(&mut r);
         return Ok(r);
     }
     let mut doomed = Vec::new();
@@ -189,7 +202,8 @@ fn collect(
         };
         if named.contains(h.as_bytes()) {
             r.named += 1;
-        } else if now - o.modified < grace.as_secs() as i64 {
+        } else if i128::from(now) - i128::from(o.modified) < i128::from(grace.as_secs()) {
+            // (In i128: a grace past i64's range keeps every frame, not none.)
             r.young += 1;
         } else {
             doomed.push((o.key, o.size));
@@ -198,7 +212,7 @@ fn collect(
         !push_began()
     })?;
     if !whole {
-        r.stopped_for_push = true;
+        stopped(&mut r);
         return Ok(r);
     }
     for batch in doomed.chunks(BATCH) {
@@ -212,7 +226,7 @@ fn collect(
         }
         for (key, size) in batch {
             if push_began() {
-                r.stopped_for_push = true;
+                stopped(&mut r);
                 return Ok(r);
             }
             if !dry_run {
@@ -248,6 +262,43 @@ mod tests {
         Arc::new(Client::connect_with("snaps", &get).unwrap())
     }
 
+    /// A push and a gc asked to stop (a signal's handler sets it) end there and give
+    /// their lease and mark back: nothing published, nothing deleted, nothing left in
+    /// `leases/` to hold the other off.
+    #[test]
+    fn a_push_or_gc_asked_to_stop_gives_back_its_lease() {
+        use std::sync::atomic::AtomicBool;
+        let s3 = S3Server::start("gc-stop", &["snaps"]);
+        let c = client(&s3);
+        let scratch = guestmem_testkit::Scratch::new("gc-stop");
+        let mem = scratch.join("mem");
+        let bytes: Vec<u8> = (0..(1u32 << 20)).map(|i| (i / 4096 % 251) as u8).collect();
+        std::fs::write(&mem, bytes).unwrap();
+        let url = StoreUrl::parse("s3://snaps/vm", false).unwrap();
+        let stop = Arc::new(AtomicBool::new(true));
+        let cfg = crate::store::PushConfig {
+            stop: Some(Arc::clone(&stop)),
+            ..Default::default()
+        };
+        let e = push(&c, &PushSource::Raw(mem.clone()), &url, &cfg).unwrap_err();
+        assert!(matches!(e, crate::store::StoreError::Stopped { .. }), "{e}");
+        assert!(c.get(&url.manifest_key()).unwrap().is_none());
+        assert!(c.list("leases/").unwrap().is_empty(), "a lease left");
+        // Pushed whole, then an unnamed frame for gc to find: it deletes nothing.
+        push(&c, &PushSource::Raw(mem), &url, &Default::default()).unwrap();
+        c.put(
+            &format!("frames/{}", blake3::hash(b"x").to_hex()),
+            Bytes::from_static(b"x"),
+        )
+        .unwrap();
+        let r = gc(&c, &url, Duration::ZERO, false, Some(&stop)).unwrap();
+        assert!(r.stopped && !r.stopped_for_push && r.deleted == 0, "{r:?}");
+        assert!(c.list("leases/").unwrap().is_empty(), "a mark left");
+        stop.store(false, std::sync::atomic::Ordering::Relaxed);
+        let r = gc(&c, &url, Duration::ZERO, false, Some(&stop)).unwrap();
+        assert!(!r.stopped && r.deleted == 1, "{r:?}");
+    }
+
     /// A push that finds a gc's mark once its lease is written waits for the gc to go
     /// before it looks at any frame (the gc, at its next batch, sees the lease and stops),
     /// and a gc, dry or not, leaves no mark behind.
@@ -275,9 +326,9 @@ mod tests {
         c.delete(mark).unwrap();
         pushing.join().unwrap().unwrap();
         assert!(c.get(&url.manifest_key()).unwrap().is_some());
-        let dry = gc(&c, &url, Duration::ZERO, true).unwrap();
+        let dry = gc(&c, &url, Duration::ZERO, true, None).unwrap();
         assert!(dry.dry_run && dry.deleted == 0, "{dry:?}");
-        gc(&c, &url, Duration::ZERO, false).unwrap();
+        gc(&c, &url, Duration::ZERO, false, None).unwrap();
         assert!(
             c.list("leases/").unwrap().is_empty(),
             "a mark or a lease left"
@@ -367,7 +418,7 @@ mod tests {
             c.get(&listed[0].key).unwrap().is_none(),
             "escaped, not found"
         );
-        let r = gc(&c, &url, Duration::ZERO, false).unwrap();
+        let r = gc(&c, &url, Duration::ZERO, false, None).unwrap();
         assert!(
             c.get(&frame_key).unwrap().is_some(),
             "deleted a named frame: {r:?}"

@@ -763,6 +763,7 @@ pub(crate) mod held_tests {
             base: Some(Arc::new(base)),
             look_first: false,
             reused_file_ok: false,
+            stop: None,
         }
     }
 

@@ -99,6 +99,10 @@ pub struct PushConfig {
     /// truncate it), so such a file holds pages from before as data, and they would be
     /// pushed as changed: refused unless this is set (see [`PushSource::RawDiff`]).
     pub reused_file_ok: bool,
+    /// Set to stop the push (a signal's handler, say): its threads stop after the frame
+    /// each is on, nothing is published, and its lease is given back
+    /// ([`StoreError::Stopped`]). A manifest already being written is let finish.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 impl Default for PushConfig {
@@ -111,6 +115,7 @@ impl Default for PushConfig {
             base: None,
             look_first: true,
             reused_file_ok: false,
+            stop: None,
         }
     }
 }
@@ -221,7 +226,7 @@ fn push_to(
             )
         }
         PushSource::Raw(path) => {
-            let file = File::open(path).map_err(io("open", path))?;
+            let file = open_memory_file(path)?;
             let len = file.metadata().map_err(io("stat", path))?.len();
             check_frame_bytes(cfg.frame_bytes)?;
             check_len(len, path)?;
@@ -314,7 +319,9 @@ fn push_to(
         counters: Counters::default(),
         failed: Mutex::new(None),
         stop: AtomicBool::new(false),
+        asked_to_stop: cfg.stop.as_deref().map(|s| (s, url)),
         next: AtomicU64::new(0),
+        manifest_bytes: AtomicU64::new(0),
     };
     let all: Vec<u64> = (0..count).collect();
     job.run(&all, cfg.threads, !cfg.look_first, &lease);
@@ -349,6 +356,14 @@ fn push_to(
         gone.extend(found.into_iter().flatten());
     }
     if !gone.is_empty() {
+        // Cut again below, and counted again.
+        let stacks = job.stacks.lock().unwrap_or_else(|e| e.into_inner());
+        let counted: u64 = gone
+            .iter()
+            .map(|&i| super::cut::entry_bytes(&stacks[i as usize]))
+            .sum();
+        drop(stacks);
+        job.manifest_bytes.fetch_sub(counted, Ordering::Relaxed);
         job.seen.lock().unwrap_or_else(|e| e.into_inner()).clear();
         job.next.store(0, Ordering::Relaxed);
         job.run(&gone, cfg.threads, true, &lease);
@@ -377,6 +392,15 @@ fn push_to(
             .collect(),
     };
     let text = serde_json::to_vec(&manifest).expect("serialises");
+    // The frames' bytes counted as they were cut are what JSON wrote (`[`, `]`, no comma
+    // after the last): the early refusal refuses only what a reader would.
+    debug_assert!(
+        manifest.frames.is_empty()
+            || job.manifest_bytes.load(Ordering::Relaxed) + 1
+                == serde_json::to_vec(&manifest.frames).map_or(0, |v| v.len() as u64),
+        "counted {} bytes of frames",
+        job.manifest_bytes.load(Ordering::Relaxed),
+    );
     // Checked as a reader will check it, before it is published (frames held for a move
     // are published to one reader, which checks it so before it loads anything).
     let checked = match hold {
@@ -395,6 +419,13 @@ fn push_to(
     // not honour the condition leaves only the look above). The lease is confirmed just
     // before: never left unwritten long enough for a gc to take it for a dead push's; and
     // renewed while the PUT runs.
+    // Asked to stop after the last frame: nothing is published.
+    if cfg.stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed)) {
+        return Err(StoreError::Stopped {
+            op: "push",
+            url: url.to_string(),
+        });
+    }
     lease.confirm()?;
     let r = lease.renewed_while(|| client.put_new(&url.manifest_key(), Bytes::from(text.clone())));
     if matches!(r, Ok(true)) && lease.longest_gap() > LEASE_HELD {
@@ -435,6 +466,42 @@ fn push_to(
         upload_secs: secs(&c.upload_ns),
         wall_secs: t0.elapsed().as_secs_f64(),
     })
+}
+
+/// Opens the memory file at `path` to read: a regular file (a FIFO is not waited on for a
+/// writer, a device not read), refused naming what it is.
+fn open_memory_file(path: &Path) -> Result<File, StoreError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let err = |op, source| StoreError::Io {
+        op,
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| err("open", e))?;
+    let meta = file.metadata().map_err(|e| err("stat", e))?;
+    if !meta.is_file() {
+        use std::os::unix::fs::FileTypeExt;
+        let t = meta.file_type();
+        let what = match () {
+            _ if t.is_dir() => "a directory",
+            _ if t.is_fifo() => "a FIFO",
+            _ if t.is_socket() => "a socket",
+            _ if t.is_block_device() || t.is_char_device() => "a device",
+            _ => "not a regular file",
+        };
+        return Err(err(
+            "read as a memory file",
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{what}: a memory file is a regular file"),
+            ),
+        ));
+    }
+    Ok(file)
 }
 
 /// The slowest a Firecracker Diff is taken to be written (bytes a second, of the memory's
@@ -487,7 +554,7 @@ pub(super) fn open_raw_diff(
         let path = path.to_path_buf();
         move |source| StoreError::Io { op, path, source }
     };
-    let file = File::open(path).map_err(io("open", path))?;
+    let file = open_memory_file(path)?;
     let meta = file.metadata().map_err(io("stat", path))?;
     let len = meta.len();
     if !reused_ok {
