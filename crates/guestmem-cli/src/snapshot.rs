@@ -270,7 +270,8 @@ fn gc(g: Gc) -> Result<()> {
     )?;
     let mut out = std::io::stdout().lock();
     if g.json {
-        return write_json(&mut out, &r);
+        write_json(&mut out, &r)?;
+        return stopped_is_an_error(&r);
     }
     writeln!(
         out,
@@ -292,5 +293,13 @@ fn gc(g: Gc) -> Result<()> {
             _ => "",
         }
     )?;
+    stopped_is_an_error(&r)
+}
+
+/// A gc asked to stop is not done: its exit status says so (its report said what it did).
+fn stopped_is_an_error(r: &store::GcReport) -> Result<()> {
+    if r.stopped {
+        bail!("gc stopped before it was done, as asked: run it again to finish");
+    }
     Ok(())
 }

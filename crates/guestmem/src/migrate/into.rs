@@ -2,7 +2,6 @@
 //! serve the chain (the diff's frames followed from the source), load and resume the VM,
 //! and stop needing the source once the store holds the diff.
 
-use std::collections::HashSet;
 use std::net::TcpListener;
 use std::os::fd::AsFd;
 use std::path::PathBuf;
@@ -10,12 +9,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::firecracker::{json_path, Api};
-use super::owed::{look_in_store, owed, released, STORE_LOOK_LIMIT};
+use super::owed::{look_in_store, released, STORE_LOOK_LIMIT};
 use super::wire::{Msg, Wire, WIRE_VERSION};
 use super::{MoveError, OnPanic};
 use crate::restore::latency::{ExactLatency, LatencySummary};
-use crate::serve::{Listener, MemoryFile, Server, ServerConfig, ServerReport, Socket};
-use crate::store::{read_snapshot, Client, Frames, Snapshot, StoreError, StoreMemory, StoreUrl};
+use crate::serve::{Listener, ServerConfig, ServerReport};
+use crate::store::{read_snapshot, Client, Frames, StoreError, StoreUrl};
 
 /// How long Firecracker's `snapshot/load` (and resume) may take here.
 pub(super) const LOAD_LIMIT: Duration = Duration::from_secs(120);
@@ -46,9 +45,11 @@ pub struct MoveIn {
     pub key: Option<super::MoveKey>,
     /// Readable once the move is to stop (an eventfd a signal's watcher writes, say):
     /// before the VM runs here the move is refused and this side's copy ended (the source
-    /// resumes its own), at once while it waits on the source, after the step under way
-    /// otherwise (Firecracker's load: at most 120 s); once it runs, the server drains: the
-    /// rest of its memory is brought in, and the VM runs on without it. `None`: never.
+    /// resumes its own), at once while it waits on the source or on Firecracker's load,
+    /// after the step under way otherwise (reading the base's manifest: at most the fetch
+    /// deadline); once it runs,
+    /// the server drains: the rest of its memory is brought in, and the VM runs on without
+    /// it. `None`: never.
     pub stop: Option<Arc<std::os::fd::OwnedFd>>,
 }
 
@@ -170,9 +171,14 @@ pub fn move_in(
         };
         // Ours from here (a file that was there already is another move's: left alone).
         let removed = RemovedOnDrop(vmstate.clone());
-        // Named by this process (one move a move-in), not by the move: a socket's path is
-        // at most 107 bytes.
-        let sock = m.dir.join(format!("uffd-{}.sock", std::process::id()));
+        // Named by this process and a count, not by the move: a socket's path is at most
+        // 107 bytes.
+        static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let sock = m.dir.join(format!(
+            "uffd-{}-{}.sock",
+            std::process::id(),
+            SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
         let listener = Listener::bind(&sock)?;
         Ok((
             base_url,
@@ -257,7 +263,7 @@ pub fn move_in(
         Ok(fd) => fd,
         Err(e) => return Err(wire.refuse(e)),
     };
-    let (opened, loaded, load_ms, open_ms) = std::thread::scope(|scope| {
+    let (opened, loaded, load_ms, open_ms, killed) = std::thread::scope(|scope| {
         let load = scope.spawn(|| {
             let _done = OnDrop(|| {
                 let _ = crate::sys::eventfd_signal(load_done.as_fd());
@@ -289,88 +295,19 @@ pub fn move_in(
                 }),
             })
             .and_then(|(manifest, later)| {
-                let chain = Snapshot::parse(&name_url, &manifest)?;
-                let owed = owed(&base, &chain)?;
-                // Named later: every piece the source owes is under a placeholder until the
-                // store's manifest names it.
-                let placeholders: HashSet<[u8; 32]> = match later {
-                    false => HashSet::new(),
-                    true => owed.iter().map(|&(_, h)| *h.as_bytes()).collect(),
-                };
-                if later && placeholders.len() != owed.len() {
-                    return Err(MoveError::Store(StoreError::Manifest {
-                        url: chain.url.to_string(),
-                        reason: format!(
-                            "{} pieces named later under {} placeholders: one names two pieces",
-                            owed.len(),
-                            placeholders.len()
-                        ),
-                    }));
-                }
-                frames.name_later(owed.iter().filter(|_| later).map(|&(_, h)| h));
-                *forget.0.lock().unwrap_or_else(|e| e.into_inner()) =
-                    owed.iter().filter(|_| later).map(|&(_, h)| h).collect();
-                let fb = chain.frame_bytes();
-                // With a cache, the owed frames are read ahead into it once the VM runs:
-                // until then only faults ask the source, so that Firecracker's load (which
-                // touches a few pages) and the resume never wait behind read-ahead. Without
-                // one, they are the VM's working set: asked for at once when the VM connects
-                // (during the load: not held back), and installed by the prefetch once it
-                // runs.
-                let working_set: Vec<u64> = match frames.cache() {
-                    Some(_) => Vec::new(),
-                    None => owed.iter().map(|&(i, _)| i * fb).collect(),
-                };
-                let ahead: Vec<(blake3::Hash, usize)> = owed
-                    .iter()
-                    .map(|&(i, h)| {
-                        let len = fb.min(chain.memory_bytes() - i * fb);
-                        let piece = chain.frames[i as usize].iter().find(|p| p.hash == h);
-                        (h, piece.map_or(len, |p| p.plain_len(len)) as usize)
-                    })
-                    .collect();
-                frames.follow(Arc::clone(&peer), owed.iter().map(|&(_, h)| h));
-                let memory = MemoryFile::from_store(StoreMemory::from_snapshot(
-                    Arc::clone(&frames),
-                    chain.clone(),
-                ));
-                let server = Server::new(
-                    vec![Socket {
-                        listener,
-                        memory,
-                        working_set,
-                    }],
-                    m.server.clone(),
-                )?;
-                let drainer = server.drainer();
-                // Firecracker's load and the resume, the move's pause, do not share this
-                // host's CPUs with the VM's prefetch: it starts once the VM runs.
-                let hold = server.hold_prefetch();
-                let served = Arc::clone(&served_fd);
-                let run = std::thread::Builder::new()
-                    .name("guestmem-move-in".into())
-                    .spawn(move || {
-                        // The VM is no longer served (the server returned, or panicked):
-                        // the wait for the push ends.
-                        let _signal = OnDrop(|| {
-                            let _ = crate::sys::eventfd_signal(served.as_fd());
-                        });
-                        server.run()
-                    })
-                    .map_err(|source| MoveError::Io {
-                        op: "start the page server for",
-                        path: sock.clone(),
-                        source,
-                    })?;
-                Ok((
-                    chain,
-                    owed.len() as u64,
-                    ahead,
-                    drainer,
-                    run,
-                    placeholders,
-                    hold,
-                ))
+                super::chain::serve_chain(super::chain::Chain {
+                    manifest: &manifest,
+                    later,
+                    name_url: &name_url,
+                    base: &base,
+                    frames: &frames,
+                    forget: &forget.0,
+                    peer: &peer,
+                    listener,
+                    server: m.server.clone(),
+                    served: &served_fd,
+                    sock: &sock,
+                })
             });
         let open_ms = t_open.elapsed().as_secs_f64() * 1e3;
         // Asked to stop while Firecracker loads (its load bounded only by LOAD_LIMIT): this
@@ -404,16 +341,27 @@ pub fn move_in(
             true => Err(asked_to_stop()),
             false => loaded,
         };
-        (opened, loaded, load_ms, open_ms)
+        (opened, loaded, load_ms, open_ms, stopped_in_load)
     });
-    let (chain, owed_frames, ahead, drainer, run, placeholders, hold) = match opened {
+    let super::chain::Serving {
+        chain,
+        owed_frames,
+        ahead,
+        drainer,
+        run,
+        placeholders,
+        hold,
+    } = match opened {
         Ok(v) => v,
         Err(e) => return Err(wire.refuse(e)),
     };
     // Ends this side's copy (it never ran) and its server, and says why.
     let abandon = |wire: &mut Wire, e: MoveError| {
-        if let Err(k) = process.kill() {
-            tracing::error!("ending the destination Firecracker failed: {k}");
+        // (Ended already where it was stopped in its load.)
+        if !killed {
+            if let Err(k) = process.kill() {
+                tracing::error!("ending the destination Firecracker failed: {k}");
+            }
         }
         let e = wire.refuse(e);
         drainer.drain();
@@ -631,7 +579,7 @@ impl Drop for RemovedOnDrop {
 }
 
 /// Runs its function when dropped, a panic's unwinding included.
-struct OnDrop<F: FnMut()>(F);
+pub(super) struct OnDrop<F: FnMut()>(pub(super) F);
 
 impl<F: FnMut()> Drop for OnDrop<F> {
     fn drop(&mut self) {

@@ -26,6 +26,7 @@
 //! connection's token, and the pieces it serves under placeholders are sealed (the `key`
 //! module). Nothing is encrypted.
 
+mod chain;
 #[cfg(test)]
 mod failed;
 mod firecracker;

@@ -96,10 +96,11 @@ impl Listener {
         let tmp = format!(".{name}.{}", unique_suffix());
         let tmp_path = dir.join(&tmp);
         let socket = UnixListener::bind(&tmp_path).map_err(|e| {
-            // The kernel's EINVAL, or std's own refusal before it asks (InvalidInput, no
-            // errno: "path must be shorter than SUN_LEN").
+            // The kernel's EINVAL, or std's own refusal before it asks ("path must be
+            // shorter than SUN_LEN", no errno): told apart from std's other refusal of a
+            // path (a NUL inside it) by the length, 108 bytes with its NUL.
             if e.raw_os_error() == Some(libc::EINVAL)
-                || (e.raw_os_error().is_none() && e.kind() == io::ErrorKind::InvalidInput)
+                || (e.raw_os_error().is_none() && tmp_path.as_os_str().len() >= 108)
             {
                 refuse(SocketRefusal::TooLong)
             } else {

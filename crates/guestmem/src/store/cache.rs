@@ -177,18 +177,44 @@ fn foreign_entry(dir: &Path) -> std::io::Result<Option<String>> {
     if tagged {
         return Ok(None);
     }
+    // A cache made before the tag (2026-11-29): a `segments/` of segments only, whatever
+    // else the folder holds (a file system's `lost+found`, an operator's note).
+    if all_named(&dir.join("segments"), |n, _| n.ends_with(".seg")) {
+        return Ok(None);
+    }
     for e in entries {
         let name = e?.file_name();
         let name = name.to_string_lossy();
         let ours = matches!(
             &*name,
-            "segments" | "frames" | "learnt" | BOUND_FILE | TAG_FILE
+            "segments" | "frames" | "learnt" | "lost+found" | BOUND_FILE | TAG_FILE
         ) || (name.starts_with("bound.") && name.ends_with(".tmp"));
         if !ours {
             return Ok(Some(name.into_owned()));
         }
     }
     Ok(None)
+}
+
+/// Whether `dir` is a directory (not a link) holding at least one entry, each of which
+/// `ok` takes (its name, and whether it is a directory).
+fn all_named(dir: &Path, ok: impl Fn(&str, bool) -> bool) -> bool {
+    if !dir.symlink_metadata().is_ok_and(|m| m.is_dir()) {
+        return false;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    let mut any = false;
+    for e in entries {
+        let Ok(e) = e else { return false };
+        let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+        if !ok(&e.file_name().to_string_lossy(), is_dir) {
+            return false;
+        }
+        any = true;
+    }
+    any
 }
 
 fn is_io_full(e: &std::io::Error) -> bool {
@@ -303,7 +329,8 @@ impl FrameCache {
                     std::io::ErrorKind::AlreadyExists,
                     format!(
                         "not a guestmem frame cache: it holds {name:?} (a cache removes what it \
-                         does not know in its folder; give a new or empty folder)"
+                         does not know in its folder; give a new or empty folder, or, for a \
+                         cache, write \"{TAG_MARK}\" into {TAG_FILE} there)"
                     ),
                 ),
             });
@@ -346,8 +373,13 @@ impl FrameCache {
             let _ = std::fs::remove_file(&tmp);
         }
         prune_learnt(&dir.join("learnt"), SystemTime::now());
+        // The layout before segments: `frames/ab/<hash>`, and files being written beside.
         let old = dir.join("frames");
-        if old.symlink_metadata().is_ok_and(|m| m.is_dir()) {
+        let fan = |n: &str, is_dir: bool| {
+            (is_dir && n.len() == 2 && n.bytes().all(|b| b.is_ascii_hexdigit()))
+                || (!is_dir && n.ends_with(".tmp"))
+        };
+        if all_named(&old, fan) {
             let _ = std::fs::remove_dir_all(&old);
         }
         // The segments, newest first (ties, a coarse clock, by name: its creation time).
@@ -1023,6 +1055,22 @@ mod tests {
         std::fs::remove_file(empty.join("README")).unwrap();
         drop(FrameCache::open(&empty, 64 << 20).unwrap());
         assert!(empty.join(TAG_FILE).exists());
+        // One on a disk of its own (`lost+found`) with a segment and a note beside: a
+        // `segments/` of segments only makes it a cache.
+        let disk = scratch.join("disk");
+        std::fs::create_dir_all(disk.join("lost+found")).unwrap();
+        std::fs::create_dir_all(disk.join("segments")).unwrap();
+        std::fs::write(disk.join("segments/1.seg"), b"").unwrap();
+        std::fs::write(disk.join("NOTES"), b"the frame cache").unwrap();
+        drop(FrameCache::open(&disk, 64 << 20).unwrap());
+        assert!(disk.join(TAG_FILE).exists() && disk.join("NOTES").exists());
+        // A folder of a `frames/` that is not the old layout's: taken (only a cache's own
+        // names), its `frames/` left alone.
+        let art = scratch.join("art");
+        std::fs::create_dir_all(art.join("frames")).unwrap();
+        std::fs::write(art.join("frames/0001.png"), b"mine").unwrap();
+        drop(FrameCache::open(&art, 64 << 20).unwrap());
+        assert_eq!(std::fs::read(art.join("frames/0001.png")).unwrap(), b"mine");
     }
 
     /// A cache folder on a disk that cannot take it (read-only here) serves uncached; one

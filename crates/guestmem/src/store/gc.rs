@@ -284,6 +284,22 @@ mod tests {
         assert!(matches!(e, crate::store::StoreError::Stopped { .. }), "{e}");
         assert!(c.get(&url.manifest_key()).unwrap().is_none());
         assert!(c.list("leases/").unwrap().is_empty(), "a lease left");
+        // Asked while it waits for a gc's mark to go: it stops there, not 13 minutes on.
+        let mark = "leases/gc/other.1.1";
+        c.put(mark, Bytes::from_static(b"{}")).unwrap();
+        stop.store(false, std::sync::atomic::Ordering::Relaxed);
+        let pushing = {
+            let (c, url, mem, cfg) = (Arc::clone(&c), url.clone(), mem.clone(), cfg.clone());
+            std::thread::spawn(move || push(&c, &PushSource::Raw(mem), &url, &cfg))
+        };
+        std::thread::sleep(Duration::from_millis(1500));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let t0 = std::time::Instant::now();
+        let e = pushing.join().unwrap().unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+        assert!(matches!(e, crate::store::StoreError::Stopped { .. }), "{e}");
+        c.delete(mark).unwrap();
+        assert!(c.list("leases/").unwrap().is_empty(), "a lease left");
         // Pushed whole, then an unnamed frame for gc to find: it deletes nothing.
         push(&c, &PushSource::Raw(mem), &url, &Default::default()).unwrap();
         c.put(

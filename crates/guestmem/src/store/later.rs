@@ -19,9 +19,9 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use super::cut::{diff_mask, DiffKind};
+use super::diff_file::open_raw_diff;
 use super::held::HeldFrames;
 use super::manifest::{created_now, Piece, Snapshot, StoreManifest, FORMAT, VERSION};
-use super::push::open_raw_diff;
 use super::source::mask_runs;
 use super::url::StoreUrl;
 use super::StoreError;
@@ -46,7 +46,8 @@ pub fn name_later(
     url: &StoreUrl,
     held: &HeldFrames,
 ) -> Result<Option<NamedLater>, StoreError> {
-    // A move's Diff is written to a path it made sure was new.
+    // Checked as any Diff (a move writes its Diff to a path it made sure was new, so the
+    // check passes).
     let (file, len, data) = open_raw_diff(path, &base.url, base, false)?;
     let (fb, mb) = (base.frame_bytes(), base.memory_bytes());
     let key = crate::sys::random_32().map_err(|source| StoreError::Io {

@@ -375,8 +375,14 @@ impl Lease {
     /// writing this lease again each time it looks (the gc stops once it sees it, before
     /// its next batch of deletes). Called once the lease is written, before the push looks
     /// at any frame. Gives up when the mark has not gone within [`GC_WAIT`].
-    pub(super) fn wait_for_gc(&self) -> Result<(), StoreError> {
+    /// `stop`, once set, ends the wait (the push's URL named).
+    pub(super) fn wait_for_gc(
+        &self,
+        stop: Option<&std::sync::atomic::AtomicBool>,
+        url: &StoreUrl,
+    ) -> Result<(), StoreError> {
         let t0 = Instant::now();
+        let stopped = || stop.is_some_and(|s| s.load(std::sync::atomic::Ordering::Relaxed));
         loop {
             let (now, listed) = store_now(&self.client, LEASES, &self.key)?;
             let gc = listed.iter().find(|l| {
@@ -398,7 +404,17 @@ impl Lease {
                     permanent: true,
                 });
             }
-            std::thread::sleep(GC_POLL);
+            // In slices: a push asked to stop does not wait out the poll.
+            let slept = Instant::now();
+            while slept.elapsed() < GC_POLL {
+                if stopped() {
+                    return Err(StoreError::Stopped {
+                        op: "push (waiting for a gc to end)",
+                        url: url.to_string(),
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(100).min(GC_POLL));
+            }
             self.write()?;
         }
     }

@@ -26,6 +26,7 @@
 mod cache;
 mod client;
 mod cut;
+mod diff_file;
 mod direct;
 mod error;
 mod fetch;
@@ -45,6 +46,8 @@ mod url;
 
 pub use cache::{CacheCounters, FrameCache, MAX_CACHE_BYTES};
 pub use client::{Client, Listed};
+pub use diff_file::check_diff_folder;
+pub(crate) use diff_file::diff_folder_problem;
 pub use error::StoreError;
 pub use fetch::{FetchCounters, FetchPolicy, Frames, StoreStatus};
 pub(crate) use frame::same_bytes;
@@ -62,6 +65,5 @@ pub use memory::{read_snapshot, StoreMemory};
 pub(crate) use peer::held_tests;
 pub use peer::{PeerCounters, PeerServer};
 pub use pull::{pull, PullReport};
-pub(crate) use push::diff_folder_problem;
-pub use push::{check_diff_folder, push, push_held, PushConfig, PushReport, PushSource};
+pub use push::{push, push_held, PushConfig, PushReport, PushSource};
 pub use url::StoreUrl;
