@@ -8,9 +8,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use super::into::OnDrop;
 use super::owed::owed;
-use super::MoveError;
+use super::{MoveError, OnDrop};
 use crate::serve::{
     Drainer, Listener, MemoryFile, PrefetchHold, ServeError, Server, ServerConfig, ServerReport,
     Socket,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::firecracker::{json_path, Api};
 use super::owed::{look_in_store, released, STORE_LOOK_LIMIT};
 use super::wire::{Msg, Wire, WIRE_VERSION};
-use super::{MoveError, OnPanic};
+use super::{MoveError, OnDrop, OnPanic};
 use crate::restore::latency::{ExactLatency, LatencySummary};
 use crate::serve::{Listener, ServerConfig, ServerReport};
 use crate::store::{read_snapshot, Client, Frames, StoreError, StoreUrl};
@@ -575,14 +575,5 @@ struct RemovedOnDrop(PathBuf);
 impl Drop for RemovedOnDrop {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// Runs its function when dropped, a panic's unwinding included.
-pub(super) struct OnDrop<F: FnMut()>(pub(super) F);
-
-impl<F: FnMut()> Drop for OnDrop<F> {
-    fn drop(&mut self) {
-        (self.0)();
     }
 }

@@ -119,6 +119,15 @@ impl<F: FnMut()> Drop for OnPanic<F> {
     }
 }
 
+/// Runs its function when dropped, a panic's unwinding included.
+pub(crate) struct OnDrop<F: FnMut()>(pub(crate) F);
+
+impl<F: FnMut()> Drop for OnDrop<F> {
+    fn drop(&mut self) {
+        (self.0)();
+    }
+}
+
 /// Makes `dir` (mode 0700, with any parent missing) or takes it as it is, and refuses one
 /// another user owns or others may write to: a VM's memory and state are written there,
 /// and a symlink planted in it would take those writes elsewhere.
