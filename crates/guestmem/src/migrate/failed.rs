@@ -338,3 +338,159 @@ fn a_diff_that_failed_midway_says_the_base_needs_a_full_snapshot() {
     assert_eq!(seen, RESUMED, "{e}");
     assert!(!rig.dir.join("work/moved.mem").exists());
 }
+
+/// Environment variables that make the lib's test binary a stand-in destination Firecracker
+/// whose `snapshot/load` never answers ([`standin_hanging_loader`]).
+const HANGING_API: &str = "GM_TEST_HANGING_API";
+const HANGING_MARK: &str = "GM_TEST_HANGING_MARK";
+
+/// Not a test of its own: run as a child process by
+/// [`a_move_in_asked_to_stop_during_the_load_ends_its_copy_and_the_source_resumes`], a
+/// stand-in destination Firecracker (a process of its own, for move-in ends it through its
+/// pidfd) whose `snapshot/load` never answers; it writes the mark file when asked to load.
+#[test]
+fn standin_hanging_loader() {
+    let Ok(path) = std::env::var(HANGING_API) else {
+        return;
+    };
+    let mark = std::env::var(HANGING_MARK).expect("the mark's path");
+    let listener = UnixListener::bind(&path).unwrap();
+    std::thread::spawn(|| {
+        // Never left behind: gone within a minute whatever the parent does.
+        std::thread::sleep(Duration::from_secs(60));
+        std::process::exit(0);
+    });
+    for s in listener.incoming() {
+        let Ok(mut s) = s else { return };
+        let mut r = BufReader::new(s.try_clone().unwrap());
+        let mut line = String::new();
+        // `Api::open` connects only to learn who answers, and sends nothing.
+        if r.read_line(&mut line).unwrap_or(0) == 0 {
+            continue;
+        }
+        let mut len = 0;
+        loop {
+            let mut h = String::new();
+            r.read_line(&mut h).unwrap();
+            if h.trim().is_empty() {
+                break;
+            }
+            if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                len = v.trim().parse().unwrap();
+            }
+        }
+        let mut body = vec![0u8; len];
+        r.read_exact(&mut body).unwrap();
+        if line.contains("/snapshot/load") {
+            std::fs::write(&mark, b"").unwrap();
+            // Never answered: the load hangs.
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        let _ = write!(s, "HTTP/1.1 204 X\r\nContent-Length: 0\r\n\r\n");
+    }
+}
+
+/// A move-in asked to stop while its Firecracker's load hangs ends that copy (its
+/// process, through its pidfd) at once and refuses the move, not 120 s later; the source,
+/// told, resumes its VM.
+#[test]
+fn a_move_in_asked_to_stop_during_the_load_ends_its_copy_and_the_source_resumes() {
+    let Some(rig) = Rig::new("move-in-stop-load") else {
+        return;
+    };
+    let api_in = rig.dir.join("in.api.sock");
+    let mark = rig.dir.join("load-asked");
+    let mut loader = guestmem_testkit::ChildGuard::new(
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "migrate::failed::standin_hanging_loader",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env(HANGING_API, &api_in)
+            .env(HANGING_MARK, &mark)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let t0 = std::time::Instant::now();
+    while !api_in.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "no stand-in API");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let dir_in = rig.dir.join("in");
+    super::private_dir(&dir_in).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let to = listener.local_addr().unwrap();
+    let stop = Arc::new(crate::sys::eventfd().unwrap());
+    let into = super::MoveIn {
+        api: api_in,
+        dir: dir_in.clone(),
+        server: crate::serve::ServerConfig {
+            vms: crate::serve::Vms::One {
+                wait: Some(Duration::from_secs(10)),
+            },
+            ..Default::default()
+        },
+        wait: Duration::from_secs(30),
+        key: None,
+        stop: Some(Arc::clone(&stop)),
+    };
+    let store = Arc::clone(&rig.store);
+    let moving_in = std::thread::spawn(move || {
+        super::move_in(&listener, &into, &mut |_| {
+            Ok(Frames::new(
+                Arc::clone(&store),
+                None,
+                FetchPolicy::default(),
+            ))
+        })
+    });
+    let api_out = rig.dir.join("out.api.sock");
+    let seen = firecracker_api(&api_out, Create::Writes);
+    let out = MoveOut {
+        api: api_out,
+        base: url("base"),
+        push_as: url("moved"),
+        to,
+        listen: "127.0.0.1:0".parse().unwrap(),
+        advertise: None,
+        work_dir: rig.dir.join("work"),
+        threads: 1,
+        key: None,
+        stop: None,
+    };
+    let store = Arc::clone(&rig.store);
+    let moving_out = std::thread::spawn(move || move_out(&out, &store));
+    let t0 = std::time::Instant::now();
+    while !mark.exists() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no load asked for");
+        assert!(!moving_in.is_finished(), "{:?}", moving_in.join());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    crate::sys::eventfd_signal(std::os::fd::AsFd::as_fd(&*stop)).unwrap();
+    let asked = std::time::Instant::now();
+    let e = moving_in.join().unwrap().expect_err("the move was refused");
+    assert!(e.to_string().contains("asked to stop"), "{e}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(60),
+        "the stop waited on the load: {:?}",
+        asked.elapsed()
+    );
+    let e = moving_out.join().unwrap().expect_err("the move failed");
+    assert!(e.to_string().contains("asked to stop"), "{e}");
+    assert_eq!(*seen.lock().unwrap(), RESUMED, "the source's VM resumed");
+    // Its copy was ended, and nothing of the move is left in its folder.
+    let t0 = std::time::Instant::now();
+    while loader.running() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the copy was not ended"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let left: Vec<_> = std::fs::read_dir(&dir_in).unwrap().flatten().collect();
+    assert!(left.is_empty(), "{left:?}");
+}
