@@ -391,9 +391,9 @@ impl Lab<'_> {
         dst.send(b't').map_err(err)?;
         let listener = TcpListener::bind("127.0.0.1:0").map_err(err)?;
         let delay = Duration::from_secs_f64(rtt_ms / 1000.0);
-        let ctl = Proxy::start(listener.local_addr().map_err(err)?, delay, 0).map_err(err)?;
+        let ctl = Proxy::start_rtt(listener.local_addr().map_err(err)?, delay).map_err(err)?;
         let peer_at = free_port()?;
-        let peer = Proxy::start(peer_at, delay, 0).map_err(err)?;
+        let peer = Proxy::start_rtt(peer_at, delay).map_err(err)?;
         // Authenticated, as an operator's move across a network would be: one key for
         // both sides (drawn from the clock and the move: a lab's, not a secret).
         let key = MoveKey::from_secret(

@@ -20,7 +20,8 @@ impl LabReport for MoveResult {
                  two hosts, both starting from a cache holding the base, the move authenticated \
                  with a move key (its messages MACed, the frames behind a token, the pieces \
                  sealed); a proxy adds {:?} ms of \
-                 round trip to the control connection and to the source's frames; the source's \
+                 round trip to the control connection and to the source's frames (half of \
+                 it each way, on top of each side's own time); the source's \
                  Firecracker writes the diff into {}. As it resumes on the \
                  destination the guest touches every page of its region (two qwords each, checked), \
                  then checks every qword. Timed: {}. Medians over the \

@@ -1,8 +1,12 @@
 //! A TCP proxy in front of the S3 server that makes it look remote: every response's first
-//! byte waits until `first_byte` after the request that asked for it, and every byte to the
-//! client goes through one bandwidth cap shared by all connections (a host's link). It
-//! stands for a wire, so it should cost this host's CPUs as little as one: responses move
-//! from socket to socket by `splice`, never copied through the proxy's memory.
+//! byte waits until `first_byte` after the request that asked for it (a floor under the
+//! time to first byte, the local server's own time inside it, as a remote store's
+//! published first-byte latency is), and every byte to the client goes through one
+//! bandwidth cap shared by all connections (a host's link). It stands for a wire, so it
+//! should cost this host's CPUs as little as one: responses move from socket to socket by
+//! `splice`, never copied through the proxy's memory. [`Proxy::start_rtt`] stands for a
+//! link between two hosts instead: each direction half a round trip late, added to the
+//! other side's own time (the move's scenario).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -84,6 +88,43 @@ impl Proxy {
                                 .spawn(move || conn(client, upstream, first_byte, link));
                         }
                         // Out of descriptors, say: not a spin at real-time priority.
+                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    }
+                }
+            })?;
+        Ok(Proxy {
+            addr,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Listens on 127.0.0.1 and forwards to `upstream` as a link with a round trip of
+    /// `rtt`: every byte, either way, is delivered half of it after the proxy read it (a
+    /// request reaches the server `rtt / 2` late, its answer the client `rtt / 2` after
+    /// the server sent it: the round trip added to the server's own time, not a floor
+    /// under it as [`Proxy::start`]'s first byte is). Bytes are copied through the
+    /// proxy's memory, at most 64 MiB a direction held at once.
+    pub fn start_rtt(upstream: SocketAddr, rtt: Duration) -> std::io::Result<Proxy> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let st = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("rtt-proxy".into())
+            .spawn(move || {
+                as_the_wire();
+                loop {
+                    let got = listener.accept();
+                    if st.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    match got {
+                        Ok((client, _)) => {
+                            let _ = std::thread::Builder::new()
+                                .name("rtt-proxy-conn".into())
+                                .spawn(move || conn_rtt(client, upstream, rtt / 2));
+                        }
                         Err(_) => std::thread::sleep(Duration::from_millis(5)),
                     }
                 }
@@ -184,6 +225,59 @@ fn conn(client: TcpStream, upstream: SocketAddr, first_byte: Duration, link: Arc
     }
     let _ = c_out.shutdown(Shutdown::Both);
     let _ = up.join();
+}
+
+/// One connection through a link of `half` a round trip each way ([`Proxy::start_rtt`]).
+fn conn_rtt(client: TcpStream, upstream: SocketAddr, half: Duration) {
+    as_the_wire();
+    let Ok(server) = TcpStream::connect(upstream) else {
+        return;
+    };
+    let _ = server.set_nodelay(true);
+    let _ = client.set_nodelay(true);
+    let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) else {
+        return;
+    };
+    let up = std::thread::spawn(move || relay(c2, s2, half));
+    relay(server, client, half);
+    let _ = up.join();
+}
+
+/// Bytes read from `from` delivered to `to` `half` after each was read: a reader that
+/// never waits on the delivery (so that what comes during one wait is not held a second
+/// one), and a writer that sleeps until each chunk is due.
+fn relay(mut from: TcpStream, mut to: TcpStream, half: Duration) {
+    // 1,024 chunks of at most 64 KiB in flight: a full link holds the reader back.
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(Instant, Vec<u8>)>(1024);
+    let writer = std::thread::spawn(move || {
+        as_the_wire();
+        for (at, bytes) in rx {
+            let due = at + half;
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            if to.write_all(&bytes).is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown(Shutdown::Write);
+    });
+    as_the_wire();
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if tx.send((Instant::now(), buf[..n].to_vec())).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    drop(tx);
+    let _ = writer.join();
+    let _ = from.shutdown(Shutdown::Read);
 }
 
 /// A pipe that moves a response's bytes from one socket to another with `splice`.

@@ -18,8 +18,11 @@ impl LabReport for ObjectStoreResult {
             &format!(
                 "{} MiB snapshot (incompressible), frames of {} KiB (a frame a fault), the local \
                  file's block {} KiB; working set {:.0}% of memory in runs of {} KiB at random places ({} MiB); \
-                 the store is s3s-fs on this host behind a proxy with first-byte latency {:?} ms \
-                 and a link of {} MiB/s; one stand-in VM (Firecracker's handshake) reading one \
+                 the store is s3s-fs on this host (its files in this host's page cache as \
+                 likely as not: a cold cache is an empty frame cache) behind a proxy that holds \
+                 each answer's first byte until {:?} ms after its request (a floor, the server's \
+                 own time inside it) and a link of {} MiB/s; the local file read through before \
+                 each of its rounds; one stand-in VM (Firecracker's handshake) reading one \
                  word a page, each checked; {} pool threads, one prefetch thread. Timed: {}. \
                  Medians over the measured rounds (min-max in brackets).\n",
                 s.size >> 20,
@@ -64,34 +67,51 @@ impl LabReport for ObjectStoreResult {
                 ratio(m(|s| s.gets as f64), m(|s| s.frames_read as f64)),
             ));
         }
-        let (one, many): (Vec<_>, Vec<_>) = b
-            .variants
-            .iter()
-            .partition(|v| v.samples.iter().all(|s| s.sample.miss_exact));
-        // "HOW for NAMES", for the variants whose quantiles are so (none: left out).
-        let kind = |vs: &[&super::StoreVariant], how: &str| {
-            let names: Vec<&str> = vs.iter().map(|v| v.name.as_str()).collect();
-            (!names.is_empty()).then(|| format!("{how} for {}", names.join(", ")))
+        if let Some(fw) = b.variants.iter().find(|v| v.name == "file+ws") {
+            let each: Vec<String> = b
+                .variants
+                .iter()
+                .filter(|v| v.name.starts_with("cold+ws"))
+                .map(|v| {
+                    format!(
+                        "{} {:.2}x",
+                        v.name,
+                        ratio(v.ws_secs.median, fw.ws_secs.median)
+                    )
+                })
+                .collect();
+            md.push_str(&format!(
+                "\nThe working set read against the file's with its working set prefetched too \
+                 (`file+ws`, {:.3} s; in the file's blocks of {} KiB, where the store's are its \
+                 frames): {}.\n",
+                fw.ws_secs.median,
+                s.block_bytes >> 10,
+                each.join(", ")
+            ));
+        }
+        let many_vms = |v: &&super::StoreVariant| v.name.starts_with(&format!("vms {} ", s.vms));
+        let (many, one): (Vec<_>, Vec<_>) = b.variants.iter().partition(many_vms);
+        let names = |vs: &[&super::StoreVariant]| {
+            vs.iter()
+                .map(|v| v.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
         };
-        let kinds: Vec<String> = [
-            kind(
-                &one,
-                "as measured (nearest rank over the round's latest 4,096)",
-            ),
-            kind(&many, "a histogram bucket's upper bound (up to 19% above)"),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
         md.push_str(&format!(
-            "\nDemand misses: the faults that brought their block in (from the store or the \
-             cache; not those that waited on a block another thread was bringing). Their \
-             quantiles are {}.\n",
-            kinds.join("; ")
+            "\nDemand misses ({}): the faults that brought their block in (from the store or the \
+             cache; not those that waited on a block another thread was bringing), timed by the \
+             page server from a fault thread's read of the fault to its install (a fault that \
+             waits for a thread first is not counted before that); quantiles as measured \
+             (nearest rank over the round's latest 4,096). {}: each VM's own wait at its first \
+             touch of each frame of its working set (its fault, a fault thread, the GET or the \
+             one it joined, the install), every VM's together, nearest rank.\n",
+            names(&one),
+            names(&many),
         ));
         let p = &b.push;
         md.push_str(&format!(
-            "\nPush of the {} MiB file straight to the S3 server: {:.2} s ({:.0} MiB/s), {:.1} MiB \
+            "\nPush of the {} MiB file straight to the S3 server (no proxy; once, right after \
+             the file was written, no warm-up): {:.2} s ({:.0} MiB/s), {:.1} MiB \
              stored. A diff rewriting {:.0}% of the pages, scattered ({:.1} MiB): pushed in {:.2} s, \
              {:.1} MiB stored, {:.1}% of the full push's bytes.\n",
             s.size >> 20,

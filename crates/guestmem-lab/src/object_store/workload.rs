@@ -64,10 +64,16 @@ pub(super) struct VmRead {
     pub(super) ws: Duration,
     pub(super) all: Duration,
     pub(super) at_ws: (u64, u64),
+    /// With `stalls_by`: how long the VM waited at its first touch of each frame of its
+    /// working set, microseconds (its fault, a fault thread, the GET or the one it joined,
+    /// the install: a demand miss as the VM sees it).
+    pub(super) stalls_us: Vec<f64>,
 }
 
 /// Reads one word of each page of `runs` (each `run` bytes), then of all memory if `all`,
-/// checking each against the file; `at_ws` is called once the working set is read.
+/// checking each against the file; `at_ws` is called once the working set is read. With
+/// `stalls_by` (a frame's bytes), the first touch of each frame of the working set is
+/// timed: for a VM that nothing is prefetched for, each is a fault.
 pub(super) fn read_vm(
     vm: &Standin,
     runs: &[u64],
@@ -75,6 +81,7 @@ pub(super) fn read_vm(
     all: bool,
     t0: Instant,
     at_ws: &(dyn Fn() -> (u64, u64) + Sync),
+    stalls_by: Option<u64>,
 ) -> Result<VmRead, String> {
     let check = |at: usize| {
         let got = vm.word(at);
@@ -86,9 +93,19 @@ pub(super) fn read_vm(
         }
         Ok(())
     };
+    let mut stalls_us = Vec::new();
+    let mut last_frame = u64::MAX;
     for &r in runs {
         for p in (r..r + run).step_by(PAGE) {
-            check(p as usize)?;
+            match stalls_by {
+                Some(fb) if p / fb != last_frame => {
+                    last_frame = p / fb;
+                    let t = Instant::now();
+                    check(p as usize)?;
+                    stalls_us.push(t.elapsed().as_secs_f64() * 1e6);
+                }
+                _ => check(p as usize)?,
+            }
         }
     }
     let ws = t0.elapsed();
@@ -102,5 +119,6 @@ pub(super) fn read_vm(
         ws,
         all: t0.elapsed(),
         at_ws: counts,
+        stalls_us,
     })
 }
