@@ -87,6 +87,10 @@ pub struct ObjectStoreLabConfig {
     /// Which variants run (name prefixes; empty: all).
     #[serde(default)]
     pub only: Vec<String>,
+    /// The S3 server's threads' nice value (0: it competes for this host's CPUs; 19: it
+    /// takes what they spare, as a store on other machines would).
+    #[serde(default)]
+    pub store_nice: i32,
     /// Scratch folder (removed afterwards).
     pub work_dir: PathBuf,
     /// Warm-up, rounds, order.
@@ -113,6 +117,7 @@ impl Default for ObjectStoreLabConfig {
             diff_fraction: 0.05,
             pool: available_cpus(),
             only: Vec::new(),
+            store_nice: 0,
             work_dir: std::env::temp_dir()
                 .join(format!("guestmem-lab-object-store-{}", std::process::id())),
             protocol: Protocol {
@@ -520,7 +525,7 @@ fn run_in(cfg: &ObjectStoreLabConfig) -> Result<ObjectStoreResult, LabError> {
     let run = RunInfo::collect(cfg.command.clone());
     let mem = guestmem_testkit::firecracker::memory_file(&cfg.work_dir, cfg.size as usize, None);
     // In the scratch folder: gone with it, however the run ends.
-    let s3 = S3Server::start_in(&cfg.work_dir, "lab-object-store", &[BUCKET]);
+    let s3 = S3Server::start_niced(&cfg.work_dir, "lab-object-store", &[BUCKET], cfg.store_nice);
     let url = StoreUrl::parse(&format!("s3://{BUCKET}/base"), false).map_err(err)?;
     let direct = client(&s3, &s3.endpoint())?;
     let push_cfg = PushConfig {

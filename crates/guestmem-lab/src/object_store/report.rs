@@ -18,7 +18,7 @@ impl LabReport for ObjectStoreResult {
             &format!(
                 "{} MiB snapshot (incompressible), frames of {} KiB (a frame a fault), the local \
                  file's block {} KiB; working set {:.0}% of memory in runs of {} KiB at random places ({} MiB); \
-                 the store is s3s-fs on this host (its files in this host's page cache as \
+                 the store is s3s-fs on this host at nice {} (its files in this host's page cache as \
                  likely as not: a cold cache is an empty frame cache) behind a proxy that holds \
                  each answer's first byte until {:?} ms after its request (a floor, the server's \
                  own time inside it) and a link of {} MiB/s; the local file read through before \
@@ -31,6 +31,7 @@ impl LabReport for ObjectStoreResult {
                 s.ws_fraction * 100.0,
                 s.ws_run >> 10,
                 mib(b.ws_bytes),
+                s.store_nice,
                 s.latencies_ms,
                 s.bandwidth >> 20,
                 s.pool,

@@ -100,6 +100,7 @@ pub fn run(scenario: Scenario) -> Result<()> {
                 bandwidth: a.bandwidth,
                 vms: a.vms as usize,
                 only: a.only.clone(),
+                store_nice: a.store_nice,
                 protocol: a.protocol.protocol(d.protocol),
                 command: command_line(),
                 ..d

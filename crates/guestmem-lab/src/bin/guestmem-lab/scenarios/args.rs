@@ -101,6 +101,11 @@ pub struct ObjectStoreArgs {
     /// comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub(super) only: Vec<String>,
+    /// The store's threads' nice value: 0 (the store competes for this host's CPUs with
+    /// the page server and the VM), or 19 (it takes what they spare, as a store on other
+    /// machines takes none of theirs; the move scenario's default).
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    pub(super) store_nice: i32,
     #[command(flatten)]
     pub(super) protocol: ProtocolArgs,
 }
