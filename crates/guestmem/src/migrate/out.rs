@@ -170,6 +170,21 @@ pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveErro
             ),
         });
     }
+    // Checked before the pause: the chain's manifest, the base's and a piece more a frame at
+    // most, can be sent and pushed (a chain many moves deep on a large VM grows past it).
+    let bound = crate::store::diff_manifest_bound(&base);
+    if bound > crate::store::MAX_MANIFEST_BYTES {
+        return Err(MoveError::Refused {
+            side: "source",
+            reason: format!(
+                "a diff on {} could make a manifest of {bound} bytes, past the {} a manifest \
+                 may take: push a Full snapshot of this VM as a new base (one piece a frame) \
+                 and move from it; nothing paused",
+                m.base,
+                crate::store::MAX_MANIFEST_BYTES
+            ),
+        });
+    }
     // Checked before the pause: the name is free and this host may write the store.
     check_push(store, &m.push_as)?;
     let mut files = Removed(vec![vmstate.clone(), memfile.clone()]);
