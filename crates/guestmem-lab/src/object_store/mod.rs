@@ -35,6 +35,7 @@
 
 mod proxy;
 mod report;
+mod result;
 mod workload;
 
 use std::path::PathBuf;
@@ -51,9 +52,10 @@ use guestmem_testkit::s3::S3Server;
 
 use crate::error::LabError;
 use crate::report::LabResult;
-use crate::run::{available_cpus, summarise, thp_mode, Protocol, RunInfo, Sampled, Summary};
+use crate::run::{available_cpus, summarise, thp_mode, Protocol, RunInfo};
 
 pub use proxy::Proxy;
+pub use result::{PushFigures, StoreFindings, StoreSample, StoreVariant};
 use workload::{diff_file, read_vm, working_set, VmRead};
 
 /// The scenario's name.
@@ -129,84 +131,6 @@ impl Default for ObjectStoreLabConfig {
             thp_mode: String::new(),
         }
     }
-}
-
-/// One round of one variant.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct StoreSample {
-    /// From the VM's connect until it has read its working set, seconds.
-    pub ws_secs: f64,
-    /// Until it has read all its memory (the many-VM variant reads its working set only).
-    pub all_secs: f64,
-    /// Demand misses (faults that brought their block in), microseconds: one VM, the
-    /// engine's latency (from a fault thread's read of the fault to the install); many VMs,
-    /// each VM's own wait at its first touch of each frame (since 2026-11-29; before, the
-    /// engine's histogram, which leaves out the faults' wait for one of 2 threads).
-    pub miss_p50_us: f64,
-    /// 99th percentile.
-    pub miss_p99_us: f64,
-    /// Whether the two are as measured (nearest rank), not a histogram bucket's upper
-    /// bound (many VMs in runs before 2026-11-29, and runs before this field).
-    #[serde(default)]
-    pub miss_exact: bool,
-    /// Demand misses counted.
-    pub misses: u64,
-    /// GETs when the working set had been read.
-    pub gets_at_ws: u64,
-    /// Bytes fetched then.
-    pub bytes_at_ws: u64,
-    /// GETs in all.
-    pub gets: u64,
-    /// Bytes fetched in all.
-    pub bytes: u64,
-    /// Frames the VMs read (for GETs per frame).
-    pub frames_read: u64,
-}
-
-/// One variant's samples.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct StoreVariant {
-    /// Its name.
-    pub name: String,
-    /// Seconds until the working set was read.
-    pub ws_secs: Summary,
-    /// Seconds until all memory was read.
-    pub all_secs: Summary,
-    /// Each round's measurements.
-    pub samples: Vec<Sampled<StoreSample>>,
-}
-
-/// What pushing cost.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct PushFigures {
-    /// Seconds of the full push (straight to the S3 server, no proxy).
-    pub full_secs: f64,
-    /// Bytes stored by it.
-    pub full_stored: u64,
-    /// Bytes of the diff's rewritten pages.
-    pub diff_changed: u64,
-    /// Bytes stored by the diff's push.
-    pub diff_stored: u64,
-    /// Seconds of the diff's push.
-    pub diff_secs: f64,
-    /// Seconds to fetch every frame once through the first proxy with 16 threads (what this
-    /// rig's store delivers: the ceiling of every cold variant).
-    pub fetch_all_secs: f64,
-}
-
-/// Every variant (the result's body).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct StoreFindings {
-    /// Bytes of the working set.
-    pub ws_bytes: u64,
-    /// Pushes.
-    pub push: PushFigures,
-    /// In the order they were listed.
-    pub variants: Vec<StoreVariant>,
-    /// Whether each round's folder (its frame cache) was kept until the run ended, not
-    /// removed before the next round (when the disk had room; see `Lab::round`).
-    #[serde(default)]
-    pub rounds_kept: bool,
 }
 
 /// The scenario's whole result.

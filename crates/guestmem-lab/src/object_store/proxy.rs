@@ -59,16 +59,41 @@ impl Proxy {
         first_byte: Duration,
         bytes_per_sec: u64,
     ) -> std::io::Result<Proxy> {
-        let listener = TcpListener::bind("127.0.0.1:0")?;
-        let addr = listener.local_addr()?;
-        let stop = Arc::new(AtomicBool::new(false));
         let link = Arc::new(Link {
             rate: bytes_per_sec,
             free_at: Mutex::new(Instant::now()),
         });
+        Proxy::serve("s3-proxy", move |client| {
+            let link = Arc::clone(&link);
+            move || conn(client, upstream, first_byte, link)
+        })
+    }
+
+    /// Listens on 127.0.0.1 and forwards to `upstream` as a link with a round trip of
+    /// `rtt`: every byte, either way, is delivered half of it after the proxy read it (a
+    /// request reaches the server `rtt / 2` late, its answer the client `rtt / 2` after
+    /// the server sent it: the round trip added to the server's own time, not a floor
+    /// under it as [`Proxy::start`]'s first byte is). Bytes are copied through the
+    /// proxy's memory, at most 64 MiB a direction held at once.
+    pub fn start_rtt(upstream: SocketAddr, rtt: Duration) -> std::io::Result<Proxy> {
+        Proxy::serve("rtt-proxy", move |client| {
+            move || conn_rtt(client, upstream, rtt / 2)
+        })
+    }
+
+    /// Listens on 127.0.0.1, each connection served on a thread of its own by what `conn`
+    /// makes of it.
+    fn serve<C, F>(name: &'static str, conn: C) -> std::io::Result<Proxy>
+    where
+        C: Fn(TcpStream) -> F + Send + 'static,
+        F: FnOnce() + Send + 'static,
+    {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
         let st = Arc::clone(&stop);
         let thread = std::thread::Builder::new()
-            .name("s3-proxy".into())
+            .name(name.into())
             .spawn(move || {
                 // Blocked in accept, not polling it: a client's new connection (a pool
                 // opening one more while its others are busy) is taken at once, where a
@@ -82,49 +107,11 @@ impl Proxy {
                     }
                     match got {
                         Ok((client, _)) => {
-                            let link = Arc::clone(&link);
                             let _ = std::thread::Builder::new()
-                                .name("s3-proxy-conn".into())
-                                .spawn(move || conn(client, upstream, first_byte, link));
+                                .name(format!("{name}-conn"))
+                                .spawn(conn(client));
                         }
                         // Out of descriptors, say: not a spin at real-time priority.
-                        Err(_) => std::thread::sleep(Duration::from_millis(5)),
-                    }
-                }
-            })?;
-        Ok(Proxy {
-            addr,
-            stop,
-            thread: Some(thread),
-        })
-    }
-
-    /// Listens on 127.0.0.1 and forwards to `upstream` as a link with a round trip of
-    /// `rtt`: every byte, either way, is delivered half of it after the proxy read it (a
-    /// request reaches the server `rtt / 2` late, its answer the client `rtt / 2` after
-    /// the server sent it: the round trip added to the server's own time, not a floor
-    /// under it as [`Proxy::start`]'s first byte is). Bytes are copied through the
-    /// proxy's memory, at most 64 MiB a direction held at once.
-    pub fn start_rtt(upstream: SocketAddr, rtt: Duration) -> std::io::Result<Proxy> {
-        let listener = TcpListener::bind("127.0.0.1:0")?;
-        let addr = listener.local_addr()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let st = Arc::clone(&stop);
-        let thread = std::thread::Builder::new()
-            .name("rtt-proxy".into())
-            .spawn(move || {
-                as_the_wire();
-                loop {
-                    let got = listener.accept();
-                    if st.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    match got {
-                        Ok((client, _)) => {
-                            let _ = std::thread::Builder::new()
-                                .name("rtt-proxy-conn".into())
-                                .spawn(move || conn_rtt(client, upstream, rtt / 2));
-                        }
                         Err(_) => std::thread::sleep(Duration::from_millis(5)),
                     }
                 }

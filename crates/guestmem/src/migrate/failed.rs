@@ -43,25 +43,10 @@ fn firecracker_api(path: &Path, create: Create) -> Arc<Mutex<Vec<String>>> {
     std::thread::spawn(move || {
         for s in listener.incoming() {
             let Ok(mut s) = s else { return };
-            let mut r = BufReader::new(s.try_clone().unwrap());
-            let mut line = String::new();
             // `Api::open` connects only to learn who answers, and sends nothing.
-            if r.read_line(&mut line).unwrap_or(0) == 0 {
+            let Some((line, body)) = read_request(&s) else {
                 continue;
-            }
-            let mut len = 0;
-            loop {
-                let mut h = String::new();
-                r.read_line(&mut h).unwrap();
-                if h.trim().is_empty() {
-                    break;
-                }
-                if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
-                    len = v.trim().parse().unwrap();
-                }
-            }
-            let mut body = vec![0u8; len];
-            r.read_exact(&mut body).unwrap();
+            };
             let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
             let mut words = line.split_whitespace();
             let (method, at) = (words.next().unwrap(), words.next().unwrap());
@@ -93,6 +78,30 @@ fn firecracker_api(path: &Path, create: Create) -> Arc<Mutex<Vec<String>>> {
         }
     });
     seen
+}
+
+/// One HTTP/1.1 request from `s`: its request line and body; `None` for a connection that
+/// sends nothing.
+fn read_request(s: &std::os::unix::net::UnixStream) -> Option<(String, Vec<u8>)> {
+    let mut r = BufReader::new(s.try_clone().unwrap());
+    let mut line = String::new();
+    if r.read_line(&mut line).unwrap_or(0) == 0 {
+        return None;
+    }
+    let mut len = 0;
+    loop {
+        let mut h = String::new();
+        r.read_line(&mut h).unwrap();
+        if h.trim().is_empty() {
+            break;
+        }
+        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap();
+        }
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).unwrap();
+    Some((line, body))
 }
 
 /// What the stand-in destination does after the source's Commit.
@@ -362,25 +371,10 @@ fn standin_hanging_loader() {
     });
     for s in listener.incoming() {
         let Ok(mut s) = s else { return };
-        let mut r = BufReader::new(s.try_clone().unwrap());
-        let mut line = String::new();
         // `Api::open` connects only to learn who answers, and sends nothing.
-        if r.read_line(&mut line).unwrap_or(0) == 0 {
+        let Some((line, _)) = read_request(&s) else {
             continue;
-        }
-        let mut len = 0;
-        loop {
-            let mut h = String::new();
-            r.read_line(&mut h).unwrap();
-            if h.trim().is_empty() {
-                break;
-            }
-            if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
-                len = v.trim().parse().unwrap();
-            }
-        }
-        let mut body = vec![0u8; len];
-        r.read_exact(&mut body).unwrap();
+        };
         if line.contains("/snapshot/load") {
             std::fs::write(&mark, b"").unwrap();
             // Never answered: the load hangs.

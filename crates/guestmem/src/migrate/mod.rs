@@ -35,6 +35,7 @@ mod key;
 mod offer;
 mod out;
 mod owed;
+mod ready;
 mod wire;
 
 pub use into::{move_in, MoveIn, MoveInReport};

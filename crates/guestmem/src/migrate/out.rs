@@ -10,8 +10,8 @@ use super::firecracker::{json_path, Api};
 use super::wire::{Msg, Side, Wire, WIRE_VERSION};
 use super::{MoveError, MoveKey, OnPanic};
 use crate::store::{
-    check_push, name_later, push, push_held, read_snapshot, Client, FetchPolicy, Frames,
-    HeldFrames, PeerServer, PushConfig, PushReport, PushSource, StoreUrl,
+    name_later, push, push_held, Client, HeldFrames, PeerServer, PushConfig, PushReport,
+    PushSource, StoreUrl,
 };
 
 /// How long the destination may take to answer a message (reading the base's manifest,
@@ -115,78 +115,18 @@ pub struct MoveReport {
 pub fn move_out(m: &MoveOut, store: &Arc<Client>) -> Result<MoveReport, MoveError> {
     let (api, process) = Api::open(&m.api, "source")?;
     // Everything that can be checked before the pause is.
-    let base = Arc::new(read_snapshot(
-        &Frames::new(Arc::clone(store), None, FetchPolicy::default()),
-        &m.base,
-    )?);
-    if !base.manifest.regions.is_empty() {
-        return Err(MoveError::Refused {
-            side: "source",
-            reason: format!(
-                "{} is a guestmem snapshot; a Firecracker VM moves on a raw memory file's snapshot",
-                m.base
-            ),
-        });
-    }
+    let (base, vmstate, memfile) = super::ready::before_the_pause(
+        super::ready::Move {
+            base: &m.base,
+            push_as: &m.push_as,
+            work_dir: &m.work_dir,
+        },
+        store,
+    )?;
     let io = |op, path: &std::path::Path| {
         let path = path.to_path_buf();
         move |source| MoveError::Io { op, path, source }
     };
-    super::private_dir(&m.work_dir).map_err(io("use as the work folder", &m.work_dir))?;
-    let local = m.push_as.name.replace('/', "_");
-    let vmstate = m.work_dir.join(format!("{local}.vmstate"));
-    let memfile = m.work_dir.join(format!("{local}.mem"));
-    for f in [&vmstate, &memfile] {
-        match f.symlink_metadata() {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            // Firecracker merges a Diff into a file of the memory's size that is there.
-            Ok(_) => {
-                return Err(MoveError::Io {
-                    op: "write a diff to (a file is there already)",
-                    path: f.clone(),
-                    source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
-                })
-            }
-            // A name too long for a file here (ENAMETOOLONG), say: refused before the
-            // pause, where Firecracker's Diff would fail in it.
-            Err(source) => {
-                return Err(MoveError::Io {
-                    op: "write a diff to",
-                    path: f.clone(),
-                    source,
-                })
-            }
-        }
-    }
-    // Checked before the pause: Firecracker's Diff there keeps its holes page by page.
-    if let Some(why) = crate::store::diff_folder_problem(&m.work_dir)
-        .map_err(io("find the file system of", &m.work_dir))?
-    {
-        return Err(MoveError::Refused {
-            side: "source",
-            reason: format!(
-                "the work dir {} cannot hold a Diff: {why}; nothing paused",
-                m.work_dir.display()
-            ),
-        });
-    }
-    // Checked before the pause: the chain's manifest, the base's and a piece more a frame at
-    // most, can be sent and pushed (a chain many moves deep on a large VM grows past it).
-    let bound = crate::store::diff_manifest_bound(&base);
-    if bound > crate::store::MAX_MANIFEST_BYTES {
-        return Err(MoveError::Refused {
-            side: "source",
-            reason: format!(
-                "a diff on {} could make a manifest of {bound} bytes, past the {} a manifest \
-                 may take: push a Full snapshot of this VM as a new base (one piece a frame) \
-                 and move from it; nothing paused",
-                m.base,
-                crate::store::MAX_MANIFEST_BYTES
-            ),
-        });
-    }
-    // Checked before the pause: the name is free and this host may write the store.
-    check_push(store, &m.push_as)?;
     let mut files = Removed(vec![vmstate.clone(), memfile.clone()]);
     let held = Arc::new(Client::in_memory(&m.push_as.name)?);
     let held_frames = Arc::new(HeldFrames::new());
