@@ -236,6 +236,7 @@ fn conn_rtt(client: TcpStream, upstream: SocketAddr, half: Duration) {
 fn relay(mut from: TcpStream, mut to: TcpStream, half: Duration) {
     // 1,024 chunks of at most 64 KiB in flight: a full link holds the reader back.
     let (tx, rx) = std::sync::mpsc::sync_channel::<(Instant, Vec<u8>)>(1024);
+    let from_too = from.try_clone();
     let writer = std::thread::spawn(move || {
         as_the_wire();
         for (at, bytes) in rx {
@@ -245,7 +246,12 @@ fn relay(mut from: TcpStream, mut to: TcpStream, half: Duration) {
                 std::thread::sleep(due - now);
             }
             if to.write_all(&bytes).is_err() {
-                break;
+                // The other side is gone: the reader is not left blocked on its socket.
+                let _ = to.shutdown(Shutdown::Both);
+                if let Ok(f) = &from_too {
+                    let _ = f.shutdown(Shutdown::Both);
+                }
+                return;
             }
         }
         let _ = to.shutdown(Shutdown::Write);

@@ -98,17 +98,25 @@ impl LabReport for ObjectStoreResult {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        md.push_str(&format!(
-            "\nDemand misses ({}): the faults that brought their block in (from the store or the \
-             cache; not those that waited on a block another thread was bringing), timed by the \
-             page server from a fault thread's read of the fault to its install (a fault that \
-             waits for a thread first is not counted before that); quantiles as measured \
-             (nearest rank over the round's latest 4,096). {}: each VM's own wait at its first \
-             touch of each frame of its working set (its fault, a fault thread, the GET or the \
-             one it joined, the install), every VM's together, nearest rank.\n",
-            names(&one),
-            names(&many),
-        ));
+        if !one.is_empty() {
+            md.push_str(&format!(
+                "\nDemand misses ({}): the faults that brought their block in (from the store or \
+                 the cache; not those that waited on a block another thread was bringing), timed \
+                 by the page server from a fault thread's read of the fault to its install (a \
+                 fault that waits for a thread first is not counted before that); quantiles as \
+                 measured (nearest rank over the round's latest 4,096).\n",
+                names(&one),
+            ));
+        }
+        if !many.is_empty() {
+            md.push_str(&format!(
+                "\nDemand misses ({}): each VM's own wait at its first touch of each frame of its \
+                 working set (its fault, a fault thread, the GET or the one it joined, the \
+                 install), every VM's of the round together, nearest rank; the median round's, \
+                 the rounds' range in result.json.\n",
+                names(&many),
+            ));
+        }
         let p = &b.push;
         md.push_str(&format!(
             "\nPush of the {} MiB file straight to the S3 server (no proxy; once, right after \

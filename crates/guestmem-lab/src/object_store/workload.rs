@@ -94,12 +94,13 @@ pub(super) fn read_vm(
         Ok(())
     };
     let mut stalls_us = Vec::new();
-    let mut last_frame = u64::MAX;
+    // Each frame's first touch only (a frame larger than a run is met again later,
+    // installed by then).
+    let mut touched = std::collections::HashSet::new();
     for &r in runs {
         for p in (r..r + run).step_by(PAGE) {
             match stalls_by {
-                Some(fb) if p / fb != last_frame => {
-                    last_frame = p / fb;
+                Some(fb) if touched.insert(p / fb) => {
                     let t = Instant::now();
                     check(p as usize)?;
                     stalls_us.push(t.elapsed().as_secs_f64() * 1e6);

@@ -338,7 +338,12 @@ pub fn move_in(
             )
         });
         let loaded = match stopped_in_load {
-            true => Err(asked_to_stop()),
+            true => Err(MoveError::Refused {
+                side: "destination",
+                reason: "asked to stop during Firecracker's load, before the VM ran here; its \
+                         copy ended, nothing moved"
+                    .into(),
+            }),
             false => loaded,
         };
         (opened, loaded, load_ms, open_ms, stopped_in_load)

@@ -1,7 +1,6 @@
 //! What a move's source checks before it pauses the VM: the base (a raw memory file's
 //! snapshot in the store), its work folder and the files Firecracker will write there, that
-//! folder's file system, the chain's manifest's bound, and that the store will take the
-//! diff under its name. Anything that fails here leaves the VM running, nothing paused.
+//! folder's file system, and that the store will take the diff under its name. Anything that fails here leaves the VM running, nothing paused.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -76,21 +75,6 @@ pub(super) fn before_the_pause(
             reason: format!(
                 "the work dir {} cannot hold a Diff: {why}; nothing paused",
                 m.work_dir.display()
-            ),
-        });
-    }
-    // Checked before the pause: the chain's manifest, the base's and a piece more a frame at
-    // most, can be sent and pushed (a chain many moves deep on a large VM grows past it).
-    let bound = crate::store::diff_manifest_bound(&base);
-    if bound > crate::store::MAX_MANIFEST_BYTES {
-        return Err(MoveError::Refused {
-            side: "source",
-            reason: format!(
-                "a diff on {} could make a manifest of {bound} bytes, past the {} a manifest \
-                 may take: push a Full snapshot of this VM as a new base (one piece a frame) \
-                 and move from it; nothing paused",
-                m.base,
-                crate::store::MAX_MANIFEST_BYTES
             ),
         });
     }

@@ -91,20 +91,6 @@ pub(super) fn entry_bytes(stack: &[Piece]) -> u64 {
             .sum::<u64>()
 }
 
-/// The most bytes the manifest of a diff on `base` can take: every frame given one more
-/// piece, a diff's with its page mask, beside the base's fields (at most 4 KiB of them for a
-/// raw memory file's snapshot, which a move's base is). A move asks it before its pause:
-/// past [`MAX_MANIFEST_BYTES`] the chain could not be sent, nor pushed.
-pub(crate) fn diff_manifest_bound(base: &Snapshot) -> u64 {
-    let words = (base.frame_bytes() / IMAGE_PAGE_BYTES).div_ceil(64);
-    let piece = 73 + 7 + 16 * words;
-    base.frames
-        .iter()
-        .map(|s| entry_bytes(s) + piece)
-        .sum::<u64>()
-        + 4096
-}
-
 fn timed<T>(ns: &AtomicU64, f: impl FnOnce() -> T) -> T {
     let t = Instant::now();
     let r = f();

@@ -46,7 +46,6 @@ mod url;
 
 pub use cache::{CacheCounters, FrameCache, MAX_CACHE_BYTES};
 pub use client::{Client, Listed};
-pub(crate) use cut::diff_manifest_bound;
 pub use diff_file::check_diff_folder;
 pub(crate) use diff_file::diff_folder_problem;
 pub use error::StoreError;

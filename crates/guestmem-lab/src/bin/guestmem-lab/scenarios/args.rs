@@ -97,8 +97,8 @@ pub struct ObjectStoreArgs {
     /// VMs of the many-VM variant.
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub(super) vms: u32,
-    /// Run only the variants whose names start so (file, cold, warm, cold+ws, vms),
-    /// comma-separated.
+    /// Run only the variants whose names start so (file, file+ws, cold, warm, cold+ws,
+    /// vms: `file` takes `file+ws` too, `cold` `cold+ws`), comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub(super) only: Vec<String>,
     /// The store's threads' nice value: 0 (the store competes for this host's CPUs with
