@@ -220,6 +220,14 @@ fn push_ls_pull_and_a_diff_on_a_base() {
     );
 }
 
+/// `guestmem snapshot gc s3://snaps --grace-s GRACE --json`, which must succeed: its report.
+fn gc_json(s3: &S3Server, grace: &str) -> serde_json::Value {
+    json(&ok(
+        s3,
+        &["snapshot", "gc", "s3://snaps", "--grace-s", grace, "--json"],
+    ))
+}
+
 /// `guestmem snapshot push --frame-size 1M SRC TO`, which must succeed.
 fn push_1m(s3: &S3Server, src: &Path, to: &str) -> String {
     ok(
@@ -248,7 +256,7 @@ fn gc_deletes_only_what_no_snapshot_names() {
     push_1m(&s3, &b, "s3://snaps/b");
     // b is deleted (its manifest): its one frame is named by nobody.
     std::fs::remove_dir_all(s3.bucket_dir(BUCKET).join("snapshots/b")).unwrap();
-    let r = json(&ok(&s3, &["snapshot", "gc", "s3://snaps", "--json"]));
+    let r = gc_json(&s3, "3600");
     assert_eq!(r["deleted"], 0, "young frames are kept: {r}");
     // A FIFO is refused at once, not waited on for a writer.
     let fifo = d.join("fifo");
@@ -262,17 +270,7 @@ fn gc_deletes_only_what_no_snapshot_names() {
     assert_eq!(code, 1);
     assert!(err.contains("a FIFO") && err.contains("fifo"), "{err}");
     // The longest grace keeps every frame (it wrapped to a negative age: none kept).
-    let r = json(&ok(
-        &s3,
-        &[
-            "snapshot",
-            "gc",
-            "s3://snaps",
-            "--grace-s",
-            &u64::MAX.to_string(),
-            "--json",
-        ],
-    ));
+    let r = gc_json(&s3, &u64::MAX.to_string());
     assert_eq!(r["deleted"], 0, "the longest grace keeps all: {r}");
     // gc takes a whole bucket: a name would look like it narrowed it.
     let (code, _, err) = gm(&s3, &["snapshot", "gc", "s3://snaps/a", "--grace-s", "0"]);
@@ -286,10 +284,7 @@ fn gc_deletes_only_what_no_snapshot_names() {
     assert_eq!(code, 1);
     assert!(err.contains("a push is in progress"), "{err}");
     std::fs::remove_dir_all(&lease).unwrap();
-    let r = json(&ok(
-        &s3,
-        &["snapshot", "gc", "s3://snaps", "--grace-s", "0", "--json"],
-    ));
+    let r = gc_json(&s3, "0");
     assert_eq!(r["deleted"], 1, "{r}");
     assert_eq!(r["named"], 4, "{r}");
     let back = d.join("back");
@@ -355,17 +350,7 @@ fn gc_ages_frames_and_leases_by_the_stores_clock() {
     let lease = bucket.join("leases").join("x.1.1");
     std::fs::write(&lease, b"{}").unwrap();
     age(&lease, Duration::from_secs(20 * 60));
-    let r = json(&ok(
-        &s3,
-        &[
-            "snapshot",
-            "gc",
-            "s3://snaps",
-            "--grace-s",
-            "3600",
-            "--json",
-        ],
-    ));
+    let r = gc_json(&s3, "3600");
     assert_eq!(r["deleted"], 1, "{r}");
     assert_eq!(r["young"], 1, "{r}");
     let left = frame_names(&s3);
