@@ -134,6 +134,17 @@ pub struct PushReport {
     pub wall_secs: f64,
 }
 
+/// A push's error once its caller asked it to stop ([`PushConfig::stop`]).
+fn asked_to_stop(cfg: &PushConfig, url: &StoreUrl) -> Result<(), StoreError> {
+    match cfg.stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed)) {
+        true => Err(StoreError::Stopped {
+            op: "push",
+            url: url.to_string(),
+        }),
+        false => Ok(()),
+    }
+}
+
 /// Pushes `source` to `url` through `client`.
 pub fn push(
     client: &Arc<Client>,
@@ -315,12 +326,7 @@ fn push_to(
     // At most 64 at once, and the lease renewed between chunks: a push of a large VM whose
     // frames are mostly there skips hundreds of thousands.
     for chunk in skipped.chunks(4096) {
-        if cfg.stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed)) {
-            return Err(StoreError::Stopped {
-                op: "push",
-                url: url.to_string(),
-            });
-        }
+        asked_to_stop(cfg, url)?;
         lease.renew_if_due();
         let checks = chunk.iter().map(|(i, h)| async move {
             client
@@ -401,12 +407,7 @@ fn push_to(
     // before: never left unwritten long enough for a gc to take it for a dead push's; and
     // renewed while the PUT runs.
     // Asked to stop after the last frame: nothing is published.
-    if cfg.stop.as_ref().is_some_and(|s| s.load(Ordering::Relaxed)) {
-        return Err(StoreError::Stopped {
-            op: "push",
-            url: url.to_string(),
-        });
-    }
+    asked_to_stop(cfg, url)?;
     lease.confirm()?;
     let r = lease.renewed_while(|| client.put_new(&url.manifest_key(), Bytes::from(text.clone())));
     if matches!(r, Ok(true)) && lease.longest_gap() > LEASE_HELD {
