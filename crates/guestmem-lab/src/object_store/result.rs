@@ -23,6 +23,20 @@ pub struct StoreSample {
     pub miss_exact: bool,
     /// Demand misses counted.
     pub misses: u64,
+    /// The VMs' own waits at their first touch of each frame of the working set,
+    /// microseconds, nearest rank, every VM's together: many VMs (as `miss_p50_us`), and one
+    /// VM that nothing is prefetched for (`cold`: its misses as it sees them, a fault on a
+    /// block the prefetch thread was bringing and the wait for a fault thread included,
+    /// and a touch read-ahead was there first for). 0 where not timed (and in runs before
+    /// 2026-11-30).
+    #[serde(default)]
+    pub vm_wait_p50_us: f64,
+    /// 99th percentile.
+    #[serde(default)]
+    pub vm_wait_p99_us: f64,
+    /// First touches timed.
+    #[serde(default)]
+    pub vm_waits: u64,
     /// GETs when the working set had been read.
     pub gets_at_ws: u64,
     /// Bytes fetched then.
@@ -61,9 +75,14 @@ pub struct PushFigures {
     pub diff_stored: u64,
     /// Seconds of the diff's push.
     pub diff_secs: f64,
-    /// Seconds to fetch every frame once through the first proxy with 16 threads (what this
-    /// rig's store delivers: the ceiling of every cold variant).
+    /// Seconds to fetch every frame once through the first proxy with 16 threads (16 GETs at
+    /// once: what that many deliver, each waiting its first byte).
     pub fetch_all_secs: f64,
+    /// The same with 64 threads, more than read-ahead keeps in flight (48): near what the
+    /// rig's store, proxy and client deliver at all on this host's CPUs (0: a run before
+    /// 2026-11-30).
+    #[serde(default)]
+    pub fetch_all_64_secs: f64,
 }
 
 /// Every variant (the result's body).
