@@ -14,6 +14,21 @@
 //! its own, not a queue's); a store whose link or server is saturated keeps it as low as
 //! still fills it. Read-ahead on a guess takes its turns paced: no closer together than
 //! the least latency over the limit (`AheadGate::paced_turn`).
+//!
+//! The first byte does not show a queue of bodies: a near store's answers start at once
+//! and then share the link (or the CPUs that carry it). So read-ahead on a guess is also
+//! held to twice what the store delivers in the least time a whole GET takes
+//! ([`AheadGate::capped`], BBR's bound on what is in flight: its bandwidth-delay product
+//! times a gain of [`RATE_GAIN`], never below [`RATE_FLOOR`]; taken only from windows in
+//! which every turn was taken). A fault's own GET then shares the link with about one such
+//! product queued ahead of it, not with 48 bodies. In the lab (`guestmem-lab object-store
+//! --only "cold 0" --latency-ms 0`, 3 interleaved pairs of 3 rounds, 2026-11-30), one cold
+//! VM's wait at a frame's first touch had a p99 of 5.9-7.7 ms, against 9.8-11.5 ms
+//! uncapped (the goal: 10), its scattered working set read in 0.79-0.82 s against
+//! 0.83-0.94 s, and all its memory in 2.39-2.50 s against 2.09-2.35 s (7% slower, the
+//! medians). A far store's product is larger than the limit (at 20 ms, 600 MiB/s make 96
+//! frames of 256 KiB): its limit stays (at 20 ms, 2 pairs: p99 23.3-24.2 ms against
+//! 25.0-25.3, all memory in 3.10-3.20 s against 3.32-3.47).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -31,11 +46,26 @@ pub(super) const MIN: usize = 4;
 const EPOCH: Duration = Duration::from_secs(4);
 /// At most one cut this often (or once per least latency, if longer).
 const CUT_EVERY: Duration = Duration::from_millis(20);
+/// A capped gate's limit: this many times what the store delivers in the least time a
+/// whole GET takes. Twice is BBR's: the limit doubles a window while the store delivers
+/// more with more in flight, and stops where it does not (a product's worth queued).
+const RATE_GAIN: f64 = 2.0;
+/// A capped gate's bound is never below this: the least time a whole GET takes is seen
+/// when the host is idle, and on a busy one (this rig's two CPUs, the store on them) a GET
+/// takes several times that under load, so that twice the product alone held a near
+/// store's read-ahead to 4 or 5, and a cold VM read all its memory about 20% slower than
+/// with 48 (7% with 8), its misses' p99 no lower than with 8.
+const RATE_FLOOR: usize = 8;
+/// What the store delivers is taken over windows of at least this (or of two least
+/// whole GETs, if longer).
+const RATE_WINDOW: Duration = Duration::from_millis(20);
 
 #[derive(Debug)]
 pub(super) struct AheadGate {
     sem: Arc<Semaphore>,
     max: usize,
+    /// Held to [`RATE_GAIN`] times the store's bandwidth-delay product too.
+    capped: bool,
     state: Mutex<State>,
 }
 
@@ -51,6 +81,23 @@ struct State {
     last_cut: Option<Instant>,
     /// When the last paced turn was given.
     paced: Option<Instant>,
+    /// Least time a whole GET took (its last byte), this epoch and the one before.
+    least_whole: [Option<Duration>; 2],
+    /// Most bytes a second the store delivered over a window, this epoch and the one
+    /// before.
+    best_rate: [Option<f64>; 2],
+    /// The window under way: its start and the bytes delivered since.
+    window: Option<(Instant, u64)>,
+    /// Whether every turn was taken at some time in the window under way: a window in which
+    /// none was short of turns says what read-ahead asked for, not what the store can
+    /// deliver (BBR's application-limited sample), and sets no bound of its own.
+    window_full: bool,
+    /// Whether `best_rate` holds a window that was short of turns: the bound is set only
+    /// then (before, a near VM's first faults alone would hold a far store's read-ahead).
+    rated: bool,
+    /// The limit's bound from what the store delivers (`max` until that is known, and in
+    /// a gate that is not capped).
+    cap: usize,
 }
 
 /// One read-ahead GET's turn; given back (or forgotten, after a cut) on drop.
@@ -83,11 +130,23 @@ impl AheadGate {
     /// open (`guestmem-lab object-store --only file,cold,cold+ws --latency-ms 20`, 3 pairs),
     /// with no change to the faults' p99 (28.2-34.7 ms against 28.7-30.9).
     pub(super) fn new(max: usize) -> Arc<AheadGate> {
+        Self::with(max, false)
+    }
+
+    /// [`AheadGate::new`], held to [`RATE_GAIN`] times what the store delivers in the least
+    /// time a whole GET takes, as soon as that is known (read-ahead on a guess: see the
+    /// module's docs).
+    pub(super) fn capped(max: usize) -> Arc<AheadGate> {
+        Self::with(max, true)
+    }
+
+    fn with(max: usize, capped: bool) -> Arc<AheadGate> {
         let max = max.max(1);
         let start = max;
         Arc::new(AheadGate {
             sem: Arc::new(Semaphore::new(start)),
             max,
+            capped,
             state: Mutex::new(State {
                 limit: start,
                 debt: 0,
@@ -95,6 +154,12 @@ impl AheadGate {
                 epoch: Instant::now(),
                 last_cut: None,
                 paced: None,
+                least_whole: [None, None],
+                best_rate: [None, None],
+                window: None,
+                window_full: false,
+                rated: false,
+                cap: max,
             }),
         })
     }
@@ -106,6 +171,9 @@ impl AheadGate {
     /// Waits for a turn; `None` once the gate is closed (never, today).
     pub(super) async fn turn(self: &Arc<Self>) -> Option<Turn> {
         let permit = Arc::clone(&self.sem).acquire_owned().await.ok()?;
+        if self.capped && self.sem.available_permits() == 0 {
+            self.lock().window_full = true;
+        }
         Some(Turn {
             permit: Some(permit),
             gate: Arc::clone(self),
@@ -143,9 +211,12 @@ impl AheadGate {
     }
 
     /// One GET answered from the store (read-ahead's or a fault's), its first byte after
-    /// `latency`.
-    pub(super) fn answered(&self, latency: Duration) {
+    /// `latency`, its last after `whole`, `bytes` long.
+    pub(super) fn answered(&self, latency: Duration, whole: Duration, bytes: u64) {
         self.answered_at(latency, Instant::now());
+        if self.capped {
+            self.delivered_at(whole, bytes, Instant::now());
+        }
     }
 
     /// One GET to the store that failed or timed out: taken as a queue.
@@ -177,7 +248,11 @@ impl AheadGate {
         let since = now.duration_since(s.epoch);
         if since >= EPOCH {
             // After a long quiet spell, nothing seen before it counts.
-            s.least = [None, if since >= 2 * EPOCH { None } else { s.least[0] }];
+            let long = since >= 2 * EPOCH;
+            s.least = [None, if long { None } else { s.least[0] }];
+            s.least_whole = [None, if long { None } else { s.least_whole[0] }];
+            s.best_rate = [None, if long { None } else { s.best_rate[0] }];
+            s.rated &= !long;
             s.epoch = now;
         }
         s.least[0] = Some(s.least[0].map_or(latency, |l| l.min(latency)));
@@ -185,13 +260,58 @@ impl AheadGate {
         let queued = latency.saturating_sub(least);
         if queued > TARGET {
             self.cut(&mut s, least, now);
-        } else if queued <= TARGET / 2 && s.limit < self.max {
+        } else if queued <= TARGET / 2 && s.limit < self.max.min(s.cap) {
             s.limit += 1;
             if s.debt > 0 {
                 s.debt -= 1;
             } else {
                 self.sem.add_permits(1);
             }
+        }
+    }
+}
+
+impl AheadGate {
+    /// A capped gate's account of one GET's whole answer: what the store delivers over a
+    /// window, the least time a whole GET takes, and the limit's bound from the two (the
+    /// limit cut to it at once: the bodies queued on the link are what a fault's own waits
+    /// behind).
+    fn delivered_at(&self, whole: Duration, bytes: u64, now: Instant) {
+        let mut s = self.lock();
+        s.least_whole[0] = Some(s.least_whole[0].map_or(whole, |l| l.min(whole)));
+        let Some(least_whole) = s.least_whole.iter().flatten().min().copied() else {
+            return;
+        };
+        // The first answer starts the first window (its bytes came before it).
+        let Some((start, got)) = s.window else {
+            s.window = Some((now, 0));
+            return;
+        };
+        let got = got + bytes;
+        let span = now.saturating_duration_since(start);
+        if span < RATE_WINDOW.max(2 * least_whole) {
+            s.window = Some((start, got));
+            return;
+        }
+        s.window = Some((now, 0));
+        let full = std::mem::take(&mut s.window_full);
+        if !full && !s.rated {
+            return;
+        }
+        s.rated = true;
+        let rate = got as f64 / span.as_secs_f64();
+        s.best_rate[0] = Some(s.best_rate[0].map_or(rate, |r| r.max(rate)));
+        let best = s.best_rate.iter().flatten().copied().fold(rate, f64::max);
+        // In frames of this GET's size (a snapshot's frames are one size but its last).
+        let product = best * least_whole.as_secs_f64() / bytes.max(1) as f64;
+        let cap = ((RATE_GAIN * product).ceil() as usize).clamp(RATE_FLOOR.min(self.max), self.max);
+        s.cap = cap;
+        if s.limit > cap {
+            let cut = s.limit - cap;
+            s.limit = cap;
+            s.last_cut = Some(now);
+            let forgotten = self.sem.forget_permits(cut);
+            s.debt += cut - forgotten;
         }
     }
 }
@@ -275,6 +395,92 @@ mod tests {
             g.answered_at(ms(21), t0 + ms(2000 + i));
         }
         assert_eq!(g.limit(), MIN + 10);
+    }
+
+    /// Feeds `n` answers of 256 KiB, `gap` apart from `t0`, each whole after `whole` (its
+    /// first byte after `first`), to a capped gate; with `full`, every turn is taken first
+    /// (each window short of turns).
+    fn feed(g: &AheadGate, t0: Instant, n: u32, gap: Duration, first: Duration, whole: Duration) {
+        for i in 1..=n {
+            let now = t0 + gap * i;
+            g.answered_at(first, now);
+            g.delivered_at(whole, 256 << 10, now);
+        }
+    }
+
+    fn take_all(g: &Arc<AheadGate>) -> Vec<Turn> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        (0..g.limit())
+            .map(|_| rt.block_on(g.turn()).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn a_near_stores_guesses_are_held_to_twice_what_it_delivers_in_a_gets_least_time() {
+        // 1 GiB/s, a frame of 256 KiB every 0.25 ms, each whole in 1.25 ms: 5 frames in
+        // flight fill it, twice that is 10.
+        let g = AheadGate::capped(48);
+        let turns = take_all(&g);
+        let t0 = Instant::now();
+        feed(
+            &g,
+            t0,
+            200,
+            Duration::from_micros(250),
+            ms(1),
+            Duration::from_micros(1250),
+        );
+        assert_eq!(g.limit(), 10);
+        drop(turns);
+        assert_eq!(
+            g.sem.available_permits(),
+            10,
+            "the cut paid as turns came back"
+        );
+        // An uncapped gate (a working set's) is not held.
+        let u = AheadGate::new(48);
+        let turns = take_all(&u);
+        feed(
+            &u,
+            t0,
+            200,
+            Duration::from_micros(250),
+            ms(1),
+            Duration::from_micros(1250),
+        );
+        drop(turns);
+        assert_eq!(u.limit(), 48);
+    }
+
+    #[test]
+    fn a_far_stores_guesses_keep_their_limit_and_windows_never_short_of_turns_set_no_bound() {
+        // 20 ms away, 600 MiB/s: 96 frames in flight fill it, more than the limit.
+        let g = AheadGate::capped(48);
+        let turns = take_all(&g);
+        let t0 = Instant::now();
+        let gap = Duration::from_nanos(1_000_000_000 / 2400);
+        feed(&g, t0, 1000, gap, ms(20), Duration::from_micros(20_400));
+        assert_eq!(g.limit(), 48);
+        drop(turns);
+        // A near store whose read-ahead never took every turn (a VM's few faults): what it
+        // delivered is what was asked for, not what it can deliver. No bound.
+        let g = AheadGate::capped(48);
+        feed(&g, t0, 200, ms(1), ms(1), Duration::from_micros(1250));
+        assert_eq!(g.limit(), 48);
+        // The floor: a store that delivers little, every turn taken.
+        let turns = take_all(&g);
+        feed(
+            &g,
+            t0 + ms(300),
+            200,
+            ms(5),
+            ms(1),
+            Duration::from_micros(1250),
+        );
+        assert_eq!(g.limit(), RATE_FLOOR);
+        drop(turns);
     }
 
     #[test]
