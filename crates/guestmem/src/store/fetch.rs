@@ -51,9 +51,10 @@ pub struct FetchPolicy {
     pub ahead_gets: usize,
     /// The same for read-ahead on a guess (a window past a fault, the rest of memory in
     /// order; at most `ahead_gets`): 48 by default, paced over the store's round trip
-    /// (`AheadGate::paced_turn`), and held to twice what the store delivers in the least
-    /// time a whole GET takes, 8 at least (`AheadGate::capped`: a near store's). Each GET in flight shares the link with a fault's own;
-    /// docs/object-storage.md ("How many in flight") has the lab's p99 for each limit.
+    /// (`AheadGate::paced_turn`), and held to twice the GETs the store answers in the
+    /// least time a whole GET takes, 8 at least (`AheadGate::capped`: a near store's). Each
+    /// GET in flight shares the link with a fault's own; docs/object-storage.md ("How many
+    /// in flight") has the lab's p99 for each limit.
     pub guess_gets: usize,
 }
 
@@ -441,9 +442,8 @@ impl Frames {
                 Ok(Ok(Some((obj, first_byte)))) => {
                     self.counters.latency.record(sent.elapsed());
                     if peer.is_none() {
-                        let (whole, n) = (sent.elapsed(), obj.len() as u64);
-                        self.ahead.answered(first_byte, whole, n);
-                        self.guess.answered(first_byte, whole, n);
+                        self.ahead.answered(first_byte, sent.elapsed());
+                        self.guess.answered(first_byte, sent.elapsed());
                     }
                     self.counters.bytes.fetch_add(obj.len() as u64, Ordering::Relaxed);
                     if peer.is_some() {

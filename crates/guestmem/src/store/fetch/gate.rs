@@ -17,18 +17,19 @@
 //!
 //! The first byte does not show a queue of bodies: a near store's answers start at once
 //! and then share the link (or the CPUs that carry it). So read-ahead on a guess is also
-//! held to twice what the store delivers in the least time a whole GET takes
+//! held to twice the GETs the store answers in the least time a whole GET takes
 //! ([`AheadGate::capped`], BBR's bound on what is in flight: its bandwidth-delay product
-//! times a gain of [`RATE_GAIN`], never below [`RATE_FLOOR`]; taken only from windows in
-//! which every turn was taken). A fault's own GET then shares the link with about one such
+//! times a gain of [`RATE_GAIN`], never below [`RATE_FLOOR`]; counted in GETs, not bytes,
+//! as frames stored compressed differ in size; set once a window in which every turn was
+//! taken has been seen, until a quiet spell of two epochs). A fault's own GET then shares the link with about one such
 //! product queued ahead of it, not with 48 bodies. In the lab (`guestmem-lab object-store
 //! --only "cold 0" --latency-ms 0`, 3 interleaved pairs of 3 rounds, 2026-11-30), one cold
 //! VM's wait at a frame's first touch had a p99 of 5.9-7.7 ms, against 9.8-11.5 ms
 //! uncapped (the goal: 10), its scattered working set read in 0.79-0.82 s against
 //! 0.83-0.94 s, and all its memory in 2.39-2.50 s against 2.09-2.35 s (7% slower, the
-//! medians). A far store's product is larger than the limit (at 20 ms, 600 MiB/s make 96
-//! frames of 256 KiB): its limit stays (at 20 ms, 2 pairs: p99 23.3-24.2 ms against
-//! 25.0-25.3, all memory in 3.10-3.20 s against 3.32-3.47).
+//! medians). A far store's bound is above the limit (at 20 ms, 600 MiB/s are 48 frames of
+//! 256 KiB a whole GET, twice that 96): its limit stays (at 20 ms, 2 pairs: p99 23.3-24.2
+//! ms against 25.0-25.3, all memory in 3.10-3.20 s against 3.32-3.47).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -56,7 +57,7 @@ const RATE_GAIN: f64 = 2.0;
 /// store's read-ahead to 4 or 5, and a cold VM read all its memory about 20% slower than
 /// with 48 (7% with 8), its misses' p99 no lower than with 8.
 const RATE_FLOOR: usize = 8;
-/// What the store delivers is taken over windows of at least this (or of two least
+/// What the store answers is taken over windows of at least this (or of two least
 /// whole GETs, if longer).
 const RATE_WINDOW: Duration = Duration::from_millis(20);
 
@@ -83,17 +84,17 @@ struct State {
     paced: Option<Instant>,
     /// Least time a whole GET took (its last byte), this epoch and the one before.
     least_whole: [Option<Duration>; 2],
-    /// Most bytes a second the store delivered over a window, this epoch and the one
-    /// before.
+    /// Most GETs a second the store answered over a window, this epoch and the one before.
     best_rate: [Option<f64>; 2],
-    /// The window under way: its start and the bytes delivered since.
-    window: Option<(Instant, u64)>,
+    /// The window under way: its start and the GETs answered since.
+    window: Option<(Instant, u32)>,
     /// Whether every turn was taken at some time in the window under way: a window in which
     /// none was short of turns says what read-ahead asked for, not what the store can
-    /// deliver (BBR's application-limited sample), and sets no bound of its own.
+    /// answer (BBR's application-limited sample).
     window_full: bool,
-    /// Whether `best_rate` holds a window that was short of turns: the bound is set only
-    /// then (before, a near VM's first faults alone would hold a far store's read-ahead).
+    /// Whether such a window has been seen (since the last quiet spell of two epochs): the
+    /// bound is set only then, else a VM's first faults alone would hold a far store's
+    /// read-ahead to their rate.
     rated: bool,
     /// The limit's bound from what the store delivers (`max` until that is known, and in
     /// a gate that is not capped).
@@ -211,12 +212,11 @@ impl AheadGate {
     }
 
     /// One GET answered from the store (read-ahead's or a fault's), its first byte after
-    /// `latency`, its last after `whole`, `bytes` long.
-    pub(super) fn answered(&self, latency: Duration, whole: Duration, bytes: u64) {
-        self.answered_at(latency, Instant::now());
-        if self.capped {
-            self.delivered_at(whole, bytes, Instant::now());
-        }
+    /// `latency`, its last after `whole`.
+    pub(super) fn answered(&self, latency: Duration, whole: Duration) {
+        let now = Instant::now();
+        self.answered_at(latency, now);
+        self.delivered_at(whole, now);
     }
 
     /// One GET to the store that failed or timed out: taken as a queue.
@@ -252,7 +252,12 @@ impl AheadGate {
             s.least = [None, if long { None } else { s.least[0] }];
             s.least_whole = [None, if long { None } else { s.least_whole[0] }];
             s.best_rate = [None, if long { None } else { s.best_rate[0] }];
-            s.rated &= !long;
+            if long {
+                s.window = None;
+                s.window_full = false;
+                s.rated = false;
+                s.cap = self.max;
+            }
             s.epoch = now;
         }
         s.least[0] = Some(s.least[0].map_or(latency, |l| l.min(latency)));
@@ -276,18 +281,25 @@ impl AheadGate {
     /// window, the least time a whole GET takes, and the limit's bound from the two (the
     /// limit cut to it at once: the bodies queued on the link are what a fault's own waits
     /// behind).
-    fn delivered_at(&self, whole: Duration, bytes: u64, now: Instant) {
+    fn delivered_at(&self, whole: Duration, now: Instant) {
+        if !self.capped {
+            return;
+        }
         let mut s = self.lock();
         s.least_whole[0] = Some(s.least_whole[0].map_or(whole, |l| l.min(whole)));
-        let Some(least_whole) = s.least_whole.iter().flatten().min().copied() else {
-            return;
-        };
-        // The first answer starts the first window (its bytes came before it).
+        let least_whole = s
+            .least_whole
+            .iter()
+            .flatten()
+            .min()
+            .copied()
+            .unwrap_or(whole);
+        // The first answer starts the first window (it came before the window did).
         let Some((start, got)) = s.window else {
             s.window = Some((now, 0));
             return;
         };
-        let got = got + bytes;
+        let got = got + 1;
         let span = now.saturating_duration_since(start);
         if span < RATE_WINDOW.max(2 * least_whole) {
             s.window = Some((start, got));
@@ -299,11 +311,10 @@ impl AheadGate {
             return;
         }
         s.rated = true;
-        let rate = got as f64 / span.as_secs_f64();
+        let rate = f64::from(got) / span.as_secs_f64();
         s.best_rate[0] = Some(s.best_rate[0].map_or(rate, |r| r.max(rate)));
         let best = s.best_rate.iter().flatten().copied().fold(rate, f64::max);
-        // In frames of this GET's size (a snapshot's frames are one size but its last).
-        let product = best * least_whole.as_secs_f64() / bytes.max(1) as f64;
+        let product = best * least_whole.as_secs_f64();
         let cap = ((RATE_GAIN * product).ceil() as usize).clamp(RATE_FLOOR.min(self.max), self.max);
         s.cap = cap;
         if s.limit > cap {
@@ -397,24 +408,27 @@ mod tests {
         assert_eq!(g.limit(), MIN + 10);
     }
 
-    /// Feeds `n` answers of 256 KiB, `gap` apart from `t0`, each whole after `whole` (its
-    /// first byte after `first`), to a capped gate; with `full`, every turn is taken first
-    /// (each window short of turns).
+    /// Feeds `n` answers, `gap` apart from `t0`, each whole after `whole` (its first byte
+    /// after `first`).
     fn feed(g: &AheadGate, t0: Instant, n: u32, gap: Duration, first: Duration, whole: Duration) {
         for i in 1..=n {
             let now = t0 + gap * i;
             g.answered_at(first, now);
-            g.delivered_at(whole, 256 << 10, now);
+            g.delivered_at(whole, now);
         }
     }
 
+    /// Takes every turn (each window from then on short of turns); the next answer starts
+    /// a window (not the real clock's now, which the synthetic times here do not follow).
     fn take_all(g: &Arc<AheadGate>) -> Vec<Turn> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
-        (0..g.limit())
+        let turns = (0..g.limit())
             .map(|_| rt.block_on(g.turn()).unwrap())
-            .collect()
+            .collect();
+        g.lock().window = None;
+        turns
     }
 
     #[test]
@@ -456,7 +470,8 @@ mod tests {
 
     #[test]
     fn a_far_stores_guesses_keep_their_limit_and_windows_never_short_of_turns_set_no_bound() {
-        // 20 ms away, 600 MiB/s: 96 frames in flight fill it, more than the limit.
+        // 20 ms away, 600 MiB/s: 49 frames in flight fill it, twice that is more than the
+        // limit.
         let g = AheadGate::capped(48);
         let turns = take_all(&g);
         let t0 = Instant::now();
@@ -465,11 +480,11 @@ mod tests {
         assert_eq!(g.limit(), 48);
         drop(turns);
         // A near store whose read-ahead never took every turn (a VM's few faults): what it
-        // delivered is what was asked for, not what it can deliver. No bound.
+        // answered is what was asked for, not what it can answer. No bound.
         let g = AheadGate::capped(48);
         feed(&g, t0, 200, ms(1), ms(1), Duration::from_micros(1250));
         assert_eq!(g.limit(), 48);
-        // The floor: a store that delivers little, every turn taken.
+        // The floor: a store that answers little, every turn taken.
         let turns = take_all(&g);
         feed(
             &g,
@@ -481,6 +496,11 @@ mod tests {
         );
         assert_eq!(g.limit(), RATE_FLOOR);
         drop(turns);
+        // After a quiet spell of two epochs the bound goes, and the limit grows back as
+        // the answers show no queue.
+        feed(&g, t0 + ms(1300) + 2 * EPOCH, 20, ms(1), ms(1), ms(1));
+        assert_eq!(g.lock().cap, 48);
+        assert!(g.limit() > RATE_FLOOR, "{}", g.limit());
     }
 
     #[test]
