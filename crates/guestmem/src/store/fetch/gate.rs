@@ -236,11 +236,17 @@ impl AheadGate {
         let floor = MIN.min(self.max);
         if due && s.limit > floor {
             let cut = (s.limit - (s.limit * 7 / 8).max(floor)).max(1);
-            s.limit -= cut;
-            s.last_cut = Some(now);
-            let forgotten = self.sem.forget_permits(cut);
-            s.debt += cut - forgotten;
+            self.lower_to(s, s.limit - cut, now);
         }
+    }
+
+    /// The limit lowered to `to`: free permits forgotten now, the rest as they come back.
+    fn lower_to(&self, s: &mut State, to: usize, now: Instant) {
+        let cut = s.limit - to;
+        s.limit = to;
+        s.last_cut = Some(now);
+        let forgotten = self.sem.forget_permits(cut);
+        s.debt += cut - forgotten;
     }
 
     fn answered_at(&self, latency: Duration, now: Instant) {
@@ -318,11 +324,7 @@ impl AheadGate {
         let cap = ((RATE_GAIN * product).ceil() as usize).clamp(RATE_FLOOR.min(self.max), self.max);
         s.cap = cap;
         if s.limit > cap {
-            let cut = s.limit - cap;
-            s.limit = cap;
-            s.last_cut = Some(now);
-            let forgotten = self.sem.forget_permits(cut);
-            s.debt += cut - forgotten;
+            self.lower_to(&mut s, cap, now);
         }
     }
 }
@@ -438,14 +440,11 @@ mod tests {
         let g = AheadGate::capped(48);
         let turns = take_all(&g);
         let t0 = Instant::now();
-        feed(
-            &g,
-            t0,
-            200,
-            Duration::from_micros(250),
-            ms(1),
-            Duration::from_micros(1250),
-        );
+        let near = |g: &AheadGate| {
+            let (gap, whole) = (Duration::from_micros(250), Duration::from_micros(1250));
+            feed(g, t0, 200, gap, ms(1), whole)
+        };
+        near(&g);
         assert_eq!(g.limit(), 10);
         drop(turns);
         assert_eq!(
@@ -456,14 +455,7 @@ mod tests {
         // An uncapped gate (a working set's) is not held.
         let u = AheadGate::new(48);
         let turns = take_all(&u);
-        feed(
-            &u,
-            t0,
-            200,
-            Duration::from_micros(250),
-            ms(1),
-            Duration::from_micros(1250),
-        );
+        near(&u);
         drop(turns);
         assert_eq!(u.limit(), 48);
     }
