@@ -1,7 +1,7 @@
 //! `guestmem serve-uffd` against real Firecracker (`../shared/firecracker/`): a guest booted,
 //! filled with a pattern, snapshotted, restored through the page server and checked page by
 //! page by the guest itself (from a file, from S3, two at once, and across a take-over by a
-//! second server); and a server that must refuse the VM after it connected (its
+//! second server; from S3, every other page of its memory by the host too); and a server that must refuse the VM after it connected (its
 //! memory file shorter than the VM's memory) ending the real VMM through its pidfd instead of
 //! leaving its `snapshot/load` waiting for ever.
 //!
@@ -22,6 +22,8 @@ use guestmem_testkit::{ChildGuard as Guard, Scratch};
 const REGION_MB: u64 = 64;
 /// The VM's memory, MiB: the region starts at 64 MiB.
 const MEM_MIB: u64 = 192;
+/// Where the guest program is loaded (guest.ld).
+const GUEST_IMAGE: u64 = 16 << 20;
 /// How long the guest has for a pass.
 const PASS: Duration = Duration::from_secs(120);
 
@@ -168,6 +170,22 @@ fn real_firecracker_restores_through_serve_uffd_and_is_ended_when_it_cannot_be_s
         fc.send(b'g').unwrap();
         let pass = fc.line("PASS", PASS).unwrap();
         assert!(pass.ends_with(" BAD 0"), "{pass}");
+        // And every page as the host sees it: the VM's memory written out whole (a Full
+        // snapshot, which reads the pages the guest never touched through the server too)
+        // is the pushed file's, but for the low MiB (boot structures, the hypervisor's own
+        // pages) and the guest program's image (its data and its stack), which the running
+        // guest and the hypervisor write themselves.
+        let after = dir.join("after-s3.mem");
+        fc.snapshot(&dir.join("after-s3.vmstate"), &after).unwrap();
+        let live = |p: u64| p < 1 << 20 || (GUEST_IMAGE..GUEST_IMAGE + (1 << 20)).contains(&p);
+        let wrong: Vec<String> = vmm::pages_differing(&mem, &after)
+            .unwrap()
+            .into_iter()
+            .filter(|&p| !live(p))
+            .map(|p| format!("{p:#x}"))
+            .collect();
+        assert!(wrong.is_empty(), "pages not the snapshot's: {wrong:?}");
+        std::fs::remove_file(&after).unwrap();
         drop(fc);
         let st = srv.wait_exit(20);
         let err = stderr(&mut srv);

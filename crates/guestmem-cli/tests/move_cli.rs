@@ -2,7 +2,9 @@
 //! both hosts on this one: a VM restored from a snapshot in S3 (a real server started here)
 //! with dirty-page tracking writes part of its memory, is moved to a second Firecracker
 //! served by a second page server, and checks every qword there: the pages its diff brought
-//! from the source and the ones the base brought from the store. And a move the destination
+//! from the source and the ones the base brought from the store (the guest checks its
+//! region; the host compares every other page of the VM's memory, written out whole, with
+//! the base's). And a move the destination
 //! refuses (it cannot read the base) leaves the VM running on the source, whole.
 //!
 //! The guest is guestmem's copy of the shared one (its `w` writes DIRTY_MB MiB). Skipped,
@@ -17,8 +19,12 @@ use guestmem_testkit::firecracker::vmm::{self, Backend, Vmm};
 use guestmem_testkit::s3::S3Server;
 use guestmem_testkit::{ChildGuard as Guard, Scratch};
 
-/// The guest's region, MiB.
+/// The guest's region, MiB, from `REGION_BASE` (guest.S's default).
 const REGION_MB: u64 = 64;
+/// Where the guest's region starts (guest-physical).
+const REGION_BASE: u64 = 64 << 20;
+/// Where the guest program is loaded (guest.ld).
+const GUEST_IMAGE: u64 = 16 << 20;
 /// What `w` writes, MiB (runs of 16 pages spread over the region).
 const DIRTY_MB: u64 = 16;
 /// The VM's memory, MiB: the region starts at 64 MiB.
@@ -162,7 +168,7 @@ fn move_in(env: &[(&'static str, String)], api: &Path, dir: &Path, key: &Path) -
 }
 
 /// Boots the guest, fills it, snapshots it (Full), pushes it to `s3://snaps/base`; the
-/// vmstate's path.
+/// vmstate's path (the memory file stays beside it, `base.mem`).
 fn base_in_store(dir: &Path, s3: &S3Server) -> PathBuf {
     let guest = vmm::build_move_guest(dir, REGION_MB, DIRTY_MB).unwrap();
     let (vmstate, mem) = (dir.join("base.vmstate"), dir.join("base.mem"));
@@ -184,7 +190,6 @@ fn base_in_store(dir: &Path, s3: &S3Server) -> PathBuf {
         "{}",
         String::from_utf8_lossy(&push.stderr)
     );
-    std::fs::remove_file(&mem).unwrap();
     vmstate
 }
 
@@ -277,6 +282,32 @@ fn a_running_firecracker_vm_moves_between_page_servers_and_reads_every_qword_rig
         .unwrap();
     let ls = String::from_utf8_lossy(&ls.stdout);
     assert!(ls.contains("moved"), "{ls}");
+    // And every page as the host sees it: the VM's memory written out whole (a Full
+    // snapshot, its pages now all brought in) against the base's. In the region only the
+    // pages `w` wrote differ (what they hold, the guest's PASS checked); outside it, every
+    // page is the base's but the low MiB (boot structures, the hypervisor's own pages) and
+    // the guest program's image (its data and its stack), which the running guest and
+    // the hypervisor write themselves.
+    let after = dir.join("after.mem");
+    dst.snapshot(&dir.join("after.vmstate"), &after).unwrap();
+    let differ = vmm::pages_differing(&dir.join("base.mem"), &after).unwrap();
+    let region = REGION_BASE..REGION_BASE + (REGION_MB << 20);
+    let written = differ.iter().filter(|p| region.contains(p)).count() as u64;
+    assert_eq!(
+        written,
+        DIRTY_MB * 256,
+        "pages of the region that differ from the base"
+    );
+    let live = |p: u64| p < 1 << 20 || (GUEST_IMAGE..GUEST_IMAGE + (1 << 20)).contains(&p);
+    let wrong: Vec<String> = differ
+        .iter()
+        .filter(|&&p| !region.contains(&p) && !live(p))
+        .map(|p| format!("{p:#x}"))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "pages outside the region not the base's: {wrong:?}"
+    );
     drop(dst);
 }
 

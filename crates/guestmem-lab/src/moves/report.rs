@@ -24,7 +24,10 @@ impl LabReport for MoveResult {
                  it each way, on top of each side's own time); the source's \
                  Firecracker writes the diff into {}. As it resumes on the \
                  destination the guest touches every page of its region (two qwords each, checked), \
-                 then checks every qword. Timed: {}. Medians over the \
+                 then checks every qword; then the host compares every other page of its \
+                 memory (written out by a Full snapshot) with the base's: a page not the \
+                 base's outside the guest's own (the low MiB, its program's image) fails \
+                 the run. Timed: {}. Medians over the \
                  measured rounds (min-max in brackets).\n",
                 s.mem_mib,
                 s.store_dir.display(),

@@ -144,6 +144,35 @@ pub fn wait_listening(path: &Path, limit: Duration) -> io::Result<()> {
     }
 }
 
+/// The guest-physical addresses of the 4 KiB pages at which two memory files (a VM's memory
+/// as Firecracker writes it, page `i` at offset `i * 4096`) differ, in order; a page past
+/// the shorter file's end counts as differing. Read a MiB at a time.
+pub fn pages_differing(a: &Path, b: &Path) -> io::Result<Vec<u64>> {
+    const PAGE: usize = 4096;
+    let (mut fa, mut fb) = (std::fs::File::open(a)?, std::fs::File::open(b)?);
+    let (la, lb) = (fa.metadata()?.len(), fb.metadata()?.len());
+    let mut out = Vec::new();
+    let (mut ba, mut bb) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+    let mut at = 0u64;
+    while at < la.min(lb) {
+        let n = ((la.min(lb) - at) as usize).min(ba.len());
+        fa.read_exact(&mut ba[..n])?;
+        fb.read_exact(&mut bb[..n])?;
+        for (k, (pa, pb)) in ba[..n].chunks(PAGE).zip(bb[..n].chunks(PAGE)).enumerate() {
+            if pa != pb {
+                out.push(at + (k * PAGE) as u64);
+            }
+        }
+        at += n as u64;
+    }
+    let mut past = la.min(lb).next_multiple_of(PAGE as u64);
+    while past < la.max(lb) {
+        out.push(past);
+        past += PAGE as u64;
+    }
+    Ok(out)
+}
+
 /// Where a restored VM's memory comes from (`snapshot/load`'s `mem_backend`).
 #[derive(Debug, Clone, Copy)]
 pub enum Backend<'a> {
