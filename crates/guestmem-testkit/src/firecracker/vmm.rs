@@ -173,6 +173,37 @@ pub fn pages_differing(a: &Path, b: &Path) -> io::Result<Vec<u64>> {
     Ok(out)
 }
 
+/// Where the shared guest's region starts (guest.S's `REGION_BASE`).
+pub const GUEST_REGION_BASE: u64 = 64 << 20;
+/// Where the shared guest's program is loaded (guest.ld).
+pub const GUEST_IMAGE: u64 = 16 << 20;
+
+/// What is wrong with a VM's memory against its base's, given the pages at which the two
+/// differ (`differ`, from [`pages_differing`]): in its `region_mib` MiB region exactly
+/// `written` pages may differ (those its guest wrote); outside it only the low MiB (boot
+/// structures, the hypervisor's own pages) and the guest program's image (its data and
+/// its stack), which the running guest and its hypervisor write themselves. `None` when
+/// nothing is.
+pub fn stray_pages(differ: &[u64], region_mib: u64, written: u64) -> Option<String> {
+    let region = GUEST_REGION_BASE..GUEST_REGION_BASE + (region_mib << 20);
+    let live = |p: u64| p < 1 << 20 || (GUEST_IMAGE..GUEST_IMAGE + (1 << 20)).contains(&p);
+    let in_region = differ.iter().filter(|p| region.contains(p)).count() as u64;
+    let wrong: Vec<String> = differ
+        .iter()
+        .filter(|&&p| !region.contains(&p) && !live(p))
+        .map(|p| format!("{p:#x}"))
+        .collect();
+    match (in_region == written, wrong.is_empty()) {
+        (true, true) => None,
+        _ => Some(format!(
+            "{in_region} pages of the region not the base's (the guest wrote {written}), and \
+             {} outside it: {:?}",
+            wrong.len(),
+            &wrong[..wrong.len().min(8)]
+        )),
+    }
+}
+
 /// Where a restored VM's memory comes from (`snapshot/load`'s `mem_backend`).
 #[derive(Debug, Clone, Copy)]
 pub enum Backend<'a> {
@@ -403,5 +434,55 @@ impl Drop for Vmm {
         // The process first (its guard's own drop would come after this), then its socket.
         self.proc.kill();
         let _ = std::fs::remove_file(&self.api);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stray_pages_takes_the_written_pages_and_the_guests_own_and_nothing_else() {
+        // A 4 MiB region with 1 MiB written, and the pages the running guest and its
+        // hypervisor write: the low MiB and the program's image.
+        let written: Vec<u64> = (0..256).map(|k| GUEST_REGION_BASE + k * 16384).collect();
+        let mut differ = vec![0xde000, 0xdf000, GUEST_IMAGE, GUEST_IMAGE + 0x4000];
+        differ.extend(&written);
+        assert_eq!(stray_pages(&differ, 4, 256), None);
+        // A page not the base's above the region, below it, past the program's image.
+        for stray in [
+            GUEST_REGION_BASE + (4 << 20),
+            2 << 20,
+            GUEST_IMAGE + (1 << 20),
+        ] {
+            let mut d = differ.clone();
+            d.push(stray);
+            d.sort();
+            let why = stray_pages(&d, 4, 256).expect("a stray page");
+            assert!(why.contains(&format!("{stray:#x}")), "{why}");
+        }
+        // A written page that reads as the base's (a diff's page lost), or one too many;
+        // a region nothing wrote that differs.
+        assert!(stray_pages(&differ[..differ.len() - 1], 4, 256).is_some());
+        let mut d = differ.clone();
+        d.push(GUEST_REGION_BASE + 4096);
+        assert!(stray_pages(&d, 4, 256).is_some());
+        assert!(stray_pages(&differ, 4, 0).is_some());
+    }
+
+    #[test]
+    fn pages_differing_names_each_page_that_differs_and_those_past_the_shorter_file() {
+        let dir = crate::Scratch::new("pages-differing");
+        let (a, b) = (dir.join("a"), dir.join("b"));
+        let mut x = vec![0u8; 5 << 20];
+        std::fs::write(&a, &x).unwrap();
+        x[4096 + 7] = 1;
+        x[(3 << 20) + 4095] = 2;
+        x.truncate((4 << 20) + 8192);
+        std::fs::write(&b, &x).unwrap();
+        let d = pages_differing(&a, &b).unwrap();
+        let past: Vec<u64> = ((4 << 20) + 8192..5 << 20).step_by(4096).collect();
+        assert_eq!(d[..2], [4096, 3 << 20]);
+        assert_eq!(d[2..], past[..]);
     }
 }
