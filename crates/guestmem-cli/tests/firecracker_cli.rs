@@ -1,9 +1,10 @@
 //! `guestmem serve-uffd` against real Firecracker (`../shared/firecracker/`): a guest booted,
 //! filled with a pattern, snapshotted, restored through the page server and checked page by
 //! page by the guest itself (from a file, from S3, two at once, and across a take-over by a
-//! second server; from S3, every other page of its memory by the host too); and a server that must refuse the VM after it connected (its
-//! memory file shorter than the VM's memory) ending the real VMM through its pidfd instead of
-//! leaving its `snapshot/load` waiting for ever.
+//! second server; from S3, every page of its memory by the host too); and a server that
+//! must refuse the VM after it connected (its memory file shorter than the VM's memory)
+//! ending the real VMM through its pidfd instead of leaving its `snapshot/load` waiting
+//! for ever.
 //!
 //! The guest is the shared one (`guest.S`), rebuilt here with a 64 MiB region so the fill
 //! takes seconds on this emulating KVM. Skipped, with the reason, where Firecracker, its guest

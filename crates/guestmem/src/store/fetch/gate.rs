@@ -21,8 +21,8 @@
 //! ([`AheadGate::capped`], BBR's bound on what is in flight: its bandwidth-delay product
 //! times a gain of [`RATE_GAIN`], never below [`RATE_FLOOR`]; counted in GETs, not bytes,
 //! as frames stored compressed differ in size; set once a window in which every turn was
-//! taken has been seen, until a quiet spell of two epochs). A fault's own GET then shares the link with about one such
-//! product queued ahead of it, not with 48 bodies. In the lab (`guestmem-lab object-store
+//! taken has been seen, until a quiet spell of two epochs). A fault's own GET then shares
+//! the link with about one such product queued ahead of it, not with 48 bodies. In the lab (`guestmem-lab object-store
 //! --only "cold 0" --latency-ms 0`, 3 interleaved pairs of 3 rounds, 2026-11-30), one cold
 //! VM's wait at a frame's first touch had a p99 of 5.9-7.7 ms, against 9.8-11.5 ms
 //! uncapped (the goal: 10), its scattered working set read in 0.79-0.82 s against
@@ -96,8 +96,8 @@ struct State {
     /// bound is set only then, else a VM's first faults alone would hold a far store's
     /// read-ahead to their rate.
     rated: bool,
-    /// The limit's bound from what the store delivers (`max` until that is known, and in
-    /// a gate that is not capped).
+    /// The limit's bound from what the store delivers, never above `max` (`max` until
+    /// that is known, and in a gate that is not capped).
     cap: usize,
 }
 
@@ -271,7 +271,7 @@ impl AheadGate {
         let queued = latency.saturating_sub(least);
         if queued > TARGET {
             self.cut(&mut s, least, now);
-        } else if queued <= TARGET / 2 && s.limit < self.max.min(s.cap) {
+        } else if queued <= TARGET / 2 && s.limit < s.cap {
             s.limit += 1;
             if s.debt > 0 {
                 s.debt -= 1;
