@@ -33,6 +33,7 @@
 //! push throughput, bytes stored for the full push, and for a diff with `diff_fraction`
 //! (5%) of its pages rewritten, scattered.
 
+mod cpu;
 mod proxy;
 mod report;
 mod result;
@@ -54,6 +55,7 @@ use crate::error::LabError;
 use crate::report::LabResult;
 use crate::run::{available_cpus, summarise, thp_mode, Protocol, RunInfo};
 
+pub use cpu::CpuSplit;
 pub use proxy::Proxy;
 pub use result::{PushFigures, StoreFindings, StoreSample, StoreVariant};
 use workload::{diff_file, read_vm, working_set, VmRead};
@@ -263,12 +265,21 @@ impl Lab<'_> {
         .map_err(err)?;
         let status = server.status();
         let drainer = server.drainer();
-        let sup = std::thread::spawn(move || server.run());
+        let sup = std::thread::Builder::new()
+            .name("guestmem-serve".into())
+            .spawn(move || server.run())
+            .map_err(err)?;
         let n = if kind == Kind::Many { cfg.vms } else { 1 };
         let mut vms: Vec<Standin> = (0..n)
             .map(|_| Standin::new(&[cfg.size as usize], false).map_err(err))
             .collect::<Result<_, _>>()?;
+        // Where the CPUs go until the working set is read (one VM: its reader takes the
+        // snapshot as it gets there; many: they read nothing else) and until all is.
+        let ws_cpu: std::sync::Mutex<Option<cpu::Snapshot>> = std::sync::Mutex::new(None);
         let counts = || {
+            if kind != Kind::Many {
+                *ws_cpu.lock().unwrap_or_else(|e| e.into_inner()) = Some(cpu::Snapshot::take());
+            }
             if std::env::var("GUESTMEM_LAB_PERF_PHASE").is_ok_and(|p| p == "ws") {
                 // A profile of the working set's reading alone.
                 crate::run::profile_window(false);
@@ -302,6 +313,7 @@ impl Lab<'_> {
         }
         crate::run::rebacked((taken + cached) as usize + (256 << 20));
         crate::run::profile_window(true);
+        let cpu_start = cpu::Snapshot::take();
         let t0 = Instant::now();
         for vm in &mut vms {
             vm.connect(&socket).map_err(err)?;
@@ -316,7 +328,7 @@ impl Lab<'_> {
                     // prefetched for (its misses as it sees them, beside the page server's).
                     let stalls_by =
                         matches!(kind, Kind::Many | Kind::Cold).then_some(cfg.frame_bytes);
-                    s.spawn(move || {
+                    let read = move || {
                         read_vm(
                             vm,
                             runs,
@@ -326,13 +338,21 @@ impl Lab<'_> {
                             counts,
                             stalls_by,
                         )
-                    })
+                    };
+                    // Named: its time is the VM's in `cpu`.
+                    std::thread::Builder::new()
+                        .name("vm-reader".into())
+                        .spawn_scoped(s, read)
                 })
                 .collect();
             hs.into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err("a reader panicked".into())))
+                .map(|h| match h {
+                    Ok(h) => h.join().unwrap_or_else(|_| Err("a reader panicked".into())),
+                    Err(e) => Err(format!("a reader's thread: {e}")),
+                })
                 .collect()
         });
+        let cpu_end = cpu::Snapshot::take();
         crate::run::profile_window(false);
         let end = status.snapshot();
         for vm in &mut vms {
@@ -433,6 +453,17 @@ impl Lab<'_> {
             gets,
             bytes,
             frames_read,
+            cpu_ws: Some(CpuSplit {
+                vm: reads.iter().map(|r| r.cpu.0).sum(),
+                ..match ws_cpu.into_inner().unwrap_or_else(|e| e.into_inner()) {
+                    Some(at_ws) => cpu_start.until(&at_ws),
+                    None => cpu_start.until(&cpu_end),
+                }
+            }),
+            cpu_all: (kind != Kind::Many).then(|| CpuSplit {
+                vm: reads.iter().map(|r| r.cpu.1).sum(),
+                ..cpu_start.until(&cpu_end)
+            }),
         })
     }
 }

@@ -1,9 +1,52 @@
 //! The object-store scenario's Markdown report and plot.
 
-use super::{ObjectStoreResult, StoreSample};
+use super::{CpuSplit, ObjectStoreResult, StoreSample};
 use crate::plot::{Bar, BarGroup};
 use crate::report::{header, LabReport};
 use crate::run::{ratio, summarise};
+
+/// Where both CPUs went from the VM's connect `until`, each variant whose rounds say (its
+/// median round in each column); empty when none do.
+fn cpu_table(
+    until: &str,
+    variants: &[super::StoreVariant],
+    pick: fn(&StoreSample) -> Option<&CpuSplit>,
+) -> String {
+    let rows: Vec<String> = variants
+        .iter()
+        .filter(|v| v.samples.iter().any(|x| pick(&x.sample).is_some()))
+        .map(|v| {
+            let m =
+                |f: fn(&CpuSplit) -> f64| summarise(&v.samples, |x| pick(x).map_or(0.0, f)).median;
+            format!(
+                "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |\n",
+                v.name,
+                m(|c| c.wall_secs),
+                m(|c| c.vm),
+                m(|c| c.server),
+                m(|c| c.store),
+                m(|c| c.wire),
+                m(|c| c.rest() + c.lab),
+                m(|c| c.idle),
+                m(|c| c.steal),
+            )
+        })
+        .collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\nWhere both CPUs went from the VM's connect {until}: CPU seconds of each part (the \
+         stand-in VM's reader; the page server's threads and its store client's; the S3 server; \
+         the proxy, which stands for the wire; the rest of the host: the kernel's threads, other \
+         processes, the lab's own), and of both CPUs idle and stolen by this machine's host \
+         (threads by their run time, the host by `/proc/stat`'s ticks of 10 ms: the rest is \
+         known to about 0.01 s a CPU). Each column the rounds' median.\n\n\
+         | variant | wall, s | VM | page server | S3 server | proxy | rest | idle | steal |\n\
+         |---|---|---|---|---|---|---|---|---|\n{}",
+        rows.concat()
+    )
+}
 
 impl LabReport for ObjectStoreResult {
     fn markdown(&self) -> String {
@@ -141,6 +184,14 @@ impl LabReport for ObjectStoreResult {
                 names(&many),
             ));
         }
+        md.push_str(&cpu_table(
+            "until the working set was read",
+            &b.variants,
+            |x| x.cpu_ws.as_ref(),
+        ));
+        md.push_str(&cpu_table("until all memory was read", &b.variants, |x| {
+            x.cpu_all.as_ref()
+        }));
         let p = &b.push;
         md.push_str(&format!(
             "\nPush of the {} MiB file straight to the S3 server (no proxy; once, right after \

@@ -1,6 +1,7 @@
 //! What the object-store scenario records: a round's sample, a variant's rounds, the pushes,
 //! the whole body of the result.
 
+use super::CpuSplit;
 use crate::run::{Sampled, Summary};
 
 /// One round of one variant.
@@ -47,6 +48,13 @@ pub struct StoreSample {
     pub bytes: u64,
     /// Frames the VMs read (for GETs per frame).
     pub frames_read: u64,
+    /// Where the CPUs went until the working set was read (none in runs before
+    /// 2026-11-30's afternoon).
+    #[serde(default)]
+    pub cpu_ws: Option<CpuSplit>,
+    /// And until all memory was (one VM).
+    #[serde(default)]
+    pub cpu_all: Option<CpuSplit>,
 }
 
 /// One variant's samples.

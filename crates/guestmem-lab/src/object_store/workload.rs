@@ -68,6 +68,20 @@ pub(super) struct VmRead {
     /// working set, microseconds (its fault, a fault thread, the GET or the one it joined,
     /// the install: a demand miss as the VM sees it).
     pub(super) stalls_us: Vec<f64>,
+    /// The reader's own CPU time until it had read its working set, and until it ended,
+    /// seconds (its thread is gone before the round's last look at every thread's).
+    pub(super) cpu: (f64, f64),
+}
+
+/// The calling thread's CPU time, seconds.
+fn thread_cpu() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a timespec the call writes.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
 /// Reads one word of each page of `runs` (each `run` bytes), then of all memory if `all`,
@@ -110,6 +124,7 @@ pub(super) fn read_vm(
         }
     }
     let ws = t0.elapsed();
+    let cpu_ws = thread_cpu();
     let counts = at_ws();
     if all {
         for p in (0..vm.size()).step_by(PAGE) {
@@ -121,5 +136,6 @@ pub(super) fn read_vm(
         all: t0.elapsed(),
         at_ws: counts,
         stalls_us,
+        cpu: (cpu_ws, thread_cpu()),
     })
 }
