@@ -83,6 +83,31 @@ pub struct S3Server {
     thread: Option<JoinHandle<()>>,
 }
 
+/// Whether the calling thread runs at `nice` (0 asks for nothing), or what it runs at.
+fn took_nice(nice: i32) -> Result<(), String> {
+    if nice == 0 {
+        return Ok(());
+    }
+    // getpriority returns -1 for a nice of -1 too: errno tells an error apart.
+    // SAFETY: errno's location is this thread's; PRIO_PROCESS with 0 names the calling
+    // thread; no memory passed.
+    let got = unsafe {
+        *libc::__errno_location() = 0;
+        libc::getpriority(libc::PRIO_PROCESS, 0)
+    };
+    let e = std::io::Error::last_os_error();
+    if got == -1 && e.raw_os_error().unwrap_or(0) != 0 {
+        return Err(format!("getpriority: {e}"));
+    }
+    if got != nice {
+        return Err(format!(
+            "it runs at {got} (setpriority was refused: a nice below 0 needs CAP_SYS_NICE, \
+             and a value is kept within -20..=19)"
+        ));
+    }
+    Ok(())
+}
+
 impl S3Server {
     /// Starts one over a fresh folder named for `name`, with `buckets` made.
     pub fn start(name: &str, buckets: &[&str]) -> S3Server {
@@ -99,7 +124,9 @@ impl S3Server {
 
     /// [`S3Server::start_in`] with its threads at `nice` (19: they take only what this
     /// host's CPUs have to spare): where the store stands for one on other machines and
-    /// its CPU must not be taken from what the lab measures on this host.
+    /// its CPU must not be taken from what the lab measures on this host. Panics, naming
+    /// the value, if its threads do not run at it (a value below 0 without the right to
+    /// it, or past 19): a run would record a nice it did not have.
     pub fn start_niced(parent: &Path, name: &str, buckets: &[&str], nice: i32) -> S3Server {
         let root = parent.join(format!("gm-s3-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
@@ -121,10 +148,14 @@ impl S3Server {
                 unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
             }
         };
+        // Whether the nice value took, told by the server's first thread (each of its
+        // runtime's threads asks as it does, with the same rights).
+        let (niced_tx, niced) = std::sync::mpsc::channel::<Result<(), String>>();
         let thread = std::thread::Builder::new()
             .name("s3-server".into())
             .spawn(move || {
                 set_nice();
+                let _ = niced_tx.send(took_nice(nice));
                 let rt = tokio::runtime::Builder::new_multi_thread()
                     .worker_threads(2)
                     .thread_name("s3-server-rt")
@@ -156,6 +187,11 @@ impl S3Server {
                 rt.shutdown_timeout(std::time::Duration::from_secs(1));
             })
             .expect("start the S3 server's thread");
+        match niced.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => panic!("the S3 server's threads at nice {nice}: {e}"),
+            Err(_) => panic!("the S3 server's thread ended as it started"),
+        }
         S3Server {
             addr,
             root,
@@ -340,5 +376,45 @@ mod tests {
                 Err(object_store::Error::NotFound { .. })
             ));
         });
+    }
+}
+
+#[cfg(test)]
+mod nice_tests {
+    /// The nice value of this process's threads named `comm`.
+    fn nice_of(comm: &str) -> Vec<i64> {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .flatten()
+            .filter(|e| {
+                std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.trim_end() == comm)
+            })
+            .filter_map(|e| {
+                let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+                // After the comm's closing parenthesis: state is field 3, nice field 19.
+                let rest = &stat[stat.rfind(')')? + 2..];
+                rest.split_whitespace().nth(16)?.parse().ok()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_niced_server_runs_at_its_nice_and_a_refused_one_is_told() {
+        let s3 = super::S3Server::start_niced(&std::env::temp_dir(), "niced", &["b"], 7);
+        // Another test's server (nice 0) may be running beside it.
+        let n = nice_of("s3-server");
+        assert!(n.contains(&7), "{n:?}");
+        drop(s3);
+        // A thread that asks for a value it does not get is told what it runs at.
+        let told = std::thread::spawn(|| {
+            // SAFETY: PRIO_PROCESS with 0 names the calling thread; no memory passed.
+            unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 3) };
+            (super::took_nice(3), super::took_nice(4))
+        })
+        .join()
+        .unwrap();
+        assert_eq!(told.0, Ok(()));
+        let e = told.1.unwrap_err();
+        assert!(e.contains("runs at 3"), "{e}");
     }
 }

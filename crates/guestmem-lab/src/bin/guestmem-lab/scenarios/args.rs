@@ -104,7 +104,8 @@ pub struct ObjectStoreArgs {
     /// The store's threads' nice value: 0 (the store competes for this host's CPUs with
     /// the page server and the VM), or 19 (it takes what they spare, as a store on other
     /// machines takes none of theirs; the move scenario's default).
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i32).range(-20..=19))]
     pub(super) store_nice: i32,
     #[command(flatten)]
     pub(super) protocol: ProtocolArgs,
@@ -135,7 +136,8 @@ pub struct MoveArgs {
     pub(super) firecracker: Option<PathBuf>,
     /// The store's threads' nice value: 19 leaves this host's CPUs to the two page servers
     /// and the guests, as a store on other machines would (0: the store competes for them).
-    #[arg(long, default_value_t = 19, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 19, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i32).range(-20..=19))]
     pub(super) store_nice: i32,
     #[command(flatten)]
     pub(super) protocol: ProtocolArgs,
