@@ -234,7 +234,8 @@ pub fn run_move(cfg: &MoveLabConfig) -> Result<MoveResult, LabError> {
 
 fn run_in(cfg: &MoveLabConfig, fc: PathBuf) -> Result<MoveResult, LabError> {
     let run = RunInfo::collect(cfg.command.clone());
-    let s3 = S3Server::start_niced(&cfg.store_dir, "lab-move", &[BUCKET], cfg.store_nice);
+    let s3 = S3Server::try_start_niced(&cfg.store_dir, "lab-move", &[BUCKET], cfg.store_nice)
+        .map_err(err)?;
     let _store = crate::stop::Tracked::new(s3.root());
     let store = client(&s3)?;
     // Every guest booted at once (their fills overlap), snapshotted, pushed, cached.

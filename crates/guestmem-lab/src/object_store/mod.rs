@@ -273,18 +273,23 @@ impl Lab<'_> {
         let mut vms: Vec<Standin> = (0..n)
             .map(|_| Standin::new(&[cfg.size as usize], false).map_err(err))
             .collect::<Result<_, _>>()?;
-        // Where the CPUs go until the working set is read (one VM: its reader takes the
-        // snapshot as it gets there; many: they read nothing else) and until all is.
-        let ws_cpu: std::sync::Mutex<Option<cpu::Snapshot>> = std::sync::Mutex::new(None);
+        // Where the CPUs go until the working set is read (one VM: a thread of the lab's
+        // takes the snapshot when its reader gets there, the reader going on at once; many:
+        // they read nothing else) and until all is.
+        let (at_ws, ws_told) = std::sync::mpsc::channel::<()>();
+        let ws_cpu = std::thread::Builder::new()
+            .name("lab-cpu".into())
+            .spawn(move || ws_told.recv().ok().map(|()| cpu::Snapshot::take()))
+            .map_err(err)?;
         let counts = || {
-            if kind != Kind::Many {
-                *ws_cpu.lock().unwrap_or_else(|e| e.into_inner()) = Some(cpu::Snapshot::take());
-            }
             if std::env::var("GUESTMEM_LAB_PERF_PHASE").is_ok_and(|p| p == "ws") {
                 // A profile of the working set's reading alone.
                 crate::run::profile_window(false);
             }
             let s = status.snapshot();
+            if kind != Kind::Many {
+                let _ = at_ws.send(());
+            }
             s.store.map_or((0, 0), |st| (st.gets, st.bytes_fetched))
         };
         // The memory its VMs are about to take, backed by this machine's host again: a
@@ -354,6 +359,9 @@ impl Lab<'_> {
         });
         let cpu_end = cpu::Snapshot::take();
         crate::run::profile_window(false);
+        // The readers are done with `counts` (which borrows it): the thread's wait ends.
+        drop(at_ws);
+        let ws_cpu = ws_cpu.join().ok().flatten();
         let end = status.snapshot();
         for vm in &mut vms {
             vm.disconnect();
@@ -455,8 +463,8 @@ impl Lab<'_> {
             frames_read,
             cpu_ws: Some(CpuSplit {
                 vm: reads.iter().map(|r| r.cpu.0).sum(),
-                ..match ws_cpu.into_inner().unwrap_or_else(|e| e.into_inner()) {
-                    Some(at_ws) => cpu_start.until(&at_ws),
+                ..match &ws_cpu {
+                    Some(at_ws) => cpu_start.until(at_ws),
                     None => cpu_start.until(&cpu_end),
                 }
             }),
@@ -488,7 +496,9 @@ fn run_in(cfg: &ObjectStoreLabConfig) -> Result<ObjectStoreResult, LabError> {
     let run = RunInfo::collect(cfg.command.clone());
     let mem = guestmem_testkit::firecracker::memory_file(&cfg.work_dir, cfg.size as usize, None);
     // In the scratch folder: gone with it, however the run ends.
-    let s3 = S3Server::start_niced(&cfg.work_dir, "lab-object-store", &[BUCKET], cfg.store_nice);
+    let s3 =
+        S3Server::try_start_niced(&cfg.work_dir, "lab-object-store", &[BUCKET], cfg.store_nice)
+            .map_err(err)?;
     let url = StoreUrl::parse(&format!("s3://{BUCKET}/base"), false).map_err(err)?;
     let direct = client(&s3, &s3.endpoint())?;
     let push_cfg = PushConfig {
