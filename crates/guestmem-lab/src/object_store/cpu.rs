@@ -90,7 +90,7 @@ pub(super) struct Snapshot {
 impl Snapshot {
     /// Now: two small files read a thread of the process (a few ms for the lab's 150-250
     /// threads on a busy host; the scenario takes it on a thread of its own, not the VM's).
-    pub(super) fn take() -> Snapshot {
+    fn take() -> Snapshot {
         let at = Instant::now();
         let mut threads = HashMap::new();
         if let Ok(dir) = std::fs::read_dir("/proc/self/task") {
@@ -137,6 +137,46 @@ impl Snapshot {
             idle: ticks(self.host.idle, later.host.idle),
             steal: ticks(self.host.steal, later.host.steal),
         }
+    }
+}
+
+/// A round's looks at every thread: at its start, when the VM has read its working set
+/// (taken by a thread of the lab's, so that the VM's reader goes on at once: taken in the
+/// reader, its pause let read-ahead run on, 415-418 GETs at the working set where 410 was
+/// its own), and at its end.
+pub(super) struct Windows {
+    at_ws: std::sync::mpsc::Sender<()>,
+    ws: std::thread::JoinHandle<Option<Snapshot>>,
+}
+
+impl Windows {
+    /// Its thread started (before the first look: its own time is the lab's).
+    pub(super) fn new() -> std::io::Result<Windows> {
+        let (at_ws, told) = std::sync::mpsc::channel::<()>();
+        let ws = std::thread::Builder::new()
+            .name("lab-cpu".into())
+            .spawn(move || told.recv().ok().map(|()| Snapshot::take()))?;
+        Ok(Windows { at_ws, ws })
+    }
+
+    /// The first look, at the round's start.
+    pub(super) fn start(&self) -> Snapshot {
+        Snapshot::take()
+    }
+
+    /// The VM has read its working set: the look is taken now.
+    pub(super) fn working_set_read(&self) {
+        let _ = self.at_ws.send(());
+    }
+
+    /// The last look, at the round's end: what went where until the working set was read
+    /// (until the end, where [`Windows::working_set_read`] was not called) and until the
+    /// end.
+    pub(super) fn end(self, start: &Snapshot) -> (CpuSplit, CpuSplit) {
+        let end = Snapshot::take();
+        drop(self.at_ws);
+        let ws = self.ws.join().ok().flatten();
+        (start.until(ws.as_ref().unwrap_or(&end)), start.until(&end))
     }
 }
 

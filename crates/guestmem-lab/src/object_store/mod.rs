@@ -33,6 +33,7 @@
 //! push throughput, bytes stored for the full push, and for a diff with `diff_fraction`
 //! (5%) of its pages rewritten, scattered.
 
+mod config;
 mod cpu;
 mod proxy;
 mod report;
@@ -53,8 +54,9 @@ use guestmem_testkit::s3::S3Server;
 
 use crate::error::LabError;
 use crate::report::LabResult;
-use crate::run::{available_cpus, summarise, thp_mode, Protocol, RunInfo};
+use crate::run::{summarise, thp_mode, RunInfo};
 
+pub use config::ObjectStoreLabConfig;
 pub use cpu::CpuSplit;
 pub use proxy::Proxy;
 pub use result::{PushFigures, StoreFindings, StoreSample, StoreVariant};
@@ -63,77 +65,6 @@ use workload::{diff_file, read_vm, working_set, VmRead};
 /// The scenario's name.
 pub const SCENARIO: &str = "object-store";
 const BUCKET: &str = "lab";
-
-/// How to run the scenario (also its recorded settings).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct ObjectStoreLabConfig {
-    /// Memory, bytes (a multiple of 1 MiB).
-    pub size: u64,
-    /// Frame size of the push, bytes.
-    pub frame_bytes: u64,
-    /// The page server's block for the local file, bytes (a snapshot in the store is served
-    /// a frame a fault).
-    pub block_bytes: u64,
-    /// Share of memory in the working set.
-    pub ws_fraction: f64,
-    /// The working set's runs, bytes.
-    pub ws_run: u64,
-    /// First-byte latencies of the store, milliseconds.
-    pub latencies_ms: Vec<u64>,
-    /// The link's bandwidth, bytes a second (0: no cap).
-    pub bandwidth: u64,
-    /// VMs of the many-VM variant.
-    pub vms: usize,
-    /// Share of pages a diff rewrites.
-    pub diff_fraction: f64,
-    /// Fault-serving threads.
-    pub pool: usize,
-    /// Which variants run (name prefixes; empty: all).
-    #[serde(default)]
-    pub only: Vec<String>,
-    /// The S3 server's threads' nice value (0: it competes for this host's CPUs; 19: it
-    /// takes what they spare, as a store on other machines would).
-    #[serde(default)]
-    pub store_nice: i32,
-    /// Scratch folder (removed afterwards).
-    pub work_dir: PathBuf,
-    /// Warm-up, rounds, order.
-    pub protocol: Protocol,
-    /// The command line to record.
-    #[serde(skip)]
-    pub command: String,
-    /// THP mode (recorded).
-    #[serde(default)]
-    pub thp_mode: String,
-}
-
-impl Default for ObjectStoreLabConfig {
-    fn default() -> Self {
-        ObjectStoreLabConfig {
-            size: 1 << 30,
-            frame_bytes: 256 << 10,
-            block_bytes: 1 << 20,
-            ws_fraction: 0.10,
-            ws_run: 256 << 10,
-            latencies_ms: vec![0, 20],
-            bandwidth: 1 << 30,
-            vms: 20,
-            diff_fraction: 0.05,
-            pool: available_cpus(),
-            only: Vec::new(),
-            store_nice: 0,
-            work_dir: std::env::temp_dir()
-                .join(format!("guestmem-lab-object-store-{}", std::process::id())),
-            protocol: Protocol {
-                warmup: 1,
-                rounds: 3,
-                order: crate::run::Order::Rotate,
-            },
-            command: String::new(),
-            thp_mode: String::new(),
-        }
-    }
-}
 
 /// The scenario's whole result.
 pub type ObjectStoreResult = LabResult<ObjectStoreLabConfig, StoreFindings>;
@@ -273,14 +204,8 @@ impl Lab<'_> {
         let mut vms: Vec<Standin> = (0..n)
             .map(|_| Standin::new(&[cfg.size as usize], false).map_err(err))
             .collect::<Result<_, _>>()?;
-        // Where the CPUs go until the working set is read (one VM: a thread of the lab's
-        // takes the snapshot when its reader gets there, the reader going on at once; many:
-        // they read nothing else) and until all is.
-        let (at_ws, ws_told) = std::sync::mpsc::channel::<()>();
-        let ws_cpu = std::thread::Builder::new()
-            .name("lab-cpu".into())
-            .spawn(move || ws_told.recv().ok().map(|()| cpu::Snapshot::take()))
-            .map_err(err)?;
+        // Where the CPUs go until the working set is read and until all is.
+        let cpu = cpu::Windows::new().map_err(err)?;
         let counts = || {
             if std::env::var("GUESTMEM_LAB_PERF_PHASE").is_ok_and(|p| p == "ws") {
                 // A profile of the working set's reading alone.
@@ -288,7 +213,8 @@ impl Lab<'_> {
             }
             let s = status.snapshot();
             if kind != Kind::Many {
-                let _ = at_ws.send(());
+                // Many VMs read nothing else: their window ends with the round.
+                cpu.working_set_read();
             }
             s.store.map_or((0, 0), |st| (st.gets, st.bytes_fetched))
         };
@@ -318,7 +244,7 @@ impl Lab<'_> {
         }
         crate::run::rebacked((taken + cached) as usize + (256 << 20));
         crate::run::profile_window(true);
-        let cpu_start = cpu::Snapshot::take();
+        let cpu_start = cpu.start();
         let t0 = Instant::now();
         for vm in &mut vms {
             vm.connect(&socket).map_err(err)?;
@@ -357,11 +283,8 @@ impl Lab<'_> {
                 })
                 .collect()
         });
-        let cpu_end = cpu::Snapshot::take();
+        let (cpu_ws, cpu_all) = cpu.end(&cpu_start);
         crate::run::profile_window(false);
-        // The readers are done with `counts` (which borrows it): the thread's wait ends.
-        drop(at_ws);
-        let ws_cpu = ws_cpu.join().ok().flatten();
         let end = status.snapshot();
         for vm in &mut vms {
             vm.disconnect();
@@ -463,14 +386,11 @@ impl Lab<'_> {
             frames_read,
             cpu_ws: Some(CpuSplit {
                 vm: reads.iter().map(|r| r.cpu.0).sum(),
-                ..match &ws_cpu {
-                    Some(at_ws) => cpu_start.until(at_ws),
-                    None => cpu_start.until(&cpu_end),
-                }
+                ..cpu_ws
             }),
             cpu_all: (kind != Kind::Many).then(|| CpuSplit {
                 vm: reads.iter().map(|r| r.cpu.1).sum(),
-                ..cpu_start.until(&cpu_end)
+                ..cpu_all
             }),
         })
     }
