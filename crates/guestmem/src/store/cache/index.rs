@@ -198,6 +198,16 @@ impl Index {
         true
     }
 
+    /// Counts `n` more bytes on disk in segment `id` that no record in the index holds
+    /// (records found bad and dropped, a record whose header cannot be read and what
+    /// follows it): they take the disk until the segment goes.
+    pub(super) fn hold(&mut self, id: u64, n: u64) {
+        if let Some(s) = self.segs.get_mut(&id) {
+            s.bytes += n;
+            self.bytes += n;
+        }
+    }
+
     /// Drops the frame of `h` if it still lies at `at` (it may have been kept again since).
     pub(super) fn forget(&mut self, h: &[u8; 32], at: Entry) {
         if self.entries.get(h) == Some(&at) {
