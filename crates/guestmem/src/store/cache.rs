@@ -88,12 +88,18 @@ pub struct FrameCache {
     active: Arc<Mutex<Option<Active>>>,
     /// Held by the one thread looking at the folder ([`FrameCache::adopt`]).
     adopting: Mutex<()>,
+    /// Until when a full disk is not made room on by evicting (a room made did not help).
+    full_until: Mutex<Option<std::time::Instant>>,
     /// What it did.
     pub counters: CacheCounters,
     /// Lets go of segments other processes remove (none where inotify cannot be had: then
     /// only as a segment is started, or a removed one is read).
     _removals: Option<removals::Removals>,
 }
+
+/// How long a full disk that room made by evicting did not help is left as it is: frames
+/// go uncached meanwhile (a disk filled by others empties no cache).
+const FULL_BACKOFF: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A cache's bound over its segments' size: a segment removed takes this share.
 const SEGMENTS: u64 = 64;
@@ -494,6 +500,7 @@ impl FrameCache {
             index,
             active,
             adopting: Mutex::new(()),
+            full_until: Mutex::new(None),
             counters: CacheCounters::default(),
             _removals: removals,
         };
@@ -677,7 +684,15 @@ impl FrameCache {
                 Ok(false) => break,
                 Err(e) if attempt == 0 && is_io_full(&e) => {
                     // The disk is fuller than the bound says (other files on it): make room
-                    // of an eighth of the cache, and try once more.
+                    // of an eighth of the cache, and try once more. Unless room made lately
+                    // did not help (the space is another's, or held by a segment a peer
+                    // still has open): then the frame goes uncached, and the cache is not
+                    // emptied an eighth a frame.
+                    let full = self.full_until.lock().unwrap_or_else(|e| e.into_inner());
+                    if full.is_some_and(|t| std::time::Instant::now() < t) {
+                        break;
+                    }
+                    drop(full);
                     let evicted = {
                         let mut ix = self.lock();
                         let target = ix.bytes.saturating_sub(self.cap / 8);
@@ -685,7 +700,13 @@ impl FrameCache {
                     };
                     self.remove_evicted(evicted);
                 }
-                Err(_) => break,
+                Err(e) => {
+                    if is_io_full(&e) {
+                        *self.full_until.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Some(std::time::Instant::now() + FULL_BACKOFF);
+                    }
+                    break;
+                }
             }
         }
         self.counters.uncached.fetch_add(1, Ordering::Relaxed);
@@ -1245,6 +1266,52 @@ mod tests {
         c.put(&h, &frames[0]);
         assert_eq!(c.get(&h, frames[0].len()).as_ref(), Some(&frames[0]));
         drop(c);
+    }
+
+    /// A disk full of what evicting does not free (segments a peer still has open, another
+    /// program's files): one eighth of the cache is evicted for it, then frames go uncached
+    /// for a while, where before each frame evicted another eighth and a few emptied the
+    /// cache (a helper's review).
+    #[test]
+    fn a_disk_that_evicting_does_not_free_costs_the_cache_one_eighth() {
+        let scratch = guestmem_testkit::Scratch::new("cache-full-held");
+        let disk = match guestmem_testkit::Tmpfs::mount(scratch.join("disk"), "size=40m") {
+            Ok(t) => t,
+            Err(why) => return guestmem_testkit::skip(why),
+        };
+        let dir = disk.join("cache");
+        let c = FrameCache::open(&dir, 32 << 20).unwrap();
+        for i in 0..96u32 {
+            let f: Vec<u8> = std::iter::repeat_n(i.to_le_bytes(), 64 << 10)
+                .flatten()
+                .collect();
+            c.put(&blake3::hash(&f), &f);
+        }
+        let held = c.bytes();
+        assert!(held >= 24 << 20, "{held}");
+        // The rest of the disk taken by another file, and every segment held open.
+        let mut filler = File::create(disk.join("filler")).unwrap();
+        let chunk = vec![1u8; 1 << 20];
+        while std::io::Write::write_all(&mut filler, &chunk).is_ok() {}
+        let _open: Vec<File> = segments(&dir)
+            .iter()
+            .map(|p| File::open(p).unwrap())
+            .collect();
+        let evicted_before = c.counters.evictions.load(Ordering::Relaxed);
+        for i in 0..6u8 {
+            let f = vec![200 + i; 256 << 10];
+            c.put(&blake3::hash(&f), &f);
+        }
+        assert_eq!(c.counters.uncached.load(Ordering::Relaxed), 6);
+        let evicted = c.counters.evictions.load(Ordering::Relaxed) - evicted_before;
+        // An eighth (4 MiB), in whole segments.
+        assert!(
+            c.bytes() >= held - (5 << 20),
+            "{} of {held} bytes kept",
+            c.bytes()
+        );
+        assert!(evicted <= 16, "{evicted} frames evicted");
+        assert!(whole(&dir));
     }
 
     #[test]
