@@ -1156,6 +1156,30 @@ mod tests {
         v
     }
 
+    /// A tmpfs of `size` (mount options) in a scratch folder of its own, for a test of a
+    /// full disk; none where it cannot be mounted (the test skipped, the reason printed).
+    /// The mount comes second: bound as `(scratch, disk)`, it is unmounted first.
+    fn small_disk(
+        name: &str,
+        size: &str,
+    ) -> Option<(guestmem_testkit::Scratch, guestmem_testkit::Tmpfs)> {
+        let scratch = guestmem_testkit::Scratch::new(name);
+        match guestmem_testkit::Tmpfs::mount(scratch.join("disk"), size) {
+            Ok(t) => Some((scratch, t)),
+            Err(why) => {
+                guestmem_testkit::skip(why);
+                None
+            }
+        }
+    }
+
+    /// Takes the room left on its disk with the file `path`, a page at a time.
+    fn fill(path: &Path) {
+        let mut f = File::create(path).unwrap();
+        let chunk = vec![1u8; 4096];
+        while std::io::Write::write_all(&mut f, &chunk).is_ok() {}
+    }
+
     /// Whether every segment holds whole records only, up to its end: nothing half-written
     /// left behind.
     fn whole(dir: &Path) -> bool {
@@ -1231,10 +1255,8 @@ mod tests {
     /// and no half-written record is left.
     #[test]
     fn a_full_disk_makes_room_by_evicting_or_leaves_the_frame_uncached() {
-        let scratch = guestmem_testkit::Scratch::new("cache-full-disk");
-        let disk = match guestmem_testkit::Tmpfs::mount(scratch.join("disk"), "size=1m") {
-            Ok(t) => t,
-            Err(why) => return guestmem_testkit::skip(why),
+        let Some((_scratch, disk)) = small_disk("cache-full-disk", "size=1m") else {
+            return;
         };
         let dir = disk.join("cache");
         let c = FrameCache::open(&dir, 64 << 20).unwrap();
@@ -1274,10 +1296,8 @@ mod tests {
     /// cache (a helper's review).
     #[test]
     fn a_disk_that_evicting_does_not_free_costs_the_cache_one_eighth() {
-        let scratch = guestmem_testkit::Scratch::new("cache-full-held");
-        let disk = match guestmem_testkit::Tmpfs::mount(scratch.join("disk"), "size=40m") {
-            Ok(t) => t,
-            Err(why) => return guestmem_testkit::skip(why),
+        let Some((_scratch, disk)) = small_disk("cache-full-held", "size=40m") else {
+            return;
         };
         let dir = disk.join("cache");
         let c = FrameCache::open(&dir, 32 << 20).unwrap();
@@ -1290,9 +1310,7 @@ mod tests {
         let held = c.bytes();
         assert!(held >= 24 << 20, "{held}");
         // The rest of the disk taken by another file, and every segment held open.
-        let mut filler = File::create(disk.join("filler")).unwrap();
-        let chunk = vec![1u8; 1 << 20];
-        while std::io::Write::write_all(&mut filler, &chunk).is_ok() {}
+        fill(&disk.join("filler"));
         let _open: Vec<File> = segments(&dir)
             .iter()
             .map(|p| File::open(p).unwrap())
@@ -1929,18 +1947,13 @@ mod tests {
     /// not leave a segment a frame behind. Before, every one stayed, and was never evicted.
     #[test]
     fn segments_given_up_empty_on_a_full_disk_go() {
-        let scratch = guestmem_testkit::Scratch::new("cache-full-threads");
-        let disk = match guestmem_testkit::Tmpfs::mount(scratch.join("disk"), "size=1m") {
-            Ok(t) => t,
-            Err(why) => return guestmem_testkit::skip(why),
+        let Some((_scratch, disk)) = small_disk("cache-full-threads", "size=1m") else {
+            return;
         };
         let dir = disk.join("cache");
         let c = FrameCache::open(&dir, 64 << 20).unwrap();
         // Everything but the cache's folders goes to a filler.
-        let filler = disk.join("filler");
-        let mut f = File::create(&filler).unwrap();
-        let chunk = vec![1u8; 4096];
-        while std::io::Write::write_all(&mut f, &chunk).is_ok() {}
+        fill(&disk.join("filler"));
         std::thread::scope(|s| {
             for t in 0..4u32 {
                 let c = &c;
